@@ -1,0 +1,94 @@
+"""kvchat's attention function, attached through transformers' public AttentionInterface.
+
+Why our own: (1) each layer may hold a different number of cached entries (per-layer budgets), so the
+causal mask must be built per layer from that layer's own length — transformers sizes one mask from
+layer 0; (2) scoring needs the patched prompt's attention weights over the cache, which SDPA does not
+return. The matching mask function returns None so transformers builds no mask at all; causality is
+enforced here: every cached entry precedes every new token, and new tokens see each other causally.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTENTION_NAME = "kvchat"
+
+
+@dataclass
+class AttentionRecorder:
+    """Collects, per layer, the max attention each cached entry receives from the current queries.
+
+    Passed to a model forward as the `kvchat_recorder` keyword; transformers hands it to every attention
+    call. `scores[layer]` is `[kv_heads, past_len]`: max over the queries and over the query heads of each
+    GQA group (EpiCache eq. 3). Only entries cached before this forward are scored.
+    """
+
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def record(self, layer_idx: int, weights: torch.Tensor, past: int) -> None:
+        # weights: [kv_heads, group, q, kv]; keep columns of the entries cached before this forward.
+        self.scores[layer_idx] = weights[..., :past].amax(dim=(1, 2))
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [q, kv]: all cached entries visible, new tokens causal among themselves."""
+    if q_len == 1:
+        return None
+    past = kv_len - q_len
+    new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    cached = torch.ones(q_len, past, dtype=torch.bool, device=device)
+    return torch.cat([cached, new], dim=1)
+
+
+def grouped_attention_weights(
+    query: torch.Tensor, key: torch.Tensor, scaling: float, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax attention weights for batch 1, shaped [kv_heads, group, q, kv] (GQA groups explicit)."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query[0].reshape(kv_heads, q_heads // kv_heads, q_len, dim).float()
+    logits = torch.matmul(q, key[0].float().transpose(-1, -2).unsqueeze(1)) * scaling
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def kvchat_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kvchat_recorder: AttentionRecorder | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """SDPA with a per-layer causal mask; optionally records attention for scoring."""
+    if query.shape[0] != 1:
+        raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
+    q_len, kv_len = query.shape[2], key.shape[2]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = causal_mask(q_len, kv_len, query.device)
+    if kvchat_recorder is not None:
+        weights = grouped_attention_weights(query, key, scale, mask)
+        kvchat_recorder.record(module.layer_idx, weights, kv_len - q_len)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Masks are built per layer inside kvchat_attention."""
+    return None
+
+
+def register() -> str:
+    """Register the attention and mask functions with transformers (idempotent); returns the name."""
+    AttentionInterface.register(ATTENTION_NAME, kvchat_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
+    return ATTENTION_NAME

@@ -1,0 +1,103 @@
+"""Shared fixtures: a tiny random GQA model (fast unit tests) and the embedded model (integration)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from kvchat.synthetic import _TOPICS
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data" / "locomo"
+# The embedded GGUF is converted once (about 20 s) and reused across test runs.
+MODELS_DIR = REPO / ".venv" / "kvchat-test-models"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIALS = ["<unk>", "<|im_start|>", "<|im_end|>"]
+
+
+def _vocabulary() -> list[str]:
+    words = set("system user assistant conversation question answer : . , ? ! ' [ ] 0 1 2 3 4 5 6 7 8 9".split())
+    for filler, template, question, answers in _TOPICS.values():
+        for text in (*filler, template, question, *answers):
+            words.update(re.findall(r"\w+|[^\w\s]", text))
+    words.update(["Maya", "Tom", "You", "are", "a", "helpful", "briefly"])
+    return SPECIALS + sorted(words)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(_vocabulary())}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+def tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0) -> torch.nn.Module:
+    """2 layers, 4 query heads over 2 KV heads (GQA), RoPE."""
+    config_cls, model_cls = ARCHITECTURES[arch]
+    torch.manual_seed(seed)
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+    )
+    return model_cls(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved tiny Llama + word-level tokenizer with a chat template: loads through load_model(dir)."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = tiny_tokenizer()
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model_dir, tmp_path_factory):
+    from kvchat.llm import load_model
+
+    return load_model(str(tiny_model_dir), tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def default_lm():
+    from kvchat.llm import load_model
+
+    return load_model("default", MODELS_DIR)
+
+
+@pytest.fixture(scope="session")
+def encoder():
+    from kvchat.encoder import SentenceEncoder
+
+    return SentenceEncoder()
