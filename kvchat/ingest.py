@@ -1,0 +1,211 @@
+"""The ingest pipeline as one library call: history -> episodes -> one compressed cache each -> store."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchat.config import METHODS, POSITION_MODES, IngestConfig
+from kvchat.encoder import SentenceEncoder
+from kvchat.episodes import Episode, build_episodes, segment
+from kvchat.errors import UserError
+from kvchat.history import format_turns, load_history
+from kvchat.kv.budgets import uniform_budgets
+from kvchat.kv.prefill import block_prefill
+from kvchat.kv.scoring import PatchedPromptScorer
+from kvchat.llm import ChatLayout, LoadedModel
+from kvchat.store import Store
+
+FORMAT_VERSION = "1"
+ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer (positions=auto)
+
+
+class IngestProgress:
+    """Hooks for a progress display; the default does nothing."""
+
+    def episode(self, index: int, total: int) -> None: ...
+
+    def block(self, done: int, total: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    name: str
+    method: str
+    positions: str
+    turns: int
+    history_tokens: int
+    episodes: int
+    budgets: list[int]
+    peak_cache_tokens: int   # most entries one layer held at once during any episode's prefill
+    cache_bytes: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def validate(config: IngestConfig) -> None:
+    """Reject option values that cannot work, before anything is loaded or written."""
+    cache, eps = config.cache, config.episodes
+    if cache.method not in METHODS:
+        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(METHODS)})")
+    if cache.positions not in POSITION_MODES:
+        raise UserError(f"unknown --positions {cache.positions!r} (choose from {', '.join(POSITION_MODES)})")
+    if cache.budget < 1:
+        raise UserError(f"--budget must be >= 1 (got {cache.budget})")
+    if cache.block_size < 16:
+        raise UserError(f"--block-size must be >= 16 (got {cache.block_size})")
+    if cache.block_size > cache.budget * 8 and cache.method != "full":
+        raise UserError(
+            f"--block-size {cache.block_size} is more than 8x --budget {cache.budget}: "
+            "peak memory would be dominated by the block"
+        )
+    if eps.episodes < 1:
+        raise UserError(f"--episodes must be >= 1 (got {eps.episodes})")
+    if eps.window < 1:
+        raise UserError(f"--window must be >= 1 (got {eps.window})")
+    if cache.pool_kernel < 1 or cache.pool_kernel % 2 == 0:
+        raise UserError(f"pool kernel must be an odd number >= 1 (got {cache.pool_kernel})")
+
+
+def ingest(
+    history: str | os.PathLike,
+    *,
+    name: str | None,
+    config: IngestConfig,
+    store: Store,
+    lm: LoadedModel,
+    encoder: SentenceEncoder,
+    replace: bool = False,
+    progress: IngestProgress | None = None,
+) -> IngestReport:
+    """Build and store the episode caches of one history. Nothing is visible until all is written."""
+    started = time.perf_counter()
+    validate(config)
+    progress = progress or IngestProgress()
+    turns = load_history(history)
+    name = name or Path(history).stem
+    lines = format_turns(turns)
+    layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
+    prefix_ids = lm.encode(layout.before_conversation)
+    context_ids = lm.encode("\n".join(lines))
+    cache_cfg = config.cache
+    full = cache_cfg.method == "full"
+    if not full and cache_cfg.budget <= prefix_ids.shape[-1]:
+        raise UserError(
+            f"--budget {cache_cfg.budget} must exceed the system prompt's {prefix_ids.shape[-1]} tokens"
+        )
+    total = prefix_ids.shape[-1] + context_ids.shape[-1]
+    positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
+    episodes = _episodes(lines, config, lm, encoder, full)
+    budgets = None if full else uniform_budgets(lm.num_layers, cache_cfg.budget)
+
+    peak, nbytes, stored_budgets = 0, 0, []
+    with store.begin(name, replace=replace) as pending:
+        for episode in episodes:
+            progress.episode(episode.index, len(episodes))
+            scorer = None if full else PatchedPromptScorer(
+                lm.encode(layout.question(_patched_prompt(config, episode, lm)))
+            )
+            result = block_prefill(
+                lm.model,
+                prefix_ids,
+                context_ids,
+                block_size=cache_cfg.block_size,
+                budgets=budgets,
+                scorer=scorer,
+                pool_kernel=cache_cfg.pool_kernel,
+                compact=positions == "compact",
+                on_block=progress.block,
+            )
+            cache = result.cache
+            peak = max(peak, result.peak_tokens)
+            stored_budgets = cache.sizes
+            record = pending.write_episode(
+                episode.index,
+                cache.to_tensors(),
+                {
+                    "fingerprint": lm.fingerprint,
+                    "method": cache_cfg.method,
+                    "positions": positions,
+                    "next_position": str(cache.next_position),
+                    "protected": str(cache.protected),
+                    "budgets": ",".join(map(str, cache.sizes)),
+                    "kvchat_format": FORMAT_VERSION,
+                },
+                centroid=episode.centroid.tolist(),
+                medoid_text=episode.medoid_text,
+                budgets=cache.sizes,
+                n_tokens=sum(cache.sizes) * lm.model.config.num_key_value_heads,
+            )
+            nbytes += record.bytes
+        report = IngestReport(
+            name=name,
+            method=cache_cfg.method,
+            positions=positions,
+            turns=len(turns),
+            history_tokens=int(context_ids.shape[-1]),
+            episodes=len(episodes),
+            budgets=stored_budgets,
+            peak_cache_tokens=peak,
+            cache_bytes=nbytes,
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        pending.commit(
+            model=lm.spec,
+            fingerprint=lm.fingerprint,
+            settings={
+                "method": cache_cfg.method,
+                "budget": cache_cfg.budget,
+                "block_size": cache_cfg.block_size,
+                "positions": positions,
+                "pool_kernel": cache_cfg.pool_kernel,
+                "episodes": config.episodes.episodes,
+                "window": config.episodes.window,
+                "prompt_tokens": config.episodes.prompt_tokens,
+                "system_prompt": config.system_prompt,
+                "source": str(Path(history).resolve()),
+            },
+            stats=report.to_dict(),
+        )
+    return report
+
+
+def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
+    """`auto` re-rotates to compact positions only when the history would not fit the model's window."""
+    if requested != "auto":
+        return requested
+    return "compact" if window and history_tokens + ANSWER_ROOM > window else "original"
+
+
+def _episodes(
+    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, full: bool
+) -> list[Episode]:
+    """Episodes of the history; the full-KV reference has a single episode (it keeps everything)."""
+    eps = config.episodes
+    segments = segment(lines, eps.window)
+    if eps.episodes > len(segments) and not full:
+        raise UserError(
+            f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
+            f"{eps.window} turns; use at most {len(segments)}"
+        )
+    instruction_tokens = lm.encode(config.instruction).shape[-1]
+    return build_episodes(
+        segments,
+        encoder.embed(segments),
+        k=1 if full else eps.episodes,
+        seed=eps.seed,
+        token_cap=max(eps.prompt_tokens - instruction_tokens, 16),
+        count_tokens=lambda text: lm.encode(text).shape[-1],
+    )
+
+
+def _patched_prompt(config: IngestConfig, episode: Episode, lm: LoadedModel) -> str:
+    """Instruction + medoid segments, the medoid cut so the whole stays within the token cap."""
+    cap = max(config.episodes.prompt_tokens - lm.encode(config.instruction).shape[-1], 16)
+    medoid = lm.encode(episode.medoid_text)[0, :cap].tolist()
+    return f"{config.instruction}\n\n{lm.decode(medoid)}"
