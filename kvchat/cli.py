@@ -100,6 +100,7 @@ def ingest(
     """Split a history into episodes and store one compressed KV cache per episode."""
     from kvchat.ingest import ingest as run_ingest
     from kvchat.ingest import validate
+    from kvchat.store import validate_name
 
     config = IngestConfig(
         model=model,
@@ -109,6 +110,7 @@ def ingest(
     validate(config)
     if not history.exists():
         raise UserError(f"{history}: no such file")
+    validate_name(name or history.stem)
     store = _store()
     lm = _model(model, store, trust_remote_code)
     encoder = _encoder()
@@ -287,3 +289,4 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own bar

@@ -17,7 +17,7 @@ from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.llm import ChatLayout, LoadedModel
-from kvchat.store import Store
+from kvchat.store import Store, validate_name
 
 FORMAT_VERSION = "1"
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer (positions=auto)
@@ -86,9 +86,11 @@ def ingest(
     """Build and store the episode caches of one history. Nothing is visible until all is written."""
     started = time.perf_counter()
     validate(config)
+    name = validate_name(name or Path(history).stem)
+    if not replace and name in {c.name for c in store.conversations()}:
+        raise UserError(f"conversation '{name}' exists; use --replace")
     progress = progress or IngestProgress()
     turns = load_history(history)
-    name = name or Path(history).stem
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)

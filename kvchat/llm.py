@@ -20,7 +20,6 @@ import torch
 import transformers
 from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
-from transformers.utils import logging as hf_logging
 
 from kvchat.errors import UserError
 from kvchat.kv import attention
@@ -128,8 +127,6 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
         return target
     models_dir.mkdir(parents=True, exist_ok=True)
     tmp = models_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    bars_were_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a per-tensor bar is noise in a CLI's output
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -149,8 +146,6 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
     return target
 
 

@@ -1,0 +1,5 @@
+"""`python -m kvchat` runs the CLI."""
+
+from kvchat.cli import main
+
+main()

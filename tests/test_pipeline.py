@@ -1,0 +1,146 @@
+"""ingest -> store -> ask as library calls, on the tiny model with the real encoder."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvchat.ask import Session
+from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.episodes import build_episodes, route, segment
+from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.history import Turn, format_turns
+from kvchat.ingest import ingest
+from kvchat.llm import ChatLayout
+from kvchat.store import Store
+from kvchat.synthetic import planted_conversation
+
+SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory) -> Path:
+    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=16)
+    path = tmp_path_factory.mktemp("hist") / "planted.json"
+    path.write_text(json.dumps(messages))
+    return path
+
+
+def _ingest(store, history, lm, encoder, config=SMALL, name="conv", **kw):
+    return ingest(history, name=name, config=config, store=store, lm=lm, encoder=encoder, **kw)
+
+
+def test_ingest_stores_one_bounded_cache_per_episode(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    report = _ingest(store, history, tiny_lm, encoder)
+    record = store.get("conv")
+    assert report.episodes == len(record.episodes) == 4
+    assert report.budgets == [96, 96]
+    prompt_bound = 48 + 16  # prompt cap plus the chat template around it
+    assert report.peak_cache_tokens <= 96 + 48 + prompt_bound
+    for episode in record.episodes:
+        tensors, meta = store.load_episode(episode, tiny_lm.fingerprint)
+        assert tensors["k.0"].shape[1] == 96 and meta["method"] == "epicache"
+
+
+def test_full_method_reproduces_model_generate(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    config = replace(SMALL, cache=CacheConfig(method="full", block_size=48))
+    _ingest(store, history, tiny_lm, encoder, config=config)
+    session = Session(store, store.get("conv"), tiny_lm, encoder)
+    question = "What is the code name of Tom's project at work?"
+    answer = session.ask(question)
+
+    layout = ChatLayout.from_tokenizer(tiny_lm.tokenizer, config.system_prompt)
+    turns = [Turn(m["role"], m["content"]) for m in json.loads(history.read_text())]
+    ids = torch.cat(
+        [
+            tiny_lm.encode(layout.before_conversation),
+            tiny_lm.encode("\n".join(format_turns(turns))),
+            tiny_lm.encode(layout.question(question)),
+        ],
+        dim=-1,
+    )
+    with torch.no_grad():
+        out = tiny_lm.model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=list(tiny_lm.stop_ids))
+    reference = tiny_lm.decode([t for t in out[0, ids.shape[1]:].tolist() if t not in tiny_lm.stop_ids])
+    assert answer.text == reference.strip()
+    assert answer.answer_tokens > 0
+
+
+def test_answers_do_not_leak_into_the_next_question(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    _ingest(store, history, tiny_lm, encoder)
+    session = Session(store, store.get("conv"), tiny_lm, encoder)
+    first = session.ask("How many tomato plants did Tom plant this spring?", episode=1)
+    session.ask("Which gate does Tom's flight to Lisbon leave from?", episode=1)
+    again = session.ask("How many tomato plants did Tom plant this spring?", episode=1)
+    assert again.text == first.text
+    assert again.reused_cache and not first.reused_cache
+
+
+def test_routing_sends_each_question_to_the_episode_holding_its_fact(encoder):
+    messages, facts = planted_conversation(seed=11, topics=4, turns_per_topic=24)
+    lines = format_turns([Turn(m["role"], m["content"]) for m in messages])
+    segments = segment(lines, 4)
+    episodes = build_episodes(
+        segments, encoder.embed(segments), k=4, seed=0, token_cap=256, count_tokens=lambda t: len(t.split())
+    )
+    centroids = np.stack([e.centroid for e in episodes])
+    for fact, query in zip(facts, encoder.embed([f.question for f in facts]), strict=True):
+        index, _ = route(query, centroids)
+        assert fact.turn // 4 in episodes[index].segments, fact
+
+
+def test_compact_positions_stay_within_the_budget(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    config = replace(SMALL, cache=replace(SMALL.cache, positions="compact"))
+    report = _ingest(store, history, tiny_lm, encoder, config=config)
+    assert report.positions == "compact"
+    episode = store.get("conv").episodes[0]
+    tensors, meta = store.load_episode(episode, tiny_lm.fingerprint)
+    assert tensors["pos.0"].max().item() == 95 and meta["next_position"] == "96"
+    assert Session(store, store.get("conv"), tiny_lm, encoder).ask("Which gate?").answer_tokens >= 0
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (replace(SMALL, cache=replace(SMALL.cache, budget=0)), "--budget must be >= 1"),
+        (replace(SMALL, cache=replace(SMALL.cache, budget=20)), "must exceed the system prompt"),
+        (replace(SMALL, episodes=EpisodeConfig(episodes=500)), "more than the history's"),
+        (replace(SMALL, cache=replace(SMALL.cache, method="magic")), "unknown --method"),
+        (replace(SMALL, cache=replace(SMALL.cache, block_size=8)), "--block-size must be >= 16"),
+    ],
+)
+def test_bad_settings_are_user_errors_and_write_nothing(tmp_path, history, tiny_lm, encoder, config, message):
+    store = Store(tmp_path)
+    with pytest.raises(UserError, match=message):
+        _ingest(store, history, tiny_lm, encoder, config=config)
+    assert store.conversations() == []
+
+
+def test_reingest_needs_replace(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    _ingest(store, history, tiny_lm, encoder)
+    with pytest.raises(UserError, match="--replace"):
+        _ingest(store, history, tiny_lm, encoder)
+    _ingest(store, history, tiny_lm, encoder, replace=True)
+    assert [c.name for c in store.conversations()] == ["conv"]
+
+
+def test_a_tampered_cache_is_refused_when_asked(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    _ingest(store, history, tiny_lm, encoder)
+    record = store.get("conv")
+    path = record.episodes[0].path
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CacheIntegrityError, match="rebuild"):
+        Session(store, record, tiny_lm, encoder).ask("anything?", episode=0)
