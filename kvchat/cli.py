@@ -98,6 +98,7 @@ def ingest(
     as_json: JsonOpt = False,
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
+    from kvchat.history import load_history
     from kvchat.ingest import ingest as run_ingest
     from kvchat.ingest import validate
     from kvchat.store import validate_name
@@ -108,9 +109,8 @@ def ingest(
         cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions),
     )
     validate(config)
-    if not history.exists():
-        raise UserError(f"{history}: no such file")
-    validate_name(name or history.stem)
+    name = validate_name(name or history.stem)
+    turns = load_history(history)  # a bad file fails here, before any model is loaded
     store = _store()
     lm = _model(model, store, trust_remote_code)
     encoder = _encoder()
@@ -119,8 +119,8 @@ def ingest(
         console=err, transient=True, disable=not err.is_terminal or as_json,
     ) as bars:
         report = run_ingest(
-            history, name=name, config=config, store=store, lm=lm, encoder=encoder,
-            replace=replace, progress=_RichIngestProgress(bars),
+            turns, name=name, config=config, store=store, lm=lm, encoder=encoder,
+            replace=replace, progress=_RichIngestProgress(bars), source=str(history.resolve()),
         )
     if as_json:
         _emit_json(report.to_dict())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from kvchat.config import METHODS, POSITION_MODES, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
 from kvchat.errors import UserError
-from kvchat.history import format_turns, load_history
+from kvchat.history import Turn, format_turns, load_history
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer
@@ -73,7 +74,7 @@ def validate(config: IngestConfig) -> None:
 
 
 def ingest(
-    history: str | os.PathLike,
+    history: str | os.PathLike | Sequence[Turn],
     *,
     name: str | None,
     config: IngestConfig,
@@ -82,15 +83,20 @@ def ingest(
     encoder: SentenceEncoder,
     replace: bool = False,
     progress: IngestProgress | None = None,
+    source: str | None = None,
 ) -> IngestReport:
-    """Build and store the episode caches of one history. Nothing is visible until all is written."""
+    """Build and store the episode caches of one history (a file, or turns already loaded from one;
+    then `name` is required). Nothing is visible in the store until all is written."""
     started = time.perf_counter()
     validate(config)
+    from_file = isinstance(history, (str, os.PathLike))
+    if not from_file and not name:
+        raise ValueError("name is required when ingesting turns rather than a file")
     name = validate_name(name or Path(history).stem)
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
     progress = progress or IngestProgress()
-    turns = load_history(history)
+    turns = load_history(history) if from_file else list(history)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)
@@ -170,7 +176,7 @@ def ingest(
                 "window": config.episodes.window,
                 "prompt_tokens": config.episodes.prompt_tokens,
                 "system_prompt": config.system_prompt,
-                "source": str(Path(history).resolve()),
+                "source": str(Path(history).resolve()) if from_file else source,
             },
             stats=report.to_dict(),
         )
