@@ -9,6 +9,7 @@ from pathlib import Path
 import platformdirs
 
 METHODS = ("epicache", "full")
+LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid")
 POSITION_MODES = ("original", "compact", "auto")
 
 # EpiCache's official instruction for the patched prompt (METHODS.md, point 3).
@@ -51,6 +52,9 @@ class CacheConfig:
     block_size: int = 512      # B: tokens fed per block before evicting back to M
     positions: str = "auto"    # original | compact | auto (compact only when the history exceeds the window)
     pool_kernel: int = 7       # max-pool of scores over neighbouring tokens (SnapKV practice); 1 = off
+    layer_budgets: str = "auto"  # auto (sensitivity when the model has a profile, else uniform) | uniform |
+                                 # sensitivity | pyramid
+    alpha: float | None = None   # sharpness of sensitivity budgets; None = the profile's suggestion
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,14 @@ class IngestConfig:
 @dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """Layer-sensitivity calibration (`kvchat profile-layers`, EpiCache §3.2)."""
+
+    budget: int = 512            # simulated cache size M
+    block_size: int = 256        # simulated prefill block B
+    sink: int = 128              # leading tokens always visible (StreamingLLM sink)
+    max_tokens: int = 3072       # the calibration text is cut to this many tokens
+    suggested_alpha: float = 1.2  # EpiCache uses 1.1-1.3 for the LLaMA family

@@ -5,6 +5,8 @@ causal mask must be built per layer from that layer's own length — transformer
 layer 0; (2) scoring needs the patched prompt's attention weights over the cache, which SDPA does not
 return. The matching mask function returns None so transformers builds no mask at all; causality is
 enforced here: every cached entry precedes every new token, and new tokens see each other causally.
+A caller may still pass a prepared 4D `attention_mask` (transformers returns those as they are); it
+then replaces the causal mask.
 """
 
 from __future__ import annotations
@@ -74,12 +76,19 @@ def kvchat_attention(
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     q_len, kv_len = query.shape[2], key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    mask = causal_mask(q_len, kv_len, query.device)
+    mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
     if kvchat_recorder is not None:
         weights = grouped_attention_weights(query, key, scale, mask)
         kvchat_recorder.record(module.layer_idx, weights, kv_len - q_len)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _as_bool(attention_mask: torch.Tensor) -> torch.Tensor:
+    """A prepared 4D mask passed by the caller (transformers hands those through unchanged), as [q, kv]
+    booleans. Used by layer profiling to simulate block prefill."""
+    mask = attention_mask[0, 0]
+    return mask if mask.dtype == torch.bool else mask == 0
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -1,0 +1,144 @@
+"""Layer-sensitivity calibration (EpiCache §3.2, eqs. 8-9): how much block prefill disturbs each layer.
+
+Two forward passes over one long text: with the full causal mask, and with a mask that simulates
+block prefill (each token sees the sink tokens plus the entries a cache of `budget` would still hold,
+plus the earlier tokens of its own block). Per layer, the mean cosine similarity of the Key states
+of the two passes over heads and tokens; sensitivity = 1 - similarity. Profiles depend on the model,
+not the input (EpiCache Fig. 4a), so one is computed per model and shipped or stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from kvchat.config import ProfileSettings
+from kvchat.errors import UserError
+from kvchat.llm import LoadedModel, weights_fingerprint
+
+DATA_DIR = Path(__file__).parent / "data"  # package data: calibration text and shipped profiles
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    model: str
+    weights: str                 # weights fingerprint: a profile applies to these weights only
+    settings: dict
+    tokens: int
+    similarity: list[float]
+    sensitivity: list[float]
+    alpha: float = ProfileSettings.suggested_alpha
+    version: int = PROFILE_VERSION
+    text: str = field(default="")  # where the calibration text came from
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> LayerProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(**data)
+        except (OSError, ValueError, TypeError) as exc:
+            raise UserError(f"{path}: not a kvchat layer profile ({exc})") from None
+
+
+def block_prefill_mask(n: int, *, budget: int, block_size: int, sink: int) -> torch.Tensor:
+    """Boolean [n, n]: token i sees token j <= i if j is a sink token or among the last
+    `budget - sink + (i mod block_size)` tokens (what a budget-M cache plus the current block holds)."""
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    recent = (budget - sink) + (i % block_size)
+    return (j <= i) & ((j < sink) | (i - j < recent))
+
+
+@torch.inference_mode()
+def _keys(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Post-RoPE Key states of every layer, [kv_heads, n, head_dim]."""
+    cache = DynamicCache()
+    extra = {"attention_mask": mask[None, None]} if mask is not None else {}
+    lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+    return [layer.keys[0].float() for layer in cache.layers]
+
+
+def profile_layers(
+    lm: LoadedModel, text: str, settings: ProfileSettings = ProfileSettings(), *, source: str = ""
+) -> LayerProfile:
+    """Measure each layer's Key-state similarity under full vs simulated block-prefill attention."""
+    ids = lm.encode(text)[:, : settings.max_tokens]
+    n = ids.shape[-1]
+    if n < settings.budget + settings.block_size:
+        raise UserError(
+            f"the calibration text has {n} tokens; it needs more than budget + block "
+            f"({settings.budget + settings.block_size}) for eviction to happen"
+        )
+    if not 0 < settings.sink < settings.budget:
+        raise UserError(f"--sink must be within 1..budget-1 (got {settings.sink})")
+    full = _keys(lm, ids, None)
+    blocked = _keys(lm, ids, block_prefill_mask(n, budget=settings.budget, block_size=settings.block_size,
+                                                 sink=settings.sink))
+    similarity = [
+        float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean()) for a, b in zip(full, blocked, strict=True)
+    ]
+    return LayerProfile(
+        model=lm.spec,
+        weights=weights_fingerprint(lm.model),
+        settings=asdict(settings),
+        tokens=n,
+        similarity=[round(s, 6) for s in similarity],
+        sensitivity=[round(1.0 - s, 6) for s in similarity],
+        text=source,
+    )
+
+
+def shipped_profiles() -> list[Path]:
+    """Profiles that ship inside the package (kvchat/data/profiles)."""
+    return sorted((DATA_DIR / "profiles").glob("*.json"))
+
+
+def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile | None:
+    """A profile measured on these exact weights: user-made ones (`extra_dirs`) first, then shipped."""
+    weights = weights_fingerprint(lm.model)
+    candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob("*.json"))] + shipped_profiles()
+    for path in candidates:
+        profile = LayerProfile.load(path)
+        if profile.weights == weights and len(profile.sensitivity) == lm.num_layers:
+            return profile
+    return None
+
+
+def calibration_text() -> str:
+    """The shipped calibration text (public domain; see kvchat/data/calibration.txt)."""
+    return (DATA_DIR / "calibration.txt").read_text()
+
+
+def save_plot(profile: LayerProfile, path: Path, budget: int = 1024) -> None:
+    """Sensitivity per layer and the budgets it gives at `budget` (needs matplotlib: kvchat[plot])."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install 'kvchat[plot]'") from None
+    from kvchat.kv.budgets import sensitivity_budgets
+
+    layers = range(len(profile.sensitivity))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
+    top.bar(layers, profile.sensitivity, color="tab:red")
+    top.set_ylabel("sensitivity (1 - key cos)")
+    top.set_title(f"{profile.model}: block-prefill sensitivity per layer")
+    bottom.bar(layers, sensitivity_budgets(profile.sensitivity, budget, profile.alpha), color="tab:blue")
+    bottom.axhline(budget, color="gray", linestyle="--", label=f"uniform {budget}")
+    bottom.set_ylabel(f"budget (alpha {profile.alpha})")
+    bottom.set_xlabel("layer")
+    bottom.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

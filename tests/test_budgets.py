@@ -1,0 +1,77 @@
+"""Layer budget strategies and layer-sensitivity profiling."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvchat.config import ProfileSettings
+from kvchat.kv.budgets import layer_budgets, proportional_budgets, pyramid_budgets, sensitivity_budgets
+from kvchat.profile import LayerProfile, block_prefill_mask, find_profile, profile_layers
+
+sensitivities = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(s=sensitivities, budget=st.integers(4, 5000), alpha=st.floats(0.1, 3.0))
+def test_sensitivity_budgets_sum_exactly_and_respect_the_floor(s, budget, alpha):
+    budgets = sensitivity_budgets(s, budget, alpha)
+    assert sum(budgets) == len(s) * budget
+    assert min(budgets) >= budget // 4
+
+
+@settings(max_examples=100, deadline=None)
+@given(layers=st.integers(1, 64), budget=st.integers(20, 5000))
+def test_pyramid_budgets_sum_exactly_and_decrease(layers, budget):
+    budgets = pyramid_budgets(layers, budget)
+    assert sum(budgets) == layers * budget
+    assert all(a >= b - 1 for a, b in zip(budgets, budgets[1:], strict=False))  # linear, up to rounding
+    assert min(budgets) >= int(budget / 20)
+
+
+def test_more_sensitive_layers_get_more_and_alpha_sharpens():
+    s = [0.1, 0.2, 0.4, 0.8]
+    soft, sharp = sensitivity_budgets(s, 100, 1.0), sensitivity_budgets(s, 100, 2.0)
+    assert soft == sorted(soft) and sharp == sorted(sharp)
+    assert sharp[-1] - sharp[0] > soft[-1] - soft[0]
+
+
+def test_equal_sensitivities_give_uniform_budgets():
+    assert sensitivity_budgets([0.3] * 6, 64, 1.3) == [64] * 6
+    assert proportional_budgets([0, 0, 0], 10, 2) == [10, 10, 10]
+
+
+def test_layer_budgets_dispatch():
+    assert layer_budgets("uniform", 3, 8) == [8, 8, 8]
+    with pytest.raises(ValueError, match="one score per layer"):
+        layer_budgets("sensitivity", 3, 8)
+    with pytest.raises(ValueError, match="unknown"):
+        layer_budgets("magic", 3, 8)
+
+
+def test_block_prefill_mask_matches_what_a_budget_cache_holds():
+    mask = block_prefill_mask(40, budget=12, block_size=4, sink=2)
+    assert mask[:12, :12].equal(torch.ones(12, 12, dtype=torch.bool).tril())  # before any eviction: causal
+    row = mask[33]  # offset 1 in its block: sink 0,1 plus the last 12 - 2 + 1 = 11 tokens
+    assert row.nonzero().flatten().tolist() == [0, 1, *range(23, 34)]
+    assert not mask.triu(1).any()
+
+
+def test_profile_on_the_tiny_model(tiny_lm, tmp_path):
+    text = " ".join(["Maya walks the dog in the park and Tom bakes sourdough bread ."] * 40)
+    profile = profile_layers(tiny_lm, text, ProfileSettings(budget=48, block_size=16, sink=4, max_tokens=400))
+    assert len(profile.sensitivity) == tiny_lm.num_layers
+    assert all(0.0 <= s <= 1.0 for s in profile.sensitivity)
+    assert profile.sensitivity[-1] > 0  # later layers see a different context under the window mask
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    assert LayerProfile.load(path) == profile
+    assert find_profile(tiny_lm, [tmp_path]) == profile
+    data = json.loads(path.read_text())
+    data["weights"] = "someone-else"
+    path.write_text(json.dumps(data))
+    assert find_profile(tiny_lm, [tmp_path]) is None
