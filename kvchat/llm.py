@@ -194,8 +194,8 @@ def load_model(
     """Load a causal LM for kvchat with its attention attached. Raises UserError when not found."""
     name, source = _resolve(spec, models_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code
+        model = AutoModelForCausalLM.from_pretrained(  # weights_only: a legacy .bin is never fully unpickled
+            source, dtype=dtype, local_files_only=True, trust_remote_code=trust_remote_code, weights_only=True
         )
         tokenizer = AutoTokenizer.from_pretrained(
             source, local_files_only=True, trust_remote_code=trust_remote_code
