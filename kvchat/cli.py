@@ -95,6 +95,9 @@ def ingest(
     ),
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
+        False
+    ),
     as_json: JsonOpt = False,
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
@@ -120,7 +123,7 @@ def ingest(
     ) as bars:
         report = run_ingest(
             turns, name=name, config=config, store=store, lm=lm, encoder=encoder,
-            replace=replace, progress=_RichIngestProgress(bars), source=str(history.resolve()),
+            replace=replace, progress=_RichIngestProgress(bars), source=str(history.resolve()), force=force,
         )
     if as_json:
         _emit_json(report.to_dict())
@@ -237,6 +240,38 @@ def rm(name: str, as_json: JsonOpt = False) -> None:
         out.print(f"removed {name}")
 
 
+@app.command()
+def doctor(
+    fix: Annotated[bool, typer.Option("--fix", help="Remove damaged conversations and delete leftovers.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check the store: missing or damaged cache files, leftovers of crashed ingests.
+
+    Exit status: 0 when the store is healthy (with --fix: once repaired), 1 when problems remain.
+    """
+    from kvchat.store import Store
+
+    store = Store(default_home(), clean_stale=False)  # leave crash leftovers in place to report them
+    found = store.check()
+    fixed = store.fix(found) if fix and found else []
+    remaining = store.check() if fix and found else found
+    if as_json:
+        _emit_json({"healthy": not remaining, "problems": [p.to_dict() for p in found], "fixed": fixed})
+    else:
+        for problem in found:
+            out.print(f"problem: {problem.message}", markup=False, soft_wrap=True)
+        for line in fixed:
+            out.print(f"fixed: {line}", markup=False, soft_wrap=True)
+        if not remaining:
+            out.print("healthy" if not found else "healthy now")
+        elif not fix:
+            out.print(f"{len(remaining)} problem(s); `kvchat doctor --fix` repairs them", markup=False)
+        else:
+            out.print(f"{len(remaining)} problem(s) remain", markup=False)
+    if remaining:
+        raise typer.Exit(1)
+
+
 def _summary(record) -> dict:
     return {
         "name": record.name,
@@ -261,7 +296,9 @@ def main() -> None:
     debug = "--debug" in sys.argv[1:]
     _quiet_libraries()
     try:
-        app(standalone_mode=False)
+        status = app(standalone_mode=False)  # without standalone mode, click returns typer.Exit's code
+        if isinstance(status, int) and status:
+            sys.exit(status)
     except UserError as exc:
         err.print(f"kvchat: error: {exc}", markup=False, soft_wrap=True)
         sys.exit(2)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat import memory
 from kvchat.config import METHODS, POSITION_MODES, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
@@ -42,6 +43,7 @@ class IngestReport:
     episodes: int
     budgets: list[int]
     peak_cache_tokens: int   # most entries one layer held at once during any episode's prefill
+    estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.memory)
     cache_bytes: int
     seconds: float
 
@@ -84,9 +86,11 @@ def ingest(
     replace: bool = False,
     progress: IngestProgress | None = None,
     source: str | None = None,
+    force: bool = False,
 ) -> IngestReport:
     """Build and store the episode caches of one history (a file, or turns already loaded from one;
-    then `name` is required). Nothing is visible in the store until all is written."""
+    then `name` is required). Nothing is visible in the store until all is written. Refuses to start
+    when the memory estimate exceeds the available memory, unless `force`."""
     started = time.perf_counter()
     validate(config)
     from_file = isinstance(history, (str, os.PathLike))
@@ -108,6 +112,17 @@ def ingest(
             f"--budget {cache_cfg.budget} must exceed the system prompt's {prefix_ids.shape[-1]} tokens"
         )
     total = prefix_ids.shape[-1] + context_ids.shape[-1]
+    shape = memory.ModelShape.of(lm.model)
+    estimate = memory.estimate_ingest_bytes(
+        shape,
+        budget=cache_cfg.budget,
+        block_size=cache_cfg.block_size,
+        prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
+        context_tokens=total,
+        full=full,
+    )
+    if not force:
+        memory.check_fits(estimate, resident=shape.weight_bytes, available=memory.available_bytes())
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
     episodes = _episodes(lines, config, lm, encoder, full)
     budgets = None if full else uniform_budgets(lm.num_layers, cache_cfg.budget)
@@ -160,6 +175,7 @@ def ingest(
             episodes=len(episodes),
             budgets=stored_budgets,
             peak_cache_tokens=peak,
+            estimated_peak_bytes=estimate,
             cache_bytes=nbytes,
             seconds=round(time.perf_counter() - started, 2),
         )

@@ -12,17 +12,19 @@ match, and checks the safetensors header by hand before a single tensor is alloc
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
 import os
 import re
+import shlex
 import shutil
 import sqlite3
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -46,6 +48,7 @@ ORPHAN_GRACE_S = 60.0
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
 _TMP_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]+")
 _SUFFIX = ".safetensors"
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 # Bytes per element of every dtype safetensors' torch loader understands.
 _DTYPE_BYTES = {
@@ -77,6 +80,27 @@ class ConversationRecord:
     settings: dict
     stats: dict
     episodes: list[EpisodeRecord]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing `Store.check` found wrong.
+
+    `conversation` is set when a stored conversation is damaged (`fix` removes it whole); it is None
+    for leftovers that no row refers to (`fix` deletes them).
+    """
+
+    kind: str  # missing | size | checksum | outside | unreadable | orphan | stray | stale-temp
+    conversation: str | None
+    episode: int | None
+    path: Path
+    message: str
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "conversation": self.conversation, "episode": self.episode,
+            "path": str(self.path), "message": self.message,
+        }  # fmt: skip
 
 
 # --------------------------------------------------------------------------- schema
@@ -171,15 +195,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _sync_and_hash(path: Path) -> tuple[int, str]:
-    """fsync a just-written file and return its size and sha256."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
+def _write_file(path: Path, data: bytes) -> None:
+    """Write a new file and fsync it. Our own write, not safetensors' save_file: that one did not
+    report a failed write (saving to /dev/full "succeeds"), and a full disk must fail loudly."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
         os.fsync(f.fileno())
-        size = os.fstat(f.fileno()).st_size
-    return size, digest.hexdigest()
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT from a write, or SQLite's SQLITE_FULL from a commit."""
+    if isinstance(e, OSError):
+        return e.errno in _NO_SPACE
+    return isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e)
+
+
+def _disk_full(where: Path) -> UserError:
+    """The environment, not a bug: one line (exit 2) that says what to do."""
+    return UserError(f"no space left on device while writing caches to {where}: free space or lower --budget")
 
 
 def check_safetensors_header(data: bytes) -> dict[str, Any]:
@@ -246,7 +280,9 @@ def _is_uint(x: object) -> bool:
 class Store:
     """The on-disk home of kvchat: `kvchat.db` and `caches/`. Safe to use from several processes."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, *, clean_stale: bool = True) -> None:
+        """Open (creating if needed) the store at `home`. `clean_stale=False` leaves crash leftovers in
+        place, for `check` to report them."""
         self._home = Path(home).expanduser().absolute()
         try:
             self.caches_dir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +296,8 @@ class Store:
             self._migrate()
         except sqlite3.DatabaseError as e:
             raise KvchatError(f"cannot open {self.db_path}: {e}") from e
-        self._clean_stale()
+        if clean_stale:
+            self._clean_stale()
 
     @property
     def home(self) -> Path:
@@ -506,8 +543,8 @@ class Store:
             )
             return CacheIntegrityError(" ".join(msg.split()))
 
-        real, root = os.path.realpath(record.path), os.path.realpath(self.caches_dir)
-        if not real.startswith(root + os.sep):
+        real = os.path.realpath(record.path)
+        if not self._inside_caches(record.path):
             raise refuse(f"points outside the store ({record.path})")
         try:
             with open(real, "rb") as f:
@@ -541,6 +578,135 @@ class Store:
             raise refuse(f"could not be decoded: {e}") from None
         return tensors, dict(metadata)
 
+    # ----- doctor
+
+    def check(self) -> list[Problem]:
+        """Everything wrong in this home, changing nothing (`kvchat doctor`).
+
+        Damaged conversations: an episode file missing, of the wrong size, or failing its checksum (a
+        flipped byte, a truncation, another conversation's file swapped in). Leftovers: ingest dirs no
+        row refers to, stray files, temp dirs of dead processes. Files are hashed without holding the
+        lock (that may take a while); leftovers are listed under it, so an ingest between its rename
+        and its row commit is never mistaken for an orphan.
+        """
+        problems: list[Problem] = []
+        for conversation in self.conversations():
+            for episode in conversation.episodes:
+                found = self._file_problem(episode)
+                if found is not None:
+                    kind, what = found
+                    problems.append(Problem(
+                        kind, conversation.name, episode.index, episode.path,
+                        f"conversation {_show(conversation.name)} episode {episode.index} {what}; "
+                        "--fix removes the conversation",
+                    ))  # fmt: skip
+        if problems:  # an `rm` or `--replace` may have retired those files while we hashed them
+            current = {(c.name, e.index): e.path for c in self.conversations() for e in c.episodes}
+            problems = [p for p in problems if current.get((p.conversation, p.episode)) == p.path]
+        with self._write_lock():
+            problems += self._leftovers()
+        return problems
+
+    def fix(self, problems: Iterable[Problem]) -> list[str]:
+        """Repair what `check` found; returns one line per action taken.
+
+        A damaged conversation is removed whole (rows first, then files): a partial conversation must
+        never be visible, and its history can be ingested again (the line says how). A leftover is
+        deleted only if it is still one when looked at again under the write lock.
+        """
+        problems = list(problems)
+        done: list[str] = []
+        for name in sorted({p.conversation for p in problems if p.conversation is not None}):
+            try:
+                record = self.get(name)
+                self.remove(name)
+            except UserError:  # removed meanwhile
+                continue
+            done.append(
+                f"removed conversation {_show(name)} (a damaged conversation is removed whole, never "
+                f"kept partial); re-ingest it with `{_reingest_command(record)}`"
+            )
+        wanted = {p.path for p in problems if p.conversation is None}
+        doomed: list[Path] = []
+        with self._write_lock():
+            for leftover in self._leftovers():
+                path = leftover.path
+                if path not in wanted:
+                    continue
+                try:
+                    if path.is_dir() and not path.is_symlink():
+                        target = self._new_tmp_path()
+                        os.rename(path, target)
+                        doomed.append(target)
+                    else:
+                        path.unlink()
+                except OSError as e:
+                    done.append(f"could not delete {path}: {e.strerror or e}")
+                    continue
+                done.append(f"deleted {leftover.kind} {path}")
+                if path.parent.parent == self.caches_dir:
+                    _try_rmdir(path.parent)  # a conversation dir left empty
+        for target in doomed:
+            shutil.rmtree(target, ignore_errors=True)
+        return done
+
+    def _inside_caches(self, path: Path) -> bool:
+        return os.path.realpath(path).startswith(os.path.realpath(self.caches_dir) + os.sep)
+
+    def _file_problem(self, record: EpisodeRecord) -> tuple[str, str] | None:
+        """(kind, what is wrong) for one episode file, or None if it is the file that was committed."""
+        if not self._inside_caches(record.path):
+            return "outside", f"points outside the store ({record.path})"
+        try:
+            with open(record.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != record.bytes:
+                    return "size", f"is {size} bytes, expected {record.bytes} (truncated or replaced)"
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except FileNotFoundError:
+            return "missing", f"is missing ({record.path})"
+        except OSError as e:
+            return "unreadable", f"cannot be read ({e.strerror or e})"
+        if digest != record.sha256:
+            return "checksum", "failed its checksum (the file changed on disk)"
+        return None
+
+    def _leftovers(self) -> list[Problem]:
+        """What lies in caches/ that no row refers to and no live process writes. Call under the lock."""
+        rows = list(self._db.query("select name, ingest_id from conversations"))
+        live_dirs = {self.caches_dir / row["name"] / row["ingest_id"] for row in rows}
+        live_files = {self._home / row["path"] for row in self._db.query("select path from episodes")}
+        found: list[Problem] = []
+
+        def leftover(kind: str, path: Path, what: str) -> None:
+            found.append(Problem(kind, None, None, path, f"{what}: {path}; --fix deletes it"))
+
+        def is_dir(path: Path) -> bool:
+            return path.is_dir() and not path.is_symlink()
+
+        for entry in sorted(self.caches_dir.iterdir()):
+            tmp = _TMP_RE.fullmatch(entry.name)
+            if tmp and is_dir(entry):
+                if not _pid_alive(int(tmp.group(1))):
+                    leftover("stale-temp", entry, "temp dir of an ingest that died")
+                continue
+            if not is_dir(entry) or entry.name.startswith("."):
+                leftover("stray", entry, "stray file")
+                continue
+            children = sorted(entry.iterdir())
+            if not children:
+                leftover("orphan", entry, "empty conversation dir")
+            for child in children:
+                if child in live_dirs and is_dir(child):
+                    for file in sorted(child.iterdir()):
+                        if file not in live_files:
+                            leftover("stray", file, "file no episode refers to")
+                elif is_dir(child):
+                    leftover("orphan", child, "ingest dir no conversation refers to (a crashed or replaced ingest)")
+                else:
+                    leftover("stray", child, "stray file")
+        return found
+
     # ----- ask log
 
     _ASK_FIELDS = ("created_at", "conversation", "episode", "question", "answer", "similarity", "timings")
@@ -562,6 +728,18 @@ class Store:
             return []
         rows = self._db["asks"].rows_where(order_by="id desc", limit=int(limit))
         return [{**r, "timings": json.loads(r["timings"]) if r["timings"] else {}} for r in rows]
+
+
+def _reingest_command(record: ConversationRecord) -> str:
+    """The command that builds `record` again from its history, with the settings it was built with."""
+    settings = record.settings
+    words = ["kvchat", "ingest", settings.get("source") or "HISTORY", "--name", record.name]
+    if record.model != "default":
+        words += ["--model", record.model]
+    for key in ("method", "budget", "block_size", "episodes", "window"):
+        if key in settings:
+            words += ["--" + key.replace("_", "-"), str(settings[key])]
+    return shlex.join(words)
 
 
 class PendingConversation:
@@ -622,8 +800,15 @@ class PendingConversation:
         meta = {**metadata, "format_version": FORMAT_VERSION}
         path = self._tmp / f"{index}{_SUFFIX}"
         cpu = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
-        safetensors.torch.save_file(cpu, str(path), metadata=meta)
-        size, digest = _sync_and_hash(path)
+        data = safetensors.torch.save(cpu, metadata=meta)
+        try:
+            _write_file(path, data)
+        except OSError as e:
+            if not _is_disk_full(e):
+                raise
+            self.abort()  # give the space back at once
+            raise _disk_full(self._store.caches_dir) from None
+        size, digest = len(data), hashlib.sha256(data).hexdigest()
         record = EpisodeRecord(
             index=index,
             centroid=[float(x) for x in centroid],
@@ -687,12 +872,14 @@ class PendingConversation:
                     }
                     for r in records
                 )  # fmt: skip
-        except BaseException:
+        except BaseException as e:
             self._state = "aborted"
             if renamed:
                 store._discard(self._final)
             else:
                 shutil.rmtree(self._tmp, ignore_errors=True)
+            if _is_disk_full(e):
+                raise _disk_full(caches) from None
             raise
         self._state = "committed"
         if old_ingest is not None and old_ingest != self.ingest_id:

@@ -3,23 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import KVCHAT, run
 
 from kvchat.synthetic import planted_conversation
-
-KVCHAT = [sys.executable, "-m", "kvchat"]
-
-
-def run(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVCHAT_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [*KVCHAT, *args], input=stdin, capture_output=True, text=True, env=env, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +31,7 @@ def test_ingest_json_reports_the_peak(ingested):
     _, report = ingested
     assert report["name"] == "chat" and report["episodes"] == 3
     assert report["peak_cache_tokens"] <= 80 + 32 + 256 + 16
+    assert report["estimated_peak_bytes"] > 0
 
 
 def test_ask_json_one_shot(ingested):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import run_main
 
+from kvchat import store as store_module
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.store import (
     MAX_HEADER_BYTES,
@@ -480,3 +483,119 @@ def test_concurrent_processes(tmp_path: Path) -> None:
             assert torch.equal(tensors["k.0"], torch.full((2, 3), 2.0))
     assert len(store.asks(limit=100)) == 9
     assert _tmp_dirs(store) == []
+
+
+# --------------------------------------------------------------------------- disk full
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_disk_full_while_writing_aborts_with_one_line(store: Store, monkeypatch, code: int) -> None:
+    _ingest(store, "before")
+    real_write, calls = store_module._write_file, []
+
+    def fills_up(path: Path, data: bytes) -> None:
+        calls.append(path)
+        if len(calls) == 1:
+            return real_write(path, data)
+        path.write_bytes(data[: len(data) // 2])  # a full disk leaves a partial file behind
+        raise OSError(code, os.strerror(code), str(path))
+
+    monkeypatch.setattr(store_module, "_write_file", fills_up)
+    with pytest.raises(UserError) as info, store.begin("chat") as pending:
+        for i in range(2):
+            pending.write_episode(
+                i, _tensors(i), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+            )
+    assert str(info.value) == (
+        f"no space left on device while writing caches to {store.caches_dir}: free space or lower --budget"
+    )
+    assert [c.name for c in store.conversations()] == ["before"]
+    assert _tmp_dirs(store) == [] and not (store.caches_dir / "chat").exists()
+
+
+def test_other_write_errors_are_not_disguised(store: Store, monkeypatch) -> None:
+    def broken(path: Path, data: bytes) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(store_module, "_write_file", broken)
+    with pytest.raises(OSError, match="Input/output") as info, store.begin("chat") as pending:
+        pending.write_episode(0, _tensors(), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4],
+                              n_tokens=8)  # fmt: skip
+    assert not isinstance(info.value, UserError)
+    assert _tmp_dirs(store) == [] and store.conversations() == []
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+def test_check_finds_nothing_wrong_in_a_healthy_store(store: Store) -> None:
+    _ingest(store, "chat")
+    live = store.caches_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"  # an ingest in progress
+    live.mkdir()
+    assert store.check() == [] and store.fix([]) == []
+    assert live.is_dir()
+
+
+def test_check_and_fix_every_kind_of_damage(store: Store) -> None:
+    healthy = _ingest(store, "healthy")
+    _ingest(store, "donor", seed=50)
+    flipped = _ingest(store, "flipped").episodes[1]
+    data = bytearray(flipped.path.read_bytes())
+    data[-3] ^= 0x01
+    flipped.path.write_bytes(bytes(data))
+    truncated = _ingest(store, "truncated").episodes[0]
+    truncated.path.write_bytes(truncated.path.read_bytes()[:-7])
+    _ingest(store, "missing").episodes[0].path.unlink()
+    swapped = _ingest(store, "swapped").episodes[0]
+    swapped.path.write_bytes(store.get("donor").episodes[0].path.read_bytes())  # same size, other content
+    orphan = store.caches_dir / "gone" / uuid.uuid4().hex
+    orphan.mkdir(parents=True)
+    (orphan / "0.safetensors").write_bytes(b"x")
+    stray = store.caches_dir / "notes.txt"
+    stray.write_text("x")
+    extra = healthy.episodes[0].path.parent / "7.safetensors"
+    extra.write_bytes(b"x")
+    stale = store.caches_dir / f".tmp-{_dead_pid()}-{uuid.uuid4().hex}"
+    stale.mkdir()
+    (stale / "0.safetensors").write_bytes(b"half written")
+
+    doctor = Store(store.home, clean_stale=False)
+    problems = doctor.check()
+    assert {(p.kind, p.conversation, p.episode) for p in problems if p.conversation} == {
+        ("checksum", "flipped", 1), ("size", "truncated", 0), ("missing", "missing", 0), ("checksum", "swapped", 0),
+    }  # fmt: skip
+    assert {(p.kind, p.path) for p in problems if p.conversation is None} == {
+        ("orphan", orphan), ("stray", stray), ("stray", extra), ("stale-temp", stale),
+    }  # fmt: skip
+    assert all("\n" not in p.message and "--fix" in p.message for p in problems)
+
+    done = doctor.fix(problems)
+    removed = [line for line in done if line.startswith("removed conversation")]
+    assert len(removed) == 4 and "re-ingest it with `kvchat ingest HISTORY --name flipped --method epicache" in (
+        " ".join(removed)
+    )
+    assert doctor.check() == []
+    assert sorted(c.name for c in doctor.conversations()) == ["donor", "healthy"]
+    for name in ("flipped", "truncated", "missing", "swapped", "gone"):
+        assert not (store.caches_dir / name).exists()
+    assert not stray.exists() and not extra.exists() and not stale.exists() and _tmp_dirs(store) == []
+    for episode in doctor.get("healthy").episodes:
+        doctor.load_episode(episode, FP)
+
+
+def test_doctor_command(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    store = Store(home)
+    _ingest(store, "chat")
+    _ingest(store, "broken").episodes[0].path.unlink()
+    assert "Exit status: 0 when the store is healthy" in run_main(home, "doctor", "--help").stdout
+    found = run_main(home, "doctor", "--json")
+    report = json.loads(found.stdout)
+    assert found.returncode == 1 and not report["healthy"] and report["fixed"] == []
+    assert [(p["kind"], p["conversation"], p["episode"]) for p in report["problems"]] == [("missing", "broken", 0)]
+    fixed = run_main(home, "doctor", "--fix")
+    assert fixed.returncode == 0, fixed.stderr
+    assert "removed conversation 'broken'" in fixed.stdout and fixed.stdout.strip().endswith("healthy now")
+    again = run_main(home, "doctor")
+    assert (again.returncode, again.stdout) == (0, "healthy\n")
+    assert [c.name for c in Store(home).conversations()] == ["chat"]

@@ -1,0 +1,100 @@
+"""Pre-flight memory estimate for an ingest: refuse one that cannot fit before it starts, rather than
+be killed by the OOM killer halfway. The estimate follows the bound DESIGN.md promises: peak KV
+entries per layer <= budget + block + patched prompt, whatever the history's length."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvchat.errors import UserError
+
+ACTIVATION_FACTOR = 20  # floats per token and hidden unit alive in one layer's forward (MLP, norms, residual)
+FLOAT_BYTES = 4  # attention scores and activations are float32 whatever the weights' dtype
+POSITION_BYTES = 8  # int64 position per cached entry and KV head
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs to know about a model."""
+
+    weight_bytes: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> ModelShape:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        tensors = [*model.parameters(), *model.buffers()]
+        return cls(
+            weight_bytes=sum(t.numel() * t.element_size() for t in tensors),
+            layers=cfg.num_hidden_layers,
+            heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            hidden=cfg.hidden_size,
+            dtype_bytes=next(model.parameters()).element_size(),
+        )
+
+
+def estimate_ingest_bytes(
+    shape: ModelShape, *, budget: int, block_size: int, prompt_tokens: int, context_tokens: int, full: bool
+) -> int:
+    """Peak bytes of one ingest, weights included (an upper estimate, not a measurement).
+
+    Live entries per layer: budget + block + patched prompt, or with `full` the whole context
+    (system prompt + history, `context_tokens`). On top of the live cache: the finished cache of the
+    previous episode plus its serialised copy while it is written (2 x kept entries), one layer's
+    copy while a block is appended, one block's activations, and one layer's attention scores for
+    the block and for the patched prompt (weights and softmax).
+    """
+    live = context_tokens if full else budget + block_size + prompt_tokens
+    kept = context_tokens if full else budget
+    entry = shape.kv_heads * (2 * shape.head_dim * shape.dtype_bytes + POSITION_BYTES)  # K, V, position
+    cache = (live + 2 * kept) * entry * shape.layers + live * entry
+    activations = block_size * shape.hidden * ACTIVATION_FACTOR * FLOAT_BYTES
+    scores = (block_size + (0 if full else 2 * prompt_tokens)) * live * shape.heads * FLOAT_BYTES
+    return shape.weight_bytes + cache + activations + scores
+
+
+def available_bytes() -> int | None:
+    """Memory this process may still allocate: /proc/meminfo's MemAvailable, capped by a cgroup limit
+    (v2 or v1) when one is set. None where nothing is readable (not Linux): the check is skipped."""
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        available = next(int(line.split()[1]) * 1024 for line in lines if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    for limit_file, usage_file in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        try:
+            limit, usage = int(Path(limit_file).read_text()), int(Path(usage_file).read_text())
+        except (OSError, ValueError):  # absent, or "max": no limit
+            continue
+        available = min(available, max(limit - usage, 0))
+    return available
+
+
+def check_fits(estimate: int, *, resident: int, available: int | None) -> None:
+    """Refuse an ingest whose estimate, less the `resident` bytes already allocated (the loaded model),
+    exceeds `available`. `available=None` (unknown) lets it run."""
+    if available is None or estimate - resident <= available:
+        return
+    raise UserError(
+        f"this ingest needs an estimated {_gib(estimate)} of memory at its peak ({_gib(estimate - resident)} "
+        f"more than the loaded model) but only {_gib(available)} is available: lower --budget or "
+        "--block-size, or pass --force to run it anyway"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
