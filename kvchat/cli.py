@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, default_home
+from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, ProfileSettings, default_home
 from kvchat.errors import UserError
 
 app = typer.Typer(
@@ -87,12 +88,19 @@ def ingest(
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
     episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
     window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
-    method: Annotated[str, typer.Option(help="epicache (compress) or full (keep everything: the reference).")] = (
+    method: Annotated[str, typer.Option(
+        help="epicache (episodic, the default), full (keep everything: the reference), or a baseline under "
+        "block prefill: streaming, snapkv, infinipot, kvzip, keydiff.")] = (
         CacheConfig.method
     ),
     positions: Annotated[str, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
         CacheConfig.positions
     ),
+    layer_budgets: Annotated[str, typer.Option(
+        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
+        "sensitivity (kvchat profile-layers) or pyramid (PyramidKV).")] = CacheConfig.layer_budgets,
+    alpha: Annotated[float | None, typer.Option(
+        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")] = CacheConfig.alpha,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
     force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
@@ -109,7 +117,8 @@ def ingest(
     config = IngestConfig(
         model=model,
         episodes=EpisodeConfig(episodes=episodes, window=window),
-        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions),
+        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
+                          layer_budgets=layer_budgets, alpha=alpha),
     )
     validate(config)
     name = validate_name(name or history.stem)
@@ -125,12 +134,15 @@ def ingest(
             turns, name=name, config=config, store=store, lm=lm, encoder=encoder,
             replace=replace, progress=_RichIngestProgress(bars), source=str(history.resolve()), force=force,
         )
+    for note in report.notes:
+        err.print(f"kvchat: note: {note}", markup=False, soft_wrap=True)
     if as_json:
         _emit_json(report.to_dict())
     else:
         out.print(
             f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.positions} positions), "
+            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.layer_budgets} layer budgets, "
+            f"{report.positions} positions), "
             f"peak {report.peak_cache_tokens} entries/layer, {report.cache_bytes / 2**20:.1f} MiB, "
             f"{report.seconds:.1f}s"
         )
@@ -185,6 +197,42 @@ def ask(
                 break
             if line.strip():
                 answer(line, show_episode=True)
+
+
+@app.command("profile-layers")
+def profile_layers_command(
+    model: Annotated[str, typer.Option(help="'default', a model dir or a .gguf file.")] = IngestConfig.model,
+    text: Annotated[Path | None, typer.Option(help="Calibration text file (default: the shipped one).")] = None,
+    budget: Annotated[int, typer.Option(help="Simulated cache budget M.")] = ProfileSettings.budget,
+    block_size: Annotated[int, typer.Option(help="Simulated prefill block B.")] = ProfileSettings.block_size,
+    sink: Annotated[int, typer.Option(help="Sink tokens always visible.")] = ProfileSettings.sink,
+    out_file: Annotated[Path | None, typer.Option("--out", help="Profile JSON (default: in $KVCHAT_HOME).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="Also draw sensitivity and budgets per layer to this PNG.")] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure how much block prefill disturbs each layer; ingest then budgets layers by it."""
+    from kvchat.profile import calibration_text, profile_layers, save_plot
+
+    if text is not None and not text.is_file():
+        raise UserError(f"{text}: no such file")
+    calibration = text.read_text(errors="replace") if text else calibration_text()
+    store = _store()
+    lm = _model(model, store, trust_remote_code)
+    settings = ProfileSettings(budget=budget, block_size=block_size, sink=sink)
+    profile = profile_layers(lm, calibration, settings, source=str(text) if text else "kvchat/data/calibration.txt")
+    target = out_file or store.home / "profiles" / f"{profile.weights}.json"
+    profile.save(target)
+    if plot is not None:
+        save_plot(profile, plot)
+    if as_json:
+        _emit_json({"path": str(target), **dataclasses.asdict(profile)})
+        return
+    table = Table("layer", "key similarity", "sensitivity")
+    for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True)):
+        table.add_row(str(i), f"{sim:.5f}", f"{sens:.5f}")
+    out.print(table)
+    out.print(f"wrote {target}" + (f" and {plot}" if plot else ""))
 
 
 @app.command("list")

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import platformdirs
 
-METHODS = ("epicache", "full")
+# epicache: episodic patched prompts; the rest are query-agnostic baselines adapted to block prefill
+# (EpiCache A.2) that build a single cache: streaming, snapkv, infinipot, kvzip, keydiff; full keeps all.
+METHODS = ("epicache", "full", "streaming", "snapkv", "infinipot", "kvzip", "keydiff")
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid")
 POSITION_MODES = ("original", "compact", "auto")
 
@@ -18,6 +20,11 @@ EPISODE_INSTRUCTION = (
     "personas, key events with dates/times, personal details, commitments, opinions, relationships, "
     "emotional moments, and unique experiences."
 )
+
+INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
+KVZIP_PROMPT = "Repeat the part of the previous context exactly."
+SNAPKV_WINDOW = 64        # SnapKV's observation window: the block's last tokens
+STREAMING_SINK = 128      # StreamingLLM sink tokens, scaled down to budget // 4 for small budgets
 
 # The conversation sits in the system turn, the question in a user turn: SmolLM2 answers
 # planted-fact questions far better this way than with both in one user message (DESIGN.md).

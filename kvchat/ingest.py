@@ -10,18 +10,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat import memory
-from kvchat.config import METHODS, POSITION_MODES, IngestConfig
+from kvchat.config import (
+    INFINIPOT_PROMPT,
+    KVZIP_PROMPT,
+    LAYER_BUDGETS,
+    METHODS,
+    POSITION_MODES,
+    SNAPKV_WINDOW,
+    STREAMING_SINK,
+    CacheConfig,
+    IngestConfig,
+)
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
-from kvchat.kv.budgets import uniform_budgets
+from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.prefill import block_prefill
-from kvchat.kv.scoring import PatchedPromptScorer
+from kvchat.kv.scoring import BlockPromptScorer, KeyDiffScorer, PatchedPromptScorer, RecencyScorer, Scorer
 from kvchat.llm import ChatLayout, LoadedModel
+from kvchat.profile import find_profile
 from kvchat.store import Store, validate_name
 
-FORMAT_VERSION = "1"
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer (positions=auto)
 
 
@@ -42,10 +52,12 @@ class IngestReport:
     history_tokens: int
     episodes: int
     budgets: list[int]
+    layer_budgets: str
     peak_cache_tokens: int   # most entries one layer held at once during any episode's prefill
     estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.memory)
     cache_bytes: int
     seconds: float
+    notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -71,6 +83,12 @@ def validate(config: IngestConfig) -> None:
         raise UserError(f"--episodes must be >= 1 (got {eps.episodes})")
     if eps.window < 1:
         raise UserError(f"--window must be >= 1 (got {eps.window})")
+    if cache.layer_budgets not in LAYER_BUDGETS:
+        raise UserError(
+            f"unknown --layer-budgets {cache.layer_budgets!r} (choose from {', '.join(LAYER_BUDGETS)})"
+        )
+    if cache.alpha is not None and not 0 < cache.alpha <= 10:
+        raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
     if cache.pool_kernel < 1 or cache.pool_kernel % 2 == 0:
         raise UserError(f"pool kernel must be an odd number >= 1 (got {cache.pool_kernel})")
 
@@ -107,10 +125,6 @@ def ingest(
     context_ids = lm.encode("\n".join(lines))
     cache_cfg = config.cache
     full = cache_cfg.method == "full"
-    if not full and cache_cfg.budget <= prefix_ids.shape[-1]:
-        raise UserError(
-            f"--budget {cache_cfg.budget} must exceed the system prompt's {prefix_ids.shape[-1]} tokens"
-        )
     total = prefix_ids.shape[-1] + context_ids.shape[-1]
     shape = memory.ModelShape.of(lm.model)
     estimate = memory.estimate_ingest_bytes(
@@ -124,16 +138,20 @@ def ingest(
     if not force:
         memory.check_fits(estimate, resident=shape.weight_bytes, available=memory.available_bytes())
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
-    episodes = _episodes(lines, config, lm, encoder, full)
-    budgets = None if full else uniform_budgets(lm.num_layers, cache_cfg.budget)
+    episodes = _episodes(lines, config, lm, encoder, episodic=cache_cfg.method == "epicache")
+    notes: list[str] = []
+    strategy, budgets = ("full", None) if full else _layer_budgets(cache_cfg, lm, store, notes)
+    if budgets is not None and min(budgets) <= prefix_ids.shape[-1]:
+        raise UserError(
+            f"--budget {cache_cfg.budget} gives a layer {min(budgets)} entries, which must exceed the "
+            f"system prompt's {prefix_ids.shape[-1]} tokens; raise --budget"
+        )
 
     peak, nbytes, stored_budgets = 0, 0, []
     with store.begin(name, replace=replace) as pending:
         for episode in episodes:
             progress.episode(episode.index, len(episodes))
-            scorer = None if full else PatchedPromptScorer(
-                lm.encode(layout.question(_patched_prompt(config, episode, lm)))
-            )
+            scorer = _scorer(config, episode, lm, layout)
             result = block_prefill(
                 lm.model,
                 prefix_ids,
@@ -141,7 +159,6 @@ def ingest(
                 block_size=cache_cfg.block_size,
                 budgets=budgets,
                 scorer=scorer,
-                pool_kernel=cache_cfg.pool_kernel,
                 compact=positions == "compact",
                 on_block=progress.block,
             )
@@ -158,7 +175,6 @@ def ingest(
                     "next_position": str(cache.next_position),
                     "protected": str(cache.protected),
                     "budgets": ",".join(map(str, cache.sizes)),
-                    "kvchat_format": FORMAT_VERSION,
                 },
                 centroid=episode.centroid.tolist(),
                 medoid_text=episode.medoid_text,
@@ -174,10 +190,12 @@ def ingest(
             history_tokens=int(context_ids.shape[-1]),
             episodes=len(episodes),
             budgets=stored_budgets,
+            layer_budgets=strategy,
             peak_cache_tokens=peak,
             estimated_peak_bytes=estimate,
             cache_bytes=nbytes,
             seconds=round(time.perf_counter() - started, 2),
+            notes=notes,
         )
         pending.commit(
             model=lm.spec,
@@ -188,6 +206,7 @@ def ingest(
                 "block_size": cache_cfg.block_size,
                 "positions": positions,
                 "pool_kernel": cache_cfg.pool_kernel,
+                "layer_budgets": strategy,
                 "episodes": config.episodes.episodes,
                 "window": config.episodes.window,
                 "prompt_tokens": config.episodes.prompt_tokens,
@@ -199,6 +218,24 @@ def ingest(
     return report
 
 
+def _layer_budgets(cache: CacheConfig, lm: LoadedModel, store: Store, notes: list[str]) -> tuple[str, list[int]]:
+    """The strategy actually used and its per-layer budgets. `auto` = sensitivity when a profile of
+    these weights exists (shipped, or made by `kvchat profile-layers`), else uniform."""
+    strategy = cache.layer_budgets
+    profile = find_profile(lm, [store.home / "profiles"]) if strategy in ("auto", "sensitivity") else None
+    if strategy == "auto":
+        strategy = "sensitivity" if profile else "uniform"
+        if profile is None:
+            notes.append(f"no layer profile for {lm.spec}: uniform budgets (run `kvchat profile-layers` to make one)")
+    elif strategy == "sensitivity" and profile is None:
+        raise UserError(f"--layer-budgets sensitivity needs a profile of {lm.spec}: run `kvchat profile-layers` first")
+    alpha = cache.alpha if cache.alpha is not None else (profile.alpha if profile else 1.0)
+    budgets = layer_budgets(
+        strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha
+    )
+    return strategy, budgets
+
+
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
     """`auto` re-rotates to compact positions only when the history would not fit the model's window."""
     if requested != "auto":
@@ -207,12 +244,13 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 
 def _episodes(
-    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, full: bool
+    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool
 ) -> list[Episode]:
-    """Episodes of the history; the full-KV reference has a single episode (it keeps everything)."""
+    """Episodes of the history. Only EpiCache is episodic: full KV and the query-agnostic baselines
+    build a single cache, as in the EpiCache paper's comparisons."""
     eps = config.episodes
     segments = segment(lines, eps.window)
-    if eps.episodes > len(segments) and not full:
+    if eps.episodes > len(segments) and episodic:
         raise UserError(
             f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
             f"{eps.window} turns; use at most {len(segments)}"
@@ -221,11 +259,41 @@ def _episodes(
     return build_episodes(
         segments,
         encoder.embed(segments),
-        k=1 if full else eps.episodes,
+        k=eps.episodes if episodic else 1,
         seed=eps.seed,
         token_cap=max(eps.prompt_tokens - instruction_tokens, 16),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
+
+
+def _scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout) -> Scorer | None:
+    """The eviction scorer of `config.cache.method` (None for full KV)."""
+    cache = config.cache
+    method = cache.method
+    if method == "full":
+        return None
+    if method == "epicache":
+        return PatchedPromptScorer(
+            lm.encode(layout.question(_patched_prompt(config, episode, lm))), cache.pool_kernel
+        )
+    if method == "infinipot":
+        return PatchedPromptScorer(lm.encode(layout.question(INFINIPOT_PROMPT)), cache.pool_kernel)
+    if method == "snapkv":
+        empty = lm.encode("")
+        return BlockPromptScorer(empty, empty, SNAPKV_WINDOW, cache.block_size, cache.pool_kernel)
+    if method == "kvzip":
+        return BlockPromptScorer(
+            lm.encode(layout.before_question + KVZIP_PROMPT + "\n"),
+            lm.encode(layout.after_question),
+            tail=None,
+            block_size=cache.block_size,
+            pool_kernel=cache.pool_kernel,
+        )
+    if method == "streaming":
+        return RecencyScorer(sink=min(STREAMING_SINK, cache.budget // 4))
+    if method == "keydiff":
+        return KeyDiffScorer()
+    raise UserError(f"unknown --method {method!r}")
 
 
 def _patched_prompt(config: IngestConfig, episode: Episode, lm: LoadedModel) -> str:

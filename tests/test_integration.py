@@ -47,8 +47,9 @@ def test_locomo_conversation_cut_to_2k_tokens(tmp_path, default_lm, encoder):
     config = IngestConfig(cache=CacheConfig(budget=512, block_size=256))
     report = ingest(history, name="conv30", config=config, store=store, lm=default_lm, encoder=encoder)
     assert 1000 < report.history_tokens <= 2000 and report.episodes == 4
-    assert report.peak_cache_tokens <= 512 + 256 + config.episodes.prompt_tokens + 16
-    assert report.budgets == [512] * default_lm.num_layers
+    assert report.layer_budgets == "sensitivity"  # the shipped profile of the embedded model is used
+    assert sum(report.budgets) == 512 * default_lm.num_layers and len(set(report.budgets)) > 1
+    assert report.peak_cache_tokens <= max(report.budgets) + 256 + config.episodes.prompt_tokens + 16
     answer = Session(store, store.get("conv30"), default_lm, encoder).ask("What does Gina do for work?")
     assert answer.text and answer.answer_tokens > 0
 
@@ -56,7 +57,9 @@ def test_locomo_conversation_cut_to_2k_tokens(tmp_path, default_lm, encoder):
 def test_a_budget_that_keeps_everything_answers_exactly_like_full_kv(tmp_path, default_lm, encoder):
     """Also: each planted question routes to its own episode (the four topics became four episodes)."""
     store = Store(tmp_path)
-    keep_all = IngestConfig(cache=CacheConfig(budget=4096, block_size=512), episodes=EpisodeConfig(episodes=4))
+    keep_all = IngestConfig(
+        cache=CacheConfig(budget=4096, block_size=512, layer_budgets="uniform"), episodes=EpisodeConfig(episodes=4)
+    )
     full = IngestConfig(cache=CacheConfig(method="full", block_size=512))
     ingest(EXAMPLE, name="big", config=keep_all, store=store, lm=default_lm, encoder=encoder)
     ingest(EXAMPLE, name="full", config=full, store=store, lm=default_lm, encoder=encoder)

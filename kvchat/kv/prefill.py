@@ -13,7 +13,7 @@ import torch
 
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
-from kvchat.kv.scoring import Scorer, pool_scores, select_top
+from kvchat.kv.scoring import Scorer, select_top
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,6 @@ def block_prefill(
     block_size: int,
     budgets: Sequence[int] | None,
     scorer: Scorer | None,
-    pool_kernel: int = 1,
     compact: bool = False,
     on_block: Callable[[int, int], None] | None = None,
 ) -> PrefillResult:
@@ -57,7 +56,7 @@ def block_prefill(
             scores = scorer(model, cache, block)
             cache.keep(
                 [
-                    select_top(pool_scores(s, pool_kernel), b, cache.protected)
+                    select_top(s, b, cache.protected)
                     for s, b in zip(scores, budgets, strict=True)
                 ]
             )

@@ -45,9 +45,10 @@ class PatchedPromptScorer:
     """EpiCache: score by the attention an episode-specific patched prompt pays to each entry."""
 
     prompt_ids: torch.Tensor  # [1, P]
+    pool_kernel: int = 1      # max-pool scores over neighbours (see pool_scores); 1 = off
 
     def __call__(self, model, cache, block_ids):
-        return probe_scores(model, cache, self.prompt_ids)
+        return [pool_scores(s, self.pool_kernel) for s in probe_scores(model, cache, self.prompt_ids)]
 
     @property
     def transient_tokens(self) -> int:
@@ -79,3 +80,60 @@ def select_top(scores: torch.Tensor, budget: int, protected: int) -> torch.Tenso
     ranked[:, :protected] = float("inf")
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     return order[:, :budget].sort(dim=-1).values
+
+
+@dataclass(frozen=True)
+class BlockPromptScorer:
+    """A patched prompt built from the block itself: SnapKV (its last `tail` tokens) and KVzip
+    (an instruction followed by the whole block), as adapted to block prefill in EpiCache A.2."""
+
+    before: torch.Tensor   # [1, a] ids before the block's tokens (may be empty)
+    after: torch.Tensor    # [1, b] ids after them (may be empty)
+    tail: int | None       # keep only the block's last `tail` tokens; None = the whole block
+    block_size: int        # the largest block, for the transient-token bound
+    pool_kernel: int = 1
+
+    def prompt(self, block_ids: torch.Tensor) -> torch.Tensor:
+        part = block_ids if self.tail is None else block_ids[:, -self.tail :]
+        return torch.cat([self.before, part, self.after], dim=-1)
+
+    def __call__(self, model, cache, block_ids):
+        return [pool_scores(s, self.pool_kernel) for s in probe_scores(model, cache, self.prompt(block_ids))]
+
+    @property
+    def transient_tokens(self) -> int:
+        part = self.block_size if self.tail is None else min(self.tail, self.block_size)
+        return self.before.shape[-1] + part + self.after.shape[-1]
+
+
+@dataclass(frozen=True)
+class RecencyScorer:
+    """StreamingLLM: keep `sink` entries right after the protected prefix, then the most recent."""
+
+    sink: int
+    transient_tokens: int = 0
+
+    def __call__(self, model, cache, block_ids):
+        scores = []
+        for layer in cache.layers:
+            rank = torch.arange(layer.positions.shape[-1], dtype=torch.float32).expand(layer.positions.shape)
+            rank = rank.clone()
+            rank[:, cache.protected : cache.protected + self.sink] = float("inf")
+            scores.append(rank)
+        return scores
+
+
+@dataclass(frozen=True)
+class KeyDiffScorer:
+    """KeyDiff: keep keys least similar to the block's mean normalised key (distinct keys carry more)."""
+
+    transient_tokens: int = 0
+
+    def __call__(self, model, cache, block_ids):
+        n = block_ids.shape[-1]
+        scores = []
+        for layer in cache.layers:
+            keys = F.normalize(layer.keys[0].float(), dim=-1)       # [heads, entries, dim]
+            anchor = F.normalize(keys[:, -n:].mean(dim=1), dim=-1)  # [heads, dim]
+            scores.append(-(keys @ anchor.unsqueeze(-1)).squeeze(-1))
+        return scores

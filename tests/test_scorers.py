@@ -1,0 +1,64 @@
+"""Each baseline scorer's ranking on hand-made caches, and every method end to end on the tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvchat.ask import Session
+from kvchat.config import METHODS, CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.ingest import ingest
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.scoring import BlockPromptScorer, KeyDiffScorer, RecencyScorer
+from kvchat.store import Store
+from kvchat.synthetic import planted_conversation
+
+
+def _cache(keys: torch.Tensor, protected: int = 0) -> EpisodeCache:
+    """One layer holding `keys` [heads, n, dim] at positions 0..n-1."""
+    heads, n, _ = keys.shape
+    cache = EpisodeCache(1)
+    cache.layers[0].append(keys[None], keys[None].clone(), torch.arange(n).expand(heads, n))
+    cache.protected = protected
+    return cache
+
+
+def test_streaming_keeps_sink_then_the_most_recent():
+    cache = _cache(torch.randn(2, 10, 4), protected=2)
+    scores = RecencyScorer(sink=3)(None, cache, torch.zeros(1, 4, dtype=torch.long))[0]
+    ranked = scores[0].argsort(descending=True).tolist()
+    assert set(ranked[:3]) == {2, 3, 4}          # the sink right after the protected prefix
+    assert ranked[3:6] == [9, 8, 7]              # then recency
+
+
+def test_keydiff_prefers_keys_unlike_the_blocks_mean():
+    anchor = torch.tensor([1.0, 0.0, 0.0])
+    keys = torch.stack([anchor, -anchor, torch.tensor([0.0, 1.0, 0.0]), anchor, anchor])[None]  # block = last 2
+    scores = KeyDiffScorer()(None, _cache(keys), torch.zeros(1, 2, dtype=torch.long))[0][0]
+    assert scores.argmax().item() == 1           # opposite of the block's direction: most distinct
+    assert scores[2] > scores[0]                 # orthogonal beats aligned
+    assert torch.allclose(scores[[0, 3, 4]], torch.tensor(-1.0))
+
+
+def test_snapkv_and_kvzip_prompts_come_from_the_block():
+    block = torch.arange(100, 200).unsqueeze(0)
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    snap = BlockPromptScorer(empty, empty, tail=64, block_size=100)
+    assert snap.prompt(block).tolist() == [list(range(136, 200))] and snap.transient_tokens == 64
+    kvzip = BlockPromptScorer(torch.tensor([[1, 2]]), torch.tensor([[3]]), tail=None, block_size=100)
+    assert kvzip.prompt(block)[0].tolist() == [1, 2, *range(100, 200), 3] and kvzip.transient_tokens == 103
+
+
+@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("epicache", "full")])
+def test_every_baseline_ingests_and_answers_within_its_bound(method, tmp_path, tiny_lm, encoder):
+    history = tmp_path / "h.json"
+    history.write_text(json.dumps(planted_conversation(seed=4, topics=2, turns_per_topic=16)[0]))
+    store = Store(tmp_path / "home")
+    config = IngestConfig(cache=CacheConfig(method=method, budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
+    report = ingest(history, name="h", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    assert report.episodes == 1 and report.budgets == [96, 96]  # baselines build one query-agnostic cache
+    transient = {"snapkv": 64, "kvzip": 48 + 40, "infinipot": 40}.get(method, 0)
+    assert report.peak_cache_tokens <= 96 + 48 + transient
+    assert Session(store, store.get("h"), tiny_lm, encoder).ask("Which gate?").conversation == "h"
