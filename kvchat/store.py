@@ -479,18 +479,25 @@ class Store:
             episodes = [self._episode(r) for r in self._episode_rows(rows[0]["name"])]
         return self._conversation(rows[0], episodes)
 
-    def remove(self, name: str) -> None:
-        """Delete the rows (one transaction), then the files, so no reader sees rows without files."""
+    def remove(self, name: str, *, ingest_id: str | None = None) -> bool:
+        """Delete the rows (one transaction), then the files, so no reader sees rows without files.
+
+        With `ingest_id`, only that version: returns False, removing nothing, when the conversation
+        was replaced or removed meanwhile.
+        """
         with self._write_lock() as db:
             row = self._row(name)
-            if row is None:
+            if row is None and ingest_id is None:
                 raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
+            if row is None or ingest_id not in (None, row["ingest_id"]):
+                return False
             db["episodes"].delete_where("conversation = ?", [name])
             db["conversations"].delete_where("name = ?", [name])
         name_dir = self.caches_dir / name
         self._discard(name_dir / row["ingest_id"])
         with self._write_lock():  # an ingest of the same name may be renaming into name_dir
             _try_rmdir(name_dir)
+        return True
 
     def _row(self, name: str) -> dict[str, Any] | None:
         return next(iter(self._db["conversations"].rows_where("name = ?", [name])), None)
@@ -617,10 +624,14 @@ class Store:
         problems = list(problems)
         done: list[str] = []
         for name in sorted({p.conversation for p in problems if p.conversation is not None}):
-            try:
-                record = self.get(name)
-                self.remove(name)
-            except UserError:  # removed meanwhile
+            with self._db.atomic():
+                row = self._row(name)
+                paths = {self._home / r["path"] for r in self._episode_rows(name)}
+            damaged = {p.path for p in problems if p.conversation == name}
+            if row is None or not paths & damaged:
+                continue  # removed, or replaced by a new version, since `check`
+            record = self._conversation(row, [])
+            if not self.remove(name, ingest_id=row["ingest_id"]):
                 continue
             done.append(
                 f"removed conversation {_show(name)} (a damaged conversation is removed whole, never "

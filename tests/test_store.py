@@ -583,6 +583,16 @@ def test_check_and_fix_every_kind_of_damage(store: Store) -> None:
         doctor.load_episode(episode, FP)
 
 
+def test_fix_leaves_a_conversation_replaced_since_the_check_alone(store: Store) -> None:
+    _ingest(store, "chat").episodes[0].path.unlink()
+    problems = store.check()
+    assert [p.kind for p in problems] == ["missing"]
+    fresh = _ingest(store, "chat", replace=True, seed=5)
+    assert store.fix(problems) == []
+    assert store.get("chat") == fresh and store.check() == []
+    assert store.remove("chat", ingest_id="not-this-one") is False and store.get("chat") == fresh
+
+
 def test_doctor_command(tmp_path: Path) -> None:
     home = tmp_path / "home"
     store = Store(home)
