@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 
 demo: $(STAMP)
 	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ingest examples/planted_facts.json --name demo --replace --budget 256
-	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ask "What is the code name of Tom's project at work?" --conversation demo
+	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ask "How many tomato plants did Tom plant this spring?" --conversation demo
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
