@@ -255,13 +255,12 @@ def _episodes(
             f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
             f"{eps.window} turns; use at most {len(segments)}"
         )
-    instruction_tokens = lm.encode(config.instruction).shape[-1]
     return build_episodes(
         segments,
         encoder.embed(segments),
         k=eps.episodes if episodic else 1,
         seed=eps.seed,
-        token_cap=max(eps.prompt_tokens - instruction_tokens, 16),
+        token_cap=_medoid_cap(config, lm),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
 
@@ -296,8 +295,13 @@ def _scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: Cha
     raise UserError(f"unknown --method {method!r}")
 
 
+def _medoid_cap(config: IngestConfig, lm: LoadedModel) -> int:
+    """Tokens left for medoid segments once the instruction is in the patched prompt."""
+    return max(config.episodes.prompt_tokens - lm.encode(config.instruction).shape[-1], 16)
+
+
 def _patched_prompt(config: IngestConfig, episode: Episode, lm: LoadedModel) -> str:
-    """Instruction + medoid segments, the medoid cut so the whole stays within the token cap."""
-    cap = max(config.episodes.prompt_tokens - lm.encode(config.instruction).shape[-1], 16)
-    medoid = lm.encode(episode.medoid_text)[0, :cap].tolist()
+    """Instruction + medoid segments, the medoid cut so the whole stays within the token cap (a single
+    medoid segment longer than the cap is cut here)."""
+    medoid = lm.encode(episode.medoid_text)[0, : _medoid_cap(config, lm)].tolist()
     return f"{config.instruction}\n\n{lm.decode(medoid)}"
