@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
@@ -62,10 +63,11 @@ class Session:
         *,
         episode: int | None = None,
         on_text: Callable[[str], None] | None = None,
+        on_first_logits: Callable[[torch.Tensor], None] | None = None,
         log: bool = True,
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
-        decoded."""
+        decoded; `on_first_logits` the logits of the first answer token (evaluation compares them)."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -92,12 +94,14 @@ class Session:
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
-        prompt_ids = self.lm.encode(self.layout.question(question))
+        prompt_ids = self.lm.encode(self.layout.question(self.config.question_template.format(question=question)))
         mark = cache.checkpoint()
         tokens: list[int] = []
         shown = ""
         try:
-            for token in generate(self.lm, cache, prompt_ids, self.config.max_new_tokens):
+            for token in generate(
+                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits
+            ):
                 tokens.append(token)
                 if on_text is not None:
                     text = self.lm.decode(tokens)

@@ -14,8 +14,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, ProfileSettings, default_home
+from kvchat.config import (
+    AskConfig,
+    CacheConfig,
+    EpisodeConfig,
+    EvalConfig,
+    IngestConfig,
+    ProfileSettings,
+    default_home,
+)
 from kvchat.errors import UserError
+from kvchat.report import COLUMNS as EVAL_COLUMNS
+from kvchat.report import cell as eval_cell
 
 app = typer.Typer(
     help="Answer questions about chat histories far longer than your KV-cache budget.",
@@ -233,6 +243,119 @@ def profile_layers_command(
         table.add_row(str(i), f"{sim:.5f}", f"{sens:.5f}")
     out.print(table)
     out.print(f"wrote {target}" + (f" and {plot}" if plot else ""))
+
+
+class _RichEvalProgress:
+    """A bar per conversation x variant, with the ingest's blocks and the questions under it."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.variants = progress.add_task("variants", total=None)
+        self.questions = progress.add_task("questions", total=None)
+        self.ingest = _RichIngestProgress(progress)
+
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None:
+        self.progress.update(self.variants, completed=index, total=total, description=f"{qa_set} {key}")
+        self.progress.reset(self.questions)
+
+    def question(self, done: int, total: int) -> None:
+        self.progress.update(self.questions, completed=done, total=total)
+
+
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise UserError(f"{option} takes comma-separated integers (got {text!r})") from None
+    if not values:
+        raise UserError(f"{option} is empty")
+    return values
+
+
+@app.command("eval")
+def eval_command(
+    data: Annotated[list[Path] | None, typer.Argument(help="LoCoMo-format conversation files with QA.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated methods; full KV always runs as the reference.")] = (
+        ",".join(EvalConfig.methods)
+    ),
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets M.")] = ",".join(map(str, EvalConfig.budgets)),
+    max_context: Annotated[int | None, typer.Option(
+        help="Keep whole sessions from the start up to this many tokens (default: the model's window minus "
+        "room for the answer) and only questions whose evidence is all inside.")] = EvalConfig.max_context,
+    questions: Annotated[int | None, typer.Option(
+        help="At most N questions per conversation, spread evenly over the file.")] = EvalConfig.questions,
+    categories: Annotated[str, typer.Option(
+        help="LoCoMo categories: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial.")] = (
+        ",".join(map(str, EvalConfig.categories))
+    ),
+    synthetic: Annotated[int, typer.Option(help="Also run N planted-fact conversations (deterministic).")] = 0,
+    model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
+        IngestConfig.model
+    ),
+    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
+                                                  "a re-run skips what the file already has.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
+    from kvchat import evaluate
+    from kvchat.config import METHODS
+    from kvchat.ingest import validate
+
+    if not data and synthetic < 1:
+        raise UserError("give LoCoMo files to evaluate, or --synthetic N")
+    method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
+    for m in method_list:
+        if m not in METHODS:
+            raise UserError(f"unknown method {m!r} in --methods (choose from {', '.join(METHODS)})")
+    config = EvalConfig(
+        methods=method_list, budgets=_int_list(budgets, "--budgets"), max_context=max_context,
+        questions=questions, categories=_int_list(categories, "--categories"),
+    )
+    if questions is not None and questions < 1:
+        raise UserError(f"--questions must be >= 1 (got {questions})")
+    if max_context is not None and max_context < 64:
+        raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
+    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size))
+    variant_list = evaluate.variants(config.methods, config.budgets, base.cache)
+    for v in variant_list:
+        validate(dataclasses.replace(base, cache=v.cache))
+    results = evaluate.ResultsFile(out_path)
+    store = _store()
+    lm = _model(model, store)
+    sets = evaluate.qa_sets(data or [], synthetic, lm, config)
+    for s in sets:
+        if s.sessions_total:
+            err.print(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
+                      f"{len(s.questions)} questions with all evidence inside", markup=False)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=err, transient=True, disable=not err.is_terminal or as_json,
+    ) as bars:
+        records = evaluate.evaluate(
+            sets, variant_list, lm=lm, encoder=_encoder(), config=config, base=base, results=results,
+            profile_dirs=[store.home / "profiles"], progress=_RichEvalProgress(bars),
+        )
+    names = {s.name for s in sets}
+    rows = evaluate.summarize([r for r in records if r["set"] in names])
+    if report is not None:
+        from kvchat import report as eval_report
+
+        report.parent.mkdir(parents=True, exist_ok=True)
+        png = report.with_suffix(".png")
+        eval_report.plot(rows, png)
+        notes = [f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions" for s in sets]
+        report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
+    if as_json:
+        _emit_json(rows)
+        return
+    table = Table(title=f"kvchat eval: {', '.join(sorted(names))}")
+    for _, header, _ in EVAL_COLUMNS:
+        table.add_column(header, justify="left" if header == "variant" else "right")
+    for row in rows:
+        table.add_row(*(eval_cell(row, key, fmt) for key, _, fmt in EVAL_COLUMNS))
+    out.print(table)
 
 
 @app.command("list")

@@ -13,6 +13,7 @@ import platformdirs
 METHODS = ("epicache", "full", "streaming", "snapkv", "infinipot", "kvzip", "keydiff")
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid")
 POSITION_MODES = ("original", "compact", "auto")
+ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 
 # EpiCache's official instruction for the patched prompt (METHODS.md, point 3).
 EPISODE_INSTRUCTION = (
@@ -76,6 +77,30 @@ class IngestConfig:
 @dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
+    question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
+
+
+# LoCoMo's own QA prompt (task_eval), "context" read as the conversation the cache holds.
+LOCOMO_QA_TEMPLATE = (
+    "Based on the conversation, write an answer in the form of a short phrase for the following question. "
+    "Answer with exact words from the conversation whenever possible.\n\nQuestion: {question} Short answer:"
+)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """`kvchat eval`: which questions, and how answers are decoded."""
+
+    methods: tuple[str, ...] = METHODS
+    budgets: tuple[int, ...] = (256, 512, 1024)
+    max_context: int | None = None     # history tokens kept (whole sessions); None = the model's window
+                                       # minus ANSWER_ROOM, so full KV stays inside the window
+    questions: int | None = None       # per conversation, spread evenly over the file; None = all
+    categories: tuple[int, ...] = (1, 2, 3, 4)  # LoCoMo categories; 5 (adversarial) only when asked
+    max_new_tokens: int = 32           # LoCoMo answers are short phrases
+    question_template: str = LOCOMO_QA_TEMPLATE
+    synthetic_topics: int = 6          # planted-fact set (--synthetic): topics per conversation
+    synthetic_turns_per_topic: int = 48
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvchat import memory
 from kvchat.config import (
+    ANSWER_ROOM,
     INFINIPOT_PROMPT,
     KVZIP_PROMPT,
     LAYER_BUDGETS,
@@ -31,8 +32,6 @@ from kvchat.kv.scoring import BlockPromptScorer, KeyDiffScorer, PatchedPromptSco
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_profile
 from kvchat.store import Store, validate_name
-
-ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer (positions=auto)
 
 
 class IngestProgress:
@@ -105,10 +104,12 @@ def ingest(
     progress: IngestProgress | None = None,
     source: str | None = None,
     force: bool = False,
+    profile_dirs: Sequence[Path] | None = None,
 ) -> IngestReport:
     """Build and store the episode caches of one history (a file, or turns already loaded from one;
     then `name` is required). Nothing is visible in the store until all is written. Refuses to start
-    when the memory estimate exceeds the available memory, unless `force`."""
+    when the memory estimate exceeds the available memory, unless `force`. Layer profiles are looked up
+    in `profile_dirs` (default: the store's `profiles/`), then among the shipped ones."""
     started = time.perf_counter()
     validate(config)
     from_file = isinstance(history, (str, os.PathLike))
@@ -140,7 +141,9 @@ def ingest(
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
     episodes = _episodes(lines, config, lm, encoder, episodic=cache_cfg.method == "epicache")
     notes: list[str] = []
-    strategy, budgets = ("full", None) if full else _layer_budgets(cache_cfg, lm, store, notes)
+    strategy, budgets = ("full", None) if full else _layer_budgets(
+        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), notes
+    )
     if budgets is not None and min(budgets) <= prefix_ids.shape[-1]:
         raise UserError(
             f"--budget {cache_cfg.budget} gives a layer {min(budgets)} entries, which must exceed the "
@@ -218,11 +221,13 @@ def ingest(
     return report
 
 
-def _layer_budgets(cache: CacheConfig, lm: LoadedModel, store: Store, notes: list[str]) -> tuple[str, list[int]]:
+def _layer_budgets(
+    cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], notes: list[str]
+) -> tuple[str, list[int]]:
     """The strategy actually used and its per-layer budgets. `auto` = sensitivity when a profile of
     these weights exists (shipped, or made by `kvchat profile-layers`), else uniform."""
     strategy = cache.layer_budgets
-    profile = find_profile(lm, [store.home / "profiles"]) if strategy in ("auto", "sensitivity") else None
+    profile = find_profile(lm, profile_dirs) if strategy in ("auto", "sensitivity") else None
     if strategy == "auto":
         strategy = "sensitivity" if profile else "uniform"
         if profile is None:

@@ -12,7 +12,7 @@ import importlib.util
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,11 +215,18 @@ def load_model(
 
 
 def generate(
-    lm: LoadedModel, cache: EpisodeCache, prompt_ids: torch.Tensor, max_new_tokens: int
+    lm: LoadedModel,
+    cache: EpisodeCache,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    on_first_logits: Callable[[torch.Tensor], None] | None = None,
 ) -> Iterator[int]:
-    """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback)."""
+    """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback).
+    `on_first_logits` receives the logits [vocab] the first answer token is chosen from."""
     stop = lm.stop_ids
     logits = forward(lm.model, cache, prompt_ids)
+    if on_first_logits is not None:
+        on_first_logits(logits[0, -1])
     for step in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
         if token in stop:

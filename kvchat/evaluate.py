@@ -1,0 +1,316 @@
+"""Answer quality against full KV: build each variant's caches, ask every question, compare.
+
+For each QA set the full-KV cache is built first: its answers and first-answer-token distributions are
+the reference. Each variant (a method at a budget, optionally with other cache settings) is then
+ingested into a scratch store, every question is asked, and a record is appended to the results file:
+the LoCoMo score against the gold answer, **agreement** (token F1 between the variant's answer and the
+full-KV answer) and the KL divergence KL(full || variant) of the first answer token. Records are
+appended as they are produced; a re-run skips every (set, variant, question) already in the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvchat.ask import Session
+from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EvalConfig, IngestConfig
+from kvchat.encoder import SentenceEncoder
+from kvchat.errors import UserError
+from kvchat.ingest import IngestProgress, ingest
+from kvchat.llm import LoadedModel
+from kvchat.qa import (
+    CATEGORIES,
+    QASet,
+    contains_gold,
+    load_locomo,
+    planted_sets,
+    sample_questions,
+    score_answer,
+    token_f1,
+)
+from kvchat.store import Store
+
+REFERENCE = "full"
+_CACHE_DEFAULTS = CacheConfig()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One cache configuration under evaluation; `key` names it in results and tables."""
+
+    cache: CacheConfig
+
+    @property
+    def key(self) -> str:
+        if self.cache.method == REFERENCE:
+            return REFERENCE
+        extra = [
+            f"{f.name}={getattr(self.cache, f.name)}"
+            for f in dataclasses.fields(self.cache)
+            if f.name not in ("method", "budget") and getattr(self.cache, f.name) != getattr(_CACHE_DEFAULTS, f.name)
+        ]
+        return "/".join([f"{self.cache.method}@{self.cache.budget}", *extra])
+
+
+def variants(methods: Sequence[str], budgets: Sequence[int], base: CacheConfig = _CACHE_DEFAULTS) -> list[Variant]:
+    """Every method at every budget (full KV once: it has no budget)."""
+    out: list[Variant] = []
+    for method in methods:
+        if method == REFERENCE:
+            continue
+        out += [Variant(dataclasses.replace(base, method=method, budget=b)) for b in budgets]
+    return out
+
+
+def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: EvalConfig) -> list[QASet]:
+    """LoCoMo files cut to `config.max_context` tokens (default: what keeps full KV inside the model's
+    window), then `synthetic` planted-fact conversations."""
+    max_context = config.max_context
+    if max_context is None and lm.context_window:
+        max_context = lm.context_window - ANSWER_ROOM
+    sets = [
+        load_locomo(
+            path,
+            count_tokens=lambda text: lm.encode(text).shape[-1],
+            max_context=max_context,
+            categories=config.categories,
+        )
+        for path in paths
+    ]
+    return sets + planted_sets(
+        synthetic, topics=config.synthetic_topics, turns_per_topic=config.synthetic_turns_per_topic
+    )
+
+
+class EvalProgress:
+    """Hooks for a progress display; the default does nothing."""
+
+    ingest: IngestProgress = IngestProgress()
+
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
+
+    def question(self, done: int, total: int) -> None: ...
+
+
+class ResultsFile:
+    """Append-only JSON lines: `ingest` records (one per set and variant) and `answer` records."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.records: list[dict] = []
+        if path is not None and path.exists():
+            self.records = _read_jsonl(path)
+
+    def done(self, qa_set: str, key: str) -> set[str]:
+        return {
+            r["qid"] for r in self.records if r["kind"] == "answer" and r["set"] == qa_set and r["variant"] == key
+        }
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        if self.path is not None:
+            with self.path.open("a", encoding="utf-8") as f:
+                f.write(json.dumps(record, ensure_ascii=False) + "\n")
+                f.flush()
+
+
+def evaluate(
+    qa_sets: Iterable[QASet],
+    variant_list: Sequence[Variant],
+    *,
+    lm: LoadedModel,
+    encoder: SentenceEncoder,
+    config: EvalConfig = EvalConfig(),
+    base: IngestConfig = IngestConfig(),
+    results: ResultsFile | None = None,
+    profile_dirs: Sequence[Path] = (),
+    progress: EvalProgress | None = None,
+) -> list[dict]:
+    """Run every variant on every set (full KV first, as the reference); returns all records, those
+    read from `results` included. Caches live in a scratch store that is deleted afterwards."""
+    results = results or ResultsFile(None)
+    progress = progress or EvalProgress()
+    ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template)
+    everything = [Variant(dataclasses.replace(base.cache, method=REFERENCE)), *variant_list]
+    for qa_set in qa_sets:
+        questions = sample_questions(qa_set.questions, config.questions)
+        pending = [v for v in everything if {q.qid for q in questions} - results.done(qa_set.name, v.key)]
+        if not questions or not pending:
+            continue
+        with tempfile.TemporaryDirectory(prefix="kvchat-eval-") as scratch:
+            store = Store(Path(scratch))
+            runner = _SetRunner(qa_set, questions, lm, encoder, base, ask_config, store, results, profile_dirs)
+            reference = runner.run(everything[0], progress, position=(0, len(pending)))
+            for i, variant in enumerate(v for v in pending if v.key != REFERENCE):
+                runner.run(variant, progress, position=(i + 1, len(pending)), reference=reference)
+            store.close()
+    return results.records
+
+
+@dataclass
+class _Reference:
+    answers: dict[str, str]
+    logprobs: dict[str, torch.Tensor]
+
+
+@dataclass
+class _SetRunner:
+    """Ingests variants of one QA set and asks its questions."""
+
+    qa_set: QASet
+    questions: list
+    lm: LoadedModel
+    encoder: SentenceEncoder
+    base: IngestConfig
+    ask_config: AskConfig
+    store: Store
+    results: ResultsFile
+    profile_dirs: Sequence[Path]
+
+    def run(
+        self, variant: Variant, progress: EvalProgress, position: tuple[int, int], reference: _Reference | None = None
+    ) -> _Reference:
+        progress.variant(self.qa_set.name, variant.key, *position)
+        name = f"{self.qa_set.name}.{position[0]}"
+        report = ingest(
+            self.qa_set.turns,
+            name=name,
+            config=dataclasses.replace(self.base, cache=variant.cache),
+            store=self.store,
+            lm=self.lm,
+            encoder=self.encoder,
+            source=self.qa_set.name,
+            progress=progress.ingest,
+            profile_dirs=self.profile_dirs,
+        )
+        conversation = self.store.get(name)
+        done = self.results.done(self.qa_set.name, variant.key)
+        if variant.key not in {r["variant"] for r in self._ingests()}:
+            self.results.append(
+                {
+                    "kind": "ingest",
+                    "set": self.qa_set.name,
+                    "variant": variant.key,
+                    "method": variant.cache.method,
+                    "budget": None if variant.key == REFERENCE else variant.cache.budget,
+                    "history_tokens": report.history_tokens,
+                    "episodes": report.episodes,
+                    "layer_budgets": report.layer_budgets,
+                    "peak_cache_tokens": report.peak_cache_tokens,
+                    "cache_bytes": report.cache_bytes,
+                    "seconds": report.seconds,
+                }
+            )
+        session = Session(self.store, conversation, self.lm, self.encoder, self.ask_config)
+        ours = _Reference({}, {})
+        for n, question in enumerate(self.questions, start=1):
+            first: list[torch.Tensor] = []
+            answer = session.ask(question.text, log=False, on_first_logits=first.append)
+            logprobs = first[0].float().log_softmax(-1)
+            if reference is None:
+                ours.answers[question.qid], ours.logprobs[question.qid] = answer.text, logprobs
+            if question.qid not in done:
+                ref_text = reference.answers[question.qid] if reference else answer.text
+                kl = _kl(reference.logprobs[question.qid], logprobs) if reference else 0.0
+                self.results.append(
+                    {
+                        "kind": "answer",
+                        "set": self.qa_set.name,
+                        "variant": variant.key,
+                        "method": variant.cache.method,
+                        "budget": None if variant.key == REFERENCE else variant.cache.budget,
+                        "qid": question.qid,
+                        "category": question.category,
+                        "question": question.text,
+                        "gold": question.gold,
+                        "prediction": answer.text,
+                        "full_prediction": ref_text,
+                        "f1": round(score_answer(answer.text, question), 4),
+                        "recall": contains_gold(answer.text, question),
+                        "agreement": round(token_f1(answer.text, ref_text), 4) if ref_text or answer.text else 1.0,
+                        "kl": round(kl, 5),
+                        "episode": answer.episode,
+                        "answer_tokens": answer.answer_tokens,
+                        "timings_ms": answer.timings_ms,
+                        "cache_bytes": conversation.episodes[answer.episode].bytes,
+                    }
+                )
+            progress.question(n, len(self.questions))
+        self.store.remove(name)
+        return ours
+
+    def _ingests(self) -> list[dict]:
+        return [r for r in self.results.records if r["kind"] == "ingest" and r["set"] == self.qa_set.name]
+
+
+def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """KL(reference || other) in nats, from log-probabilities."""
+    return float((reference.exp() * (reference - other)).sum().clamp_min(0))
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """Records of an earlier run; a last line cut by an interruption is dropped."""
+    records = []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if i == len(lines) - 1:
+                break
+            raise UserError(f"{path}: line {i + 1} is not JSON; not a kvchat eval results file") from None
+        if not isinstance(record, dict) or record.get("kind") not in ("ingest", "answer"):
+            raise UserError(f"{path}: line {i + 1} is not a kvchat eval record")
+        records.append(record)
+    return records
+
+
+# --- summary -----------------------------------------------------------------------------------------
+def summarize(records: Sequence[dict]) -> list[dict]:
+    """One row per variant over all sets: mean F1 (overall and per category), recall, agreement, KL,
+    F1 relative to full KV on the same questions, peak cache entries, ingest seconds, answer tok/s."""
+    answers: dict[str, list[dict]] = defaultdict(list)
+    ingests: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        (answers if r["kind"] == "answer" else ingests)[r["variant"]].append(r)
+    full_f1 = {(r["set"], r["qid"]): r["f1"] for r in answers.get(REFERENCE, [])}
+    rows = []
+    for key, rs in answers.items():
+        paired = [r for r in rs if (r["set"], r["qid"]) in full_f1]
+        reference = _mean(full_f1[(r["set"], r["qid"])] for r in paired)
+        decode_s = sum(r["timings_ms"]["decode"] for r in rs) / 1000
+        row = {
+            "variant": key,
+            "method": rs[0]["method"],
+            "budget": rs[0]["budget"],
+            "questions": len(rs),
+            "f1": _mean(r["f1"] for r in rs),
+            "recall": _mean(float(r["recall"]) for r in rs),
+            "agreement": _mean(r["agreement"] for r in rs),
+            "kl": _mean(r["kl"] for r in rs),
+            "relative_f1": _mean(r["f1"] for r in paired) / reference if paired and reference else None,
+            "f1_by_category": {
+                CATEGORIES.get(c, str(c)): _mean(r["f1"] for r in rs if r["category"] == c)
+                for c in sorted({r["category"] for r in rs})
+            },
+            "peak_cache_tokens": max((i["peak_cache_tokens"] for i in ingests.get(key, [])), default=None),
+            "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
+            "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,
+        }
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["method"] != REFERENCE, r["method"], r["budget"] or 0, r["variant"]))
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return sum(values) / len(values) if values else None

@@ -1,0 +1,80 @@
+"""`kvchat eval --report`: the summary rows as markdown tables and a PNG of F1 and agreement vs budget."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvchat.errors import UserError
+
+COLUMNS = (
+    ("variant", "variant", "{}"),
+    ("questions", "questions", "{}"),
+    ("f1", "F1", "{:.3f}"),
+    ("relative_f1", "F1 / full", "{:.2f}"),
+    ("agreement", "agreement", "{:.3f}"),
+    ("kl", "KL 1st token", "{:.3f}"),
+    ("recall", "contains gold", "{:.2f}"),
+    ("peak_cache_tokens", "peak entries/layer", "{}"),
+    ("ingest_seconds", "ingest s", "{:.0f}"),
+    ("answer_tokens_per_s", "answer tok/s", "{:.1f}"),
+)
+
+
+def cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "–" if value is None else fmt.format(value)
+
+
+def markdown(rows: Sequence[dict], *, title: str, notes: Sequence[str] = (), plot: str | None = None) -> str:
+    """The summary table, then F1 per question category, then `notes` (what was run, on what)."""
+    lines = [f"# {title}", ""]
+    lines += [f"- {note}" for note in notes]
+    lines += ["", "| " + " | ".join(h for _, h, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r, k, f) for k, _, f in COLUMNS) + " |" for r in rows]
+    categories = sorted({c for r in rows for c in r["f1_by_category"]})
+    if categories:
+        lines += ["", "F1 per question category:", ""]
+        lines += ["| variant | " + " | ".join(categories) + " |", "|" + "---|" * (len(categories) + 1)]
+        lines += [
+            f"| {r['variant']} | " + " | ".join(cell(r["f1_by_category"], c, "{:.3f}") for c in categories) + " |"
+            for r in rows
+        ]
+    if plot:
+        lines += ["", f"![F1 and agreement vs budget]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: Sequence[dict], path: Path) -> None:
+    """F1 and agreement vs budget, one line per method; full KV as a dashed level."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("a PNG report needs matplotlib: pip install 'kvchat[plot]'") from None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    series = sorted({_series(r) for r in rows if r["budget"] is not None})
+    for ax, key, label in ((axes[0], "f1", "LoCoMo F1"), (axes[1], "agreement", "agreement with full KV")):
+        for name in series:
+            points = sorted((r["budget"], r[key]) for r in rows if _series(r) == name and r[key] is not None)
+            if points:
+                ax.plot(*zip(*points, strict=True), marker="o", label=name)
+        for r in rows:
+            if r["budget"] is None and r[key] is not None:
+                ax.axhline(r[key], color="black", linestyle="--", label="full KV")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (entries per layer and head)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _series(row: dict) -> str:
+    """A variant without its budget: one line in the plot."""
+    return re.sub(r"@\d+", "", row["variant"])
