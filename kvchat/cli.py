@@ -302,6 +302,7 @@ def eval_command(
     from kvchat import evaluate
     from kvchat.config import METHODS
     from kvchat.ingest import validate
+    from kvchat.qa import load_locomo
 
     if not data and synthetic < 1:
         raise UserError("give LoCoMo files to evaluate, or --synthetic N")
@@ -321,6 +322,8 @@ def eval_command(
     variant_list = evaluate.variants(config.methods, config.budgets, base.cache)
     for v in variant_list:
         validate(dataclasses.replace(base, cache=v.cache))
+    for path in data or []:
+        load_locomo(path)  # a bad file fails here, before any model is loaded
     results = evaluate.ResultsFile(out_path)
     store = _store()
     lm = _model(model, store)

@@ -107,7 +107,9 @@ class ResultsFile:
         self.path = path
         self.records: list[dict] = []
         if path is not None and path.exists():
-            self.records = _read_jsonl(path)
+            self.records, complete = _read_jsonl(path)
+            with path.open("r+b") as f:  # drop a line an interruption cut, so appends start on a new line
+                f.truncate(complete)
 
     def done(self, qa_set: str, key: str) -> set[str]:
         return {
@@ -256,23 +258,29 @@ def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((reference.exp() * (reference - other)).sum().clamp_min(0))
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    """Records of an earlier run; a last line cut by an interruption is dropped."""
-    records = []
-    lines = path.read_text(encoding="utf-8").splitlines()
+def _read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """Records of an earlier run and the byte length of its complete lines (a last line cut by an
+    interruption is not one)."""
+    records, complete = [], 0
+    lines = path.read_bytes().split(b"\n")
     for i, line in enumerate(lines):
+        last = i == len(lines) - 1
         if not line.strip():
+            complete += len(line) + (not last)
             continue
         try:
             record = json.loads(line)
         except ValueError:
-            if i == len(lines) - 1:
+            if last:
                 break
             raise UserError(f"{path}: line {i + 1} is not JSON; not a kvchat eval results file") from None
         if not isinstance(record, dict) or record.get("kind") not in ("ingest", "answer"):
             raise UserError(f"{path}: line {i + 1} is not a kvchat eval record")
+        if last:  # complete JSON but no newline: the write was cut right before it
+            break
         records.append(record)
-    return records
+        complete += len(line) + 1
+    return records, complete
 
 
 # --- summary -----------------------------------------------------------------------------------------

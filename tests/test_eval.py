@@ -1,0 +1,208 @@
+"""`kvchat eval`: LoCoMo scoring, session truncation and evidence filtering, resumable runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from cli_helpers import run_main
+
+from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig
+from kvchat.errors import UserError
+from kvchat.evaluate import REFERENCE, ResultsFile, Variant, evaluate, summarize, variants
+from kvchat.history import format_turns
+from kvchat.qa import (
+    QASet,
+    Question,
+    contains_gold,
+    load_locomo,
+    normalize_answer,
+    planted_sets,
+    sample_questions,
+    score_answer,
+    token_f1,
+)
+from kvchat.synthetic import _TOPICS
+
+SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
+
+
+# --- scoring ------------------------------------------------------------------------------------------
+def test_normalisation_drops_case_punctuation_commas_and_articles():
+    assert normalize_answer("The Cat, and a dog!") == "cat dog"
+    assert normalize_answer("An apple; the END.") == "apple end"
+    assert normalize_answer("Andrew and Theo") == "andrew theo"  # whole words only
+
+
+def test_token_f1_is_stemmed_and_symmetric_in_overlap():
+    assert token_f1("running dogs", "The dog runs") == 1.0
+    assert token_f1("Paris, France", "paris") == pytest.approx(2 / 3)
+    assert token_f1("nothing in common", "entirely different") == 0.0
+    assert token_f1("", "gold") == 0.0
+
+
+def test_per_category_scoring_follows_locomo():
+    multi = Question("0", "q", "hiking, painting", 1)
+    assert score_answer("painting", multi) == pytest.approx(0.5)   # mean over gold items
+    assert score_answer("hiking, painting", multi) == 1.0
+    open_domain = Question("1", "q", "likely yes; she said so", 3)
+    assert score_answer("likely yes", open_domain) == 1.0          # only the part before ';' counts
+    assert score_answer("she said so", open_domain) == 0.0
+    adversarial = Question("2", "q", "Not mentioned in the conversation", 5)
+    assert score_answer("That is not mentioned.", adversarial) == 1.0
+    assert score_answer("Her dog Biscuit.", adversarial) == 0.0
+    assert contains_gold("It leaves from gate B17, I think.", Question("3", "q", "B17", 0))
+    assert not contains_gold("gate B1", Question("3", "q", "B17", 0))
+
+
+# --- LoCoMo files ------------------------------------------------------------------------------------
+def _locomo(path: Path, sessions: list[list[str]], qa: list[dict]) -> Path:
+    data: dict = {"speaker_a": "Maya", "speaker_b": "Tom", "qa": qa}
+    for s, lines in enumerate(sessions, start=1):
+        data[f"session_{s}_date_time"] = f"1:00 pm on {s} May, 2023"
+        data[f"session_{s}"] = [
+            {"speaker": ("Maya", "Tom")[t % 2], "dia_id": f"D{s}:{t + 1}", "text": text} for t, text in enumerate(lines)
+        ]
+    path.write_text(json.dumps(data))
+    return path
+
+
+def _words(text: str) -> int:
+    return len(text.split())
+
+
+@pytest.fixture
+def locomo_file(tmp_path) -> Path:
+    filler = _TOPICS["garden"][0]
+    sessions = [list(filler[:4]), list(filler[4:8]), list(filler[:3])]
+    qa = [
+        {"question": "in session one?", "answer": "x", "evidence": ["D1:2"], "category": 4},
+        {"question": "in session three?", "answer": "y", "evidence": ["D3:1"], "category": 4},
+        {"question": "across one and two?", "answer": "z", "evidence": ["D1:1; D2:3"], "category": 1},
+        {"question": "no evidence?", "answer": "w", "evidence": [], "category": 2},
+        {"question": "adversarial?", "adversarial_answer": "v", "evidence": ["D1:1"], "category": 5},
+        {"question": "leading zero?", "answer": "u", "evidence": ["D2:01"], "category": 2},
+    ]
+    return _locomo(tmp_path / "conv.json", sessions, qa)
+
+
+def _first_sessions_words(path: Path, turns: int) -> int:
+    return _words("\n".join(format_turns(load_locomo(path).turns[:turns])))
+
+
+def test_truncation_keeps_whole_sessions_that_fit(locomo_file):
+    whole = load_locomo(locomo_file)
+    assert whole.sessions_kept == whole.sessions_total == 3
+    two_sessions = _first_sessions_words(locomo_file, 8)
+    cut = load_locomo(locomo_file, count_tokens=_words, max_context=two_sessions)
+    assert (cut.sessions_kept, len(cut.turns)) == (2, 8)
+    assert load_locomo(locomo_file, count_tokens=_words, max_context=two_sessions - 1).sessions_kept == 1
+    with pytest.raises(UserError, match="smaller than the first session"):
+        load_locomo(locomo_file, count_tokens=_words, max_context=3)
+
+
+def test_questions_are_kept_only_when_all_evidence_is_inside(locomo_file):
+    whole = load_locomo(locomo_file)
+    assert [q.text for q in whole.questions] == [
+        "in session one?", "in session three?", "across one and two?", "leading zero?"
+    ]
+    two = load_locomo(locomo_file, count_tokens=_words, max_context=_first_sessions_words(locomo_file, 8))
+    assert two.sessions_kept == 2
+    assert [q.text for q in two.questions] == ["in session one?", "across one and two?", "leading zero?"]
+    one = load_locomo(locomo_file, count_tokens=_words, max_context=_first_sessions_words(locomo_file, 4))
+    assert one.sessions_kept == 1 and [q.text for q in one.questions] == ["in session one?"]
+
+
+def test_adversarial_questions_only_when_asked(locomo_file):
+    asked = load_locomo(locomo_file, categories=(5,))
+    assert [(q.text, q.gold) for q in asked.questions] == [("adversarial?", "Not mentioned in the conversation")]
+
+
+def test_not_a_locomo_file_is_a_user_error(tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]))
+    with pytest.raises(UserError, match="not a LoCoMo file"):
+        load_locomo(path)
+
+
+def test_question_sample_is_spread_over_the_file():
+    questions = [Question(str(i), "q", "a", 1 + i % 4) for i in range(40)]
+    sample = sample_questions(questions, 8)
+    assert [q.qid for q in sample] == [str(i) for i in range(0, 40, 5)]
+    assert {q.category for q in sample} == {1, 2, 3, 4}
+    assert sample_questions(questions, None) == questions
+
+
+def test_planted_sets_are_deterministic():
+    a, b = planted_sets(2, topics=3, turns_per_topic=12), planted_sets(2, topics=3, turns_per_topic=12)
+    assert [s.turns for s in a] == [s.turns for s in b] and a[0].turns != a[1].turns
+    assert all(len(s.questions) == 3 for s in a)
+    assert all(q.gold in " ".join(t.text for t in s.turns) for s in a for q in s.questions)
+
+
+# --- runs -------------------------------------------------------------------------------------------
+def _tiny_set() -> QASet:
+    return planted_sets(1, topics=3, turns_per_topic=12)[0]
+
+
+def test_variant_keys_name_what_differs_from_the_defaults():
+    assert Variant(CacheConfig(method="snapkv", budget=256)).key == "snapkv@256"
+    assert Variant(CacheConfig(method="full")).key == REFERENCE
+    assert Variant(CacheConfig(budget=512, layer_budgets="pyramid")).key == "epicache@512/layer_budgets=pyramid"
+    assert [v.key for v in variants(["full", "keydiff"], [1, 2])] == ["keydiff@1", "keydiff@2"]
+
+
+def test_eval_compares_with_full_kv_and_resumes(tmp_path, tiny_lm, encoder):
+    qa_set = _tiny_set()
+    config = EvalConfig(max_new_tokens=6)
+    generous = Variant(dataclasses.replace(SMALL.cache, method="snapkv", budget=4096))  # keeps everything
+    tight = Variant(dataclasses.replace(SMALL.cache, method="streaming", budget=64))
+    out = tmp_path / "results.jsonl"
+
+    def run() -> list[dict]:
+        return evaluate([qa_set], [generous, tight], lm=tiny_lm, encoder=encoder, config=config, base=SMALL,
+                        results=ResultsFile(out))
+
+    records = run()
+    answers = [r for r in records if r["kind"] == "answer"]
+    assert len(answers) == 3 * len(qa_set.questions)
+    by = {(r["variant"], r["qid"]): r for r in answers}
+    for q in qa_set.questions:
+        full, same = by[(REFERENCE, q.qid)], by[(generous.key, q.qid)]
+        assert full["agreement"] == 1.0 and full["kl"] == 0.0
+        # a budget larger than the history keeps every entry: the same answer, the same distribution
+        assert same["prediction"] == full["prediction"] and same["kl"] == pytest.approx(0.0, abs=1e-4)
+        assert by[(tight.key, q.qid)]["kl"] >= 0
+    assert len(list(Path(out).read_text().splitlines())) == len(records)
+
+    # an interrupted run: the last record lost and the one before cut mid-line
+    lines = out.read_text().splitlines()
+    out.write_text("\n".join(lines[:-2]) + "\n" + lines[-2][:20])
+    resumed = run()
+    def untouched(rs: list[dict]) -> list[str]:
+        return sorted(json.dumps(r, sort_keys=True) for r in rs if r["kind"] == "answer" and r["variant"] != tight.key)
+
+    assert untouched(resumed) == untouched(answers)
+    reread = ResultsFile(out).records
+    keys = [(r["variant"], r["qid"]) for r in reread if r["kind"] == "answer"]
+    assert len(keys) == len(set(keys)) == len(answers)
+
+    rows = {r["variant"]: r for r in summarize(reread)}
+    assert rows[REFERENCE]["relative_f1"] in (None, 1.0) and rows[generous.key]["kl"] == pytest.approx(0, abs=1e-4)
+    assert rows[tight.key]["peak_cache_tokens"] <= 64 + 48 + 16
+
+
+def test_cli_eval_rejects_bad_options_before_loading_a_model(tmp_path):
+    for args, message in [
+        ((), "give LoCoMo files"),
+        (("x.json", "--methods", "epicache,bogus"), "unknown method 'bogus'"),
+        (("x.json", "--budgets", "256,abc"), "comma-separated integers"),
+        (("x.json", "--budgets", "0"), "--budget must be >= 1"),
+        (("x.json", "--questions", "0"), "--questions must be >= 1"),
+        ((str(tmp_path / "missing.json"),), "missing.json"),
+    ]:
+        result = run_main(tmp_path, "eval", *args)
+        assert result.returncode == 2, (args, result.stderr)
+        assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
