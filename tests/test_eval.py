@@ -206,3 +206,19 @@ def test_cli_eval_rejects_bad_options_before_loading_a_model(tmp_path):
         result = run_main(tmp_path, "eval", *args)
         assert result.returncode == 2, (args, result.stderr)
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
+    out, report = tmp_path / "r.jsonl", tmp_path / "rep" / "report.md"
+    args = ("eval", "--synthetic", "1", "--model", str(tiny_model_dir), "--methods", "streaming",
+            "--budgets", "256", "--block-size", "256", "--questions", "2", "--out", str(out),
+            "--report", str(report), "--json")
+    result = run_main(tmp_path / "home", *args)
+    assert result.returncode == 0, result.stderr
+    rows = {r["variant"]: r for r in json.loads(result.stdout)}
+    assert set(rows) == {REFERENCE, "streaming@256/block_size=256"}
+    assert all(r["questions"] == 2 for r in rows.values())
+    assert "| streaming@256/block_size=256 |" in report.read_text() and report.with_suffix(".png").stat().st_size > 0
+    again = run_main(tmp_path / "home", *args)  # everything is in the file: nothing is recomputed
+    assert again.returncode == 0 and json.loads(again.stdout) == json.loads(result.stdout)
+    assert len(out.read_text().splitlines()) == 2 + 2 * 2
