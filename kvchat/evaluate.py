@@ -6,6 +6,10 @@ ingested into a scratch store, every question is asked, and a record is appended
 the LoCoMo score against the gold answer, **agreement** (token F1 between the variant's answer and the
 full-KV answer) and the KL divergence KL(full || variant) of the first answer token. Records are
 appended as they are produced; a re-run skips every (set, variant, question) already in the file.
+
+To tell routing from scoring when a method loses, each record also says how much of the question's
+evidence survived eviction: the fraction of the evidence turns' (layer, head, token) entries kept in the
+routed episode's cache (`evidence_kept`) and in the best of the variant's episodes (`evidence_kept_best`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from kvchat.ask import Session
 from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EvalConfig, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
+from kvchat.history import Turn, format_turns
 from kvchat.ingest import IngestProgress, ingest
+from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import LoadedModel
 from kvchat.qa import (
     CATEGORIES,
@@ -212,6 +218,8 @@ class _SetRunner:
                 }
             )
         session = Session(self.store, conversation, self.lm, self.encoder, self.ask_config)
+        kept, protected = zip(*(self._kept_positions(e) for e in conversation.episodes), strict=True)
+        spans = _turn_positions(self.lm, self.qa_set.turns, protected[0])
         ours = _Reference({}, {})
         for n, question in enumerate(self.questions, start=1):
             first: list[torch.Tensor] = []
@@ -222,6 +230,9 @@ class _SetRunner:
             if question.qid not in done:
                 ref_text = reference.answers[question.qid] if reference else answer.text
                 kl = _kl(reference.logprobs[question.qid], logprobs) if reference else 0.0
+                evidence = [spans[e] for e in question.evidence if e in spans]
+                retained = [_retained(k, torch.cat(evidence)) if evidence else None for k in kept]
+                known = [r for r in retained if r is not None]
                 self.results.append(
                     {
                         "kind": "answer",
@@ -240,6 +251,8 @@ class _SetRunner:
                         "agreement": round(token_f1(answer.text, ref_text), 4) if ref_text or answer.text else 1.0,
                         "kl": round(kl, 5),
                         "episode": answer.episode,
+                        "evidence_kept": retained[answer.episode],
+                        "evidence_kept_best": max(known, default=None),
                         "answer_tokens": answer.answer_tokens,
                         "timings_ms": answer.timings_ms,
                         "cache_bytes": conversation.episodes[answer.episode].bytes,
@@ -249,8 +262,47 @@ class _SetRunner:
         self.store.remove(name)
         return ours
 
+    def _kept_positions(self, episode) -> tuple[torch.Tensor, int]:
+        """[layers * heads, positions] booleans saying which original positions each head kept, and
+        the length of the protected system prompt."""
+        tensors, metadata = self.store.load_episode(episode, self.lm.fingerprint)
+        protected = int(metadata["protected"])
+        cache = EpisodeCache.from_tensors(tensors, next_position=int(metadata["next_position"]), protected=protected)
+        if metadata.get("positions") == "compact":  # re-rotated: original positions are gone
+            return torch.zeros(0, 0, dtype=torch.bool), protected
+        length = max(int(layer.positions.max()) + 1 for layer in cache.layers)
+        rows = []
+        for layer in cache.layers:
+            row = torch.zeros(layer.positions.shape[0], length, dtype=torch.bool)
+            rows.append(row.scatter_(1, layer.positions, True))
+        return torch.cat(rows), protected
+
     def _ingests(self) -> list[dict]:
         return [r for r in self.results.records if r["kind"] == "ingest" and r["set"] == self.qa_set.name]
+
+
+def _turn_positions(lm: LoadedModel, turns: list[Turn], offset: int) -> dict[str, torch.Tensor]:
+    """Cache positions of each turn's tokens: the history is tokenized as ingest does (turn lines joined
+    by newlines) and token offsets are matched to each line's characters."""
+    lines = format_turns(turns)
+    encoded = lm.tokenizer("\n".join(lines), add_special_tokens=False, return_offsets_mapping=True)
+    starts = torch.tensor([s for s, _ in encoded["offset_mapping"]])
+    ends = torch.tensor([e for _, e in encoded["offset_mapping"]])
+    spans, cursor = {}, 0
+    for turn, line in zip(turns, lines, strict=True):
+        inside = ((ends > cursor) & (starts < cursor + len(line))).nonzero().flatten()
+        if turn.turn_id is not None:
+            spans[turn.turn_id] = inside + offset
+        cursor += len(line) + 1
+    return spans
+
+
+def _retained(kept: torch.Tensor, positions: torch.Tensor) -> float | None:
+    """Fraction of (layer, head, position) entries kept; None when positions were compacted away."""
+    if kept.numel() == 0:
+        return None
+    inside = positions[positions < kept.shape[1]]
+    return round(float(kept[:, inside].float().sum() / (kept.shape[0] * len(positions))), 4)
 
 
 def _kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -306,6 +358,10 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             "recall": _mean(float(r["recall"]) for r in rs),
             "agreement": _mean(r["agreement"] for r in rs),
             "kl": _mean(r["kl"] for r in rs),
+            "evidence_kept": _mean(r["evidence_kept"] for r in rs if r.get("evidence_kept") is not None),
+            "evidence_kept_best": _mean(
+                r["evidence_kept_best"] for r in rs if r.get("evidence_kept_best") is not None
+            ),
             "relative_f1": _mean(r["f1"] for r in paired) / reference if paired and reference else None,
             "f1_by_category": {
                 CATEGORIES.get(c, str(c)): _mean(r["f1"] for r in rs if r["category"] == c)

@@ -9,6 +9,7 @@ before the first ';'; adversarial (5) scores 1 when the answer says the fact is 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import string
@@ -184,8 +185,11 @@ def planted_sets(count: int, *, topics: int = 6, turns_per_topic: int = 48) -> l
     sets = []
     for seed in range(count):
         messages, facts = planted_conversation(seed, topics=topics, turns_per_topic=turns_per_topic)
-        turns = parse_history(messages, source=f"planted-{seed}")
-        questions = [Question(str(i), f.question, f.answer, 0) for i, f in enumerate(facts)]
+        turns = [
+            dataclasses.replace(turn, turn_id=f"T{i}")
+            for i, turn in enumerate(parse_history(messages, source=f"planted-{seed}"))
+        ]
+        questions = [Question(str(i), f.question, f.answer, 0, (f"T{f.turn}",)) for i, f in enumerate(facts)]
         sets.append(QASet(f"planted-{seed}", turns, questions))
     return sets
 

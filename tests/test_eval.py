@@ -174,6 +174,7 @@ def test_eval_compares_with_full_kv_and_resumes(tmp_path, tiny_lm, encoder):
         assert full["agreement"] == 1.0 and full["kl"] == 0.0
         # a budget larger than the history keeps every entry: the same answer, the same distribution
         assert same["prediction"] == full["prediction"] and same["kl"] == pytest.approx(0.0, abs=1e-4)
+        assert full["evidence_kept"] == same["evidence_kept"] == 1.0
         assert by[(tight.key, q.qid)]["kl"] >= 0
     assert len(list(Path(out).read_text().splitlines())) == len(records)
 
@@ -192,6 +193,8 @@ def test_eval_compares_with_full_kv_and_resumes(tmp_path, tiny_lm, encoder):
     rows = {r["variant"]: r for r in summarize(reread)}
     assert rows[REFERENCE]["relative_f1"] in (None, 1.0) and rows[generous.key]["kl"] == pytest.approx(0, abs=1e-4)
     assert rows[tight.key]["peak_cache_tokens"] <= 64 + 48 + 16
+    # streaming keeps the sink and the recent past: evidence planted mid-conversation is mostly evicted
+    assert rows[tight.key]["evidence_kept"] < 0.5
 
 
 def test_cli_eval_rejects_bad_options_before_loading_a_model(tmp_path):
@@ -222,3 +225,16 @@ def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
     again = run_main(tmp_path / "home", *args)  # everything is in the file: nothing is recomputed
     assert again.returncode == 0 and json.loads(again.stdout) == json.loads(result.stdout)
     assert len(out.read_text().splitlines()) == 2 + 2 * 2
+
+
+def test_turn_positions_point_at_the_turns_tokens(tiny_lm):
+    from kvchat.evaluate import _turn_positions
+
+    turns = _tiny_set().turns[:12]
+    ids = tiny_lm.encode("\n".join(format_turns(turns)))[0]
+    spans = _turn_positions(tiny_lm, turns, offset=5)
+    assert set(spans) == {t.turn_id for t in turns}
+    for turn in turns:
+        text = tiny_lm.decode(ids[spans[turn.turn_id] - 5].tolist())
+        squeeze = "".join  # the word-level test tokenizer decodes with spaces around punctuation
+        assert squeeze(text.split()) == squeeze(f"{turn.role}: {turn.text}".split())
