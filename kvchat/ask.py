@@ -72,6 +72,7 @@ class Session:
         if not question:
             raise UserError("the question is empty")
         timings: dict[str, float] = {}
+        self._follow_replacement()
         clock = time.perf_counter()
         query = self.encoder.embed([question])[0]
         timings["embed"] = _ms_since(clock)
@@ -138,6 +139,22 @@ class Session:
                 }
             )
         return answer
+
+    def _follow_replacement(self) -> None:
+        """A conversation re-ingested (`--replace`) while this session is open is answered from its new
+        caches; one removed meanwhile is a clear error rather than a missing-file one."""
+        name = self.conversation.name
+        try:
+            current = self.store.get(name)
+        except UserError:
+            raise UserError(f"conversation '{name}' was removed while this session was open") from None
+        if current.fingerprint != self.lm.fingerprint:
+            raise UserError(f"conversation '{name}' was re-ingested with another model; ask again in a new session")
+        if [e.path for e in current.episodes] != [e.path for e in self.conversation.episodes]:
+            self.conversation = current
+            self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
+            self._centroids = np.asarray([e.centroid for e in current.episodes], dtype=np.float32)
+            self._resident = None
 
     def _cache(self, index: int) -> EpisodeCache:
         """The episode's cache, reused when it is the resident one."""

@@ -144,3 +144,17 @@ def test_a_tampered_cache_is_refused_when_asked(tmp_path, history, tiny_lm, enco
     path.write_bytes(bytes(data))
     with pytest.raises(CacheIntegrityError, match="rebuild"):
         Session(store, record, tiny_lm, encoder).ask("anything?", episode=0)
+
+
+def test_session_follows_a_replaced_conversation_and_names_a_removed_one(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    _ingest(store, history, tiny_lm, encoder)
+    session = Session(store, store.get("conv"), tiny_lm, encoder)
+    session.ask("What is the name of Maya's dog?", log=False)
+    fewer = replace(SMALL, episodes=replace(SMALL.episodes, episodes=2))
+    _ingest(store, history, tiny_lm, encoder, config=fewer, replace=True)  # old files are gone now
+    answer = session.ask("What is the name of Maya's dog?", log=False)
+    assert answer.episode in (0, 1) and len(session.conversation.episodes) == 2 and not answer.reused_cache
+    store.remove("conv")
+    with pytest.raises(UserError, match="was removed while this session was open"):
+        session.ask("What is the name of Maya's dog?", log=False)
