@@ -108,7 +108,7 @@ def ingest(
     layer_budgets: Annotated[str, typer.Option(
         help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
         "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
-        "attention, evicting layer by layer).")] = CacheConfig.layer_budgets,
+        "attention; with --method cake, layers are evicted one by one in the forward).")] = CacheConfig.layer_budgets,
     alpha: Annotated[float | None, typer.Option(
         help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")] = CacheConfig.alpha,
     tau1: Annotated[float, typer.Option(
