@@ -17,6 +17,7 @@ from rich.table import Table
 from kvchat.config import (
     AskConfig,
     CacheConfig,
+    CakeConfig,
     EpisodeConfig,
     EvalConfig,
     IngestConfig,
@@ -100,7 +101,8 @@ def ingest(
     window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
     method: Annotated[str, typer.Option(
         help="epicache (episodic, the default), full (keep everything: the reference), or a baseline under "
-        "block prefill: streaming, snapkv, infinipot, kvzip, keydiff.")] = (
+        "block prefill: streaming, snapkv, infinipot, kvzip, keydiff, cake (CAKE's mean + variance of the "
+        "block's last-window attention; with --layer-budgets cake, all of CAKE).")] = (
         CacheConfig.method
     ),
     positions: Annotated[str, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
@@ -108,9 +110,14 @@ def ingest(
     ),
     layer_budgets: Annotated[str, typer.Option(
         help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
-        "sensitivity (kvchat profile-layers) or pyramid (PyramidKV).")] = CacheConfig.layer_budgets,
+        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
+        "attention; with --method cake, layers are evicted one by one in the forward).")] = CacheConfig.layer_budgets,
     alpha: Annotated[float | None, typer.Option(
         help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")] = CacheConfig.alpha,
+    tau1: Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")] = CakeConfig.tau1,
+    tau2: Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention shift (smaller = weighs it more).")] = CakeConfig.tau2,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
     force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
@@ -128,7 +135,7 @@ def ingest(
         model=model,
         episodes=EpisodeConfig(episodes=episodes, window=window),
         cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
-                          layer_budgets=layer_budgets, alpha=alpha),
+                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2)),
     )
     validate(config)
     name = validate_name(name or history.stem)
@@ -153,7 +160,8 @@ def ingest(
             f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
             f"{report.episodes} episodes x budget {budget} ({report.method}, {report.layer_budgets} layer budgets, "
             f"{report.positions} positions), "
-            f"peak {report.peak_cache_tokens} entries/layer, {report.cache_bytes / 2**20:.1f} MiB, "
+            f"peak {report.peak_cache_tokens} entries/layer ({report.peak_total_entries} in all layers), "
+            f"{report.cache_bytes / 2**20:.1f} MiB, "
             f"{report.seconds:.1f}s"
         )
 
@@ -392,9 +400,12 @@ def show(name: str, as_json: JsonOpt = False) -> None:
         )
         return
     s = record.settings
+    strategy = s.get("layer_budgets", "uniform")
+    if strategy == "cake":
+        strategy += f" tau1={s.get('tau1')} tau2={s.get('tau2')}"
     out.print(
         f"[bold]{record.name}[/] ({record.model}, {s['method']}, budget {s['budget']}, block {s['block_size']}, "
-        f"{s['positions']} positions) ingested {record.created_at[:19]}"
+        f"{strategy} layer budgets, {s['positions']} positions) ingested {record.created_at[:19]}"
     )
     table = Table("episode", "MiB", "budgets per layer", "medoid excerpt")
     for e in record.episodes:

@@ -9,9 +9,10 @@ from pathlib import Path
 import platformdirs
 
 # epicache: episodic patched prompts; the rest are query-agnostic baselines adapted to block prefill
-# (EpiCache A.2) that build a single cache: streaming, snapkv, infinipot, kvzip, keydiff; full keeps all.
-METHODS = ("epicache", "full", "streaming", "snapkv", "infinipot", "kvzip", "keydiff")
-LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid")
+# (EpiCache A.2) that build a single cache: streaming, snapkv, infinipot, kvzip, keydiff, and CAKE's
+# eviction indicator (cake); full keeps all.
+METHODS = ("epicache", "full", "streaming", "snapkv", "infinipot", "kvzip", "keydiff", "cake")
+LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 
@@ -52,6 +53,20 @@ class EpisodeConfig:
 
 
 @dataclass(frozen=True)
+class CakeConfig:
+    """CAKE (Qin et al., ICLR 2025): `--layer-budgets cake` and `--method cake` (kvchat.kv.cascade)."""
+
+    tau1: float = 1.0      # temperature of attention dispersion in the layer preference (eq. 6). The paper
+    tau2: float = 1.0      # grid-searches tau1 in 0.2-2 and tau2 in 0.4-3 per model (appendix C); its code's
+                           # per-model values lie around 1 (Mistral-7B at 128L: 1.0 / 0.8). 1 / 1 weighs both alike.
+    window: int = 32       # S_w: the block's last queries that measure preferences and score (appendix C)
+    gamma: float = 200.0   # weight of the attention variance in the eviction indicator (eq. 11, appendix C)
+    pool_kernel: int = 5   # average pool of the indicator over neighbouring entries (CAKE's code)
+    floor_fraction: float = 0.25  # each layer keeps at least M/4 (and the system prompt plus the window)
+    cascade: bool = True   # evict layer by layer during the block's forward (False: once at its end)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """How one episode's compressed cache is built by block prefill."""
 
@@ -61,8 +76,9 @@ class CacheConfig:
     positions: str = "auto"    # original | compact | auto (compact only when the history exceeds the window)
     pool_kernel: int = 7       # max-pool of scores over neighbouring tokens (SnapKV practice); 1 = off
     layer_budgets: str = "auto"  # auto (sensitivity when the model has a profile, else uniform) | uniform |
-                                 # sensitivity | pyramid
+                                 # sensitivity | pyramid | cake (from each block's attention)
     alpha: float | None = None   # sharpness of sensitivity budgets; None = the profile's suggestion
+    cake: CakeConfig = CakeConfig()
 
 
 @dataclass(frozen=True)

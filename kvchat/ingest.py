@@ -27,8 +27,16 @@ from kvchat.episodes import Episode, build_episodes, segment
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
 from kvchat.kv.budgets import layer_budgets
+from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.prefill import block_prefill
-from kvchat.kv.scoring import BlockPromptScorer, KeyDiffScorer, PatchedPromptScorer, RecencyScorer, Scorer
+from kvchat.kv.scoring import (
+    BlockPromptScorer,
+    CakeScorer,
+    KeyDiffScorer,
+    PatchedPromptScorer,
+    RecencyScorer,
+    Scorer,
+)
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_profile
 from kvchat.store import Store, validate_name
@@ -53,6 +61,7 @@ class IngestReport:
     budgets: list[int]
     layer_budgets: str
     peak_cache_tokens: int   # most entries one layer held at once during any episode's prefill
+    peak_total_entries: int  # most entries all layers held together at once (per KV head), same counting
     estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.memory)
     cache_bytes: int
     seconds: float
@@ -90,6 +99,14 @@ def validate(config: IngestConfig) -> None:
         raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
     if cache.pool_kernel < 1 or cache.pool_kernel % 2 == 0:
         raise UserError(f"pool kernel must be an odd number >= 1 (got {cache.pool_kernel})")
+    cake = cache.cake
+    for option, tau in (("--tau1", cake.tau1), ("--tau2", cake.tau2)):
+        if not 0 < tau <= 10:  # also refuses nan and inf
+            raise UserError(f"{option} must be in (0, 10] (got {tau})")
+    if cake.window < 1 or not 0 <= cake.gamma < float("inf") or not 0 <= cake.floor_fraction <= 1:
+        raise UserError("CAKE settings: window must be >= 1, gamma finite and >= 0, floor_fraction in [0, 1]")
+    if cake.pool_kernel < 1 or cake.pool_kernel % 2 == 0:
+        raise UserError(f"CAKE pool kernel must be an odd number >= 1 (got {cake.pool_kernel})")
 
 
 def ingest(
@@ -144,13 +161,15 @@ def ingest(
     strategy, budgets = ("full", None) if full else _layer_budgets(
         cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), notes
     )
-    if budgets is not None and min(budgets) <= prefix_ids.shape[-1]:
-        raise UserError(
-            f"--budget {cache_cfg.budget} gives a layer {min(budgets)} entries, which must exceed the "
-            f"system prompt's {prefix_ids.shape[-1]} tokens; raise --budget"
-        )
+    if budgets is not None:  # cake's floor keeps the system prompt in every layer while M exceeds it
+        smallest = budgets.budget if isinstance(budgets, CakeBudgets) else min(budgets)
+        if smallest <= prefix_ids.shape[-1]:
+            raise UserError(
+                f"--budget {cache_cfg.budget} gives a layer {smallest} entries, which must exceed the "
+                f"system prompt's {prefix_ids.shape[-1]} tokens; raise --budget"
+            )
 
-    peak, nbytes, stored_budgets = 0, 0, []
+    peak, peak_total, nbytes, stored_budgets = 0, 0, 0, []
     with store.begin(name, replace=replace) as pending:
         for episode in episodes:
             progress.episode(episode.index, len(episodes))
@@ -167,6 +186,7 @@ def ingest(
             )
             cache = result.cache
             peak = max(peak, result.peak_tokens)
+            peak_total = max(peak_total, result.peak_total)
             stored_budgets = cache.sizes
             record = pending.write_episode(
                 episode.index,
@@ -195,6 +215,7 @@ def ingest(
             budgets=stored_budgets,
             layer_budgets=strategy,
             peak_cache_tokens=peak,
+            peak_total_entries=peak_total,
             estimated_peak_bytes=estimate,
             cache_bytes=nbytes,
             seconds=round(time.perf_counter() - started, 2),
@@ -210,6 +231,7 @@ def ingest(
                 "positions": positions,
                 "pool_kernel": cache_cfg.pool_kernel,
                 "layer_budgets": strategy,
+                **_cake_settings(cache_cfg, strategy),
                 "episodes": config.episodes.episodes,
                 "window": config.episodes.window,
                 "prompt_tokens": config.episodes.prompt_tokens,
@@ -223,10 +245,16 @@ def ingest(
 
 def _layer_budgets(
     cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], notes: list[str]
-) -> tuple[str, list[int]]:
+) -> tuple[str, list[int] | CakeBudgets]:
     """The strategy actually used and its per-layer budgets. `auto` = sensitivity when a profile of
-    these weights exists (shipped, or made by `kvchat profile-layers`), else uniform."""
+    these weights exists (shipped, or made by `kvchat profile-layers`), else uniform. `cake` budgets are
+    computed during prefill, from each block's attention."""
     strategy = cache.layer_budgets
+    if strategy == "cake":
+        cake = cache.cake
+        return strategy, CakeBudgets(
+            cache.budget, cake.window, cake.tau1, cake.tau2, cake.floor_fraction, cake.cascade
+        )
     profile = find_profile(lm, profile_dirs) if strategy in ("auto", "sensitivity") else None
     if strategy == "auto":
         strategy = "sensitivity" if profile else "uniform"
@@ -239,6 +267,20 @@ def _layer_budgets(
         strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha
     )
     return strategy, budgets
+
+
+def _cake_settings(cache: CacheConfig, strategy: str) -> dict:
+    """CAKE's settings, recorded in the store when CAKE budgets or CAKE's scorer were used."""
+    if strategy != "cake" and cache.method != "cake":
+        return {}
+    cake = cache.cake
+    settings = {"cake_window": cake.window}
+    if strategy == "cake":
+        settings |= {"tau1": cake.tau1, "tau2": cake.tau2, "cake_floor_fraction": cake.floor_fraction,
+                     "cake_cascade": cake.cascade}
+    if cache.method == "cake":
+        settings |= {"cake_gamma": cake.gamma, "cake_pool_kernel": cake.pool_kernel}
+    return settings
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
@@ -297,6 +339,8 @@ def _scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: Cha
         return RecencyScorer(sink=min(STREAMING_SINK, cache.budget // 4))
     if method == "keydiff":
         return KeyDiffScorer()
+    if method == "cake":
+        return CakeScorer(cache.cake.window, cache.cake.gamma, cache.cake.pool_kernel)
     raise UserError(f"unknown --method {method!r}")
 
 

@@ -60,12 +60,12 @@ ARCHITECTURES = {
 }
 
 
-def tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0) -> torch.nn.Module:
-    """2 layers, 4 query heads over 2 KV heads (GQA), RoPE."""
+def tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, layers: int = 2) -> torch.nn.Module:
+    """2 layers (by default), 4 query heads over 2 KV heads (GQA), RoPE."""
     config_cls, model_cls = ARCHITECTURES[arch]
     torch.manual_seed(seed)
     config = config_cls(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
         eos_token_id=2, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
     )

@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvchat.config import ProfileSettings
-from kvchat.kv.budgets import layer_budgets, proportional_budgets, pyramid_budgets, sensitivity_budgets
+from kvchat.kv.budgets import (
+    cake_budgets,
+    cascade_budgets,
+    layer_budgets,
+    proportional_budgets,
+    pyramid_budgets,
+    sensitivity_budgets,
+)
 from kvchat.profile import LayerProfile, block_prefill_mask, find_profile, profile_layers
 
 sensitivities = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40)
@@ -45,12 +52,72 @@ def test_equal_sensitivities_give_uniform_budgets():
     assert proportional_budgets([0, 0, 0], 10, 2) == [10, 10, 10]
 
 
+# preferences as CAKE produces them: often tiny, sometimes zero (uniform attention has no shift), ties
+preferences = st.lists(
+    st.one_of(st.just(0.0), st.sampled_from([0.5, 1.0, 3.0]), st.floats(1e-12, 1e6)), min_size=1, max_size=40
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(p=preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
+def test_cake_budgets_sum_exactly_respect_the_floor_and_follow_preferences(p, budget, fraction):
+    floor = int(budget * fraction)
+    budgets = cake_budgets(p, budget, floor)
+    assert sum(budgets) == len(p) * budget
+    assert min(budgets) >= floor
+    for pa, ba in zip(p, budgets, strict=True):
+        for pb, bb in zip(p, budgets, strict=True):
+            if pa < pb:
+                assert ba <= bb
+            elif pa == pb:
+                assert abs(ba - bb) <= 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), p=preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
+def test_cascade_budgets_never_grow_and_end_at_the_one_shot_budgets(data, p, budget, fraction):
+    """What Theorem 1 needs from the budgets, integer rounding and caps (entries a layer holds) included."""
+    layers, floor = len(p), int(budget * fraction)
+    caps = data.draw(st.none() | st.lists(st.integers(0, 3 * budget), min_size=layers, max_size=layers))
+    stages = [cascade_budgets(p[: m + 1], layers, budget, floor, caps) for m in range(layers)]
+    final = cake_budgets(p, budget, floor, caps)
+    assert stages[-1] == final
+    for m in range(1, layers):
+        assert all(now <= before for now, before in zip(stages[m], stages[m - 1], strict=False))
+    for m, stage in enumerate(stages):  # seen layers hold no more than what unseen layers' floors leave
+        assert sum(stage) <= layers * budget - (layers - 1 - m) * floor + m + 1
+        assert min(stage) >= floor
+    assert sum(final) <= layers * budget
+    if caps is None or all(c >= b for c, b in zip(caps, cake_budgets(p, budget, floor), strict=True)):
+        assert sum(final) == layers * budget
+    else:  # nothing given to a layer beyond the entries it holds
+        assert all(b <= max(c, floor) for b, c in zip(final, caps, strict=True))
+
+
+def test_cake_budgets_by_hand():
+    assert cake_budgets([1.0, 3.0], 10, 2) == [6, 14]            # spare 16 split 1:3
+    assert cake_budgets([0.0, 0.0, 0.0], 10, 2) == [10, 10, 10]  # no preference at all: uniform
+    assert cake_budgets([1.0, 1.0, 1.0], 10, 0) == [10, 10, 10]
+    assert cake_budgets([1.0, 1.0], 5, 0) == [5, 5]
+    assert cake_budgets([1.0, 1.0, 1.0], 1, 0) == [1, 1, 1]
+    assert cake_budgets([2.0, 1.0, 1.0], 2, 0) == [3, 2, 1]      # 3, 1.5, 1.5: the tie goes to the lower layer
+    assert cascade_budgets([1.0], 2, 10, 2) == [18]               # alone so far: all it could still end with
+    assert cascade_budgets([1.0, 3.0], 2, 10, 2) == [6, 14]
+    assert cascade_budgets([0.0], 3, 10, 2) == [10]               # zero so far: at most uniform at the end
+    assert cake_budgets([1.0, 3.0], 10, 2, caps=[20, 12]) == [8, 12]  # layer 1 holds only 12: the rest to layer 0
+    assert cascade_budgets([1.0], 2, 10, 2, caps=[15, 30]) == [18]  # caps only shape the last stage
+    with pytest.raises(ValueError, match="non-negative"):
+        cake_budgets([1.0, float("nan")], 10, 2)
+
+
 def test_layer_budgets_dispatch():
     assert layer_budgets("uniform", 3, 8) == [8, 8, 8]
     with pytest.raises(ValueError, match="one score per layer"):
         layer_budgets("sensitivity", 3, 8)
     with pytest.raises(ValueError, match="unknown"):
         layer_budgets("magic", 3, 8)
+    with pytest.raises(ValueError, match="during prefill"):
+        layer_budgets("cake", 3, 8)
 
 
 def test_block_prefill_mask_matches_what_a_budget_cache_holds():

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_helpers import KVCHAT, run
+from cli_helpers import KVCHAT, run, run_main
 
 from kvchat.synthetic import planted_conversation
 
@@ -68,6 +68,8 @@ def test_list_show_rm(ingested, tmp_path):
         (("ingest", "{history}", "--budget", "0"), "--budget must be >= 1"),
         (("ingest", "{history}", "--name", "../escape"), "name"),
         (("ingest", "{history}", "--method", "magic"), "unknown --method"),
+        (("ingest", "{history}", "--tau1", "0"), "--tau1 must be in (0, 10]"),
+        (("ingest", "{history}", "--tau2", "-1"), "--tau2 must be in (0, 10]"),
         (("ingest", "{history}", "--model", "/no/such/model.gguf"), "model file not found"),
         (("ingest", "{history}", "--model", "no-such-org/no-such-model"), "model not found"),
         (("ask", "hello?", "--conversation", "nope"), "unknown conversation"),
@@ -87,6 +89,22 @@ def test_user_mistakes_exit_2_with_one_line(ingested, tmp_path, args, fragment):
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
     assert result.stdout == ""
     assert run(home, "list", "--json").stdout == before  # nothing written
+
+
+def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
+    history = tmp_path / "h.json"
+    history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
+    result = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "80",
+                      "--block-size", "32", "--episodes", "2", "--layer-budgets", "cake", "--tau2", "0.5", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["peak_total_entries"] <= 2 * (80 + 32) + 256 + 16
+    shown = json.loads(run_main(tmp_path, "show", "h", "--json").stdout)
+    assert shown["settings"]["layer_budgets"] == "cake" and shown["settings"]["tau2"] == 0.5
+    assert all(sum(e["budgets"]) == 2 * 80 for e in shown["episodes"])
+    text = run_main(tmp_path, "show", "h").stdout
+    assert "cake tau1=1.0 tau2=0.5 layer budgets" in text
+    for episode in shown["episodes"]:
+        assert " ".join(map(str, episode["budgets"])) in text or f"{episode['budgets'][0]} x2" in text
 
 
 def test_a_bad_history_file_exits_2(tmp_path):

@@ -183,3 +183,33 @@ def test_recorder_only_scores_entries_cached_before_the_forward(model):
         forward(model, cache, _ids(4, 2), recorder=recorder)
     assert recorder.scores[0].shape == (2, 10)
     assert cache.sizes == [10, 10]
+
+
+def test_peaks_are_measured_where_entries_are_added(model):
+    cache = EpisodeCache(2)
+    forward(model, cache, _ids(10, 1))
+    assert (cache.peak_layer, cache.peak_total) == (10, 20)
+    with cache.probing():  # the probe's 4 tokens sit in one layer at a time
+        forward(model, cache, _ids(4, 2))
+    assert (cache.peak_layer, cache.peak_total) == (14, 24)
+
+
+def test_a_recorder_may_ask_for_the_last_queries_only(model):
+    """CAKE's window needs only the block's last queries: the same rows as the full weights, mask included."""
+
+    class Weights:
+        def __init__(self, rows):
+            self.query_rows, self.weights = rows, {}
+
+        def record(self, layer_idx, weights, past):
+            self.weights[layer_idx] = weights
+
+    cache = EpisodeCache(2)
+    forward(model, cache, _ids(10, 1))
+    full, last = Weights(None), Weights(3)
+    with cache.probing():
+        forward(model, cache, _ids(6, 2), recorder=full)
+        forward(model, cache, _ids(6, 2), recorder=last)
+    for layer in (0, 1):
+        assert last.weights[layer].shape == (2, 2, 3, 16)
+        torch.testing.assert_close(last.weights[layer], full.weights[layer][..., -3:, :])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvchat.ask import Session
-from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
 from kvchat.episodes import build_episodes, route, segment
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.history import Turn, format_turns
@@ -108,6 +108,26 @@ def test_compact_positions_stay_within_the_budget(tmp_path, history, tiny_lm, en
     assert Session(store, store.get("conv"), tiny_lm, encoder).ask("Which gate?").answer_tokens >= 0
 
 
+@pytest.mark.parametrize("method", ["epicache", "cake"])
+def test_cake_layer_budgets_ingest_and_answer(tmp_path, history, tiny_lm, encoder, method):
+    """`--layer-budgets cake` with EpiCache's probe scorer, and with CAKE's own (all of CAKE)."""
+    store = Store(tmp_path)
+    config = replace(SMALL, cache=replace(SMALL.cache, method=method, layer_budgets="cake"))
+    report = _ingest(store, history, tiny_lm, encoder, config=config)
+    record = store.get("conv")
+    assert report.layer_budgets == record.settings["layer_budgets"] == "cake"
+    assert (record.settings["tau1"], record.settings["tau2"]) == (1.0, 1.0)
+    assert len(record.episodes) == (4 if method == "epicache" else 1)
+    for episode in record.episodes:  # computed from each episode's own prefill
+        assert sum(episode.budgets) == 2 * 96 and min(episode.budgets) >= 96 // 4
+        tensors, meta = store.load_episode(episode, tiny_lm.fingerprint)
+        assert [tensors[f"k.{layer}"].shape[1] for layer in (0, 1)] == episode.budgets
+    prompt = 48 + 16 if method == "epicache" else 0
+    assert report.peak_total_entries <= 2 * (96 + 48) + prompt
+    answer = Session(store, record, tiny_lm, encoder).ask("How many tomato plants did Tom plant this spring?")
+    assert answer.conversation == "conv" and answer.answer_tokens > 0
+
+
 @pytest.mark.parametrize(
     "config, message",
     [
@@ -116,6 +136,9 @@ def test_compact_positions_stay_within_the_budget(tmp_path, history, tiny_lm, en
         (replace(SMALL, episodes=EpisodeConfig(episodes=500)), "more than the history's"),
         (replace(SMALL, cache=replace(SMALL.cache, method="magic")), "unknown --method"),
         (replace(SMALL, cache=replace(SMALL.cache, block_size=8)), "--block-size must be >= 16"),
+        (replace(SMALL, cache=replace(SMALL.cache, cake=CakeConfig(tau1=0.0))), r"--tau1 must be in \(0, 10\]"),
+        (replace(SMALL, cache=replace(SMALL.cache, cake=CakeConfig(tau2=float("nan")))), "--tau2 must be in"),
+        (replace(SMALL, cache=replace(SMALL.cache, layer_budgets="cake", budget=20)), "must exceed the system prompt"),
     ],
 )
 def test_bad_settings_are_user_errors_and_write_nothing(tmp_path, history, tiny_lm, encoder, config, message):

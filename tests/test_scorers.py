@@ -11,7 +11,7 @@ from kvchat.ask import Session
 from kvchat.config import METHODS, CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.ingest import ingest
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.scoring import BlockPromptScorer, KeyDiffScorer, RecencyScorer
+from kvchat.kv.scoring import BlockPromptScorer, CakeScorer, KeyDiffScorer, RecencyScorer
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 
@@ -51,6 +51,24 @@ def test_snapkv_and_kvzip_prompts_come_from_the_block():
     assert kvzip.prompt(block)[0].tolist() == [1, 2, *range(100, 200), 3] and kvzip.transient_tokens == 103
 
 
+def test_cake_indicator_ranks_bursts_above_steady_attention():
+    """Eq. 11 on a hand-made window: 3 queries, 5 earlier entries, then the window's own 3 entries."""
+    weights = torch.zeros(1, 2, 3, 8)                              # 1 KV head, a GQA group of 2 query heads
+    weights[0, 0, :, 0] = torch.tensor([0.2, 0.2, 0.2])            # steady: mean 0.2, no variance
+    weights[0, 0, :, 1] = torch.tensor([0.0, 0.0, 0.45])           # a burst: mean 0.15, variance 0.0675
+    weights[0, 0, :, 2] = 0.01                                     # barely attended
+    weights[0, 1, :, 3] = 0.3                                      # attended by the group's other head only
+    scores = CakeScorer(window=3, gamma=200.0, pool_kernel=1).window_scores(weights)[0]
+    assert scores[:5].tolist() == pytest.approx([0.2, 0.15 + 200 * 0.0675, 0.01, 0.3, 0.0])
+    assert scores.argsort(descending=True)[3:].tolist() == [1, 3, 0, 2, 4]  # after the window
+    assert torch.isinf(scores[5:]).all()                           # the window itself is always kept
+    mean_only = CakeScorer(window=3, gamma=0.0, pool_kernel=1).window_scores(weights)[0]
+    assert mean_only[0] > mean_only[1]                             # without the variance the burst loses
+    pooled = CakeScorer(window=3, gamma=200.0, pool_kernel=3).window_scores(weights)[0]
+    assert pooled[4] == pytest.approx(0.1)                         # entry 4 borrows from its neighbour 3
+    assert pooled[0] > 4 and pooled[2] > 4                         # the burst spreads to both neighbours
+
+
 @pytest.mark.parametrize("method", [m for m in METHODS if m not in ("epicache", "full")])
 def test_every_baseline_ingests_and_answers_within_its_bound(method, tmp_path, tiny_lm, encoder):
     history = tmp_path / "h.json"
@@ -63,4 +81,6 @@ def test_every_baseline_ingests_and_answers_within_its_bound(method, tmp_path, t
     assert report.episodes == 1 and report.budgets == [96, 96]  # baselines build one query-agnostic cache
     transient = {"snapkv": 64, "kvzip": 48 + 40, "infinipot": 40}.get(method, 0)
     assert report.peak_cache_tokens <= 96 + 48 + transient
+    if method == "cake":  # evicts each layer during the block's forward: one layer holds the block at a time
+        assert report.peak_total_entries <= 2 * 96 + 48
     assert Session(store, store.get("h"), tiny_lm, encoder).ask("Which gate?").conversation == "h"

@@ -28,9 +28,14 @@ class AttentionRecorder:
     Passed to a model forward as the `kvchat_recorder` keyword; transformers hands it to every attention
     call. `scores[layer]` is `[kv_heads, past_len]`: max over the queries and over the query heads of each
     GQA group (EpiCache eq. 3). Only entries cached before this forward are scored.
+
+    Any object with `record(layer_idx, weights, past)` and `query_rows` can be passed instead (CAKE's
+    block window, kvchat.kv.cascade): `query_rows` limits the weights to the last queries (None: all), and
+    `record` is called once the layer's attention output is computed, so it may evict from the cache.
     """
 
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    query_rows: int | None = None
 
     def record(self, layer_idx: int, weights: torch.Tensor, past: int) -> None:
         # weights: [kv_heads, group, q, kv]; keep columns of the entries cached before this forward.
@@ -78,9 +83,13 @@ def kvchat_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
     if kvchat_recorder is not None:
-        weights = grouped_attention_weights(query, key, scale, mask)
-        kvchat_recorder.record(module.layer_idx, weights, kv_len - q_len)
+        rows = min(kvchat_recorder.query_rows or q_len, q_len)
+        weights = grouped_attention_weights(
+            query[:, :, q_len - rows :], key, scale, None if mask is None else mask[q_len - rows :]
+        )
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
+        kvchat_recorder.record(module.layer_idx, weights, kv_len - q_len)
     return out.transpose(1, 2).contiguous(), None
 
 

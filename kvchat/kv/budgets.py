@@ -7,11 +7,13 @@ remainder method, ties to the lower layer, so results are deterministic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from fractions import Fraction
 
 import numpy as np
 
-LAYER_BUDGET_STRATEGIES = ("uniform", "sensitivity", "pyramid")
+LAYER_BUDGET_STRATEGIES = ("uniform", "sensitivity", "pyramid", "cake")
 
 
 def uniform_budgets(num_layers: int, budget: int) -> list[int]:
@@ -62,6 +64,94 @@ def pyramid_budgets(num_layers: int, budget: int, beta: float = 20.0) -> list[in
     return proportional_budgets(weights, budget, int(low))
 
 
+def cake_budgets(
+    preferences: Sequence[float], budget: int, floor: int, caps: Sequence[int] | None = None
+) -> list[int]:
+    """CAKE eq. 7 with a floor: `floor` per layer, the rest of `L * budget` split in proportion to each
+    layer's preference; the budgets the cascade ends at (see `cascade_budgets`). All-zero preferences
+    give uniform budgets.
+
+    `caps[l]`: the entries layer l holds, so a budget above it would be wasted. Such a surplus goes to
+    the other layers in proportion to their preferences (water filling, as CAKE's code redistributes),
+    each up to its budget at the cascade's last-but-one stage, so that cascading stays exact.
+    Exact rationals, largest remainder, ties to the lower layer: a layer's final budget is provably
+    never above any of its cascade budgets, which float rounding could break by one.
+    """
+    num_layers = len(preferences)
+    p = _exact(preferences, budget, floor)
+    rooms: list[int | None] = [None] * num_layers
+    if caps is not None:
+        if len(caps) != num_layers:
+            raise ValueError(f"{len(caps)} caps for {num_layers} layers")
+        bounds = [*_stage_bounds(p[:-1], num_layers, budget, floor), None]
+        rooms = [max(min(c, c if b is None else b) - floor, 0) for c, b in zip(caps, bounds, strict=True)]
+    weights = p if any(p) else [Fraction(1)] * num_layers
+    extras = _water_fill(weights, rooms, num_layers * (budget - floor))
+    base = [math.floor(x) for x in extras]
+    leftover = int(sum(extras, Fraction(0))) - sum(base)
+    order = sorted(range(num_layers), key=lambda i: (-(extras[i] - base[i]), i))
+    for i in order[:leftover]:
+        base[i] += 1
+    return [floor + b for b in base]
+
+
+def cascade_budgets(
+    preferences: Sequence[float], num_layers: int, budget: int, floor: int, caps: Sequence[int] | None = None
+) -> list[int]:
+    """CAKE eq. 9: the budgets of layers 0..m once the preferences of those m + 1 layers are known.
+
+    Before the last stage, each is the most that layer can still end with, whatever the preferences of
+    the layers not seen yet (they could all be zero): `floor + ceil(spare * P_l / sum_{k<=m} P_k)`, or
+    the uniform budget while every preference seen is zero (all-zero preferences end uniform). A new
+    layer only adds to the sum, so each layer's successive budgets never increase; at the last stage
+    they are `cake_budgets` (with `caps`), no higher. Evicting down to them stage by stage therefore
+    keeps exactly what one eviction to the final budgets keeps (Theorem 1), rounding included. The seen
+    layers' budgets sum to at most `L * budget - (unseen layers) * floor` plus one per seen layer.
+    """
+    if not 0 < len(preferences) <= num_layers:
+        raise ValueError(f"{len(preferences)} preferences for {num_layers} layers")
+    if len(preferences) == num_layers:
+        return cake_budgets(preferences, budget, floor, caps)
+    return _stage_bounds(_exact(preferences, budget, floor), num_layers, budget, floor)
+
+
+def _exact(preferences: Sequence[float], budget: int, floor: int) -> list[Fraction]:
+    if not 0 <= floor <= budget:
+        raise ValueError(f"floor {floor} must be within 0..{budget}")
+    if not all(math.isfinite(x) and x >= 0 for x in preferences):
+        raise ValueError("preferences must be finite and non-negative")
+    return [Fraction(float(x)) for x in preferences]
+
+
+def _stage_bounds(p: list[Fraction], num_layers: int, budget: int, floor: int) -> list[int]:
+    """The cascade budgets of the layers seen so far (preferences `p`), before the last stage."""
+    total = sum(p, Fraction(0))
+    if total == 0:
+        return [budget] * len(p)
+    spare = num_layers * (budget - floor)
+    return [floor + math.ceil(spare * x / total) for x in p]
+
+
+def _water_fill(weights: list[Fraction], rooms: list[int | None], total: int) -> list[Fraction]:
+    """Split `total` in proportion to `weights`, none above its room (None: no limit); what a full
+    layer cannot take goes to the others. Zero-weight layers get nothing."""
+    extras: list[Fraction] = [Fraction(0)] * len(weights)
+    active = [i for i, w in enumerate(weights) if w > 0]
+    remaining = Fraction(total)
+    while active:
+        level = remaining / sum(weights[i] for i in active)
+        full = [i for i in active if rooms[i] is not None and level * weights[i] >= rooms[i]]
+        if not full:
+            for i in active:
+                extras[i] = level * weights[i]
+            break
+        for i in full:
+            extras[i] = Fraction(rooms[i])
+            remaining -= rooms[i]
+        active = [i for i in active if i not in full]
+    return extras
+
+
 def layer_budgets(
     strategy: str,
     num_layers: int,
@@ -79,4 +169,6 @@ def layer_budgets(
         if sensitivity is None or len(sensitivity) != num_layers:
             raise ValueError("the sensitivity strategy needs one score per layer")
         return sensitivity_budgets(sensitivity, budget, alpha)
+    if strategy == "cake":
+        raise ValueError("cake budgets depend on the input: they are computed during prefill (kvchat.kv.cascade)")
     raise ValueError(f"unknown layer budget strategy {strategy!r}")

@@ -77,19 +77,28 @@ class EpisodeCache(Cache):
         super().__init__(layers=[EpisodeLayer() for _ in range(num_layers)])
         self.next_position = 0       # logical position of the next token fed
         self.protected = 0           # leading entries (system prompt) that are never evicted
+        self.peak_layer = 0          # most entries one layer has held in attention (probe tokens included)
+        self.peak_total = 0          # most entries all layers together have held at once (same counting)
         self._probing = False
 
     # --- the transformers side -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer: EpisodeLayer = self.layers[layer_idx]
-        if self._probing:
-            return layer.peek(key_states, value_states)
         heads, q_len = key_states.shape[1], key_states.shape[2]
+        if self._probing:
+            self._note_peak(layer.size + q_len, q_len)
+            return layer.peek(key_states, value_states)
         positions = torch.arange(
             self.next_position, self.next_position + q_len, device=key_states.device
         ).expand(heads, q_len)
         layer.append(key_states, value_states, positions)
+        self._note_peak(layer.size, 0)
         return layer.keys, layer.values
+
+    def _note_peak(self, layer_entries: int, transient: int) -> None:
+        """Peaks are measured where entries are added, inside a forward: eviction may run between layers."""
+        self.peak_layer = max(self.peak_layer, layer_entries)
+        self.peak_total = max(self.peak_total, sum(self.sizes) + transient)
 
     # --- feeding ---------------------------------------------------------------------------------
     def position_ids(self, n: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Block prefill: the one loop that appends a block, scores the cache, and evicts back to budget.
 
 Peak entries per layer stay below protected prefix + budget + block + scorer's transient tokens,
-whatever the history's length (EpiCache Fig. 1c).
+whatever the history's length (EpiCache Fig. 1c). Eviction happens after the block, once a scorer's
+probe pass has scored every layer, or during the block's forward when CAKE's window supplies the
+scores (kvchat.kv.cascade, which also computes `cake` budgets from the block's attention).
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.cascade import BlockWindow, CakeBudgets, block_evicts
 from kvchat.kv.forward import forward
-from kvchat.kv.scoring import Scorer, select_top
+from kvchat.kv.scoring import CakeScorer, Scorer, select_top
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class PrefillResult:
     cache: EpisodeCache
     peak_tokens: int   # most entries any layer had in attention at once, transient scorer tokens included
     blocks: int
+    peak_total: int = 0  # most entries all layers held together at once, counted the same way
 
 
 def block_prefill(
@@ -29,39 +33,38 @@ def block_prefill(
     context_ids: torch.Tensor,
     *,
     block_size: int,
-    budgets: Sequence[int] | None,
-    scorer: Scorer | None,
+    budgets: Sequence[int] | CakeBudgets | None,
+    scorer: Scorer | CakeScorer | None,
     compact: bool = False,
     on_block: Callable[[int, int], None] | None = None,
 ) -> PrefillResult:
     """Build an episode cache: `prefix_ids` (never evicted), then `context_ids` in blocks.
 
-    `budgets=None` keeps everything (the full-KV reference). `compact` re-rotates kept keys to
-    contiguous positions after each eviction so the cache fits a short context window.
-    `on_block(done, total)` reports progress.
+    `budgets=None` keeps everything (the full-KV reference); `CakeBudgets` recomputes them every block
+    from the block's attention. `compact` re-rotates kept keys to contiguous positions after each
+    eviction so the cache fits a short context window. `on_block(done, total)` reports progress.
     """
     num_layers = model.config.num_hidden_layers
     cache = EpisodeCache(num_layers)
     forward(model, cache, prefix_ids)
     cache.protected = prefix_ids.shape[-1]
-    peak = max(cache.sizes)
     blocks = list(context_ids.split(block_size, dim=-1))
     rotary = model.model.rotary_emb
+    in_block = isinstance(scorer, CakeScorer)
     for done, block in enumerate(blocks, start=1):
-        forward(model, cache, block)
-        peak = max(peak, *cache.sizes)
-        if budgets is not None and any(n > b for n, b in zip(cache.sizes, budgets, strict=True)):
+        evict = budgets is not None and block_evicts(cache, block.shape[-1], budgets)
+        window = None
+        if budgets is not None and (in_block or isinstance(budgets, CakeBudgets)):
+            caps = [n + block.shape[-1] for n in cache.sizes]
+            window = BlockWindow(cache, budgets, scorer if in_block else None, evict, caps)
+        forward(model, cache, block, recorder=window)
+        if evict and not in_block:  # the scorer's pass comes after the block: evict every layer once
             assert scorer is not None, "a budget needs a scorer"
-            peak = max(peak, max(cache.sizes) + scorer.transient_tokens)
+            final = window.final_budgets() if window is not None else budgets
             scores = scorer(model, cache, block)
-            cache.keep(
-                [
-                    select_top(s, b, cache.protected)
-                    for s, b in zip(scores, budgets, strict=True)
-                ]
-            )
-            if compact:
-                cache.compact(rotary)
+            cache.keep([select_top(s, b, cache.protected) for s, b in zip(scores, final, strict=True)])
+        if evict and compact:
+            cache.compact(rotary)
         if on_block is not None:
             on_block(done, len(blocks))
-    return PrefillResult(cache=cache, peak_tokens=peak, blocks=len(blocks))
+    return PrefillResult(cache=cache, peak_tokens=cache.peak_layer, blocks=len(blocks), peak_total=cache.peak_total)

@@ -137,3 +137,32 @@ class KeyDiffScorer:
             anchor = F.normalize(keys[:, -n:].mean(dim=1), dim=-1)  # [heads, dim]
             scores.append(-(keys @ anchor.unsqueeze(-1)).squeeze(-1))
         return scores
+
+
+@dataclass(frozen=True)
+class CakeScorer:
+    """CAKE's attention-shift tolerant eviction indicator (eq. 11), from the block's own last window.
+
+    For an entry n before the window, over the window's queries: `mean(A[:, n]) + gamma * var(A[:, n])`
+    (a token attended unevenly may matter later even if its mean is low); then an average pool of
+    `pool_kernel` neighbours (CAKE's code), and max over the query heads of each GQA group. The window
+    itself scores +inf: always kept. Unlike the other scorers it needs no pass of its own: the block's
+    forward supplies the window's attention, so the prefill loop evicts during that forward
+    (kvchat.kv.cascade).
+    """
+
+    window: int        # S_w: the block's last queries
+    gamma: float       # weight of the variance
+    pool_kernel: int   # odd; 1 = no pooling
+    transient_tokens: int = 0
+
+    def window_scores(self, weights: torch.Tensor) -> torch.Tensor:
+        """Scores [kv_heads, kv] from the window's attention `weights` [kv_heads, group, w, kv]."""
+        rows, kv = weights.shape[-2], weights.shape[-1]
+        before = weights[..., : kv - rows].float()                           # [kv_heads, group, w, n]
+        indicator = before.mean(dim=-2) + self.gamma * before.var(dim=-2, correction=1 if rows > 1 else 0)
+        if self.pool_kernel > 1 and indicator.shape[-1] > 0:
+            indicator = F.avg_pool1d(indicator, self.pool_kernel, stride=1, padding=self.pool_kernel // 2)
+        indicator = indicator.amax(dim=1)                                    # max over the GQA group
+        kept = torch.full((indicator.shape[0], rows), float("inf"), dtype=indicator.dtype, device=indicator.device)
+        return torch.cat([indicator, kept], dim=-1)

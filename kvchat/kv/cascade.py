@@ -1,0 +1,159 @@
+"""CAKE in block prefill (Qin et al., ICLR 2025): layer preferences from each block's last window, and
+cascading eviction during the block's forward pass.
+
+**Preferences.** For each block, layer l's attention of the block's last S_w queries over the keys before
+them (`A[-S_w:, :-S_w]`: the entries cached from earlier blocks and the block's own earlier tokens) gives
+its dispersion H (entropy, eq. 4), shift V (column variance, eq. 5) and preference
+`P_l = H^(1/tau1) * V^(1/tau2)` (eq. 6). The block's budgets are `floor + spare * P_l / sum P`
+(eq. 7, `budgets.cake_budgets`), summing to `L * M`; a layer holding fewer entries than its share
+passes the rest on to the others. They are recomputed every block, so they follow the input and
+differ between episodes.
+
+**Where eviction happens: in the pass whose attention supplies the scores.** `BlockWindow` is the
+attention recorder of the block's forward (kvchat's attention function calls it once a layer's
+attention output is computed, so a layer's cache can be cut right after its last use in that pass).
+- Scores from the same window (`--method cake`, `CakeScorer`): when layer m's attention is done, layers
+  0..m are evicted to their cascade budgets (eq. 9, `budgets.cascade_budgets`); the scores computed at
+  layer m are kept, restricted to the survivors, for the later stages (Alg. 1). After the last layer
+  every layer is at its final budget. With fixed budgets (uniform, sensitivity, pyramid) layer m is
+  simply evicted to its budget right after its attention.
+- Scores from a probe pass after the block (epicache, snapkv, infinipot, kvzip) or from the keys
+  (streaming, keydiff): the block's forward only records preferences; the prefill loop then scores and
+  evicts every layer once to the final budgets. A cascade inside the probe pass would be the same
+  eviction: by then every layer's preference is known, so each stage budget already is the final one.
+
+**Exactness (Theorem 1).** Each layer's cascade budgets never increase from stage to stage and end at
+the one-shot budgets (both computed in exact rationals, see `budgets.cascade_budgets`), and every
+eviction ranks by score, then position (`scoring.select_top`, the same total order at every stage).
+So a layer keeps exactly what one eviction of the whole block to the final budgets keeps.
+
+**Memory.** CAKE bounds a one-shot prefill at about `B_total` plus one layer's prompt because layers not
+reached yet hold nothing. In block prefill they still hold what they kept from the previous block, and a
+seen layer may not go below the most it could still end with. When layer m appends its block, the total
+is at most `B_total + B + sum_{k >= m} (n_k - floor)` (n_k: what layer k kept from the last block; plus
+one entry per seen layer for rounding), and never more than without cascading, `B_total + L * B`.
+No exact scheme can promise `B_total + B` here: when the budgets move towards lower layers, those must
+grow before the higher layers have run and can shrink. With fixed budgets and `CakeScorer` the peak is
+`B_total + B`. `EpisodeCache.peak_total` measures it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvchat.kv.budgets import cake_budgets, cascade_budgets
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.scoring import CakeScorer, select_top
+
+
+@dataclass(frozen=True)
+class CakeBudgets:
+    """The `cake` layer-budget strategy: mean budget M per layer (total `L * M`) and CAKE's settings."""
+
+    budget: int            # M
+    window: int            # S_w: the block's last queries that measure the preferences
+    tau1: float            # temperature of dispersion (eq. 6)
+    tau2: float            # temperature of shift
+    floor_fraction: float  # each layer keeps at least this fraction of M
+    cascade: bool          # evict during the forward (False: once at its end, the reference of Theorem 1)
+
+    def floor(self, protected: int) -> int:
+        """`floor_fraction * M`, but at least the system prompt plus the window (never evicted by CAKE's
+        scorer), and at most M."""
+        return min(self.budget, max(int(self.budget * self.floor_fraction), protected + self.window))
+
+
+def layer_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
+    """CAKE eq. 6 from the window's attention `weights` [kv_heads, group, w, kv] over all the layer's keys.
+
+    As in CAKE's code, H and V are summed over the layer's heads, and the submatrix keeps the softmax
+    over all keys (its rows do not sum to one).
+    """
+    rows, kv = weights.shape[-2], weights.shape[-1]
+    before = weights[..., : kv - rows].double()
+    if before.shape[-1] == 0:
+        return 0.0
+    dispersion = (-(before * torch.log(before + 1e-10)).sum()).clamp(min=0.0)
+    shift = before.var(dim=-2, correction=1 if rows > 1 else 0).sum()
+    return float(dispersion ** (1.0 / tau1) * shift ** (1.0 / tau2))
+
+
+@dataclass
+class BlockWindow:
+    """Attention recorder of one block's forward (see the module docstring).
+
+    `budgets` are a layer's final budgets (fixed) or `CakeBudgets`; `scorer` is set when the window also
+    supplies the scores; `evict` says whether this block evicts at all (decided before the forward);
+    `caps[l]` is what layer l holds once the block is appended (cake budgets never exceed it).
+    """
+
+    cache: EpisodeCache
+    budgets: Sequence[int] | CakeBudgets
+    scorer: CakeScorer | None
+    evict: bool
+    caps: Sequence[int] | None = None
+    preferences: list[float] = field(default_factory=list)
+    scores: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def query_rows(self) -> int:
+        if isinstance(self.budgets, CakeBudgets):
+            return max(self.budgets.window, self.scorer.window if self.scorer else 0)
+        return self.scorer.window
+
+    def record(self, layer_idx: int, weights: torch.Tensor, past: int) -> None:
+        """Called by kvchat's attention once layer `layer_idx` has its output; `weights` are its window's."""
+        cake = self.budgets if isinstance(self.budgets, CakeBudgets) else None
+        preference = None if cake is None else layer_preference(weights[..., -cake.window :, :], cake.tau1, cake.tau2)
+        scores = None if self.scorer is None else self.scorer.window_scores(weights[..., -self.scorer.window :, :])
+        self.layer_done(layer_idx, preference, scores)
+
+    def layer_done(self, layer_idx: int, preference: float | None, scores: torch.Tensor | None) -> None:
+        """Layer `layer_idx` ran: note its preference and scores, and evict what this stage allows (Alg. 1)."""
+        if layer_idx != len(self.scores if self.scorer else self.preferences):
+            raise RuntimeError(f"layers must run in order: got layer {layer_idx}")
+        cake = self.budgets if isinstance(self.budgets, CakeBudgets) else None
+        if cake is not None:
+            self.preferences.append(preference)
+        if self.scorer is None:
+            return
+        self.scores.append(scores)
+        if not self.evict:
+            return
+        if cake is None:
+            self._evict(layer_idx, self.budgets[layer_idx])
+        elif cake.cascade:
+            for layer, budget in enumerate(self._stage_budgets(cake)):
+                self._evict(layer, budget)
+        elif layer_idx == len(self.cache.layers) - 1:
+            for layer, budget in enumerate(self.final_budgets()):
+                self._evict(layer, budget)
+
+    def final_budgets(self) -> list[int]:
+        """The block's budgets once every layer has run."""
+        if not isinstance(self.budgets, CakeBudgets):
+            return list(self.budgets)
+        cake = self.budgets
+        return cake_budgets(self.preferences, cake.budget, cake.floor(self.cache.protected), self.caps)
+
+    def _stage_budgets(self, cake: CakeBudgets) -> list[int]:
+        layers = len(self.cache.layers)
+        return cascade_budgets(self.preferences, layers, cake.budget, cake.floor(self.cache.protected), self.caps)
+
+    def _evict(self, layer: int, budget: int) -> None:
+        index = select_top(self.scores[layer], budget, self.cache.protected)
+        if index is not None:
+            self.cache.layers[layer].keep(index)
+            self.scores[layer] = self.scores[layer].gather(-1, index)
+
+
+def block_evicts(cache: EpisodeCache, block_len: int, budgets: Sequence[int] | CakeBudgets) -> bool:
+    """Whether appending a block of `block_len` tokens puts the cache over budget: fixed budgets, when a
+    layer would exceed its own; cake, when all layers together would exceed `L * M` (before that, CAKE
+    keeps everything, as its code does for a prompt within the cache size)."""
+    if isinstance(budgets, CakeBudgets):
+        return sum(cache.sizes) + len(cache.layers) * block_len > len(cache.layers) * budgets.budget
+    return any(n + block_len > b for n, b in zip(cache.sizes, budgets, strict=True))
