@@ -13,7 +13,8 @@ import torch
 
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
-from kvchat.kv.scoring import Scorer, select_top
+from kvchat.kv.heads import HeadBudgets
+from kvchat.kv.scoring import Scorer
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,15 @@ def block_prefill(
     scorer: Scorer | None,
     compact: bool = False,
     on_block: Callable[[int, int], None] | None = None,
+    heads: HeadBudgets = HeadBudgets(),
 ) -> PrefillResult:
     """Build an episode cache: `prefix_ids` (never evicted), then `context_ids` in blocks.
 
     `budgets=None` keeps everything (the full-KV reference). `compact` re-rotates kept keys to
     contiguous positions after each eviction so the cache fits a short context window.
-    `on_block(done, total)` reports progress.
+    `on_block(done, total)` reports progress. `heads` shares each layer's budget among its KV heads
+    (uniform, or adaptive: heads keep different counts and the layer becomes ragged; sizes and the peak
+    then count entries per head averaged over the layer's heads).
     """
     num_layers = model.config.num_hidden_layers
     cache = EpisodeCache(num_layers)
@@ -56,8 +60,8 @@ def block_prefill(
             scores = scorer(model, cache, block)
             cache.keep(
                 [
-                    select_top(s, b, cache.protected)
-                    for s, b in zip(scores, budgets, strict=True)
+                    heads.select(s, b, cache.protected, layer.lengths)
+                    for s, b, layer in zip(scores, budgets, cache.layers, strict=True)
                 ]
             )
             if compact:
