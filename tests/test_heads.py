@@ -9,10 +9,15 @@ from dataclasses import replace
 import pytest
 import safetensors.torch
 import torch
+from cli_helpers import run_main
 from conftest import ARCHITECTURES, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvchat import store as store_module
+from kvchat.ask import Session
+from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.ingest import ingest
 from kvchat.kv import attention
 from kvchat.kv.attention import AttentionRecorder, HeadList, kvchat_attention
 from kvchat.kv.cache import EpisodeCache, RaggedLayer
@@ -20,6 +25,8 @@ from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets, head_floor, select_adaptive
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer, select_top
+from kvchat.store import Store
+from kvchat.synthetic import planted_conversation
 
 HEADS, HEAD_DIM, LAYERS = 2, 16, 2  # the tiny model's KV heads, head size, layers (conftest.tiny_model)
 ADAPTIVE = HeadBudgets("adaptive")
@@ -285,3 +292,77 @@ def test_head_budgets_reject_unknown_modes():
         HeadBudgets("greedy")
     with pytest.raises(ValueError, match="floor fraction"):
         replace(ADAPTIVE, floor_fraction=1.5)
+
+
+# --------------------------------------------------------------------------- ingest, store, ask, CLI
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory):
+    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=16)
+    path = tmp_path_factory.mktemp("hist") / "planted.json"
+    path.write_text(json.dumps(messages))
+    return path
+
+
+def test_adaptive_ingest_and_ask_round_trip_through_the_store(tmp_path, history, tiny_lm, encoder):
+    store = Store(tmp_path)
+    config = IngestConfig(
+        cache=CacheConfig(budget=96, block_size=48, head_budgets="adaptive"), episodes=EpisodeConfig(prompt_tokens=48)
+    )
+    report = ingest(history, name="conv", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    assert report.head_budgets == "adaptive" and report.budgets == [96, 96]
+    fewest, most = report.head_entries
+    assert fewest >= head_floor(96, 0, ADAPTIVE.floor_fraction) and fewest < 96 < most
+    record = store.get("conv")
+    assert record.settings["head_budgets"] == "adaptive"
+    for episode in record.episodes:
+        tensors, meta = store.load_episode(episode, tiny_lm.fingerprint)
+        assert meta["format_version"] == "2"
+        for i in range(LAYERS):
+            assert int(tensors[f"len.{i}"].sum()) == tensors[f"k.{i}"].shape[0] == 96 * HEADS
+        assert episode.n_tokens == 96 * HEADS * LAYERS
+        cache = EpisodeCache.from_tensors(tensors, next_position=int(meta["next_position"]), protected=0)
+        assert cache.nbytes() == episode.n_tokens * 2 * HEAD_DIM * 4
+    session = Session(store, record, tiny_lm, encoder)
+    first = session.ask("How many tomato plants did Tom plant this spring?", episode=1)
+    session.ask("Which gate does Tom's flight to Lisbon leave from?", episode=1)
+    again = session.ask("How many tomato plants did Tom plant this spring?", episode=1)
+    assert first.answer_tokens > 0 and again.text == first.text and again.reused_cache
+
+
+def test_uniform_files_of_format_1_still_load(tmp_path, monkeypatch):
+    store = Store(tmp_path)
+    tensors = {"k.0": torch.ones(2, 3, 4), "v.0": torch.ones(2, 3, 4), "pos.0": torch.zeros(2, 3, dtype=torch.int32)}
+    monkeypatch.setattr(store_module, "FORMAT_VERSION", "1")
+    with store.begin("old") as pending:
+        pending.write_episode(0, tensors, {"fingerprint": "fp"}, centroid=[1.0], medoid_text="x", budgets=[3],
+                              n_tokens=6)
+        pending.commit(model="default", fingerprint="fp", settings={}, stats={})
+    monkeypatch.undo()
+    loaded, meta = store.load_episode(store.get("old").episodes[0], "fp")
+    assert meta["format_version"] == "1" and torch.equal(loaded["k.0"], tensors["k.0"])
+    assert EpisodeCache.from_tensors(loaded, next_position=3, protected=0).layers[0].lengths == [3, 3]
+
+
+def test_cli_head_budgets_option(tmp_path, tiny_model_dir):
+    messages, _ = planted_conversation(seed=5, topics=3, turns_per_topic=12)
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(messages))
+    home = tmp_path / "home"
+    common = ["ingest", str(path), "--model", str(tiny_model_dir), "--budget", "80", "--block-size", "32",
+              "--episodes", "2"]  # fmt: skip
+
+    bad = run_main(home, *common, "--head-budgets", "greedy")
+    assert bad.returncode == 2 and bad.stderr.strip().count("\n") == 0 and "--head-budgets" in bad.stderr
+    streaming = run_main(home, *common, "--method", "streaming", "--head-budgets", "adaptive")
+    assert streaming.returncode == 2 and "--head-budgets adaptive" in streaming.stderr
+
+    done = run_main(home, *common, "--head-budgets", "adaptive", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["head_budgets"] == "adaptive" and report["head_entries"][0] < 80 < report["head_entries"][1]
+    shown = run_main(home, "show", "chat")
+    assert shown.returncode == 0 and "adaptive head budgets" in shown.stdout
+    assert json.loads(run_main(home, "show", "chat", "--json").stdout)["settings"]["head_budgets"] == "adaptive"
+    assert "--head-budgets" in run_main(home, "ingest", "--help").stdout
