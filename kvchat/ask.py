@@ -18,7 +18,7 @@ import torch
 from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
-from kvchat.errors import UserError
+from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.store import ConversationRecord, Store
@@ -163,11 +163,17 @@ class Session:
         self._resident = None  # drop the old one before loading the next: one resident cache at a time
         record = self.conversation.episodes[index]
         tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
-        cache = EpisodeCache.from_tensors(
-            tensors,
-            next_position=int(metadata["next_position"]),
-            protected=int(metadata["protected"]),
-        )
+        try:
+            cache = EpisodeCache.from_tensors(
+                tensors,
+                next_position=int(metadata["next_position"]),
+                protected=int(metadata["protected"]),
+            )
+        except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
+            raise CacheIntegrityError(
+                f"cache of conversation '{self.conversation.name}' episode {index} does not hold a KV cache "
+                f"kvchat can read ({e}); rebuild with `kvchat ingest HISTORY --name {self.conversation.name} --replace`"
+            ) from None
         self._resident = (index, cache)
         return cache
 

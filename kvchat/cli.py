@@ -118,6 +118,12 @@ def ingest(
         help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")] = CakeConfig.tau1,
     tau2: Annotated[float, typer.Option(
         help="cake budgets: temperature of attention shift (smaller = weighs it more).")] = CakeConfig.tau2,
+    head_budgets: Annotated[str, typer.Option(
+        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
+        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
+        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")] = (
+        CacheConfig.head_budgets
+    ),
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
     force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
@@ -135,7 +141,8 @@ def ingest(
         model=model,
         episodes=EpisodeConfig(episodes=episodes, window=window),
         cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
-                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2)),
+                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
+                          head_budgets=head_budgets),
     )
     validate(config)
     name = validate_name(name or history.stem)
@@ -159,7 +166,7 @@ def ingest(
         out.print(
             f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
             f"{report.episodes} episodes x budget {budget} ({report.method}, {report.layer_budgets} layer budgets, "
-            f"{report.positions} positions), "
+            f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
             f"peak {report.peak_cache_tokens} entries/layer ({report.peak_total_entries} in all layers), "
             f"{report.cache_bytes / 2**20:.1f} MiB, "
             f"{report.seconds:.1f}s"
@@ -403,9 +410,10 @@ def show(name: str, as_json: JsonOpt = False) -> None:
     strategy = s.get("layer_budgets", "uniform")
     if strategy == "cake":
         strategy += f" tau1={s.get('tau1')} tau2={s.get('tau2')}"
+    heads = _head_budgets_text(s.get("head_budgets", "uniform"), record.stats.get("head_entries", []))
     out.print(
         f"[bold]{record.name}[/] ({record.model}, {s['method']}, budget {s['budget']}, block {s['block_size']}, "
-        f"{strategy} layer budgets, {s['positions']} positions) ingested {record.created_at[:19]}"
+        f"{strategy} layer budgets, {heads}, {s['positions']} positions) ingested {record.created_at[:19]}"
     )
     table = Table("episode", "MiB", "budgets per layer", "medoid excerpt")
     for e in record.episodes:
@@ -467,6 +475,13 @@ def _summary(record) -> dict:
         "turns": record.stats.get("turns"),
         "bytes": sum(e.bytes for e in record.episodes),
     }
+
+
+def _head_budgets_text(mode: str, entries: list[int]) -> str:
+    """'uniform head budgets', or 'adaptive head budgets (12-301 entries per head)'."""
+    if mode == "adaptive" and len(entries) == 2:
+        return f"{mode} head budgets ({entries[0]}-{entries[1]} entries per head)"
+    return f"{mode} head budgets"
 
 
 def _compress_budgets(budgets: list[int]) -> str:

@@ -15,6 +15,14 @@ METHODS = ("epicache", "full", "streaming", "snapkv", "infinipot", "kvzip", "key
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
+HEAD_BUDGETS = ("uniform", "adaptive")
+# Methods whose scores are attention weights, comparable across the heads of a layer: the ones that
+# head-wise (adaptive) selection applies to. Streaming ranks by recency, the same in every head.
+HEAD_ADAPTIVE_METHODS = ("epicache", "snapkv", "infinipot", "kvzip")
+# Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
+# (AdaKV's safeguard alpha = 0.2), and never less than the protected system prompt, so a head whose
+# attention is focused is not starved to nothing by heads that spread theirs.
+HEAD_FLOOR_FRACTION = 0.2
 
 # EpiCache's official instruction for the patched prompt (METHODS.md, point 3).
 EPISODE_INSTRUCTION = (
@@ -79,6 +87,8 @@ class CacheConfig:
                                  # sensitivity | pyramid | cake (from each block's attention)
     alpha: float | None = None   # sharpness of sensitivity budgets; None = the profile's suggestion
     cake: CakeConfig = CakeConfig()
+    head_budgets: str = "uniform"  # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's
+                                   # top M_l x kv_heads (head, token) pairs, floor HEAD_FLOOR_FRACTION x M_l)
 
 
 @dataclass(frozen=True)

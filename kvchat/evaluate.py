@@ -270,12 +270,11 @@ class _SetRunner:
         cache = EpisodeCache.from_tensors(tensors, next_position=int(metadata["next_position"]), protected=protected)
         if metadata.get("positions") == "compact":  # re-rotated: original positions are gone
             return torch.zeros(0, 0, dtype=torch.bool), protected
-        length = max(int(layer.positions.max()) + 1 for layer in cache.layers)
-        rows = []
-        for layer in cache.layers:
-            row = torch.zeros(layer.positions.shape[0], length, dtype=torch.bool)
-            rows.append(row.scatter_(1, layer.positions, True))
-        return torch.cat(rows), protected
+        heads = [p for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
+        kept = torch.zeros(len(heads), max(int(p.max()) + 1 for p in heads), dtype=torch.bool)
+        for row, positions in zip(kept, heads, strict=True):
+            row[positions] = True
+        return kept, protected
 
     def _ingests(self) -> list[dict]:
         return [r for r in self.results.records if r["kind"] == "ingest" and r["set"] == self.qa_set.name]

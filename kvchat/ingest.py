@@ -12,6 +12,8 @@ from pathlib import Path
 from kvchat import memory
 from kvchat.config import (
     ANSWER_ROOM,
+    HEAD_ADAPTIVE_METHODS,
+    HEAD_BUDGETS,
     INFINIPOT_PROMPT,
     KVZIP_PROMPT,
     LAYER_BUDGETS,
@@ -28,6 +30,7 @@ from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
 from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
+from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import (
     BlockPromptScorer,
@@ -65,6 +68,8 @@ class IngestReport:
     estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.memory)
     cache_bytes: int
     seconds: float
+    head_budgets: str = "uniform"
+    head_entries: list[int] = dataclasses.field(default_factory=list)  # [fewest, most] entries one KV head kept
     notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
 
     def to_dict(self) -> dict:
@@ -94,6 +99,15 @@ def validate(config: IngestConfig) -> None:
     if cache.layer_budgets not in LAYER_BUDGETS:
         raise UserError(
             f"unknown --layer-budgets {cache.layer_budgets!r} (choose from {', '.join(LAYER_BUDGETS)})"
+        )
+    if cache.head_budgets not in HEAD_BUDGETS:
+        raise UserError(
+            f"unknown --head-budgets {cache.head_budgets!r} (choose from {', '.join(HEAD_BUDGETS)})"
+        )
+    if cache.head_budgets == "adaptive" and cache.method not in HEAD_ADAPTIVE_METHODS:
+        raise UserError(
+            f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
+            f"has none (use it with {', '.join(HEAD_ADAPTIVE_METHODS)})"
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
         raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
@@ -169,7 +183,7 @@ def ingest(
                 f"system prompt's {prefix_ids.shape[-1]} tokens; raise --budget"
             )
 
-    peak, peak_total, nbytes, stored_budgets = 0, 0, 0, []
+    peak, peak_total, nbytes, stored_budgets, head_entries = 0, 0, 0, [], []
     with store.begin(name, replace=replace) as pending:
         for episode in episodes:
             progress.episode(episode.index, len(episodes))
@@ -183,11 +197,13 @@ def ingest(
                 scorer=scorer,
                 compact=positions == "compact",
                 on_block=progress.block,
+                heads=HeadBudgets(cache_cfg.head_budgets),
             )
             cache = result.cache
             peak = max(peak, result.peak_tokens)
             peak_total = max(peak_total, result.peak_total)
             stored_budgets = cache.sizes
+            head_entries += [n for layer in cache.layers for n in layer.lengths]
             record = pending.write_episode(
                 episode.index,
                 cache.to_tensors(),
@@ -202,7 +218,7 @@ def ingest(
                 centroid=episode.centroid.tolist(),
                 medoid_text=episode.medoid_text,
                 budgets=cache.sizes,
-                n_tokens=sum(cache.sizes) * lm.model.config.num_key_value_heads,
+                n_tokens=cache.entries,
             )
             nbytes += record.bytes
         report = IngestReport(
@@ -219,6 +235,8 @@ def ingest(
             estimated_peak_bytes=estimate,
             cache_bytes=nbytes,
             seconds=round(time.perf_counter() - started, 2),
+            head_budgets=cache_cfg.head_budgets,
+            head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
             notes=notes,
         )
         pending.commit(
@@ -232,6 +250,7 @@ def ingest(
                 "pool_kernel": cache_cfg.pool_kernel,
                 "layer_budgets": strategy,
                 **_cake_settings(cache_cfg, strategy),
+                "head_budgets": cache_cfg.head_budgets,
                 "episodes": config.episodes.episodes,
                 "window": config.episodes.window,
                 "prompt_tokens": config.episodes.prompt_tokens,

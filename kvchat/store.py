@@ -8,6 +8,13 @@ a fresh `ingest_id`, so `--replace` never touches files a running `ask` may be r
 
 Files are checksummed and carry the model fingerprint; loading refuses anything that does not
 match, and checks the safetensors header by hand before a single tensor is allocated.
+
+Episode file format (metadata `format_version`), per layer l:
+- "1": `k.{l}`, `v.{l}` `[kv_heads, n, head_dim]`, `pos.{l}` `[kv_heads, n]` int32 (every head keeps n).
+- "2": as "1", except that a layer whose heads keep different counts (`--head-budgets adaptive`) is
+  stored ragged: `k.{l}`, `v.{l}` `[total, head_dim]` with the heads' rows concatenated in head order,
+  `pos.{l}` `[total]` int32 and `len.{l}` `[kv_heads]` int32, each head's row count. Only kept entries
+  are written. kvchat writes "2" and reads both (a "1" file is a "2" file without ragged layers).
 """
 
 from __future__ import annotations
@@ -38,7 +45,8 @@ import torch
 
 from kvchat.errors import CacheIntegrityError, KvchatError, UserError
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"  # written; see the module docstring
+READABLE_FORMAT_VERSIONS = ("1", "2")
 DB_NAME = "kvchat.db"
 CACHES_DIR = "caches"
 BUSY_TIMEOUT_MS = 30_000
@@ -572,7 +580,7 @@ class Store:
         if hashlib.sha256(data).hexdigest() != record.sha256:
             raise refuse("failed its checksum (the file changed on disk)")
         metadata: dict[str, str] = header.get("__metadata__", {})
-        if metadata.get("format_version") != FORMAT_VERSION:
+        if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise refuse(f"has unsupported format version {metadata.get('format_version')!r}")
         if metadata.get("fingerprint") != fingerprint:
             raise refuse(
@@ -750,6 +758,8 @@ def _reingest_command(record: ConversationRecord) -> str:
     for key in ("method", "budget", "block_size", "episodes", "window"):
         if key in settings:
             words += ["--" + key.replace("_", "-"), str(settings[key])]
+    if settings.get("head_budgets", "uniform") != "uniform":
+        words += ["--head-budgets", str(settings["head_budgets"])]
     return shlex.join(words)
 
 

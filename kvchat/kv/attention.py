@@ -7,6 +7,11 @@ return. The matching mask function returns None so transformers builds no mask a
 enforced here: every cached entry precedes every new token, and new tokens see each other causally.
 A caller may still pass a prepared 4D `attention_mask` (transformers returns those as they are); it
 then replaces the causal mask.
+
+Ragged layers (head-wise budgets, see kvchat.kv.heads): `cache.update` then returns a `HeadList` per
+keys and values, one tensor per KV head holding only that head's entries. Attention runs per KV head
+over that head's own length (one SDPA call per KV head, its GQA group of query heads together), so no
+head is padded to the longest. Models have few KV heads (3 on SmolLM2-135M), so the loop is short.
 """
 
 from __future__ import annotations
@@ -19,6 +24,16 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 ATTENTION_NAME = "kvchat"
+
+
+class HeadList(tuple):
+    """Keys (or values) of a ragged layer: one tensor `[1, 1, n_h, head_dim]` per KV head, in head order.
+
+    What `EpisodeCache.update` returns for a layer whose heads keep different numbers of entries; the
+    attention function recognises it by type. A plain tuple subclass, so it costs nothing to build.
+    """
+
+    __slots__ = ()
 
 
 @dataclass
@@ -79,6 +94,8 @@ def kvchat_attention(
     """SDPA with a per-layer causal mask; optionally records attention for scoring."""
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
+    if isinstance(key, HeadList):
+        return _ragged_attention(module, query, key, value, attention_mask, scaling, kvchat_recorder)
     q_len, kv_len = query.shape[2], key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
@@ -91,6 +108,46 @@ def kvchat_attention(
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
         kvchat_recorder.record(module.layer_idx, weights, kv_len - q_len)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ragged_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: HeadList,
+    value: HeadList,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    recorder: AttentionRecorder | None,
+) -> tuple[torch.Tensor, None]:
+    """Attention of a ragged layer: per KV head h, its group of query heads attends over that head's own
+    `n_h` entries only. Same causal rule as the uniform path: cached entries visible, new tokens causal.
+
+    With a recorder, the per-head weights are laid out as the uniform path's `[kv_heads, group, q, kv]`
+    (cached columns first, then the new tokens' columns) with zero columns filling the shorter heads'
+    cached part up to the longest, so any recorder reads `weights[..., :past]` the same way. Those
+    transient scores are padded (a few floats per entry, during prefill only); keys and values never are.
+    """
+    if attention_mask is not None:
+        raise ValueError("a prepared attention mask does not apply to a layer with per-head lengths")
+    kv_heads, q_len = len(key), query.shape[2]
+    group = query.shape[1] // kv_heads
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    outs, weights = [], []
+    for h in range(kv_heads):
+        q = query[:, h * group : (h + 1) * group]
+        mask = causal_mask(q_len, key[h].shape[2], query.device)
+        if recorder is not None:
+            weights.append(grouped_attention_weights(q, key[h], scale, mask)[0])  # [group, q, n_h]
+        outs.append(F.scaled_dot_product_attention(q, key[h], value[h], attn_mask=mask, scale=scale, enable_gqa=True))
+    if recorder is not None:
+        past = max(w.shape[-1] for w in weights) - q_len
+        padded = weights[0].new_zeros(kv_heads, group, q_len, past + q_len)
+        for h, w in enumerate(weights):
+            own = w.shape[-1] - q_len
+            padded[h, ..., :own] = w[..., :own]
+            padded[h, ..., past:] = w[..., own:]
+        recorder.record(module.layer_idx, padded, past)
+    return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 
 def _as_bool(attention_mask: torch.Tensor) -> torch.Tensor:

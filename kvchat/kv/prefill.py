@@ -16,7 +16,8 @@ import torch
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import BlockWindow, CakeBudgets, block_evicts
 from kvchat.kv.forward import forward
-from kvchat.kv.scoring import CakeScorer, Scorer, select_top
+from kvchat.kv.heads import HeadBudgets
+from kvchat.kv.scoring import CakeScorer, Scorer
 
 
 @dataclass(frozen=True)
@@ -37,12 +38,16 @@ def block_prefill(
     scorer: Scorer | CakeScorer | None,
     compact: bool = False,
     on_block: Callable[[int, int], None] | None = None,
+    heads: HeadBudgets = HeadBudgets(),
 ) -> PrefillResult:
     """Build an episode cache: `prefix_ids` (never evicted), then `context_ids` in blocks.
 
     `budgets=None` keeps everything (the full-KV reference); `CakeBudgets` recomputes them every block
     from the block's attention. `compact` re-rotates kept keys to contiguous positions after each
     eviction so the cache fits a short context window. `on_block(done, total)` reports progress.
+    `heads` shares each layer's budget among its KV heads (uniform, or adaptive: heads keep different
+    counts and the layer becomes ragged; sizes and the peak then count entries per head averaged over
+    the layer's heads).
     """
     num_layers = model.config.num_hidden_layers
     cache = EpisodeCache(num_layers)
@@ -62,7 +67,12 @@ def block_prefill(
             assert scorer is not None, "a budget needs a scorer"
             final = window.final_budgets() if window is not None else budgets
             scores = scorer(model, cache, block)
-            cache.keep([select_top(s, b, cache.protected) for s, b in zip(scores, final, strict=True)])
+            cache.keep(
+                [
+                    heads.select(s, b, cache.protected, layer.lengths)
+                    for s, b, layer in zip(scores, final, cache.layers, strict=True)
+                ]
+            )
         if evict and compact:
             cache.compact(rotary)
         if on_block is not None:
