@@ -1,0 +1,76 @@
+"""Where the budget goes: layer-budget strategies x head-budget modes x budgets, against full KV.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/layer_budgets.py [DATA...] [--max-context N]
+        [--questions N] [--budgets 256,512,1024] [--out results.jsonl] [--report report.md]
+
+For the embedded model, epicache caches built with uniform, sensitivity, pyramid and cake layer budgets,
+each with uniform and adaptive (AdaKV) head budgets, at each budget; every question is answered from
+each and compared with full KV: KL(full || variant) of the first answer token and the agreement of the
+answers (EpiCache Fig. 4b reports sensitivity budgets lowering that KL vs uniform). It is `kvchat eval`
+with a different grid, so results resume the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+from kvchat import report
+from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
+from kvchat.encoder import SentenceEncoder
+from kvchat.evaluate import ResultsFile, Variant, evaluate, qa_sets, summarize
+from kvchat.llm import load_model
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data" / "locomo"
+RESULTS = REPO / "benchmarks" / "results"
+STRATEGIES = ("uniform", "sensitivity", "pyramid", "cake")
+HEAD_MODES = ("uniform", "adaptive")
+
+
+def grid(budgets: tuple[int, ...], method: str = "epicache") -> list[Variant]:
+    """Every strategy x head mode x budget; the variant key names both (they differ from the defaults
+    or are forced into it below)."""
+    out = []
+    for budget in budgets:
+        for strategy in STRATEGIES:
+            for heads in HEAD_MODES:
+                cache = dataclasses.replace(
+                    CacheConfig(), method=method, budget=budget, layer_budgets=strategy, head_budgets=heads
+                )
+                out.append(Variant(cache))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("data", nargs="*", type=Path, default=[SHARED / "conv-30.json"])
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--budgets", default="256,512,1024")
+    parser.add_argument("--out", type=Path, default=RESULTS / "layer_budgets.jsonl")
+    parser.add_argument("--report", type=Path, default=RESULTS / "layer_budgets.md")
+    args = parser.parse_args()
+
+    home = default_home()
+    lm = load_model("default", home / "models")
+    config = EvalConfig(max_context=args.max_context, questions=args.questions)
+    sets = qa_sets(args.data, 0, lm, config)
+    variants = grid(tuple(int(b) for b in args.budgets.split(",")))
+    records = evaluate(
+        sets, variants, lm=lm, encoder=SentenceEncoder(), config=config, base=IngestConfig(),
+        results=ResultsFile(args.out), profile_dirs=[home / "profiles"],
+    )
+    rows = summarize(records)
+    notes = [f"{s.name}: first {s.sessions_kept} sessions ({len(s.turns)} turns), {len(s.questions)} questions"
+             for s in sets]
+    notes.append(f"embedded model; epicache; --max-context {args.max_context}; {os.cpu_count()} CPUs")
+    text = report.markdown(rows, title="Layer and head budgets vs full KV", notes=notes)
+    args.report.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
