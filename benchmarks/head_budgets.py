@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+from core_loop import forced_decode  # benchmarks/ is on sys.path when a script here runs
 
 from kvchat.ask import Session
 from kvchat.config import CacheConfig, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.ingest import IngestReport, ingest
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.forward import forward
-from kvchat.llm import ChatLayout, LoadedModel, load_model
+from kvchat.llm import ChatLayout, load_model
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 
@@ -43,19 +43,6 @@ ROUNDS = 3
 def log(message: str) -> None:
     print(f"[head_budgets {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
-
-def forced_decode(lm: LoadedModel, cache: EpisodeCache, prompt: torch.Tensor, new_tokens: int) -> float:
-    """Seconds for `new_tokens` greedy steps (EOS ignored) after the prompt; the cache is rolled back."""
-    mark = cache.checkpoint()
-    try:
-        with torch.inference_mode():
-            logits = forward(lm.model, cache, prompt)
-            clock = time.perf_counter()
-            for _ in range(new_tokens):
-                logits = forward(lm.model, cache, logits[0, -1].argmax().view(1, 1))
-            return time.perf_counter() - clock
-    finally:
-        cache.rollback(mark)
 
 
 def head_spread(cache: EpisodeCache) -> tuple[int, int, float]:

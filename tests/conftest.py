@@ -72,6 +72,24 @@ def tiny_model(arch: str = "llama", vocab_size: int = 512, seed: int = 0, layers
     return model_cls(config).eval()
 
 
+def with_kvchat_attention(model: torch.nn.Module) -> torch.nn.Module:
+    from kvchat.kv import attention
+
+    model.set_attn_implementation(attention.register())
+    return model
+
+
+def random_ids(n: int, seed: int = 1, vocab: int = 512) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (1, n), generator=g)
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    """The tiny Llama with kvchat's attention attached."""
+    return with_kvchat_attention(tiny_model("llama"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A saved tiny Llama + word-level tokenizer with a chat template: loads through load_model(dir)."""

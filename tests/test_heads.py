@@ -11,6 +11,8 @@ import safetensors.torch
 import torch
 from cli_helpers import run_main
 from conftest import ARCHITECTURES, tiny_model
+from conftest import random_ids as _ids
+from conftest import with_kvchat_attention as _with_kvchat_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,7 +20,6 @@ from kvchat import store as store_module
 from kvchat.ask import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.ingest import ingest
-from kvchat.kv import attention
 from kvchat.kv.attention import AttentionRecorder, HeadList, kvchat_attention
 from kvchat.kv.cache import EpisodeCache, RaggedLayer
 from kvchat.kv.forward import forward
@@ -30,21 +31,6 @@ from kvchat.synthetic import planted_conversation
 
 HEADS, HEAD_DIM, LAYERS = 2, 16, 2  # the tiny model's KV heads, head size, layers (conftest.tiny_model)
 ADAPTIVE = HeadBudgets("adaptive")
-
-
-def _with_kvchat_attention(model):
-    model.set_attn_implementation(attention.register())
-    return model
-
-
-@pytest.fixture(scope="module")
-def model():
-    return _with_kvchat_attention(tiny_model("llama"))
-
-
-def _ids(n: int, seed: int = 1, vocab: int = 512) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (1, n), generator=g)
 
 
 def _adaptive_cache(model, *, budget=40, history=300, heads=ADAPTIVE, compact=False) -> EpisodeCache:

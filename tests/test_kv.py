@@ -5,31 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
+from conftest import random_ids as _ids
+from conftest import with_kvchat_attention as _with_kvchat_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchat.kv import attention
 from kvchat.kv.attention import AttentionRecorder
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.rope import reposition_keys
 from kvchat.kv.scoring import PatchedPromptScorer, pool_scores, probe_scores, select_top
-
-
-def _with_kvchat_attention(model):
-    model.set_attn_implementation(attention.register())
-    return model
-
-
-@pytest.fixture(scope="module")
-def model():
-    return _with_kvchat_attention(tiny_model("llama"))
-
-
-def _ids(n: int, seed: int = 1, vocab: int = 512) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (1, n), generator=g)
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
