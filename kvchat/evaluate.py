@@ -158,7 +158,11 @@ def evaluate(
             runner = _SetRunner(qa_set, questions, lm, encoder, base, ask_config, store, results, profile_dirs)
             reference = runner.run(everything[0], progress, position=(0, len(pending)))
             for i, variant in enumerate(v for v in pending if v.key != REFERENCE):
-                runner.run(variant, progress, position=(i + 1, len(pending)), reference=reference)
+                try:
+                    runner.run(variant, progress, position=(i + 1, len(pending)), reference=reference)
+                except UserError as error:  # a setting this model cannot take: say so, run the rest
+                    skipped = {"kind": "skipped", "set": qa_set.name, "variant": variant.key, "reason": str(error)}
+                    results.append(skipped)
             store.close()
     return results.records
 
@@ -325,7 +329,7 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
             if last:
                 break
             raise UserError(f"{path}: line {i + 1} is not JSON; not a kvchat eval results file") from None
-        if not isinstance(record, dict) or record.get("kind") not in ("ingest", "answer"):
+        if not isinstance(record, dict) or record.get("kind") not in ("ingest", "answer", "skipped"):
             raise UserError(f"{path}: line {i + 1} is not a kvchat eval record")
         if last:  # complete JSON but no newline: the write was cut right before it
             break
@@ -341,7 +345,8 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     answers: dict[str, list[dict]] = defaultdict(list)
     ingests: dict[str, list[dict]] = defaultdict(list)
     for r in records:
-        (answers if r["kind"] == "answer" else ingests)[r["variant"]].append(r)
+        if r["kind"] != "skipped":
+            (answers if r["kind"] == "answer" else ingests)[r["variant"]].append(r)
     full_f1 = {(r["set"], r["qid"]): r["f1"] for r in answers.get(REFERENCE, [])}
     rows = []
     for key, rs in answers.items():

@@ -238,3 +238,14 @@ def test_turn_positions_point_at_the_turns_tokens(tiny_lm):
         text = tiny_lm.decode(ids[spans[turn.turn_id] - 5].tolist())
         squeeze = "".join  # the word-level test tokenizer decodes with spaces around punctuation
         assert squeeze(text.split()) == squeeze(f"{turn.role}: {turn.text}".split())
+
+
+def test_a_variant_the_model_cannot_take_is_recorded_as_skipped(tmp_path, tiny_lm, encoder):
+    too_small = Variant(dataclasses.replace(SMALL.cache, method="streaming", budget=8))  # < the system prompt
+    fine = Variant(dataclasses.replace(SMALL.cache, method="streaming", budget=64))
+    records = evaluate([_tiny_set()], [too_small, fine], lm=tiny_lm, encoder=encoder,
+                       config=EvalConfig(max_new_tokens=2, questions=1), base=SMALL,
+                       results=ResultsFile(tmp_path / "r.jsonl"))
+    skipped = [r for r in records if r["kind"] == "skipped"]
+    assert [r["variant"] for r in skipped] == [too_small.key] and "system prompt" in skipped[0]["reason"]
+    assert {r["variant"] for r in summarize(ResultsFile(tmp_path / "r.jsonl").records)} == {REFERENCE, fine.key}
