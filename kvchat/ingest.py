@@ -172,7 +172,7 @@ def ingest(
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
     episodes = _episodes(lines, config, lm, encoder, episodic=cache_cfg.method == "epicache")
     notes: list[str] = []
-    strategy, budgets = ("full", None) if full else _layer_budgets(
+    strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(
         cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), notes
     )
     if budgets is not None:  # cake's floor keeps the system prompt in every layer while M exceeds it
@@ -249,6 +249,7 @@ def ingest(
                 "positions": positions,
                 "pool_kernel": cache_cfg.pool_kernel,
                 "layer_budgets": strategy,
+                **({"alpha": alpha} if alpha is not None else {}),
                 **_cake_settings(cache_cfg, strategy),
                 "head_budgets": cache_cfg.head_budgets,
                 "episodes": config.episodes.episodes,
@@ -264,16 +265,16 @@ def ingest(
 
 def _layer_budgets(
     cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], notes: list[str]
-) -> tuple[str, list[int] | CakeBudgets]:
-    """The strategy actually used and its per-layer budgets. `auto` = sensitivity when a profile of
-    these weights exists (shipped, or made by `kvchat profile-layers`), else uniform. `cake` budgets are
-    computed during prefill, from each block's attention."""
+) -> tuple[str, list[int] | CakeBudgets, float | None]:
+    """The strategy actually used, its per-layer budgets and (for sensitivity) the alpha used. `auto` =
+    sensitivity when a profile of these weights exists (shipped, or made by `kvchat profile-layers`), else
+    uniform. `cake` budgets are computed during prefill, from each block's attention."""
     strategy = cache.layer_budgets
     if strategy == "cake":
         cake = cache.cake
         return strategy, CakeBudgets(
             cache.budget, cake.window, cake.tau1, cake.tau2, cake.floor_fraction, cake.cascade
-        )
+        ), None
     profile = find_profile(lm, profile_dirs) if strategy in ("auto", "sensitivity") else None
     if strategy == "auto":
         strategy = "sensitivity" if profile else "uniform"
@@ -285,7 +286,7 @@ def _layer_budgets(
     budgets = layer_budgets(
         strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha
     )
-    return strategy, budgets
+    return strategy, budgets, alpha if strategy == "sensitivity" else None
 
 
 def _cake_settings(cache: CacheConfig, strategy: str) -> dict:

@@ -755,11 +755,11 @@ def _reingest_command(record: ConversationRecord) -> str:
     words = ["kvchat", "ingest", settings.get("source") or "HISTORY", "--name", record.name]
     if record.model != "default":
         words += ["--model", record.model]
-    for key in ("method", "budget", "block_size", "episodes", "window"):
-        if key in settings:
+    options = ("method", "budget", "block_size", "episodes", "window", "positions", "layer_budgets", "alpha",
+               "tau1", "tau2", "head_budgets")
+    for key in options:
+        if key in settings and not (key == "layer_budgets" and settings[key] == "full"):
             words += ["--" + key.replace("_", "-"), str(settings[key])]
-    if settings.get("head_budgets", "uniform") != "uniform":
-        words += ["--head-budgets", str(settings["head_budgets"])]
     return shlex.join(words)
 
 

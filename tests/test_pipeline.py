@@ -108,6 +108,27 @@ def test_compact_positions_stay_within_the_budget(tmp_path, history, tiny_lm, en
     assert Session(store, store.get("conv"), tiny_lm, encoder).ask("Which gate?").answer_tokens >= 0
 
 
+@pytest.mark.parametrize("alpha", [None, 3.0])
+def test_a_profile_of_the_weights_gives_sensitivity_budgets_and_is_recorded(tmp_path, history, tiny_lm, encoder,
+                                                                          alpha):
+    from kvchat.kv.budgets import sensitivity_budgets
+    from kvchat.llm import weights_fingerprint
+    from kvchat.profile import LayerProfile
+
+    profiles = tmp_path / "profiles"
+    LayerProfile("tiny", weights_fingerprint(tiny_lm.model), {}, 400, [0.7, 0.6], [0.3, 0.4], alpha=1.5).save(
+        profiles / "tiny.json"
+    )
+    store = Store(tmp_path / "home")
+    config = replace(SMALL, cache=replace(SMALL.cache, alpha=alpha))  # layer_budgets "auto"
+    report = _ingest(store, history, tiny_lm, encoder, config=config, profile_dirs=[profiles])
+    record = store.get("conv")
+    used = 1.5 if alpha is None else alpha
+    assert (record.settings["layer_budgets"], record.settings["alpha"]) == ("sensitivity", used)
+    assert report.budgets == record.episodes[0].budgets == sensitivity_budgets([0.3, 0.4], 96, used)
+    assert report.budgets[0] < 96 < report.budgets[1]
+
+
 @pytest.mark.parametrize("method", ["epicache", "cake"])
 def test_cake_layer_budgets_ingest_and_answer(tmp_path, history, tiny_lm, encoder, method):
     """`--layer-budgets cake` with EpiCache's probe scorer, and with CAKE's own (all of CAKE)."""

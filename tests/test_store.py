@@ -609,3 +609,29 @@ def test_doctor_command(tmp_path: Path) -> None:
     again = run_main(home, "doctor")
     assert (again.returncode, again.stdout) == (0, "healthy\n")
     assert [c.name for c in Store(home).conversations()] == ["chat"]
+
+
+@pytest.mark.parametrize("settings", [
+    {"method": "epicache", "budget": 256, "block_size": 128, "positions": "compact", "layer_budgets": "sensitivity",
+     "alpha": 1.3, "head_budgets": "adaptive", "episodes": 3, "window": 2, "pool_kernel": 7},
+    {"method": "cake", "budget": 512, "block_size": 256, "positions": "original", "layer_budgets": "cake",
+     "tau1": 0.5, "tau2": 2.0, "cake_window": 32, "head_budgets": "uniform", "episodes": 4, "window": 4},
+    {"method": "full", "budget": 1024, "block_size": 512, "positions": "original", "layer_budgets": "full",
+     "head_budgets": "uniform", "episodes": 4, "window": 4},
+])  # fmt: skip
+def test_rebuild_command_carries_every_setting_an_option_can(settings: dict) -> None:
+    """The command `doctor --fix` prints parses, through the real CLI, back into the settings stored."""
+    import shlex
+
+    import typer.main
+
+    from kvchat.cli import app
+
+    record = ConversationRecord("chat", "", "/models/m", FP, {**settings, "source": "/h/chat.json"}, {}, [])
+    words = shlex.split(store_module._reingest_command(record))
+    ingest = typer.main.get_command(app).commands["ingest"]
+    params = ingest.make_context("ingest", words[2:], resilient_parsing=True).params
+    assert params["history"] == Path("/h/chat.json") and (params["name"], params["model"]) == ("chat", "/models/m")
+    for key in settings.keys() & params.keys() - {"layer_budgets"}:
+        assert params[key] == settings[key], key
+    assert params["layer_budgets"] == (settings["layer_budgets"] if settings["method"] != "full" else "auto")
