@@ -20,7 +20,7 @@ from pathlib import Path
 from kvchat import report
 from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
 from kvchat.encoder import SentenceEncoder
-from kvchat.evaluate import ResultsFile, Variant, evaluate, qa_sets, summarize
+from kvchat.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
 from kvchat.llm import load_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,6 +67,7 @@ def main() -> None:
     notes = [f"{s.name}: first {s.sessions_kept} sessions ({len(s.turns)} turns), {len(s.questions)} questions"
              for s in sets]
     notes.append(f"embedded model; epicache; --max-context {args.max_context}; {os.cpu_count()} CPUs")
+    notes += [f"{key} skipped: {reason}" for (_, key), reason in skipped(records).items()]
     text = report.markdown(rows, title="Layer and head budgets vs full KV", notes=notes)
     args.report.write_text(text)
     print(text)

@@ -357,13 +357,17 @@ def eval_command(
         )
     names = {s.name for s in sets}
     rows = evaluate.summarize([r for r in records if r["set"] in names])
+    skips = [f"{key} on {name} skipped: {reason}" for (name, key), reason in evaluate.skipped(records).items()
+             if name in names]
+    for line in skips:
+        err.print(f"kvchat: {line}", markup=False)
     if report is not None:
         from kvchat import report as eval_report
 
         report.parent.mkdir(parents=True, exist_ok=True)
         png = report.with_suffix(".png")
         eval_report.plot(rows, png)
-        notes = [f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions" for s in sets]
+        notes = [f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions" for s in sets] + skips
         report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
     if as_json:
         _emit_json(rows)

@@ -150,7 +150,11 @@ def evaluate(
     everything = [Variant(dataclasses.replace(base.cache, method=REFERENCE)), *variant_list]
     for qa_set in qa_sets:
         questions = sample_questions(qa_set.questions, config.questions)
-        pending = [v for v in everything if {q.qid for q in questions} - results.done(qa_set.name, v.key)]
+        skips = skipped(results.records)
+        pending = [
+            v for v in everything
+            if (qa_set.name, v.key) not in skips and {q.qid for q in questions} - results.done(qa_set.name, v.key)
+        ]
         if not questions or not pending:
             continue
         with tempfile.TemporaryDirectory(prefix="kvchat-eval-") as scratch:
@@ -161,8 +165,8 @@ def evaluate(
                 try:
                     runner.run(variant, progress, position=(i + 1, len(pending)), reference=reference)
                 except UserError as error:  # a setting this model cannot take: say so, run the rest
-                    skipped = {"kind": "skipped", "set": qa_set.name, "variant": variant.key, "reason": str(error)}
-                    results.append(skipped)
+                    skip = {"kind": "skipped", "set": qa_set.name, "variant": variant.key, "reason": str(error)}
+                    results.append(skip)
             store.close()
     return results.records
 
@@ -339,6 +343,11 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
 
 
 # --- summary -----------------------------------------------------------------------------------------
+def skipped(records: Sequence[dict]) -> dict[tuple[str, str], str]:
+    """(set, variant) -> why it was skipped: a setting the model cannot take, not retried on resume."""
+    return {(r["set"], r["variant"]): r["reason"] for r in records if r["kind"] == "skipped"}
+
+
 def summarize(records: Sequence[dict]) -> list[dict]:
     """One row per variant over all sets: mean F1 (overall and per category), recall, agreement, KL,
     F1 relative to full KV on the same questions, peak cache entries, ingest seconds, answer tok/s."""

@@ -249,3 +249,8 @@ def test_a_variant_the_model_cannot_take_is_recorded_as_skipped(tmp_path, tiny_l
     skipped = [r for r in records if r["kind"] == "skipped"]
     assert [r["variant"] for r in skipped] == [too_small.key] and "system prompt" in skipped[0]["reason"]
     assert {r["variant"] for r in summarize(ResultsFile(tmp_path / "r.jsonl").records)} == {REFERENCE, fine.key}
+    lines = (tmp_path / "r.jsonl").read_text()
+    again = evaluate([_tiny_set()], [too_small, fine], lm=tiny_lm, encoder=encoder,
+                     config=EvalConfig(max_new_tokens=2, questions=1), base=SMALL,
+                     results=ResultsFile(tmp_path / "r.jsonl"))
+    assert (tmp_path / "r.jsonl").read_text() == lines and len(again) == len(records)  # a resume does not retry it
