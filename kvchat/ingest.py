@@ -30,7 +30,7 @@ from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
 from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
-from kvchat.kv.heads import HeadBudgets
+from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import (
     BlockPromptScorer,
@@ -158,6 +158,19 @@ def ingest(
     cache_cfg = config.cache
     full = cache_cfg.method == "full"
     total = prefix_ids.shape[-1] + context_ids.shape[-1]
+    protected = prefix_ids.shape[-1]
+    notes: list[str] = []
+    strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(
+        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), notes
+    )
+    if budgets is not None:  # cake's floor keeps the system prompt in every layer while M exceeds it
+        smallest = budgets.budget if isinstance(budgets, CakeBudgets) else min(budgets)
+        if smallest <= protected:
+            raise UserError(
+                f"--budget {cache_cfg.budget} gives a layer {smallest} entries, which must exceed the "
+                f"system prompt's {protected} tokens; raise --budget"
+            )
+    heads = HeadBudgets(cache_cfg.head_budgets)
     shape = memory.ModelShape.of(lm.model)
     estimate = memory.estimate_ingest_bytes(
         shape,
@@ -166,23 +179,12 @@ def ingest(
         prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
         context_tokens=total,
         full=full,
+        longest_head=None if full else _longest_head(budgets, heads, shape, protected),
     )
     if not force:
         memory.check_fits(estimate, resident=shape.weight_bytes, available=memory.available_bytes())
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
     episodes = _episodes(lines, config, lm, encoder, episodic=cache_cfg.method == "epicache")
-    notes: list[str] = []
-    strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(
-        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), notes
-    )
-    if budgets is not None:  # cake's floor keeps the system prompt in every layer while M exceeds it
-        smallest = budgets.budget if isinstance(budgets, CakeBudgets) else min(budgets)
-        if smallest <= prefix_ids.shape[-1]:
-            raise UserError(
-                f"--budget {cache_cfg.budget} gives a layer {smallest} entries, which must exceed the "
-                f"system prompt's {prefix_ids.shape[-1]} tokens; raise --budget"
-            )
-
     peak, peak_total, nbytes, stored_budgets, head_entries = 0, 0, 0, [], []
     with store.begin(name, replace=replace) as pending:
         for episode in episodes:
@@ -197,7 +199,7 @@ def ingest(
                 scorer=scorer,
                 compact=positions == "compact",
                 on_block=progress.block,
-                heads=HeadBudgets(cache_cfg.head_budgets),
+                heads=heads,
             )
             cache = result.cache
             peak = max(peak, result.peak_tokens)
@@ -287,6 +289,20 @@ def _layer_budgets(
         strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha
     )
     return strategy, budgets, alpha if strategy == "sensitivity" else None
+
+
+def _longest_head(
+    budgets: list[int] | CakeBudgets, heads: HeadBudgets, shape: memory.ModelShape, protected: int
+) -> int:
+    """The most entries one KV head of one layer may keep: the largest layer budget (cake: every other
+    layer at its floor), and with adaptive heads that layer's whole share less the other heads' floors."""
+    if isinstance(budgets, CakeBudgets):
+        largest = shape.layers * budgets.budget - (shape.layers - 1) * budgets.floor(protected)
+    else:
+        largest = max(budgets)
+    if heads.mode == "uniform":
+        return largest
+    return largest * shape.kv_heads - (shape.kv_heads - 1) * head_floor(largest, protected, heads.floor_fraction)
 
 
 def _cake_settings(cache: CacheConfig, strategy: str) -> dict:

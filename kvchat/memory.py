@@ -45,22 +45,33 @@ class ModelShape:
 
 
 def estimate_ingest_bytes(
-    shape: ModelShape, *, budget: int, block_size: int, prompt_tokens: int, context_tokens: int, full: bool
+    shape: ModelShape,
+    *,
+    budget: int,
+    block_size: int,
+    prompt_tokens: int,
+    context_tokens: int,
+    full: bool,
+    longest_head: int | None = None,
 ) -> int:
     """Peak bytes of one ingest, weights included (an upper estimate, not a measurement).
 
     Live entries per layer: budget + block + patched prompt, or with `full` the whole context
-    (system prompt + history, `context_tokens`). On top of the live cache: the finished cache of the
-    previous episode plus its serialised copy while it is written (2 x kept entries), one layer's
-    copy while a block is appended, one block's activations, and one layer's attention scores for
-    the block and for the patched prompt (weights and softmax).
+    (system prompt + history, `context_tokens`). Layer and head budgets move entries between layers
+    and heads but keep the mean at `budget`; `longest_head` (default `budget`) is the most one head of
+    one layer may keep, which sizes the largest attention matrix. On top of the live cache: the
+    finished cache of the previous episode plus its serialised copy while it is written (2 x kept
+    entries), one layer's copy while a block is appended, one block's activations, and one layer's
+    attention scores for the block and for the patched prompt (weights and softmax; ragged heads are
+    padded to the longest there).
     """
     live = context_tokens if full else budget + block_size + prompt_tokens
     kept = context_tokens if full else budget
+    widest = live if full else (longest_head or budget) + block_size + prompt_tokens
     entry = shape.kv_heads * (2 * shape.head_dim * shape.dtype_bytes + POSITION_BYTES)  # K, V, position
-    cache = (live + 2 * kept) * entry * shape.layers + live * entry
+    cache = (live + 2 * kept) * entry * shape.layers + widest * entry
     activations = block_size * shape.hidden * ACTIVATION_FACTOR * FLOAT_BYTES
-    scores = (block_size + (0 if full else 2 * prompt_tokens)) * live * shape.heads * FLOAT_BYTES
+    scores = (block_size + (0 if full else 2 * prompt_tokens)) * widest * shape.heads * FLOAT_BYTES
     return shape.weight_bytes + cache + activations + scores
 
 

@@ -92,6 +92,21 @@ def test_estimate_grows_with_budget_and_block_not_with_the_history():
     assert _estimate() > SHAPE.weight_bytes + (1024 + 512 + 272) * kv_entry
 
 
+def test_estimate_sizes_attention_by_the_longest_head_layer_and_head_budgets_allow():
+    from kvchat.ingest import _longest_head
+    from kvchat.kv.cascade import CakeBudgets
+    from kvchat.kv.heads import HeadBudgets
+
+    uniform, adaptive = HeadBudgets("uniform"), HeadBudgets("adaptive")
+    sensitivity = [512] * 20 + [2048] * 10  # mean 1024
+    assert _longest_head([1024] * 30, uniform, SHAPE, protected=40) == 1024
+    assert _longest_head(sensitivity, uniform, SHAPE, protected=40) == 2048
+    assert _longest_head(sensitivity, adaptive, SHAPE, protected=40) == 3 * 2048 - 2 * int(0.2 * 2048)
+    cake = CakeBudgets(1024, window=32, tau1=1.0, tau2=1.0, floor_fraction=0.25, cascade=True)
+    assert _longest_head(cake, uniform, SHAPE, protected=40) == 30 * 1024 - 29 * 256
+    assert _estimate(longest_head=1024) == _estimate() < _estimate(longest_head=2048) < _estimate(longest_head=23296)
+
+
 def test_model_shape_of_the_tiny_model(tiny_lm):
     shape = ModelShape.of(tiny_lm.model)
     assert (shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.hidden) == (2, 4, 2, 16, 64)
