@@ -159,17 +159,15 @@ def ingest(
     full = cache_cfg.method == "full"
     total = prefix_ids.shape[-1] + context_ids.shape[-1]
     protected = prefix_ids.shape[-1]
+    if not full and cache_cfg.budget <= protected:  # every layer's floor lies above the prompt when M does
+        raise UserError(
+            f"--budget {cache_cfg.budget} must exceed the system prompt's {protected} tokens, which every "
+            "layer keeps; raise --budget"
+        )
     notes: list[str] = []
     strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(
-        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), notes
+        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), protected, notes
     )
-    if budgets is not None:  # cake's floor keeps the system prompt in every layer while M exceeds it
-        smallest = budgets.budget if isinstance(budgets, CakeBudgets) else min(budgets)
-        if smallest <= protected:
-            raise UserError(
-                f"--budget {cache_cfg.budget} gives a layer {smallest} entries, which must exceed the "
-                f"system prompt's {protected} tokens; raise --budget"
-            )
     heads = HeadBudgets(cache_cfg.head_budgets)
     shape = memory.ModelShape.of(lm.model)
     estimate = memory.estimate_ingest_bytes(
@@ -266,11 +264,12 @@ def ingest(
 
 
 def _layer_budgets(
-    cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], notes: list[str]
+    cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], protected: int, notes: list[str]
 ) -> tuple[str, list[int] | CakeBudgets, float | None]:
-    """The strategy actually used, its per-layer budgets and (for sensitivity) the alpha used. `auto` =
-    sensitivity when a profile of these weights exists (shipped, or made by `kvchat profile-layers`), else
-    uniform. `cake` budgets are computed during prefill, from each block's attention."""
+    """The strategy actually used, its per-layer budgets (each above the `protected` system prompt) and,
+    for sensitivity, the alpha used. `auto` = sensitivity when a profile of these weights exists (shipped,
+    or made by `kvchat profile-layers`), else uniform. `cake` budgets are computed during prefill, from
+    each block's attention."""
     strategy = cache.layer_budgets
     if strategy == "cake":
         cake = cache.cake
@@ -286,7 +285,8 @@ def _layer_budgets(
         raise UserError(f"--layer-budgets sensitivity needs a profile of {lm.spec}: run `kvchat profile-layers` first")
     alpha = cache.alpha if cache.alpha is not None else (profile.alpha if profile else 1.0)
     budgets = layer_budgets(
-        strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha
+        strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha,
+        protected=protected,
     )
     return strategy, budgets, alpha if strategy == "sensitivity" else None
 

@@ -24,20 +24,28 @@ sensitivities = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40)
 
 
 @settings(max_examples=200, deadline=None)
-@given(s=sensitivities, budget=st.integers(4, 5000), alpha=st.floats(0.1, 3.0))
-def test_sensitivity_budgets_sum_exactly_and_respect_the_floor(s, budget, alpha):
-    budgets = sensitivity_budgets(s, budget, alpha)
+@given(s=sensitivities, budget=st.integers(4, 5000), alpha=st.floats(0.1, 3.0), protected=st.integers(0, 200))
+def test_sensitivity_budgets_sum_exactly_and_respect_the_floor(s, budget, alpha, protected):
+    budgets = sensitivity_budgets(s, budget, alpha, protected=protected)
     assert sum(budgets) == len(s) * budget
     assert min(budgets) >= budget // 4
+    assert budget <= protected or min(budgets) > protected  # every layer keeps some history
 
 
 @settings(max_examples=100, deadline=None)
-@given(layers=st.integers(1, 64), budget=st.integers(20, 5000))
-def test_pyramid_budgets_sum_exactly_and_decrease(layers, budget):
-    budgets = pyramid_budgets(layers, budget)
+@given(layers=st.integers(1, 64), budget=st.integers(20, 5000), protected=st.integers(0, 200))
+def test_pyramid_budgets_sum_exactly_and_decrease(layers, budget, protected):
+    budgets = pyramid_budgets(layers, budget, protected=protected)
     assert sum(budgets) == layers * budget
     assert all(a >= b - 1 for a, b in zip(budgets, budgets[1:], strict=False))  # linear, up to rounding
     assert min(budgets) >= int(budget / 20)
+    assert budget <= protected or min(budgets) > protected
+
+
+def test_pyramid_floor_rises_above_the_system_prompt():
+    assert pyramid_budgets(30, 256)[-1] == 12  # PyramidKV's M / 20
+    raised = pyramid_budgets(30, 256, protected=38)
+    assert raised[-1] == 39 and sum(raised) == 30 * 256 and raised[0] < pyramid_budgets(30, 256)[0]
 
 
 def test_more_sensitive_layers_get_more_and_alpha_sharpens():

@@ -107,6 +107,28 @@ def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
         assert " ".join(map(str, episode["budgets"])) in text or f"{episode['budgets'][0]} x2" in text
 
 
+def test_profile_layers_on_a_local_model_dir_then_ingest_uses_it(tmp_path, tiny_model_dir):
+    """profile-layers offline on any HF model dir; the profile it stores is what ingest's `auto` picks."""
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(["Maya walks the dog in the park and Tom bakes sourdough bread ."] * 40))
+    args = ("--model", str(tiny_model_dir), "--text", str(text), "--budget", "48", "--block-size", "16", "--sink", "4")
+    profiled = run_main(tmp_path, "profile-layers", *args, "--plot", str(tmp_path / "layers.png"), "--json")
+    assert profiled.returncode == 0, profiled.stderr
+    profile = json.loads(profiled.stdout)
+    assert Path(profile["path"]).parent == tmp_path / "profiles" and len(profile["sensitivity"]) == 2
+    assert (tmp_path / "layers.png").read_bytes().startswith(b"\x89PNG")
+    history = tmp_path / "h.json"
+    history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
+    ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "96",
+                        "--block-size", "32", "--episodes", "2", "--json")
+    assert ingested.returncode == 0, ingested.stderr
+    report = json.loads(ingested.stdout)
+    assert report["layer_budgets"] == "sensitivity" and report["notes"] == []
+    assert json.loads(run_main(tmp_path, "show", "h", "--json").stdout)["settings"]["alpha"] == profile["alpha"]
+    missing = run_main(tmp_path, "profile-layers", "--model", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+
+
 def test_a_bad_history_file_exits_2(tmp_path):
     bad = Path(__file__).parent / "data" / "bad" / "truncated.json"
     result = run(tmp_path, "ingest", str(bad))

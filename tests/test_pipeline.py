@@ -125,7 +125,9 @@ def test_a_profile_of_the_weights_gives_sensitivity_budgets_and_is_recorded(tmp_
     record = store.get("conv")
     used = 1.5 if alpha is None else alpha
     assert (record.settings["layer_budgets"], record.settings["alpha"]) == ("sensitivity", used)
-    assert report.budgets == record.episodes[0].budgets == sensitivity_budgets([0.3, 0.4], 96, used)
+    protected = int(store.load_episode(record.episodes[0], tiny_lm.fingerprint)[1]["protected"])
+    expected = sensitivity_budgets([0.3, 0.4], 96, used, protected=protected)
+    assert report.budgets == record.episodes[0].budgets == expected
     assert report.budgets[0] < 96 < report.budgets[1]
 
 

@@ -1,8 +1,10 @@
 """Per-layer budgets: how many entries (per KV head) each layer keeps.
 
 Every strategy returns integers that sum exactly to `num_layers * budget` (the same memory as
-uniform) with each layer at or above a floor. Shares are turned into integers by the largest
-remainder method, ties to the lower layer, so results are deterministic.
+uniform) with each layer at or above a floor. The floor is the strategy's own (a fraction of the
+budget), raised where needed above the `protected` system prompt, which no layer ever evicts: a layer
+must keep some history too. Shares are turned into integers by the largest remainder method, ties to
+the lower layer, so results are deterministic.
 """
 
 from __future__ import annotations
@@ -41,8 +43,13 @@ def proportional_budgets(weights: Sequence[float], budget: int, floor: int) -> l
     return [int(floor + b) for b in base]
 
 
+def floor_above(floor: int, budget: int, protected: int) -> int:
+    """A strategy's `floor`, raised to one entry past the `protected` prefix, never above `budget`."""
+    return min(budget, max(floor, protected + 1 if protected else 0))
+
+
 def sensitivity_budgets(
-    sensitivity: Sequence[float], budget: int, alpha: float, floor_fraction: float = 0.25
+    sensitivity: Sequence[float], budget: int, alpha: float, floor_fraction: float = 0.25, protected: int = 0
 ) -> list[int]:
     """EpiCache eq. 10, `M_l ∝ s_l^alpha`, with a floor of `floor_fraction * budget` per layer.
 
@@ -50,18 +57,18 @@ def sensitivity_budgets(
     the total is split by `s_l^alpha`, so the sum is exactly `L * budget`.
     """
     s = np.clip(np.asarray(sensitivity, dtype=np.float64), 0.0, None)
-    return proportional_budgets(s**alpha, budget, int(budget * floor_fraction))
+    return proportional_budgets(s**alpha, budget, floor_above(int(budget * floor_fraction), budget, protected))
 
 
-def pyramid_budgets(num_layers: int, budget: int, beta: float = 20.0) -> list[int]:
+def pyramid_budgets(num_layers: int, budget: int, beta: float = 20.0, protected: int = 0) -> list[int]:
     """PyramidKV: budgets fall linearly from the first layer to the last, mean `budget`.
 
-    The last layer gets `budget / beta` (PyramidKV's beta = 20), the first `2 * budget - budget / beta`.
+    The last layer gets `budget / beta` (PyramidKV's beta = 20), or just more than the protected prefix
+    if that is larger (the slope then flattens); the first `2 * budget` less the last's.
     """
-    low = budget / beta
-    high = 2 * budget - low
-    weights = np.linspace(high, low, num_layers) - low
-    return proportional_budgets(weights, budget, int(low))
+    low = floor_above(int(budget / beta), budget, protected)
+    weights = np.linspace(2 * budget - low, low, num_layers) - low
+    return proportional_budgets(weights, budget, low)
 
 
 def cake_budgets(
@@ -159,16 +166,18 @@ def layer_budgets(
     *,
     sensitivity: Sequence[float] | None = None,
     alpha: float = 1.0,
+    protected: int = 0,
 ) -> list[int]:
-    """Budgets for a strategy name; `sensitivity` is needed by the sensitivity strategy."""
+    """Budgets for a strategy name; `sensitivity` is needed by the sensitivity strategy; every layer
+    gets more than `protected` entries when the budget allows."""
     if strategy == "uniform":
         return uniform_budgets(num_layers, budget)
     if strategy == "pyramid":
-        return pyramid_budgets(num_layers, budget)
+        return pyramid_budgets(num_layers, budget, protected=protected)
     if strategy == "sensitivity":
         if sensitivity is None or len(sensitivity) != num_layers:
             raise ValueError("the sensitivity strategy needs one score per layer")
-        return sensitivity_budgets(sensitivity, budget, alpha)
+        return sensitivity_budgets(sensitivity, budget, alpha, protected=protected)
     if strategy == "cake":
         raise ValueError("cake budgets depend on the input: they are computed during prefill (kvchat.kv.cascade)")
     raise ValueError(f"unknown layer budget strategy {strategy!r}")
