@@ -44,6 +44,21 @@ def grid(budgets: tuple[int, ...], method: str = "epicache") -> list[Variant]:
     return out
 
 
+def pivot(rows: list[dict], variants: list[Variant], budgets: tuple[int, ...]) -> str:
+    """KL and agreement per layer strategy x head mode (rows) and budget (columns): the README's table."""
+    by_key = {r["variant"]: r for r in rows}
+    kl = " | ".join(f"KL @{b}" for b in budgets)
+    agreement = " | ".join(f"agree @{b}" for b in budgets)
+    lines = [f"| layer budgets | heads | {kl} | {agreement} |", "|---|---|" + "---|" * 2 * len(budgets)]
+    for strategy in STRATEGIES:
+        for heads in HEAD_MODES:
+            cells = {v.cache.budget: by_key.get(v.key) for v in variants
+                     if (v.cache.layer_budgets, v.cache.head_budgets) == (strategy, heads)}
+            values = [report.cell(cells.get(b) or {}, key, "{:.3f}") for key in ("kl", "agreement") for b in budgets]
+            lines.append(f"| {strategy} | {heads} | " + " | ".join(values) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("data", nargs="*", type=Path, default=[SHARED / "conv-30.json"])
@@ -58,7 +73,8 @@ def main() -> None:
     lm = load_model("default", home / "models")
     config = EvalConfig(max_context=args.max_context, questions=args.questions)
     sets = qa_sets(args.data, 0, lm, config)
-    variants = grid(tuple(int(b) for b in args.budgets.split(",")))
+    budgets = tuple(int(b) for b in args.budgets.split(","))
+    variants = grid(budgets)
     records = evaluate(
         sets, variants, lm=lm, encoder=SentenceEncoder(), config=config, base=IngestConfig(),
         results=ResultsFile(args.out), profile_dirs=[home / "profiles"],
@@ -68,8 +84,9 @@ def main() -> None:
              for s in sets]
     notes.append(f"embedded model; epicache; --max-context {args.max_context}; {os.cpu_count()} CPUs")
     notes += [f"{key} skipped: {reason}" for (_, key), reason in skipped(records).items()]
+    table = pivot(rows, variants, budgets)
     text = report.markdown(rows, title="Layer and head budgets vs full KV", notes=notes)
-    args.report.write_text(text)
+    args.report.write_text(f"{text}\nBy strategy and budget:\n\n{table}")
     print(text)
 
 
