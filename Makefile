@@ -22,8 +22,10 @@ demo: $(STAMP)
 	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ingest examples/planted_facts.json --name demo --replace --budget 256
 	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ask "How many tomato plants did Tom plant this spring?" --conversation demo
 
+# One pytest worker per core, one torch thread per worker: two workers sharing two threads each
+# oversubscribe the cores.
 test: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvchat tests benchmarks

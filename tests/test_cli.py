@@ -82,13 +82,13 @@ def test_user_mistakes_exit_2_with_one_line(ingested, tmp_path, args, fragment):
     home, _ = ingested
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=1, topics=1, turns_per_topic=4)[0]))
-    before = run(home, "list", "--json").stdout
-    result = run(home, *[a.format(history=history) for a in args])
+    before = run_main(home, "list", "--json").stdout
+    result = run_main(home, *[a.format(history=history) for a in args])  # a real process: the test below
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
     assert result.stdout == ""
-    assert run(home, "list", "--json").stdout == before  # nothing written
+    assert run_main(home, "list", "--json").stdout == before  # nothing written
 
 
 def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
@@ -101,7 +101,7 @@ def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
     shown = json.loads(run_main(tmp_path, "show", "h", "--json").stdout)
     assert shown["settings"]["layer_budgets"] == "cake" and shown["settings"]["tau2"] == 0.5
     assert all(sum(e["budgets"]) == 2 * 80 for e in shown["episodes"])
-    text = run_main(tmp_path, "show", "h").stdout
+    text = " ".join(run_main(tmp_path, "show", "h").stdout.split())  # rich wraps lines at the console width
     assert "cake tau1=1.0 tau2=0.5 layer budgets" in text
     for episode in shown["episodes"]:
         assert " ".join(map(str, episode["budgets"])) in text or f"{episode['budgets'][0]} x2" in text
