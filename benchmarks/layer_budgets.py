@@ -7,7 +7,8 @@ For the embedded model, epicache caches built with uniform, sensitivity, pyramid
 each with uniform and adaptive (AdaKV) head budgets, at each budget; every question is answered from
 each and compared with full KV: KL(full || variant) of the first answer token and the agreement of the
 answers (EpiCache Fig. 4b reports sensitivity budgets lowering that KL vs uniform). It is `kvchat eval`
-with a different grid, so results resume the same way.
+with a different grid, so results resume the same way. The defaults reproduce the README's table
+(about half an hour a conversation on 2 CPUs).
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ def pivot(rows: list[dict], variants: list[Variant], budgets: tuple[int, ...]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("data", nargs="*", type=Path, default=[SHARED / "conv-30.json"])
+    parser.add_argument("data", nargs="*", type=Path, default=[SHARED / "conv-30.json", SHARED / "conv-26.json"])
     parser.add_argument("--max-context", type=int, default=2048)
-    parser.add_argument("--questions", type=int, default=10)
+    parser.add_argument("--questions", type=int, default=5, help="per conversation")
     parser.add_argument("--budgets", default="256,512,1024")
     parser.add_argument("--out", type=Path, default=RESULTS / "layer_budgets.jsonl")
     parser.add_argument("--report", type=Path, default=RESULTS / "layer_budgets.md")
@@ -80,8 +81,7 @@ def main() -> None:
         results=ResultsFile(args.out), profile_dirs=[home / "profiles"],
     )
     rows = summarize(records)
-    notes = [f"{s.name}: first {s.sessions_kept} sessions ({len(s.turns)} turns), {len(s.questions)} questions"
-             for s in sets]
+    notes = [s.describe(config.questions) for s in sets]
     notes.append(f"embedded model; epicache; --max-context {args.max_context}; {os.cpu_count()} CPUs")
     notes += [f"{key} skipped: {reason}" for (_, key), reason in skipped(records).items()]
     table = pivot(rows, variants, budgets)

@@ -367,7 +367,7 @@ def eval_command(
         report.parent.mkdir(parents=True, exist_ok=True)
         png = report.with_suffix(".png")
         eval_report.plot(rows, png)
-        notes = [f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions" for s in sets] + skips
+        notes = [s.describe(config.questions) for s in sets] + skips
         report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
     if as_json:
         _emit_json(rows)

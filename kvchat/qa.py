@@ -51,6 +51,12 @@ class QASet:
     sessions_kept: int = 0
     sessions_total: int = 0
 
+    def describe(self, limit: int | None) -> str:
+        """One report line: how much of the conversation was kept and how many of its questions asked."""
+        sessions = f"first {self.sessions_kept} of {self.sessions_total} sessions, " if self.sessions_total else ""
+        asked = len(sample_questions(self.questions, limit))
+        return f"{self.name}: {sessions}{len(self.turns)} turns, {asked} of its {len(self.questions)} questions"
+
 
 # --- scoring ---------------------------------------------------------------------------------------
 def normalize_answer(text: str) -> str:

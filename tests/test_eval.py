@@ -222,6 +222,7 @@ def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
     assert set(rows) == {REFERENCE, "streaming@256/block_size=256"}
     assert all(r["questions"] == 2 for r in rows.values())
     assert "| streaming@256/block_size=256 |" in report.read_text() and report.with_suffix(".png").stat().st_size > 0
+    assert " turns, 2 of its " in report.read_text()  # the notes say how many questions were asked
     again = run_main(tmp_path / "home", *args)  # everything is in the file: nothing is recomputed
     assert again.returncode == 0 and json.loads(again.stdout) == json.loads(result.stdout)
     assert len(out.read_text().splitlines()) == 2 + 2 * 2
