@@ -83,7 +83,8 @@ def test_user_mistakes_exit_2_with_one_line(ingested, tmp_path, args, fragment):
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=1, topics=1, turns_per_topic=4)[0]))
     before = run_main(home, "list", "--json").stdout
-    result = run_main(home, *[a.format(history=history) for a in args])  # a real process: the test below
+    # In-process for speed; test_a_bad_history_file_exits_2 checks the same in a real process.
+    result = run_main(home, *[a.format(history=history) for a in args])
     assert result.returncode == 2, (result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr
