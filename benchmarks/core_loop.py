@@ -127,7 +127,9 @@ def run_prefill(
         result = block_prefill(lm.model, prefix, context, block_size=BLOCK, budgets=budgets, scorer=scorer)
     seconds = time.perf_counter() - clock
     cache = result.cache
-    row = PrefillRow(int(context.shape[-1]), method, result.peak_tokens, max(cache.sizes), cache.nbytes(), seconds)
+    row = PrefillRow(
+        int(context.shape[-1]), method, result.peak_layer_entries, max(cache.sizes), cache.nbytes(), seconds
+    )
     log(
         f"prefill {method:8s} {row.history_tokens:5d} tokens: peak {row.peak}, final {row.final}, "
         f"{mib(row.nbytes):.1f} MiB, {seconds:.1f} s"

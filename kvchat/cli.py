@@ -167,7 +167,7 @@ def ingest(
             f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
             f"{report.episodes} episodes x budget {budget} ({report.method}, {report.layer_budgets} layer budgets, "
             f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
-            f"peak {report.peak_cache_tokens} entries/layer ({report.peak_total_entries} in all layers), "
+            f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
             f"{report.cache_bytes / 2**20:.1f} MiB, "
             f"{report.seconds:.1f}s"
         )

@@ -220,7 +220,7 @@ class _SetRunner:
                     "history_tokens": report.history_tokens,
                     "episodes": report.episodes,
                     "layer_budgets": report.layer_budgets,
-                    "peak_cache_tokens": report.peak_cache_tokens,
+                    "peak_layer_entries": report.peak_layer_entries,
                     "cache_bytes": report.cache_bytes,
                     "seconds": report.seconds,
                 }
@@ -380,7 +380,9 @@ def summarize(records: Sequence[dict]) -> list[dict]:
                 CATEGORIES.get(c, str(c)): _mean(r["f1"] for r in rs if r["category"] == c)
                 for c in sorted({r["category"] for r in rs})
             },
-            "peak_cache_tokens": max((i["peak_cache_tokens"] for i in ingests.get(key, [])), default=None),
+            "peak_layer_entries": max(
+                (i.get("peak_layer_entries", i.get("peak_cache_tokens")) for i in ingests.get(key, [])), default=None
+            ),  # results files written before 0.2 call it peak_cache_tokens
             "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
             "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,
         }

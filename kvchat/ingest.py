@@ -63,7 +63,7 @@ class IngestReport:
     episodes: int
     budgets: list[int]
     layer_budgets: str
-    peak_cache_tokens: int   # most entries one layer held at once during any episode's prefill
+    peak_layer_entries: int   # most entries one layer held at once during any episode's prefill
     peak_total_entries: int  # most entries all layers held together at once (per KV head), same counting
     estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.memory)
     cache_bytes: int
@@ -183,7 +183,7 @@ def ingest(
         memory.check_fits(estimate, resident=shape.weight_bytes, available=memory.available_bytes())
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
     episodes = _episodes(lines, config, lm, encoder, episodic=cache_cfg.method == "epicache")
-    peak, peak_total, nbytes, stored_budgets, head_entries = 0, 0, 0, [], []
+    peak, peak_total_entries, nbytes, stored_budgets, head_entries = 0, 0, 0, [], []
     with store.begin(name, replace=replace) as pending:
         for episode in episodes:
             progress.episode(episode.index, len(episodes))
@@ -200,8 +200,8 @@ def ingest(
                 heads=heads,
             )
             cache = result.cache
-            peak = max(peak, result.peak_tokens)
-            peak_total = max(peak_total, result.peak_total)
+            peak = max(peak, result.peak_layer_entries)
+            peak_total_entries = max(peak_total_entries, result.peak_total_entries)
             stored_budgets = cache.sizes
             head_entries += [n for layer in cache.layers for n in layer.lengths]
             record = pending.write_episode(
@@ -230,8 +230,8 @@ def ingest(
             episodes=len(episodes),
             budgets=stored_budgets,
             layer_budgets=strategy,
-            peak_cache_tokens=peak,
-            peak_total_entries=peak_total,
+            peak_layer_entries=peak,
+            peak_total_entries=peak_total_entries,
             estimated_peak_bytes=estimate,
             cache_bytes=nbytes,
             seconds=round(time.perf_counter() - started, 2),

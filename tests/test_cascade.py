@@ -115,8 +115,8 @@ def test_cascaded_prefill_equals_eviction_at_the_end_of_each_block_and_holds_les
     sizes = cascaded.cache.sizes
     assert sum(sizes) == layers * budget and min(sizes) >= _cake(budget).floor(4)
     assert len(set(sizes)) > 1  # sharper layers got more
-    assert at_end.peak_total == layers * (budget + block)  # every layer holds its block before evicting
-    assert cascaded.peak_total < at_end.peak_total
+    assert at_end.peak_total_entries == layers * (budget + block)  # every layer holds its block before evicting
+    assert cascaded.peak_total_entries < at_end.peak_total_entries
 
 
 @settings(max_examples=10, deadline=None)
@@ -126,8 +126,8 @@ def test_with_fixed_budgets_the_window_scorer_holds_at_most_total_budget_plus_bl
     result = block_prefill(
         model, _ids(4, 6), _ids(history, 8), block_size=block, budgets=[budget] * 4, scorer=SCORER
     )
-    assert result.peak_total <= 4 * budget + block
-    assert result.peak_tokens <= budget + block
+    assert result.peak_total_entries <= 4 * budget + block
+    assert result.peak_layer_entries <= budget + block
     assert max(result.cache.sizes) <= max(budget, 4 + history)
 
 
@@ -138,4 +138,4 @@ def test_cake_budgets_with_a_probe_scorer_evict_once_after_the_probe(model):
     )
     sizes = result.cache.sizes
     assert sum(sizes) == 4 * 64 and len(set(sizes)) > 1 and min(sizes) >= _cake(64).floor(4)
-    assert result.peak_total <= 4 * (64 + 48) + 6
+    assert result.peak_total_entries <= 4 * (64 + 48) + 6

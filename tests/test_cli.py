@@ -30,7 +30,7 @@ def ingested(tmp_path_factory, tiny_model_dir):
 def test_ingest_json_reports_the_peak(ingested):
     _, report = ingested
     assert report["name"] == "chat" and report["episodes"] == 3
-    assert report["peak_cache_tokens"] <= 80 + 32 + 256 + 16
+    assert report["peak_layer_entries"] <= 80 + 32 + 256 + 16
     assert report["estimated_peak_bytes"] > 0
 
 

@@ -192,7 +192,7 @@ def test_eval_compares_with_full_kv_and_resumes(tmp_path, tiny_lm, encoder):
 
     rows = {r["variant"]: r for r in summarize(reread)}
     assert rows[REFERENCE]["relative_f1"] in (None, 1.0) and rows[generous.key]["kl"] == pytest.approx(0, abs=1e-4)
-    assert rows[tight.key]["peak_cache_tokens"] <= 64 + 48 + 16
+    assert rows[tight.key]["peak_layer_entries"] <= 64 + 48 + 16
     # streaming keeps the sink and the recent past: evidence planted mid-conversation is mostly evicted
     assert rows[tight.key]["evidence_kept"] < 0.5
 

@@ -267,7 +267,7 @@ def test_adaptive_prefill_keeps_the_memory_bound(model):
         model, _ids(4, 1), _ids(400, 2), block_size=32, budgets=[48, 64], scorer=PatchedPromptScorer(_ids(6, 7)),
         heads=ADAPTIVE,
     )  # fmt: skip
-    assert result.peak_tokens <= 64 + 32 + 6  # entries per head, averaged over a layer's heads
+    assert result.peak_layer_entries <= 64 + 32 + 6  # entries per head, averaged over a layer's heads
     assert [sum(layer.lengths) for layer in result.cache.layers] == [48 * HEADS, 64 * HEADS]
     assert all(min(layer.lengths) >= head_floor(b, 4, ADAPTIVE.floor_fraction)
                for layer, b in zip(result.cache.layers, [48, 64], strict=True))

@@ -62,7 +62,7 @@ def test_cache_never_exceeds_budget_plus_block(model, history, budget, block, pr
     result = block_prefill(
         model, prefix, _ids(history, 8), block_size=block, budgets=[budget, budget], scorer=scorer
     )
-    assert result.peak_tokens <= budget + block + prompt
+    assert result.peak_layer_entries <= budget + block + prompt
     assert max(result.cache.sizes) <= max(budget, 4 + history)
     assert result.cache.next_position == 4 + history  # original positions: logical length kept
 
@@ -71,7 +71,7 @@ def test_peak_is_flat_in_history_length(model):
     """The product's promise: peak entries do not grow with the history."""
     scorer = PatchedPromptScorer(_ids(8, 9))
     peaks = [
-        block_prefill(model, _ids(4, 6), _ids(n, 10), block_size=32, budgets=[64, 64], scorer=scorer).peak_tokens
+        block_prefill(model, _ids(4, 6), _ids(n, 10), block_size=32, budgets=[64, 64], scorer=scorer).peak_layer_entries
         for n in (200, 800, 1600)
     ]
     assert peaks[0] == peaks[1] == peaks[2] <= 64 + 32 + 8
@@ -174,10 +174,10 @@ def test_recorder_only_scores_entries_cached_before_the_forward(model):
 def test_peaks_are_measured_where_entries_are_added(model):
     cache = EpisodeCache(2)
     forward(model, cache, _ids(10, 1))
-    assert (cache.peak_layer, cache.peak_total) == (10, 20)
+    assert (cache.peak_layer_entries, cache.peak_total_entries) == (10, 20)
     with cache.probing():  # the probe's 4 tokens sit in one layer at a time
         forward(model, cache, _ids(4, 2))
-    assert (cache.peak_layer, cache.peak_total) == (14, 24)
+    assert (cache.peak_layer_entries, cache.peak_total_entries) == (14, 24)
 
 
 def test_a_recorder_may_ask_for_the_last_queries_only(model):

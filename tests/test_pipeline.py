@@ -42,7 +42,7 @@ def test_ingest_stores_one_bounded_cache_per_episode(tmp_path, history, tiny_lm,
     assert report.episodes == len(record.episodes) == 4
     assert report.budgets == [96, 96]
     prompt_bound = 48 + 16  # prompt cap plus the chat template around it
-    assert report.peak_cache_tokens <= 96 + 48 + prompt_bound
+    assert report.peak_layer_entries <= 96 + 48 + prompt_bound
     for episode in record.episodes:
         tensors, meta = store.load_episode(episode, tiny_lm.fingerprint)
         assert tensors["k.0"].shape[1] == 96 and meta["method"] == "epicache"

@@ -80,7 +80,7 @@ def test_every_baseline_ingests_and_answers_within_its_bound(method, tmp_path, t
     report = ingest(history, name="h", config=config, store=store, lm=tiny_lm, encoder=encoder)
     assert report.episodes == 1 and report.budgets == [96, 96]  # baselines build one query-agnostic cache
     transient = {"snapkv": 64, "kvzip": 48 + 40, "infinipot": 40}.get(method, 0)
-    assert report.peak_cache_tokens <= 96 + 48 + transient
+    assert report.peak_layer_entries <= 96 + 48 + transient
     if method == "cake":  # evicts each layer during the block's forward: one layer holds the block at a time
         assert report.peak_total_entries <= 2 * 96 + 48
     assert Session(store, store.get("h"), tiny_lm, encoder).ask("Which gate?").conversation == "h"

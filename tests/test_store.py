@@ -31,7 +31,7 @@ from kvchat.store import (
 
 FP = "fp-model-a"
 SETTINGS = {"budget": 64, "method": "epicache", "positions": "auto"}
-STATS = {"n_turns": 12, "n_tokens": 345, "peak_cache_tokens": 80, "seconds": 1.5}
+STATS = {"n_turns": 12, "n_tokens": 345, "peak_layer_entries": 80, "seconds": 1.5}
 
 
 def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:

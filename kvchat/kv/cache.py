@@ -242,8 +242,8 @@ class EpisodeCache(Cache):
         super().__init__(layers=[EpisodeLayer() for _ in range(num_layers)])
         self.next_position = 0       # logical position of the next token fed
         self.protected = 0           # leading entries (system prompt) that are never evicted
-        self.peak_layer = 0          # most entries one layer has held in attention (probe tokens included)
-        self.peak_total = 0          # most entries all layers together have held at once (same counting)
+        self.peak_layer_entries = 0          # most entries one layer has held in attention (probe tokens included)
+        self.peak_total_entries = 0          # most entries all layers together have held at once (same counting)
         self._probing = False
 
     # --- the transformers side -------------------------------------------------------------------
@@ -262,8 +262,8 @@ class EpisodeCache(Cache):
 
     def _note_peak(self, layer_entries: int, transient: int) -> None:
         """Peaks are measured where entries are added, inside a forward: eviction may run between layers."""
-        self.peak_layer = max(self.peak_layer, layer_entries)
-        self.peak_total = max(self.peak_total, sum(self.sizes) + transient)
+        self.peak_layer_entries = max(self.peak_layer_entries, layer_entries)
+        self.peak_total_entries = max(self.peak_total_entries, sum(self.sizes) + transient)
 
     # --- feeding ---------------------------------------------------------------------------------
     def position_ids(self, n: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ is at most `B_total + B + sum_{k >= m} (n_k - floor)` (n_k: what layer k kept fr
 one entry per seen layer for rounding), and never more than without cascading, `B_total + L * B`.
 No exact scheme can promise `B_total + B` here: when the budgets move towards lower layers, those must
 grow before the higher layers have run and can shrink. With fixed budgets and `CakeScorer` the peak is
-`B_total + B`. `EpisodeCache.peak_total` measures it.
+`B_total + B`. `EpisodeCache.peak_total_entries` measures it.
 """
 
 from __future__ import annotations

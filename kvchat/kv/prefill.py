@@ -23,9 +23,9 @@ from kvchat.kv.scoring import CakeScorer, Scorer
 @dataclass(frozen=True)
 class PrefillResult:
     cache: EpisodeCache
-    peak_tokens: int   # most entries any layer had in attention at once, transient scorer tokens included
+    peak_layer_entries: int   # most entries any layer had in attention at once, transient scorer tokens included
     blocks: int
-    peak_total: int = 0  # most entries all layers held together at once, counted the same way
+    peak_total_entries: int = 0  # most entries all layers held together at once, counted the same way
 
 
 def block_prefill(
@@ -77,4 +77,7 @@ def block_prefill(
             cache.compact(rotary)
         if on_block is not None:
             on_block(done, len(blocks))
-    return PrefillResult(cache=cache, peak_tokens=cache.peak_layer, blocks=len(blocks), peak_total=cache.peak_total)
+    return PrefillResult(
+        cache=cache, peak_layer_entries=cache.peak_layer_entries, blocks=len(blocks),
+        peak_total_entries=cache.peak_total_entries,
+    )
