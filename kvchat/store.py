@@ -9,6 +9,10 @@ a fresh `ingest_id`, so `--replace` never touches files a running `ask` may be r
 Files are checksummed and carry the model fingerprint; loading refuses anything that does not
 match, and checks the safetensors header by hand before a single tensor is allocated.
 
+This module is the store proper (open, lock, conversations, episode loading). What it stands on lives
+beside it: `store_files` (fsync, verified reads, the header check), `store_schema` (tables and
+migrations) and `store_leftovers` (what crashes leave in caches/, and `doctor`'s sweep of it).
+
 Episode file format (metadata `format_version`), per layer l:
 - "1": `k.{l}`, `v.{l}` `[kv_heads, n, head_dim]`, `pos.{l}` `[kv_heads, n]` int32 (every head keeps n).
 - "2": as "1", except that a layer whose heads keep different counts (`--head-budgets adaptive`) is
