@@ -25,6 +25,7 @@ from kvchat.config import (
     default_home,
 )
 from kvchat.errors import UserError
+from kvchat.kv.methods import REGISTRY
 from kvchat.report import COLUMNS as EVAL_COLUMNS
 from kvchat.report import cell as eval_cell
 
@@ -38,6 +39,7 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for scripts).")]
+_METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 @app.callback()
@@ -99,12 +101,7 @@ def ingest(
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
     episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
     window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
-    method: Annotated[str, typer.Option(
-        help="epicache (episodic, the default), full (keep everything: the reference), or a baseline under "
-        "block prefill: streaming, snapkv, infinipot, kvzip, keydiff, cake (CAKE's mean + variance of the "
-        "block's last-window attention; with --layer-budgets cake, all of CAKE).")] = (
-        CacheConfig.method
-    ),
+    method: Annotated[str, typer.Option(help="Eviction method: " + _METHOD_HELP)] = CacheConfig.method,
     positions: Annotated[str, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
         CacheConfig.positions
     ),
