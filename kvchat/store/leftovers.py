@@ -2,7 +2,7 @@
 doctor`) and removed without ever taking a file a live process may use.
 
 Kept apart from the store proper: no read or write of a conversation needs it. It agrees with the store
-on the layout (`caches/<name>/<ingest_id>`, temp dirs from `store_files.new_temp_path`) and on the lock:
+on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`) and on the lock:
 a function marked "under the write lock" must run inside the store's write transaction, which a
 committing ingest holds from its rename to its row commit, so a dir about to be committed is never taken
 for an orphan. What goes is first renamed to a temp dir of this process and deleted after the lock is
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.store_files import new_temp_path, temp_writer_pid, try_rmdir
+from kvchat.store.files import new_temp_path, temp_writer_pid, try_rmdir
 
 ORPHAN_GRACE_S = 60.0
 

@@ -9,9 +9,9 @@ a fresh `ingest_id`, so `--replace` never touches files a running `ask` may be r
 Files are checksummed and carry the model fingerprint; loading refuses anything that does not
 match, and checks the safetensors header by hand before a single tensor is allocated.
 
-This module is the store proper (open, lock, conversations, episode loading). What it stands on lives
-beside it: `store_files` (fsync, verified reads, the header check), `store_schema` (tables and
-migrations) and `store_leftovers` (what crashes leave in caches/, and `doctor`'s sweep of it).
+This module is the store proper (open, lock, conversations, episode loading, the ask log); what it
+stands on are its submodules: `files` (fsync, verified reads, the header check), `schema` (tables and
+migrations) and `leftovers` (what crashes leave in caches/, and `doctor`'s sweep of it).
 
 Episode file format (metadata `format_version`), per layer l:
 - "1": `k.{l}`, `v.{l}` `[kv_heads, n, head_dim]`, `pos.{l}` `[kv_heads, n]` int32 (every head keeps n).
@@ -43,8 +43,8 @@ import sqlite_utils
 import torch
 
 from kvchat.errors import CacheIntegrityError, KvchatError, UserError
-from kvchat.store_files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
-from kvchat.store_files import (
+from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
+from kvchat.store.files import (
     FileMismatch,
     check_safetensors_header,
     discard,
@@ -55,8 +55,8 @@ from kvchat.store_files import (
     read_verified,
     try_rmdir,
 )
-from kvchat.store_files import write_file as _write_file  # looked up here at call time: tests replace it
-from kvchat.store_leftovers import (
+from kvchat.store.files import write_file as _write_file  # looked up here at call time: tests replace it
+from kvchat.store.leftovers import (
     Problem,
     delete_leftovers,
     delete_trees,
@@ -65,7 +65,7 @@ from kvchat.store_leftovers import (
     remove_dead_temp_dirs,
     stale_orphans,
 )
-from kvchat.store_schema import migrate, utc_timestamp
+from kvchat.store.schema import migrate, utc_timestamp
 
 FORMAT_VERSION = "2"  # written; see the module docstring
 READABLE_FORMAT_VERSIONS = ("1", "2")
@@ -196,7 +196,7 @@ class Store:
 
         Temp dirs of dead ingests go at once. Orphan ingest dirs and empty name dirs are looked for again,
         and moved aside, under the write lock, which a committing ingest holds from its rename to its row
-        commit, so a dir about to be committed is never taken (see `kvchat.store_leftovers`).
+        commit, so a dir about to be committed is never taken (see `kvchat.store.leftovers`).
         """
         if not self.caches_dir.is_dir():
             return
