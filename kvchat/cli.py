@@ -39,6 +39,9 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for scripts).")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    help="Torch threads (default: $OMP_NUM_THREADS, else the cores this process may use). Running several "
+    "kvchat processes? Give each cores / processes.")]
 _METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
@@ -56,9 +59,10 @@ def _store():
     return Store(default_home())
 
 
-def _model(spec: str, store, trust_remote_code: bool = False):
-    from kvchat.llm import load_model
+def _model(spec: str, store, trust_remote_code: bool = False, threads: int | None = None):
+    from kvchat.llm import load_model, use_threads
 
+    use_threads(threads)
     return load_model(spec, store.home / "models", trust_remote_code=trust_remote_code)
 
 
@@ -81,8 +85,12 @@ class _RichIngestProgress:
         self.episodes = progress.add_task("episodes", total=None)
         self.blocks = progress.add_task("blocks", total=None)
 
+    def history(self, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total, description="history (full prefill)")
+
     def episode(self, index: int, total: int) -> None:
         self.progress.update(self.episodes, completed=index, total=total, description=f"episode {index + 1}")
+        self.progress.update(self.blocks, description="blocks")
 
     def block(self, done: int, total: int) -> None:
         self.progress.update(self.blocks, completed=done, total=total)
@@ -121,11 +129,19 @@ def ingest(
         "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")] = (
         CacheConfig.head_budgets
     ),
+    prefill: Annotated[str, typer.Option(
+        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
+        "(full when the history fits the model's window and its full KV fits memory).")] = CacheConfig.prefill,
+    max_memory: Annotated[int | None, typer.Option(
+        help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
+        "pre-flight check.")] = None,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
     force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
         False
     ),
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
@@ -139,13 +155,15 @@ def ingest(
         episodes=EpisodeConfig(episodes=episodes, window=window),
         cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
                           layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
-                          head_budgets=head_budgets),
+                          head_budgets=head_budgets, prefill=prefill),
     )
+    if max_memory is not None and max_memory < 1:
+        raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
     name = validate_name(name or history.stem)
     turns = load_history(history)  # a bad file fails here, before any model is loaded
     store = _store()
-    lm = _model(model, store, trust_remote_code)
+    lm = _model(model, store, trust_remote_code, threads)
     encoder = _encoder()
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -154,6 +172,7 @@ def ingest(
         report = run_ingest(
             turns, name=name, config=config, store=store, lm=lm, encoder=encoder,
             replace=replace, progress=_RichIngestProgress(bars), source=str(history.resolve()), force=force,
+            max_memory=None if max_memory is None else max_memory * 2**20,
         )
     for note in report.notes:
         err.print(f"kvchat: note: {note}", markup=False, soft_wrap=True)
@@ -162,7 +181,8 @@ def ingest(
     else:
         out.print(
             f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.layer_budgets} layer budgets, "
+            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.prefill} prefill, "
+            f"{report.layer_budgets} layer budgets, "
             f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
             f"{report.cache_bytes / 2**20:.1f} MiB, "
@@ -176,6 +196,7 @@ def ask(
     conversation: Annotated[str | None, typer.Option(help="Conversation name (default: the latest).")] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL)."""
@@ -187,7 +208,8 @@ def ask(
         raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     store = _store()
     record = store.get(conversation) if conversation else store.latest()
-    session = Session(store, record, _model(record.model, store), _encoder(), AskConfig(max_new_tokens))
+    lm = _model(record.model, store, threads=threads)
+    session = Session(store, record, lm, _encoder(), AskConfig(max_new_tokens))
 
     def answer(q: str, show_episode: bool = False) -> None:
         if as_json:
@@ -231,6 +253,7 @@ def profile_layers_command(
     out_file: Annotated[Path | None, typer.Option("--out", help="Profile JSON (default: in $KVCHAT_HOME).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Also draw sensitivity and budgets per layer to this PNG.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Measure how much block prefill disturbs each layer; ingest then budgets layers by it."""
@@ -240,7 +263,7 @@ def profile_layers_command(
         raise UserError(f"{text}: no such file")
     calibration = text.read_text(errors="replace") if text else calibration_text()
     store = _store()
-    lm = _model(model, store, trust_remote_code)
+    lm = _model(model, store, trust_remote_code, threads)
     settings = ProfileSettings(budget=budget, block_size=block_size, sink=sink)
     profile = profile_layers(lm, calibration, settings, source=str(text) if text else "kvchat/data/calibration.txt")
     target = out_file or store.home / "profiles" / f"{profile.weights}.json"
@@ -305,9 +328,13 @@ def eval_command(
         IngestConfig.model
     ),
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    prefill: Annotated[str, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
+        CacheConfig.prefill
+    ),
     out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
                                                   "a re-run skips what the file already has.")] = None,
     report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
@@ -330,7 +357,7 @@ def eval_command(
         raise UserError(f"--questions must be >= 1 (got {questions})")
     if max_context is not None and max_context < 64:
         raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
-    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size))
+    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
     variant_list = evaluate.variants(config.methods, config.budgets, base.cache)
     for v in variant_list:
         validate(dataclasses.replace(base, cache=v.cache))
@@ -338,7 +365,7 @@ def eval_command(
         load_locomo(path)  # a bad file fails here, before any model is loaded
     results = evaluate.ResultsFile(out_path)
     store = _store()
-    lm = _model(model, store)
+    lm = _model(model, store, threads=threads)
     sets = evaluate.qa_sets(data or [], synthetic, lm, config)
     for s in sets:
         if s.sessions_total:

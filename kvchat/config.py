@@ -12,6 +12,7 @@ from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs th
 
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
+PREFILL_MODES = ("auto", "block", "full")
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 HEAD_BUDGETS = ("uniform", "adaptive")
 # Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
@@ -79,6 +80,9 @@ class CacheConfig:
     cake: CakeConfig = CakeConfig()
     head_budgets: str = "uniform"  # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's
                                    # top M_l x kv_heads (head, token) pairs, floor HEAD_FLOOR_FRACTION x M_l)
+    prefill: str = "auto"  # block (evict after every block: peak flat in the history) | full (keep the whole
+                           # history, then each episode keeps its top entries: one prefill for all episodes) |
+                           # auto (full when the history fits the model's window and its full KV fits memory)
 
 
 @dataclass(frozen=True)

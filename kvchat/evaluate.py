@@ -48,6 +48,10 @@ REFERENCE = "full"
 _CACHE_DEFAULTS = CacheConfig()
 
 
+class MixedResults(UserError):
+    """A resumed results file holds a variant measured another way than this run would measure it."""
+
+
 @dataclass(frozen=True)
 class Variant:
     """One cache configuration under evaluation; `key` names it in results and tables."""
@@ -164,6 +168,8 @@ def evaluate(
             for i, variant in enumerate(v for v in pending if v.key != REFERENCE):
                 try:
                     runner.run(variant, progress, position=(i + 1, len(pending)), reference=reference)
+                except MixedResults:
+                    raise
                 except UserError as error:  # a setting this model cannot take: say so, run the rest
                     skip = {"kind": "skipped", "set": qa_set.name, "variant": variant.key, "reason": str(error)}
                     results.append(skip)
@@ -209,7 +215,14 @@ class _SetRunner:
         )
         conversation = self.store.get(name)
         done = self.results.done(self.qa_set.name, variant.key)
-        if variant.key not in {r["variant"] for r in self._ingests()}:
+        earlier = {r["variant"]: r.get("prefill", "block") for r in self._ingests()}  # older files: block
+        if done and earlier.get(variant.key, report.prefill) != report.prefill:
+            raise MixedResults(
+                f"{self.results.path}: {variant.key} on {self.qa_set.name} was measured with "
+                f"{earlier[variant.key]} prefill and this run builds its caches with {report.prefill} prefill; "
+                f"resume with --prefill {earlier[variant.key]} or write to a new --out file"
+            )
+        if variant.key not in earlier:
             self.results.append(
                 {
                     "kind": "ingest",
@@ -220,6 +233,7 @@ class _SetRunner:
                     "history_tokens": report.history_tokens,
                     "episodes": report.episodes,
                     "layer_budgets": report.layer_budgets,
+                    "prefill": report.prefill,
                     "peak_layer_entries": report.peak_layer_entries,
                     "cache_bytes": report.cache_bytes,
                     "seconds": report.seconds,

@@ -27,6 +27,7 @@ from kvchat.config import (
     HEAD_BUDGETS,
     LAYER_BUDGETS,
     POSITION_MODES,
+    PREFILL_MODES,
     CacheConfig,
     IngestConfig,
 )
@@ -40,7 +41,7 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
-from kvchat.kv.prefill import block_prefill
+from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_profile
@@ -50,6 +51,9 @@ from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_nam
 
 class IngestProgress:
     """Hooks for a progress display; the default does nothing."""
+
+    def history(self, done: int, total: int) -> None:
+        """Blocks of the one full prefill that `--prefill full` shares among the episodes."""
 
     def episode(self, index: int, total: int) -> None: ...
 
@@ -73,6 +77,7 @@ class IngestReport:
     seconds: float
     head_budgets: str = "uniform"
     head_entries: list[int] = dataclasses.field(default_factory=list)  # [fewest, most] entries one KV head kept
+    prefill: str = "block"  # how the caches were built: block by block, or selected from the full history
     notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
 
     def to_dict(self) -> dict:
@@ -84,6 +89,8 @@ def validate(config: IngestConfig) -> None:
     cache, eps = config.cache, config.episodes
     if cache.method not in REGISTRY:
         raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(REGISTRY)})")
+    if cache.prefill not in PREFILL_MODES:
+        raise UserError(f"unknown --prefill {cache.prefill!r} (choose from {', '.join(PREFILL_MODES)})")
     if cache.positions not in POSITION_MODES:
         raise UserError(f"unknown --positions {cache.positions!r} (choose from {', '.join(POSITION_MODES)})")
     if cache.budget < 1:
@@ -139,6 +146,7 @@ class IngestPlan:
     context_ids: torch.Tensor                # the history
     budgets: list[int] | CakeBudgets | None  # per layer (None: full KV)
     heads: HeadBudgets
+    prefill: str                             # block | full, as resolved from the config's (kvchat.config)
     episodes: list[Episode]
     estimated_peak_bytes: int
     notes: list[str]
@@ -178,6 +186,7 @@ def plan_ingest(
     source: str | None = None,
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
+    max_memory: int | None = None,
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`ingest` describes
     the arguments)."""
@@ -208,22 +217,30 @@ def plan_ingest(
     )
     heads = HeadBudgets(cache_cfg.head_budgets)
     shape = preflight.ModelShape.of(lm.model)
-    estimate = preflight.estimate_ingest_bytes(
-        shape,
-        budget=cache_cfg.budget,
-        block_size=cache_cfg.block_size,
-        prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
-        context_tokens=total,
-        full=full,
-        longest_head=None if full else _longest_head(budgets, heads, shape, protected),
-    )
+    available = max_memory if max_memory is not None else preflight.available_bytes()
+
+    def estimate(select_from_full: bool) -> int:
+        return preflight.estimate_ingest_bytes(
+            shape,
+            budget=cache_cfg.budget,
+            block_size=cache_cfg.block_size,
+            prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
+            context_tokens=total,
+            full=full,
+            longest_head=None if full else _longest_head(budgets, heads, shape, protected),
+            select_from_full=select_from_full,
+        )
+
+    prefill = _prefill_mode(cache_cfg, strategy, total, lm.context_window, estimate(True), shape, available)
+    peak_bytes = estimate(prefill == "full")
     if not force:
-        preflight.check_fits(estimate, resident=shape.weight_bytes, available=preflight.available_bytes())
+        preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=available)
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(
-            cache_cfg, positions=positions, layer_budgets=cache_cfg.layer_budgets if full else strategy, alpha=alpha
+            cache_cfg, positions=positions, layer_budgets=cache_cfg.layer_budgets if full else strategy, alpha=alpha,
+            prefill=prefill,
         ),
     )
     return IngestPlan(
@@ -236,25 +253,53 @@ def plan_ingest(
         context_ids=context_ids,
         budgets=budgets,
         heads=heads,
+        prefill=prefill,
         episodes=_episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic),
-        estimated_peak_bytes=estimate,
+        estimated_peak_bytes=peak_bytes,
         notes=notes,
     )
 
 
+def prefill_history(
+    plan: IngestPlan, lm: LoadedModel, *, on_block: Callable[[int, int], None] | None = None
+) -> EpisodeCache:
+    """The whole history's KV, fed block by block and kept whole: what `--prefill full` selects from."""
+    return block_prefill(
+        lm.model, plan.prefix_ids, plan.context_ids, block_size=plan.config.cache.block_size, budgets=None,
+        scorer=None, on_block=on_block,
+    ).cache
+
+
 def build_episode(
-    plan: IngestPlan, episode: Episode, lm: LoadedModel, *, on_block: Callable[[int, int], None] | None = None
+    plan: IngestPlan,
+    episode: Episode,
+    lm: LoadedModel,
+    *,
+    on_block: Callable[[int, int], None] | None = None,
+    full: EpisodeCache | None = None,
 ) -> BuiltEpisode:
-    """Block prefill of the history into `episode`'s cache."""
+    """`episode`'s cache: block prefill of the history, or with `plan.prefill == "full"` a selection from
+    `full` (`prefill_history`), scored once by the episode's patched prompt."""
     cache_cfg = plan.config.cache
+    scorer = _scorer(plan.config, episode, lm, plan.layout)
+    compact = cache_cfg.positions == "compact"
+    if plan.prefill == "full":
+        if full is None:
+            raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
+        last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
+        cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
+                            compact=compact)  # fmt: skip
+        if on_block is not None:
+            on_block(1, 1)
+        return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries)
     result = block_prefill(
         lm.model,
         plan.prefix_ids,
         plan.context_ids,
         block_size=cache_cfg.block_size,
         budgets=plan.budgets,
-        scorer=_scorer(plan.config, episode, lm, plan.layout),
-        compact=cache_cfg.positions == "compact",
+        scorer=scorer,
+        compact=compact,
         on_block=on_block,
         heads=plan.heads,
     )
@@ -309,6 +354,7 @@ def commit_ingest(
         seconds=round(seconds, 2),
         head_budgets=cache_cfg.head_budgets,
         head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
+        prefill=plan.prefill,
         notes=plan.notes,
     )
     pending.commit(
@@ -341,10 +387,11 @@ def ingest(
     plan = plan_ingest(history, store=store, lm=lm, **plan_options)
     stats: list[EpisodeStats] = []
     records: list[EpisodeRecord] = []
+    full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
     with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
         for episode in plan.episodes:
             progress.episode(episode.index, len(plan.episodes))
-            built = build_episode(plan, episode, lm, on_block=progress.block)
+            built = build_episode(plan, episode, lm, on_block=progress.block, full=full)
             records.append(write_episode(pending, plan, built, lm))
             stats.append(built.stats())  # the cache itself is released before the next episode is built
         return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
@@ -390,6 +437,37 @@ def _longest_head(
     if heads.mode == "uniform":
         return largest
     return largest * shape.kv_heads - (shape.kv_heads - 1) * head_floor(largest, protected, heads.floor_fraction)
+
+
+def _prefill_mode(
+    cache: CacheConfig,
+    strategy: str,
+    history_tokens: int,
+    window: int,
+    full_bytes: int,
+    shape: preflight.ModelShape,
+    available: int | None,
+) -> str:
+    """`block` or `full` (see `CacheConfig.prefill`). `auto` picks `full` when it can run (a method that
+    scores after the block, fixed layer budgets, a history inside the model's window) and the estimate of
+    holding the whole history fits `available`; an explicit `full` that cannot run is refused."""
+    entry = method(cache.method)
+    if entry.scorer is None or cache.prefill == "block":
+        return "block"  # full KV evicts nothing: both ways build the same cache
+    if entry.in_forward:
+        why_not = f"--method {entry.name} scores inside each block's forward"
+    elif strategy == "cake":
+        why_not = "cake layer budgets come from each block's attention"
+    elif window and history_tokens + ANSWER_ROOM > window:
+        why_not = f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window})"
+    else:
+        why_not = None
+    if cache.prefill == "full":
+        if why_not:
+            raise UserError(f"--prefill full cannot run: {why_not}; use --prefill block or auto")
+        return "full"
+    fits = available is None or full_bytes - shape.weight_bytes <= available
+    return "full" if why_not is None and fits else "block"
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:

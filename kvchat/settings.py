@@ -31,6 +31,7 @@ def to_settings(config: IngestConfig, *, source: str | None) -> dict:
         "pool_kernel": cache.pool_kernel,
         "layer_budgets": strategy,
         "head_budgets": cache.head_budgets,
+        "prefill": cache.prefill,
         "episodes": episodes.episodes,
         "window": episodes.window,
         "prompt_tokens": episodes.prompt_tokens,
@@ -74,6 +75,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         alpha=get("alpha", cache_d.alpha),
         cake=cake,
         head_budgets=get("head_budgets", cache_d.head_budgets),
+        prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
     )
     episodes = EpisodeConfig(
         episodes=get("episodes", episodes_d.episodes),
@@ -107,6 +109,7 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
     if cache.layer_budgets == "cake" and cache.method != "full":
         options |= {"tau1": cache.cake.tau1, "tau2": cache.cake.tau2}
     options["head-budgets"] = cache.head_budgets
+    options["prefill"] = cache.prefill
     for option, value in options.items():
         words += [f"--{option}", str(value)]
     if replace:

@@ -26,7 +26,9 @@ from kvchat.qa import (
 )
 from kvchat.synthetic import _TOPICS
 
-SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
+SMALL = IngestConfig(
+    cache=CacheConfig(budget=96, block_size=48, prefill="block"), episodes=EpisodeConfig(prompt_tokens=48)
+)
 
 
 # --- scoring ------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -145,9 +146,11 @@ def test_ingest_refuses_what_cannot_fit_unless_forced(tmp_path, history, tiny_mo
     path.write_bytes(bytes(data))
     asked = run_main(home, "ask", "Which gate?", "--conversation", "h", "--episode", "0")
     assert asked.returncode == 2 and len(asked.stderr.strip().splitlines()) == 1, asked.stderr
-    assert "failed its checksum" in asked.stderr and "rebuild with `kvchat ingest HISTORY --name h --replace`" in (
-        asked.stderr
-    )
+    # The hint is the real command: the stored source and settings, as `doctor --fix` prints them.
+    rebuild = asked.stderr.split("rebuild with `")[1].split("`")[0]
+    words = shlex.split(rebuild)
+    assert "failed its checksum" in asked.stderr and words[:5] == ["kvchat", "ingest", str(history), "--name", "h"]
+    assert words[-1] == "--replace" and words[words.index("--model") + 1] == str(tiny_model_dir)
 
 
 def test_ingest_on_a_full_disk(tmp_path, history, tiny_model_dir, monkeypatch):

@@ -12,6 +12,7 @@ and decode loops need:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -55,6 +56,15 @@ class EpisodeCache(Cache):
         cache.next_position = next_position
         cache.protected = protected
         return cache
+
+    def copy(self) -> EpisodeCache:
+        """A cache sharing this one's tensors; evicting from either leaves the other whole (every layer's
+        `keep` builds new tensors rather than changing them)."""
+        other = EpisodeCache.of_layers(
+            [copy.copy(layer) for layer in self.layers], next_position=self.next_position, protected=self.protected
+        )
+        other.peak_layer_entries, other.peak_total_entries = self.peak_layer_entries, self.peak_total_entries
+        return other
 
     # --- the transformers side -------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

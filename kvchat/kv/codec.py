@@ -15,17 +15,22 @@ version on every file it writes and refuses unreadable versions and foreign mode
 tensor is allocated; everything about the content is decoded here.
 
 Metadata (strings, a safetensors rule): `EpisodeMeta`'s fields. A new layer type adds its tensor names
-and a version here, and nowhere else (ARCHITECTURE.md, "Adding a layer type").
+and a version here, and nowhere else (ARCHITECTURE.md, "Where things go").
+
+Importing this module loads torch only (the cache classes load transformers, which takes seconds), so
+the store and `kvchat list` can use the format versions without it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.layers import CacheLayer, RaggedLayer, UniformLayer
+if TYPE_CHECKING:
+    from kvchat.kv.cache import EpisodeCache
+    from kvchat.kv.layers import CacheLayer
 
 FORMAT_VERSION = "2"  # written
 READABLE_FORMAT_VERSIONS = ("1", "2")
@@ -101,28 +106,30 @@ def decode_layers(tensors: dict[str, torch.Tensor], *, next_position: int, prote
     num_layers = sum(1 for name in tensors if name.startswith("k."))
     if any(f"{n}.{i}" not in tensors for i in range(num_layers) for n in ("k", "v", "pos")):
         raise ValueError(f"cache tensors are incomplete: {sorted(tensors)}")
+    from kvchat.kv.cache import EpisodeCache  # transformers, only when a cache is built (module docstring)
+
     layers = [_decode_layer(tensors, i) for i in range(num_layers)]
     return EpisodeCache.of_layers(layers, next_position=next_position, protected=protected)
 
 
 def _encode_layer(layer: CacheLayer, i: int) -> dict[str, torch.Tensor]:
-    if isinstance(layer, RaggedLayer):
+    if layer.ragged:
         return {
             f"k.{i}": torch.cat([k[0, 0] for k in layer.keys]),
             f"v.{i}": torch.cat([v[0, 0] for v in layer.values]),
             f"pos.{i}": torch.cat(layer.positions).to(torch.int32),
             f"len.{i}": torch.tensor(layer.lengths, dtype=torch.int32),
         }
-    if isinstance(layer, UniformLayer):
-        return {
-            f"k.{i}": layer.keys[0].contiguous(),
-            f"v.{i}": layer.values[0].contiguous(),
-            f"pos.{i}": layer.positions.to(torch.int32).contiguous(),
-        }
-    raise TypeError(f"layer {i}: no file encoding for {type(layer).__name__}")
+    return {
+        f"k.{i}": layer.keys[0].contiguous(),
+        f"v.{i}": layer.values[0].contiguous(),
+        f"pos.{i}": layer.positions.to(torch.int32).contiguous(),
+    }
 
 
 def _decode_layer(tensors: dict[str, torch.Tensor], i: int) -> CacheLayer:
+    from kvchat.kv.layers import RaggedLayer, UniformLayer
+
     keys, values, positions = (tensors[f"{n}.{i}"] for n in ("k", "v", "pos"))
     if f"len.{i}" not in tensors:
         if keys.dim() != 3 or values.shape != keys.shape or positions.shape != keys.shape[:2]:

@@ -5,6 +5,10 @@ whatever the history's length (EpiCache Fig. 1c). Eviction happens after the blo
 probe pass has scored every layer, or during the block's forward when the scorer reads the block there
 (`Scorer.in_forward`, kvchat.kv.scoring) or CAKE budgets are computed from it (kvchat.kv.cascade).
 
+`select_from` is the other way to the same kind of cache (`--prefill full`): one cache holding the whole
+history is scored once per episode and each episode keeps a copy of its top entries, so every kept entry
+was computed with the whole history in view, at the cost of a peak that grows with the history.
+
 The loop can continue a cache built earlier (`resume`): blocks are cut from where that cache stopped, so
 prefilling A and then resuming with B gives exactly the cache of prefilling A + B in one call when A
 ends on a block boundary (a cache that was evicted after a partial last block has already chosen what
@@ -92,3 +96,31 @@ def block_prefill(
         cache=cache, peak_layer_entries=cache.peak_layer_entries, blocks=len(blocks),
         peak_total_entries=cache.peak_total_entries,
     )
+
+
+def select_from(
+    model: torch.nn.Module,
+    full: EpisodeCache,
+    last_block: torch.Tensor,
+    *,
+    budgets: Sequence[int],
+    scorer: Scorer,
+    heads: HeadBudgets = HeadBudgets(),
+    compact: bool = False,
+) -> EpisodeCache:
+    """An episode cache chosen from `full` (everything kept, e.g. `block_prefill(budgets=None)`): `scorer`
+    reads it once, as after the history's last block (`last_block`, its ids), and each layer keeps its top
+    `budgets[l]` entries, shared among heads by `heads`. `full` is left whole for the next episode; its
+    peaks count the scorer's probe."""
+    if scores_in_forward(scorer):
+        raise ValueError("selecting from a full cache needs a scorer that reads it after the block")
+    scores = scorer(model, full, last_block)
+    cache = full.copy()
+    cache.keep(
+        [heads.select(s, b, cache.protected, layer.lengths) for s, b, layer in zip(scores, budgets, cache.layers,
+                                                                                    strict=True)]
+    )
+    cache.peak_layer_entries, cache.peak_total_entries = full.peak_layer_entries, full.peak_total_entries
+    if compact:
+        cache.compact(model.model.rotary_emb)
+    return cache

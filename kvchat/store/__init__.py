@@ -13,12 +13,8 @@ This module is the store proper (open, lock, conversations, episode loading, the
 stands on are its submodules: `files` (fsync, verified reads, the header check), `schema` (tables and
 migrations) and `leftovers` (what crashes leave in caches/, and `doctor`'s sweep of it).
 
-Episode file format (metadata `format_version`), per layer l:
-- "1": `k.{l}`, `v.{l}` `[kv_heads, n, head_dim]`, `pos.{l}` `[kv_heads, n]` int32 (every head keeps n).
-- "2": as "1", except that a layer whose heads keep different counts (`--head-budgets adaptive`) is
-  stored ragged: `k.{l}`, `v.{l}` `[total, head_dim]` with the heads' rows concatenated in head order,
-  `pos.{l}` `[total]` int32 and `len.{l}` `[kv_heads]` int32, each head's row count. Only kept entries
-  are written. kvchat writes "2" and reads both (a "1" file is a "2" file without ragged layers).
+The episode file format (tensor names, metadata, versions) is kvchat.kv.codec's; the store stamps the
+version the codec writes on every file and refuses a version it cannot read, before decoding.
 """
 
 from __future__ import annotations
@@ -27,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import shlex
 import shutil
 import sqlite3
 import uuid
@@ -43,6 +38,8 @@ import sqlite_utils
 import torch
 
 from kvchat.errors import CacheIntegrityError, KvchatError, UserError
+from kvchat.kv.codec import FORMAT_VERSION, READABLE_FORMAT_VERSIONS  # stamped and checked here
+from kvchat.settings import rebuild_command
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
 from kvchat.store.files import (
     FileMismatch,
@@ -67,8 +64,6 @@ from kvchat.store.leftovers import (
 )
 from kvchat.store.schema import migrate, utc_timestamp
 
-FORMAT_VERSION = "2"  # written; see the module docstring
-READABLE_FORMAT_VERSIONS = ("1", "2")
 DB_NAME = "kvchat.db"
 CACHES_DIR = "caches"
 BUSY_TIMEOUT_MS = 30_000
@@ -309,12 +304,17 @@ class Store:
         """
         name = record.path.parent.parent.name
 
+        row = self._row(name)
+        rebuild = (
+            _reingest_command(self._conversation(row, []), replace=True) if row is not None
+            else f"kvchat ingest HISTORY --name {name} --replace"
+        )
+
         def refuse(problem: str) -> CacheIntegrityError:
-            msg = (
-                f"cache of conversation {_show(name)} episode {record.index} {problem}; "
-                f"rebuild with `kvchat ingest HISTORY --name {name} --replace`"
+            return CacheIntegrityError(
+                f"cache of conversation {_show(name)} episode {record.index} {' '.join(problem.split())}; "
+                f"rebuild with `{rebuild}`"
             )
-            return CacheIntegrityError(" ".join(msg.split()))
 
         try:
             data = read_verified(record.path, record.bytes, record.sha256, within=self.caches_dir)
@@ -439,18 +439,9 @@ class Store:
         return [{**r, "timings": json.loads(r["timings"]) if r["timings"] else {}} for r in rows]
 
 
-def _reingest_command(record: ConversationRecord) -> str:
+def _reingest_command(record: ConversationRecord, *, replace: bool = False) -> str:
     """The command that builds `record` again from its history, with the settings it was built with."""
-    settings = record.settings
-    words = ["kvchat", "ingest", settings.get("source") or "HISTORY", "--name", record.name]
-    if record.model != "default":
-        words += ["--model", record.model]
-    options = ("method", "budget", "block_size", "episodes", "window", "positions", "layer_budgets", "alpha",
-               "tau1", "tau2", "head_budgets")
-    for key in options:
-        if key in settings and not (key == "layer_budgets" and settings[key] == "full"):
-            words += ["--" + key.replace("_", "-"), str(settings[key])]
-    return shlex.join(words)
+    return rebuild_command(record.name, record.model, record.settings, replace=replace)
 
 
 class PendingConversation:
