@@ -24,10 +24,11 @@ def run(home: Path, *args: str, stdin: str | None = None) -> subprocess.Complete
 
 
 def run_main(home: Path, *args: str) -> subprocess.CompletedProcess:
-    """`kvchat ARGS` through kvchat.cli.main() in this process: same exit codes and output streams."""
+    """`kvchat ARGS` through kvchat.cli.run() (main() less its process-wide SIGPIPE setting) in this
+    process: same exit codes and output streams."""
     from transformers.utils import logging
 
-    from kvchat.cli import main
+    from kvchat.cli import run as main
 
     # The CLI silences load-time progress bars through environment variables read at import time,
     # which in this process is long past.

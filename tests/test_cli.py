@@ -29,7 +29,7 @@ def ingested(tmp_path_factory, tiny_model_dir):
 
 def test_ingest_json_reports_the_peak(ingested):
     _, report = ingested
-    assert report["name"] == "chat" and report["episodes"] == 3
+    assert report["name"] == "chat" and report["episode_count"] == 3 and report["schema"] == 1
     assert report["peak_layer_entries"] <= 80 + 32 + 256 + 16
     assert report["estimated_peak_bytes"] > 0
 
@@ -55,7 +55,7 @@ def test_ask_reads_one_question_per_stdin_line(ingested):
 def test_list_show_rm(ingested, tmp_path):
     home, _ = ingested
     listed = json.loads(run(home, "list", "--json").stdout)
-    assert [c["name"] for c in listed] == ["chat"]
+    assert listed["schema"] == 1 and [c["name"] for c in listed["conversations"]] == ["chat"]
     shown = json.loads(run(home, "show", "chat", "--json").stdout)
     assert len(shown["episodes"]) == 3 and all(e["budgets"] == [80, 80] for e in shown["episodes"])
     assert "chat" in run(home, "show", "chat").stdout
@@ -142,7 +142,7 @@ def test_rm_removes(tmp_path, tiny_model_dir):
     assert run(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64",
                "--block-size", "32", "--episodes", "2").returncode == 0
     assert run(tmp_path, "rm", "h").returncode == 0
-    assert json.loads(run(tmp_path, "list", "--json").stdout) == []
+    assert json.loads(run(tmp_path, "list", "--json").stdout)["conversations"] == []
 
 
 def test_help_lists_the_commands():

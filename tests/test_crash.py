@@ -97,8 +97,8 @@ def test_kill_9_at_any_moment_of_an_ingest_leaves_all_or_nothing(tmp_path, tiny_
     ]  # fmt: skip
     (listed_json, err_list), (answer, err_ask) = (p.communicate(timeout=300) for p in cli)
     assert [p.returncode for p in cli] == [0, 0], (err_list, err_ask)
-    by_name = {c["name"]: c for c in json.loads(listed_json)}
-    assert {absent[0], "kept"} <= set(by_name) and all(c["episodes"] == EPISODES for c in by_name.values())
+    by_name = {c["name"]: c for c in json.loads(listed_json)["conversations"]}
+    assert {absent[0], "kept"} <= set(by_name) and all(c["episode_count"] == EPISODES for c in by_name.values())
     assert json.loads(answer)["conversation"] == absent[0]
 
     # What the kills may leave behind is only what doctor reports as leftovers, never a damaged row.

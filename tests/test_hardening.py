@@ -30,9 +30,10 @@ def history(tmp_path: Path) -> Path:
 
 
 def _assert_refused(home: Path, result, fragment: str) -> None:
-    """Exit 2, one line naming the problem, nothing on stdout, nothing in the store."""
+    """Exit 2, one line naming the problem (after the progress lines of a run that had started), nothing on
+    stdout, nothing in the store."""
     assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("kvchat: episode ")]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
     assert list(home.rglob("*.safetensors")) == [] and list(home.rglob(".tmp-*")) == []
@@ -136,7 +137,7 @@ def test_ingest_refuses_what_cannot_fit_unless_forced(tmp_path, history, tiny_mo
     forced = run_main(home, *args, "--force")
     assert forced.returncode == 0, forced.stderr
     report = json.loads(forced.stdout)
-    assert report["estimated_peak_bytes"] > report["cache_bytes"] / report["episodes"]
+    assert report["estimated_peak_bytes"] > report["cache_bytes"] / report["episode_count"]
 
     # A damaged cache is refused when asked, with the way to rebuild it.
     path = Store(home).get("h").episodes[0].path
@@ -160,4 +161,4 @@ def test_ingest_on_a_full_disk(tmp_path, history, tiny_model_dir, monkeypatch):
     result = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), *TINY)
     _assert_refused(home, result, f"no space left on device while writing caches to {home / 'caches'}")
     assert result.stderr.strip().endswith("free space or lower --budget")
-    assert json.loads(run_main(home, "list", "--json").stdout) == []
+    assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
