@@ -664,6 +664,8 @@ def run(argv: Sequence[str] | None = None) -> None:
         _say(f"kvchat: error: {exc}", console=err)
         sys.exit(2)
     except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
+        if getattr(exc, "ctx", False) is None:  # raised by the parser before it had a context
+            exc.ctx = _usage_context(args)
         exc.show()
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
@@ -678,6 +680,17 @@ def run(argv: Sequence[str] | None = None) -> None:
         err.print("kvchat: interrupted", markup=False)
     if isinstance(status, int) and status:
         sys.exit(status)
+
+
+def _usage_context(args: Sequence[str]):
+    """A context for the command `args` name (or the root), so a usage error shows that command's usage."""
+    root = typer.main.get_command(app)
+    context = root.make_context("kvchat", [], resilient_parsing=True)
+    name = next((a for a in args if not a.startswith("-")), None)
+    command = root.get_command(context, name) if name else None
+    if command is None:
+        return context
+    return command.make_context(name, [], parent=context, resilient_parsing=True)
 
 
 def _quiet_libraries() -> None:
