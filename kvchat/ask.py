@@ -19,8 +19,10 @@ from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import ChatLayout, LoadedModel, generate
+from kvchat.settings import rebuild_command
 from kvchat.store import ConversationRecord, Store
 
 
@@ -185,15 +187,12 @@ class Session:
         record = self.conversation.episodes[index]
         tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
         try:
-            cache = EpisodeCache.from_tensors(
-                tensors,
-                next_position=int(metadata["next_position"]),
-                protected=int(metadata["protected"]),
-            )
+            cache, _ = codec.decode(tensors, metadata)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
+            c = self.conversation
             raise CacheIntegrityError(
-                f"cache of conversation '{self.conversation.name}' episode {index} does not hold a KV cache "
-                f"kvchat can read ({e}); rebuild with `kvchat ingest HISTORY --name {self.conversation.name} --replace`"
+                f"cache of conversation '{c.name}' episode {index} does not hold a KV cache kvchat can read "
+                f"({e}); rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
             ) from None
         self._resident = (index, cache)
         return cache

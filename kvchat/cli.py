@@ -31,6 +31,7 @@ from kvchat.config import (
     default_home,
 )
 from kvchat.errors import UserError
+from kvchat.kv.methods import REGISTRY
 from kvchat.report import COLUMNS as EVAL_COLUMNS
 from kvchat.report import cell as eval_cell
 from kvchat.terminal import StreamCleaner, cell, clean
@@ -68,6 +69,7 @@ def _version(value: bool) -> None:
             number = "unknown"
         sys.stdout.write(f"kvchat {number}\n")
         raise typer.Exit()
+_METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 @app.callback()
@@ -160,7 +162,8 @@ class _RichIngestProgress:
 
 @app.command()
 def ingest(
-    history: Annotated[Path, typer.Argument(metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
+    history: Annotated[Path, typer.Argument(
+        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
     model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
         IngestConfig.model
@@ -169,12 +172,7 @@ def ingest(
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
     episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
     window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
-    method: Annotated[str, typer.Option(
-        help="epicache (episodic, the default), full (keep everything: the reference), or a baseline under "
-        "block prefill: streaming, snapkv, infinipot, kvzip, keydiff, cake (CAKE's mean + variance of the "
-        "block's last-window attention; with --layer-budgets cake, all of CAKE).")] = (
-        CacheConfig.method
-    ),
+    method: Annotated[str, typer.Option(help="Eviction method: " + _METHOD_HELP)] = CacheConfig.method,
     positions: Annotated[Positions, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
         CacheConfig.positions
     ),
@@ -253,7 +251,8 @@ def ingest(
 @app.command()
 def ask(
     question: Annotated[str | None, typer.Argument(
-        metavar="QUESTION", help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
+        metavar="QUESTION",
+        help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
     conversation: Annotated[str | None, typer.Option(
         help="Conversation name (default: the latest).", autocompletion=_complete_conversation)] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
@@ -434,7 +433,8 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 
 @app.command("eval")
 def eval_command(
-    data: Annotated[list[Path] | None, typer.Argument(metavar="DATA", help="LoCoMo-format conversation files with QA.")] = None,
+    data: Annotated[list[Path] | None, typer.Argument(
+        metavar="DATA", help="LoCoMo-format conversation files with QA.")] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated methods; full KV always runs as the reference.")] = (
         ",".join(EvalConfig.methods)
     ),

@@ -30,7 +30,7 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
 from kvchat.ingest import IngestProgress, ingest
-from kvchat.kv.cache import EpisodeCache
+from kvchat.kv import codec
 from kvchat.llm import LoadedModel
 from kvchat.qa import (
     CATEGORIES,
@@ -273,10 +273,9 @@ class _SetRunner:
     def _kept_positions(self, episode) -> tuple[torch.Tensor, int]:
         """[layers * heads, positions] booleans saying which original positions each head kept, and
         the length of the protected system prompt."""
-        tensors, metadata = self.store.load_episode(episode, self.lm.fingerprint)
-        protected = int(metadata["protected"])
-        cache = EpisodeCache.from_tensors(tensors, next_position=int(metadata["next_position"]), protected=protected)
-        if metadata.get("positions") == "compact":  # re-rotated: original positions are gone
+        cache, meta = codec.decode(*self.store.load_episode(episode, self.lm.fingerprint))
+        protected = meta.protected
+        if meta.positions == "compact":  # re-rotated: original positions are gone
             return torch.zeros(0, 0, dtype=torch.bool), protected
         heads = [p for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
         kept = torch.zeros(len(heads), max(int(p.max()) + 1 for p in heads), dtype=torch.bool)

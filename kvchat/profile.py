@@ -9,6 +9,7 @@ not the input (EpiCache Fig. 4a), so one is computed per model and shipped or st
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvchat.config import ProfileSettings
 from kvchat.errors import UserError
 from kvchat.llm import LoadedModel, weights_fingerprint
 
-DATA_DIR = Path(__file__).parent / "data"  # package data: calibration text and shipped profiles
+DATA_DIR = Path(__file__).parent / "data"  # package data: the calibration text
 PROFILE_VERSION = 1
 
 
@@ -98,8 +99,8 @@ def profile_layers(
 
 
 def shipped_profiles() -> list[Path]:
-    """Profiles that ship inside the package (kvchat/data/profiles)."""
-    return sorted((DATA_DIR / "profiles").glob("*.json"))
+    """Profiles that ship with kvchat (the repository's profiles/, installed as the package kvchat.profiles)."""
+    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(".json"))
 
 
 def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile | None:

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_main
 
-from kvchat import memory
+from kvchat import preflight
 from kvchat import store as store_module
 from kvchat.errors import UserError
-from kvchat.memory import ModelShape, check_fits, estimate_ingest_bytes
+from kvchat.preflight import ModelShape, check_fits, estimate_ingest_bytes
 from kvchat.store import Store, validate_name
 from kvchat.synthetic import planted_conversation
 
@@ -125,13 +125,13 @@ def test_check_fits():
 
 
 def test_available_bytes_reads_this_machine():
-    available = memory.available_bytes()
+    available = preflight.available_bytes()
     assert available is None or available > 0
 
 
 def test_ingest_refuses_what_cannot_fit_unless_forced(tmp_path, history, tiny_model_dir, monkeypatch):
     home = tmp_path / "home"
-    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 1000)
     args = ("ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--json")
     _assert_refused(home, run_main(home, *args), "pass --force to run it anyway")
     forced = run_main(home, *args, "--force")

@@ -1,6 +1,7 @@
 """Pre-flight memory estimate for an ingest: refuse one that cannot fit before it starts, rather than
-be killed by the OOM killer halfway. The estimate follows the bound DESIGN.md promises: peak KV
-entries per layer <= budget + block + patched prompt, whatever the history's length."""
+be killed by the OOM killer halfway. The estimate follows the bound block prefill promises
+(ARCHITECTURE.md): peak KV entries per layer <= budget + block + patched prompt, whatever the
+history's length."""
 
 from __future__ import annotations
 
