@@ -199,6 +199,7 @@ def test_choices_are_listed_in_help(monkeypatch):
 
 def test_shell_completion_script_and_conversation_names(ingested, monkeypatch):
     home, _ = ingested
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")  # name the shell, not detect it
     script = run(home, "--show-completion", "bash")
     assert script.returncode == 0 and "_KVCHAT_COMPLETE" in script.stdout
     monkeypatch.setenv("_KVCHAT_COMPLETE", "complete_bash")

@@ -162,3 +162,61 @@ def test_ingest_on_a_full_disk(tmp_path, history, tiny_model_dir, monkeypatch):
     _assert_refused(home, result, f"no space left on device while writing caches to {home / 'caches'}")
     assert result.stderr.strip().endswith("free space or lower --budget")
     assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
+
+
+# --------------------------------------------------------------------------- model files
+
+
+def _gguf(path: Path, cut: int = 0) -> Path:
+    """A small valid GGUF file (one tensor), its last `cut` bytes removed."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if cut:
+        data = path.read_bytes()
+        path.write_bytes(data[:-cut])
+    return path
+
+
+def _empty(d: Path) -> Path:
+    (d / "empty.gguf").write_bytes(b"")
+    return d / "empty.gguf"
+
+
+def _random(d: Path) -> Path:
+    (d / "random.gguf").write_bytes(os.urandom(4096))
+    return d / "random.gguf"
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (_empty, "not a GGUF file (it is empty)"),
+        (_random, "does not start with GGUF's magic"),
+        (lambda d: _gguf(d / "cut.gguf", cut=1000), "damaged GGUF file"),
+    ],
+)
+def test_bad_gguf_files_are_the_users_to_fix(tmp_path, make, fragment):
+    model = make(tmp_path)
+    result = run_main(tmp_path / "home", "profile-layers", "--model", str(model))
+    assert result.returncode == 2 and fragment in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not any((tmp_path / "home" / "models").glob(".tmp-*"))
+
+
+def test_a_truncated_safetensors_model_is_the_users_to_fix(tmp_path, tiny_model_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = run_main(tmp_path / "home", "profile-layers", "--model", str(model))
+    assert result.returncode == 2 and "cannot load model" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
