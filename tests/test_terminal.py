@@ -115,3 +115,19 @@ def test_stop_ends_an_answer_early_and_leaves_the_cache_as_it_was(tmp_path, tiny
     again = session.ask("Which gate?", episode=0, log=False)
     assert full.answer_tokens >= 2 and stopped.finish_reason == "stopped" and stopped.answer_tokens == 1
     assert again.text == full.text and again.reused_cache  # the resident cache was rolled back whole
+
+
+def test_kmeans_on_repeated_segments_prints_no_warning():
+    """A history of repeated turns has fewer distinct segments than episodes; scikit-learn's
+    ConvergenceWarning about it reached stderr on every ingest, --json or not."""
+    import warnings
+
+    import numpy as np
+
+    from kvchat.episodes import cluster
+
+    repeated = np.tile(np.eye(4, dtype=np.float32)[:2], (4, 1))  # 8 segments, 2 distinct
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        labels, centroids = cluster(repeated, k=4, seed=0)
+    assert caught == [] and len(labels) == 8 and centroids.shape == (4, 4)
