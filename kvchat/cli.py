@@ -650,7 +650,19 @@ def main() -> None:
     line); internal failures exit 1 and point to --debug; a closed pipe ends quietly, as in git."""
     if hasattr(signal, "SIGPIPE"):  # `kvchat ask ... | head -c1`: die of SIGPIPE like any Unix filter
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    for name in ("SIGTERM", "SIGHUP"):  # unwind, so an ingest or a model conversion removes its temp dir
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _terminate)
     run()
+
+
+class _Terminated(SystemExit):
+    """SIGTERM or SIGHUP: leave through every `finally` and context manager, then exit 128 + signal."""
+
+
+def _terminate(signum: int, frame) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the clean-up short
+    raise _Terminated(128 + signum)
 
 
 def run(argv: Sequence[str] | None = None) -> None:
@@ -660,6 +672,9 @@ def run(argv: Sequence[str] | None = None) -> None:
     _quiet_libraries()
     try:
         status = app(args=args, prog_name="kvchat", standalone_mode=False)  # returns typer.Exit's code
+    except _Terminated as exc:
+        err.print("kvchat: terminated", markup=False)
+        sys.exit(exc.code)
     except UserError as exc:
         _say(f"kvchat: error: {exc}", console=err)
         sys.exit(2)

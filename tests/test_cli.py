@@ -347,3 +347,29 @@ def test_logs_and_no_log(ingested):
     assert table[1].split("\t")[3] == "A question to keep?"
     unknown = run_main(home, "logs", "--conversation", "nope")
     assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
+
+
+def test_sigterm_during_an_ingest_removes_its_temp_dir(tmp_path, tiny_model_dir):
+    """SIGTERM, sent once the ingest says it is on its second episode (its temp dir then holds the first
+    episode's file), unwinds: the temp dir goes, nothing is listed, exit 143 with one line."""
+    history = tmp_path / "long.json"
+    history.write_text(json.dumps(planted_conversation(seed=7, topics=6, turns_per_topic=30)[0]))
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [*KVCHAT, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64", "--block-size", "32",
+         "--episodes", "4"],
+        env={**cli_env(home), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("kvchat: episode 2/"):
+            assert list((home / "caches").glob(".tmp-*")), "the ingest's temp dir should exist by now"
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 143, seen + [rest]
+    assert rest.strip().splitlines()[-1] == "kvchat: terminated" and "Traceback" not in rest
+    assert list((home / "caches").glob(".tmp-*")) == []
+    assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
