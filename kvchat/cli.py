@@ -381,7 +381,7 @@ def profile_layers_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure how much block prefill disturbs each layer; ingest then budgets layers by it."""
-    from kvchat.profile import calibration_text, profile_layers, save_plot
+    from kvchat.profile import calibration_text, profile_layers, save_plot, shipped_profiles
 
     if text is not None and not text.is_file():
         raise UserError(f"{text}: no such file")
@@ -394,8 +394,14 @@ def profile_layers_command(
     profile.save(target)
     if plot is not None:
         save_plot(profile, plot)
+    overridden = [str(p) for p in shipped_profiles() if json.loads(p.read_text()).get("weights") == profile.weights
+                  ] if target.parent == store.home / "profiles" else []
+    if overridden:
+        _say(f"kvchat: note: ingest now uses {target} for these weights instead of the shipped {overridden[0]}; "
+             "delete it to go back", console=err)
     if as_json:
-        _emit_json(documents.document(path=str(target), **dataclasses.asdict(profile)))
+        _emit_json(documents.document(path=str(target), overrides=overridden[0] if overridden else None,
+                                      **dataclasses.asdict(profile)))
         return
     _table(("layer", "key similarity", "sensitivity"),
            [(i, f"{sim:.5f}", f"{sens:.5f}")
@@ -511,7 +517,8 @@ def eval_command(
 
         report.parent.mkdir(parents=True, exist_ok=True)
         png = report.with_suffix(".png")
-        eval_report.plot(rows, png)
+        eval_report.plot(rows, png, title=f"kvchat eval ({lm.spec}): {', '.join(sorted(names))}",
+                         synthetic=not data)
         notes = [s.describe(config.questions) for s in sets] + skips
         report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
     if as_json:

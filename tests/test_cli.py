@@ -373,3 +373,19 @@ def test_sigterm_during_an_ingest_removes_its_temp_dir(tmp_path, tiny_model_dir)
     assert rest.strip().splitlines()[-1] == "kvchat: terminated" and "Traceback" not in rest
     assert list((home / "caches").glob(".tmp-*")) == []
     assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
+
+
+def test_profile_layers_says_when_its_profile_overrides_a_shipped_one(tmp_path, tiny_model_dir, monkeypatch):
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(["Maya walks the dog in the park and Tom bakes sourdough bread ."] * 20))
+    args = ("profile-layers", "--model", str(tiny_model_dir), "--text", str(text), "--budget", "48",
+            "--block-size", "16", "--sink", "4", "--json")
+    first = run_main(tmp_path, *args)
+    assert first.returncode == 0 and json.loads(first.stdout)["overrides"] is None and first.stderr == ""
+    shipped = tmp_path / "shipped" / "tiny.json"
+    shipped.parent.mkdir()
+    shipped.write_text(Path(json.loads(first.stdout)["path"]).read_text())  # as if kvchat shipped these weights'
+    monkeypatch.setattr("kvchat.profile.shipped_profiles", lambda: [shipped])
+    second = run_main(tmp_path, *args)
+    assert json.loads(second.stdout)["overrides"] == str(shipped)
+    assert "ingest now uses" in second.stderr and f"instead of the shipped {shipped}" in second.stderr
