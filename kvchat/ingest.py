@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -178,7 +179,8 @@ def plan_ingest(
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
 ) -> IngestPlan:
-    """Decide everything about an ingest without building a cache (see `ingest` for the arguments)."""
+    """Decide everything about an ingest without building a cache or writing anything (`ingest` describes
+    the arguments)."""
     validate(config)
     from_file = isinstance(history, (str, os.PathLike))
     if not from_file and not name:
@@ -321,30 +323,25 @@ def commit_ingest(
 def ingest(
     history: str | os.PathLike | Sequence[Turn],
     *,
-    name: str | None,
-    config: IngestConfig,
     store: Store,
     lm: LoadedModel,
-    encoder: SentenceEncoder,
-    replace: bool = False,
     progress: IngestProgress | None = None,
-    source: str | None = None,
-    force: bool = False,
-    profile_dirs: Sequence[Path] | None = None,
+    **plan_options: Any,
 ) -> IngestReport:
-    """Build and store the episode caches of one history (a file, or turns already loaded from one;
-    then `name` is required). Nothing is visible in the store until all is written. Refuses to start
-    when the memory estimate exceeds the available memory, unless `force`. Layer profiles are looked up
-    in `profile_dirs` (default: the store's `profiles/`), then among the shipped ones."""
+    """Build and store the episode caches of one history (a file, or turns already loaded from one).
+    Nothing is visible in the store until all is written.
+
+    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
+    `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
+    passed), `force` past the memory estimate (an ingest whose estimate exceeds the available memory is
+    refused by default), `profile_dirs` where layer profiles are looked up (default: the store's
+    `profiles/`) before the shipped ones."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
-    plan = plan_ingest(
-        history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace, source=source,
-        force=force, profile_dirs=profile_dirs,
-    )
+    plan = plan_ingest(history, store=store, lm=lm, **plan_options)
     stats: list[EpisodeStats] = []
     records: list[EpisodeRecord] = []
-    with store.begin(plan.name, replace=replace) as pending:
+    with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
         for episode in plan.episodes:
             progress.episode(episode.index, len(plan.episodes))
             built = build_episode(plan, episode, lm, on_block=progress.block)
