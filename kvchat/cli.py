@@ -594,10 +594,7 @@ def logs(
     store = _store()
     if conversation is not None:
         store.get(conversation)  # an unknown name is a mistake, not an empty log
-        # TODO(store split): filter in SQL once Store.asks takes a conversation
-        rows = [r for r in store.asks(limit=2**31) if r["conversation"] == conversation][:count]
-    else:
-        rows = store.asks(limit=count)
+    rows = store.asks(limit=count, conversation=conversation)
     if as_json:
         _emit_json(documents.asks(rows))
         return

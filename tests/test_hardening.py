@@ -52,6 +52,10 @@ def _assert_refused(home: Path, result, fragment: str) -> None:
         (("--name", ".."), "invalid conversation name"),
         (("--name", "tab\there"), "invalid conversation name"),
         (("--name", "esc\x1b[31mred"), "invalid conversation name"),
+        (("--name=-starts-like-an-option",), "invalid conversation name"),
+        (("--name", "CON"), "not a device name"),
+        (("--name", "nul.txt"), "invalid conversation name"),
+        (("--name", "a."), "not ending with '.'"),
     ],
 )
 def test_bad_ingest_options(tmp_path, history, tiny_model_dir, args, fragment):
