@@ -235,7 +235,8 @@ def test_name_taken_while_pending_is_refused(store: Store) -> None:
     store.load_episode(committed.episodes[0], FP)
 
 
-@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "../x", "a\x00b", "a\nb", "x" * 101, ".hidden", "a b"])
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "../x", "a\x00b", "a\nb", "x" * 101, ".hidden", "a b",
+                                 "-dash", "CON", "com1.json", "a."])  # fmt: skip
 def test_bad_names_are_refused(store: Store, bad: str) -> None:
     with pytest.raises(UserError, match="invalid conversation name") as info:
         store.begin(bad)
@@ -243,7 +244,7 @@ def test_bad_names_are_refused(store: Store, bad: str) -> None:
     assert _tmp_dirs(store) == []
 
 
-@pytest.mark.parametrize("good", ["a", "chat-1.v2_x", "x" * 100, "2024.01", "-dash"])
+@pytest.mark.parametrize("good", ["a", "chat-1.v2_x", "x" * 100, "2024.01", "_under", "CONTROL", "a.b"])
 def test_good_names_are_accepted(store: Store, good: str) -> None:
     _ingest(store, good, n=1)
     assert store.get(good).name == good

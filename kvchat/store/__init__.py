@@ -68,7 +68,9 @@ DB_NAME = "kvchat.db"
 CACHES_DIR = "caches"
 BUSY_TIMEOUT_MS = 30_000
 
-_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
+# Names Windows reserves for devices, with or without an extension: not portable as directory names.
+_RESERVED_RE = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])(\..*)?", re.IGNORECASE)
 _SUFFIX = ".safetensors"
 
 
@@ -102,11 +104,12 @@ def _show(name: str) -> str:
 
 def validate_name(name: str) -> str:
     """Names become directory names, so only a safe, portable subset is allowed."""
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+    if (not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name.endswith(".")
+            or _RESERVED_RE.fullmatch(name)):
         shown = _show(name) if isinstance(name, str) else repr(name)
         raise UserError(
             f"invalid conversation name {shown}: use 1 to 100 letters, digits, '.', '_' or '-', "
-            "not starting with '.'"
+            "starting with a letter, digit or '_', not ending with '.', and not a device name (CON, NUL, ...)"
         )
     return name
 
@@ -431,11 +434,12 @@ class Store:
         with self._write_lock() as db:
             db["asks"].insert(record)
 
-    def asks(self, limit: int = 20) -> list[dict]:
-        """The latest `limit` asks, newest first, with `timings` decoded."""
+    def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
+        """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
         if limit <= 0:
             return []
-        rows = self._db["asks"].rows_where(order_by="id desc", limit=int(limit))
+        where, args = ("conversation = ?", [conversation]) if conversation is not None else (None, None)
+        rows = self._db["asks"].rows_where(where, args, order_by="id desc", limit=int(limit))
         return [{**r, "timings": json.loads(r["timings"]) if r["timings"] else {}} for r in rows]
 
 
