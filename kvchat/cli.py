@@ -6,13 +6,21 @@ import dataclasses
 import json
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -143,8 +151,19 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: s
 class _LineIngestProgress:
     """Where stderr is not a terminal: one line per episode, so a log shows the ingest is alive."""
 
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def history(self, done: int, total: int) -> None:
+        if done == total:
+            err.print(f"kvchat: history prefilled once ({total} blocks, {self._elapsed()}); selecting episodes",
+                      markup=False, soft_wrap=True)  # fmt: skip
+
     def episode(self, index: int, total: int) -> None:
-        err.print(f"kvchat: episode {index + 1}/{total}", markup=False, soft_wrap=True)
+        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()})", markup=False, soft_wrap=True)
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:.1f} s elapsed"
 
     def block(self, done: int, total: int) -> None:
         pass
@@ -246,7 +265,7 @@ def ingest(
     lm = _model(model, store, trust_remote_code, threads)
     encoder = _encoder()
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=err, transient=True, disable=not err.is_terminal,
     ) as bars:
         report = run_ingest(
@@ -529,7 +548,7 @@ def eval_command(
             _say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
                  f"{len(s.questions)} questions with all evidence inside", console=err)
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=err, transient=True, disable=not err.is_terminal or as_json,
     ) as bars:
         records = evaluate.evaluate(
