@@ -44,7 +44,7 @@ from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, meth
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
-from kvchat.profile import find_profile
+from kvchat.profile import find_indexmem, find_profile
 from kvchat.settings import to_settings
 from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_name
 
@@ -150,6 +150,7 @@ class IngestPlan:
     episodes: list[Episode]
     estimated_peak_bytes: int
     notes: list[str]
+    trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
 
 
 @dataclass(frozen=True)
@@ -212,9 +213,13 @@ def plan_ingest(
             "layer keeps; raise --budget"
         )
     notes: list[str] = []
-    strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(
-        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), protected, notes
-    )
+    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
+    trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
+    memory = cache_cfg.memory and trained is not None
+    if memory and trained.memory is None:
+        notes.append(f"{trained.path} holds no memory weights (trained with --stage indexer): no latent memory")
+        memory = False
+    strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(cache_cfg, lm, dirs, protected, notes)
     heads = HeadBudgets(cache_cfg.head_budgets)
     shape = preflight.ModelShape.of(lm.model)
     available = max_memory if max_memory is not None else preflight.available_bytes()
@@ -240,7 +245,7 @@ def plan_ingest(
         config,
         cache=dataclasses.replace(
             cache_cfg, positions=positions, layer_budgets=cache_cfg.layer_budgets if full else strategy, alpha=alpha,
-            prefill=prefill,
+            prefill=prefill, memory=memory,
         ),
     )
     return IngestPlan(
@@ -257,6 +262,7 @@ def plan_ingest(
         episodes=_episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic),
         estimated_peak_bytes=peak_bytes,
         notes=notes,
+        trained=trained,
     )
 
 
@@ -281,7 +287,7 @@ def build_episode(
     """`episode`'s cache: block prefill of the history, or with `plan.prefill == "full"` a selection from
     `full` (`prefill_history`), scored once by the episode's patched prompt."""
     cache_cfg = plan.config.cache
-    scorer = _scorer(plan.config, episode, lm, plan.layout)
+    scorer = _scorer(plan.config, episode, lm, plan.layout, plan.trained)
     compact = cache_cfg.positions == "compact"
     if plan.prefill == "full":
         if full is None:
@@ -292,6 +298,11 @@ def build_episode(
         if on_block is not None:
             on_block(1, 1)
         return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries)
+    memory = None
+    if cache_cfg.memory and plan.trained is not None:  # IndexMem: what is evicted is written, read when answering
+        from kvchat.kv.latent import LatentMemory
+
+        memory = LatentMemory(plan.trained.memory, plan.trained.config)
     result = block_prefill(
         lm.model,
         plan.prefix_ids,
@@ -302,7 +313,10 @@ def build_episode(
         compact=compact,
         on_block=on_block,
         heads=plan.heads,
+        on_evict=None if memory is None else memory.writer(lm.model.model.rotary_emb),
     )
+    result.cache.on_evict = None
+    result.cache.memory = memory
     return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries)
 
 
@@ -499,13 +513,15 @@ def _episodes(
     )
 
 
-def _scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout) -> Scorer | None:
+def _scorer(
+    config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout, trained: object | None = None
+) -> Scorer | None:
     """The eviction scorer of `config.cache.method` for this episode (None for full KV)."""
     entry = method(config.cache.method)
     if entry.scorer is None:
         return None
     prompt = _patched_prompt(config, episode, lm) if entry.episodic else ""
-    return entry.scorer(ScorerInputs(lm.encode, layout, config.cache, prompt))
+    return entry.scorer(ScorerInputs(lm.encode, layout, config.cache, prompt, model=lm.model, trained=trained))
 
 
 def _medoid_cap(config: IngestConfig, lm: LoadedModel) -> int:

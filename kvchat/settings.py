@@ -40,6 +40,8 @@ def to_settings(config: IngestConfig, *, source: str | None) -> dict:
         "instruction": config.instruction,
         "source": source,
     }
+    if cache.method == "indexmem":
+        settings["memory"] = cache.memory
     if strategy == "sensitivity" and cache.alpha is not None:
         settings["alpha"] = cache.alpha
     cake = dataclasses.asdict(cache.cake)
@@ -76,6 +78,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         cake=cake,
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
+        memory=get("memory", cache_d.memory),
     )
     episodes = EpisodeConfig(
         episodes=get("episodes", episodes_d.episodes),
@@ -112,6 +115,8 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
     options["prefill"] = cache.prefill
     for option, value in options.items():
         words += [f"--{option}", str(value)]
+    if cache.method == "indexmem":
+        words.append("--memory" if cache.memory else "--no-memory")
     if replace:
         words.append("--replace")
     return shlex.join(words)
