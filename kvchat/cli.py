@@ -481,6 +481,24 @@ class _RichTrainProgress:
         self.progress.update(self.tasks[key], completed=done, total=total, description=description)
 
 
+class _LineTrainProgress:
+    """Where stderr is not a terminal: a line when the data is ready and every 25 steps, so a log shows it is alive."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def prepare(self, done: int, total: int) -> None:
+        if done == total:
+            self._say(f"{total} chunks through the model")
+
+    def step(self, stage: str, done: int, total: int, loss: float) -> None:
+        if done % 25 == 0 or done == total:
+            self._say(f"{stage} step {done}/{total}, loss {loss:.4f}")
+
+    def _say(self, text: str) -> None:
+        err.print(f"kvchat: {text} ({time.monotonic() - self.started:.1f} s elapsed)", markup=False, soft_wrap=True)
+
+
 @app.command("train-indexer")
 def train_indexer_command(
     model: Annotated[str, typer.Option(help="'default', a model dir or a .gguf file.")] = IngestConfig.model,
@@ -516,7 +534,8 @@ def train_indexer_command(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=err, transient=True, disable=not err.is_terminal or as_json,
     ) as bars:
-        report = train(lm, target, config, files=data or [], progress=_RichTrainProgress(bars))
+        progress = _RichTrainProgress(bars) if err.is_terminal else _LineTrainProgress()
+        report = train(lm, target, config, files=data or [], progress=progress)
     for note in report.notes:
         _say(f"kvchat: note: {note}", console=err)
     if as_json:

@@ -235,3 +235,18 @@ def test_weights_of_other_model_weights_are_refused_naming_the_train_command(tra
     with pytest.raises(UserError, match="train-indexer") as err:
         _ingest(home, tiny_lm, encoder, history, "x")
     assert "01234567" in str(err.value)
+
+
+def test_train_indexer_command_writes_where_ingest_looks_and_refuses_a_model_it_cannot_load(
+    tmp_path, tiny_model_dir, history
+):
+    from cli_helpers import run_main
+
+    args = ("--data", str(history), "--steps", "2", "--chunks", "4", "--chunk-tokens", "96", "--json")
+    done = run_main(tmp_path, "train-indexer", "--model", str(tiny_model_dir), *args)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert Path(document["out"]).parent == tmp_path / "profiles" and Path(document["out"]).is_file()
+    assert document["stages"] == ["indexer", "memory"] and document["timings_ms"]["total"] > 0
+    missing = run_main(tmp_path, "train-indexer", "--model", str(tmp_path / "nowhere"), *args)
+    assert missing.returncode == 2 and "model not found" in missing.stderr
