@@ -250,3 +250,11 @@ def test_train_indexer_command_writes_where_ingest_looks_and_refuses_a_model_it_
     assert document["stages"] == ["indexer", "memory"] and document["timings_ms"]["total"] > 0
     missing = run_main(tmp_path, "train-indexer", "--model", str(tmp_path / "nowhere"), *args)
     assert missing.returncode == 2 and "model not found" in missing.stderr
+
+
+def test_an_indexmem_conversation_is_not_appended_to_but_reingested(trained_home, tiny_lm, encoder, history):
+    from kvchat.append import append
+
+    store = _ingest(trained_home, tiny_lm, encoder, history, "grow")
+    with pytest.raises(UserError, match="--append --reingest"):
+        append(history, name="grow", store=store, lm=tiny_lm, encoder=encoder)
