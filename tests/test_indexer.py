@@ -258,3 +258,13 @@ def test_an_indexmem_conversation_is_not_appended_to_but_reingested(trained_home
     store = _ingest(trained_home, tiny_lm, encoder, history, "grow")
     with pytest.raises(UserError, match="--append --reingest"):
         append(history, name="grow", store=store, lm=tiny_lm, encoder=encoder)
+
+
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_cake_layer_budgets_cascade_with_the_indexer(trained_home, tiny_lm, encoder, history, heads):
+    """Cascading eviction evicts a layer several times per block: the indexer's keys follow every one."""
+    store = _ingest(trained_home, tiny_lm, encoder, history, "cake", layer_budgets="cake", head_budgets=heads)
+    record = store.get("cake")
+    cache, _ = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
+    assert sum(layer.entries for layer in cache.layers) == 2 * 48 * 2  # layers x budget x KV heads, moved around
+    assert record.stats["layer_budgets"] == "cake" and cache.memory is not None
