@@ -1,7 +1,8 @@
 """IndexMem on the embedded model: answer quality against full KV, memory on and off, and ingest time.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem.py [quality|timing|report] [DATA...]
-        [--budgets 128,256,512] [--questions 10] [--max-context 4096] [--out results.jsonl]
+        [--budgets 128,256,512] [--methods indexmem,snapkv,epicache] [--questions 10] [--max-context 4096]
+        [--out results.jsonl]
 
 `quality`: `kvchat eval`'s measurement (first-token KL and agreement against full KV, LoCoMo F1, evidence
 kept) on the README's LoCoMo setting (conv-26 and conv-30 cut to 4096 tokens, 10 questions each) for
@@ -60,7 +61,7 @@ def quality(args, lm) -> None:
     config = EvalConfig(max_context=args.max_context, questions=args.questions)
     sets = qa_sets(args.data, 0, lm, config)
     home = default_home()
-    variants = grid(args.budget_list)
+    variants = [v for v in grid(args.budget_list) if v.cache.method in args.methods.split(",")]
     for qa_set in sets:  # one set at a time, so the first conversation is complete before the second starts
         log(f"{qa_set.describe(config.questions)}; {len(variants)} variants")
         evaluate([qa_set], variants, lm=lm, encoder=SentenceEncoder(), config=config,
@@ -155,6 +156,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--budgets", default="128,256,512")
+    parser.add_argument("--methods", default="indexmem,snapkv,epicache", help="quality: which of the grid to run")
     parser.add_argument("--out", type=Path, default=RESULTS / "indexmem.jsonl")
     args = parser.parse_args()
     args.budget_list = tuple(int(b) for b in args.budgets.split(","))

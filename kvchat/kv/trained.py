@@ -63,6 +63,7 @@ class TrainedIndexMem:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
         save_file(self.tensors(), str(tmp), metadata=self.metadata())
+        tmp.chmod(0o644)  # a file to ship and share, not a private one
         tmp.replace(path)
 
     @classmethod
