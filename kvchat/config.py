@@ -85,6 +85,8 @@ class CacheConfig:
     head_budgets: str = "uniform"  # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's
                                    # top M_l x kv_heads (head, token) pairs, floor HEAD_FLOOR_FRACTION x M_l)
     memory: bool = True    # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
+    recent_window: int = 64  # indexmem: each block's last entries are always kept (IndexMem §4 keeps a recent
+                             # local window besides the budget; its indexer has no positions to see recency by)
     prefill: str = "auto"  # block (evict after every block: peak flat in the history) | full (keep the whole
                            # history, then each episode keeps its top entries: one prefill for all episodes) |
                            # auto (full when the history fits the model's window and its full KV fits memory)
@@ -118,6 +120,7 @@ class TrainConfig:
     memory_queries: int = 64       # memory stage: the chunk's last tokens read the memory of the rest
     memory_budgets: tuple[int, ...] = (64, 128, 256)  # simulated block-prefill budgets, cycled over chunks
     memory_block: int = 128        # simulated block size
+    memory_window: int = 64        # simulated recent window (CacheConfig.recent_window)
     top_fraction: float = 0.25     # held-out metric: overlap of the indexer's and the teacher's top 25%
     checkpoint_every: int = 25     # steps between resumable checkpoints
 

@@ -122,6 +122,8 @@ def validate(config: IngestConfig) -> None:
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
         raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
+    if cache.recent_window < 0:
+        raise UserError(f"recent window must be >= 0 (got {cache.recent_window})")
     if cache.pool_kernel < 1 or cache.pool_kernel % 2 == 0:
         raise UserError(f"pool kernel must be an odd number >= 1 (got {cache.pool_kernel})")
     cake = cache.cake

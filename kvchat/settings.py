@@ -44,6 +44,7 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
     }
     if cache.method == "indexmem":
         settings["memory"] = cache.memory
+        settings["recent_window"] = cache.recent_window
     if appended:
         settings["appended"] = list(appended)
     if strategy == "sensitivity" and cache.alpha is not None:
@@ -83,6 +84,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
         memory=get("memory", cache_d.memory),
+        recent_window=get("recent_window", cache_d.recent_window),
     )
     episodes = EpisodeConfig(
         episodes=get("episodes", episodes_d.episodes),

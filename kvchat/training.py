@@ -454,7 +454,7 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
     for layer, ind, x16 in zip(model.model.layers, indexer.layers, item.hidden, strict=True):
         attn, x = layer.self_attn, x16.float()
         kept = simulate_eviction(ind, ind.query_map(attn.q_proj), x[:context], item.chunk.sink, budget,
-                                 config.memory_block)                                 # [kv, context] bool
+                                 config.memory_block, config.memory_window)           # [kv, context] bool
         q_rot, k_rot, v = _rotated(model, attn, x, slice(context, n))
         kv, d = k_rot.shape[0], k_rot.shape[-1]
         logits = (q_rot.unflatten(0, (kv, -1)) @ k_rot[:, None].transpose(-1, -2)) * attn.scaling
@@ -473,10 +473,11 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
     return out
 
 
-def simulate_eviction(ind: LayerIndexer, query_map, x: torch.Tensor, sink: int, budget: int, block: int
-                      ) -> torch.Tensor:
+def simulate_eviction(ind: LayerIndexer, query_map, x: torch.Tensor, sink: int, budget: int, block: int,
+                      window: int = 0) -> torch.Tensor:
     """Which of `x`'s tokens block prefill with this layer's indexer keeps per KV head at `budget` (the first
-    `sink` always), as ingest would: each block's queries score the kept entries and the block."""
+    `sink` and each block's last `window` always), as ingest would: each block's queries score the kept
+    entries and the block."""
     n = x.shape[0]
     keys, queries, alpha = ind.keys(x), ind.queries(x, query_map), ind.weights(x)
     heads = queries.shape[0]
@@ -490,6 +491,7 @@ def simulate_eviction(ind: LayerIndexer, query_map, x: torch.Tensor, sink: int, 
             importance = scores.masked_fill(~visible, float("-inf")).amax(0)
             if candidates.shape[0] > budget:
                 importance[: min(sink, n)] = float("inf")
+                importance[importance.shape[0] - min(window, new.shape[0]):] = float("inf")
                 top = torch.sort(importance, descending=True, stable=True).indices[:budget]
                 candidates = candidates[top.sort().values]
             kept[h] = candidates

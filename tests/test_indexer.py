@@ -131,6 +131,8 @@ def test_the_scorer_ranks_by_the_indexer_inside_the_forward(tiny_lm):
     assert torch.allclose(scores[:, 2:] / scores[:, 2:].sum(-1, keepdim=True),
                           expected.softmax(-1), atol=1e-5)  # the 2 protected entries weigh in, not reorder
     assert torch.allclose(scores.sum(-1), torch.ones(shape.kv_heads))
+    windowed = IndexerScorer(indexer, tiny_lm.model, recent_window=2).layer_scores(view)
+    assert torch.isinf(windowed[:, -2:]).all() and torch.equal(windowed[:, :-2], scores[:, :-2])
     scorer.kept(0, torch.tensor([[0, 1, 5], [0, 1, 7]]))  # an eviction kept 3 entries per head
     assert [k.shape[0] for k in scorer.keys[0]] == [3, 3]
     assert torch.equal(scorer.keys[0][0][2], layer.keys(hidden[0])[3].detach())

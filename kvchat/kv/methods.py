@@ -116,7 +116,7 @@ def _indexmem(inputs: ScorerInputs) -> Scorer:
 
     if inputs.trained is None or inputs.model is None:
         raise ValueError("indexmem scores with trained weights and the model they were trained on")
-    return IndexerScorer(inputs.trained.indexer, inputs.model, inputs.cache.pool_kernel)
+    return IndexerScorer(inputs.trained.indexer, inputs.model, inputs.cache.pool_kernel, inputs.cache.recent_window)
 
 
 REGISTRY: dict[str, Method] = {
