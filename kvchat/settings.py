@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Sequence
 
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
 
@@ -19,8 +20,9 @@ _CAKE_SCORER_KEYS = {"cake_gamma": "gamma", "cake_pool_kernel": "pool_kernel"}
 _FULL = "full"  # what `layer_budgets` records for full KV, which has none
 
 
-def to_settings(config: IngestConfig, *, source: str | None) -> dict:
-    """The dict stored with a conversation. `config` is the resolved one (see the module docstring)."""
+def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
+    """The dict stored with a conversation. `config` is the resolved one (see the module docstring);
+    `appended`, the histories `kvchat ingest --append` added after `source`, in order."""
     cache, episodes = config.cache, config.episodes
     strategy = _FULL if cache.method == "full" else cache.layer_budgets
     settings: dict = {
@@ -40,6 +42,8 @@ def to_settings(config: IngestConfig, *, source: str | None) -> dict:
         "instruction": config.instruction,
         "source": source,
     }
+    if appended:
+        settings["appended"] = list(appended)
     if strategy == "sensitivity" and cache.alpha is not None:
         settings["alpha"] = cache.alpha
     cake = dataclasses.asdict(cache.cake)
@@ -114,4 +118,5 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         words += [f"--{option}", str(value)]
     if replace:
         words.append("--replace")
-    return shlex.join(words)
+    appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]
+    return " && ".join([shlex.join(words), *appends])
