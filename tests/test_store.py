@@ -21,7 +21,6 @@ from cli_helpers import run_main
 
 from kvchat import store as store_module
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.settings import rebuild_command
 from kvchat.store import (
     MAX_HEADER_BYTES,
     ConversationRecord,
@@ -643,7 +642,7 @@ def test_rebuild_command_carries_every_setting_an_option_can(settings: dict) -> 
     from kvchat.cli import app
 
     record = ConversationRecord("chat", "", "/models/m", FP, {**settings, "source": "/h/chat.json"}, {}, [])
-    words = shlex.split(rebuild_command(record.name, record.model, record.settings))
+    words = shlex.split(store_module._reingest_command(record))
     ingest = typer.main.get_command(app).commands["ingest"]
     params = ingest.make_context("ingest", words[2:], resilient_parsing=True).params
     assert params["history"] == Path("/h/chat.json") and (params["name"], params["model"]) == ("chat", "/models/m")

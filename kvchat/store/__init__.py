@@ -422,9 +422,11 @@ class Store:
         """The command that builds conversation `name` again, from its stored source and settings."""
         row = self._row(name)
         try:
-            return rebuild_command(name, row["model"], json.loads(row["settings"]), replace=replace)
+            record = ConversationRecord(name, row["created_at"], row["model"], row["fingerprint"],
+                                        json.loads(row["settings"]), {}, [])  # fmt: skip
         except (TypeError, ValueError, KeyError):  # no row, or a damaged one
             return shlex.join(["kvchat", "ingest", "HISTORY", "--name", name] + (["--replace"] if replace else []))
+        return _reingest_command(record, replace=replace)
 
     # ----- episode files
 
@@ -620,6 +622,11 @@ def _record_of(doc: dict, home: Path) -> ConversationRecord:
             for e in doc["episodes"]
         ],
     )
+
+
+def _reingest_command(record: ConversationRecord, *, replace: bool = False) -> str:
+    """The command that builds `record` again from its history, with the settings it was built with."""
+    return rebuild_command(record.name, record.model, record.settings, replace=replace)
 
 
 def _insert(db: sqlite_utils.Database, doc: dict) -> None:
