@@ -185,6 +185,19 @@ def test_a_row_changed_behind_the_stores_back_is_damage(tmp_path):
         Store(home).conversations()
 
 
+def test_an_ingest_dir_a_damaged_row_no_longer_names_is_not_swept(tmp_path):
+    home = _home(tmp_path)
+    alpha_dir = _records(home)["alpha"].episodes[0].path.parent
+    os.utime(alpha_dir, (0, 0))  # as old as any orphan the startup sweep deletes
+    with sqlite3.connect(home / "kvchat.db") as conn:
+        conn.execute("update conversations set ingest_id = 'garbled' where name = 'alpha'")
+    Store(home).close()
+    assert alpha_dir.is_dir()
+    assert [p.kind for p in diagnose(home)] == ["database"]
+    assert "restored conversation 'alpha' (2 episodes) from its manifest" in repair(home, diagnose(home))
+    assert Store(home).get("alpha").episodes[0].path.parent == alpha_dir
+
+
 def test_a_database_from_before_digests_is_upgraded_in_place(tmp_path):
     home = _home(tmp_path)
     before = _records(home)

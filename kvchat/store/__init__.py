@@ -321,13 +321,18 @@ class Store:
         Temp dirs of dead ingests and model conversions go at once. Orphan ingest dirs and empty name dirs
         are looked for again, and moved aside, under the write lock, which a committing ingest holds from
         its rename to its row commit, so a dir about to be committed is never taken (see
-        `kvchat.store.leftovers`); when another process holds the lock, that waits for a later open.
+        `kvchat.store.leftovers`); when another process holds the lock, or a row is damaged, that waits
+        for a later open.
         """
         remove_dead_temp_dirs(self.models_dir)
         if not self.caches_dir.is_dir():
             return
         remove_dead_temp_dirs(self.caches_dir)
         if not stale_orphans(self.caches_dir, self._referenced_ingests()):
+            return
+        try:  # a damaged row may no longer name its ingest dir: never sweep on its word (doctor --fix restores it)
+            self.conversations()
+        except DamagedDatabase:
             return
         try:
             with self._write_lock(wait=False):
