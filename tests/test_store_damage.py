@@ -130,8 +130,10 @@ def test_a_damaged_database_is_refused_diagnosed_and_rebuilt(tmp_path, damage, w
     if asks_kept == ASKS:  # the database still reads: alpha's damaged rows give way to its manifest
         assert restored == ["fixed: restored conversation 'alpha' (2 episodes) from its manifest",
                             "fixed: restored conversation 'beta' (3 episodes) from its rows in the damaged database"]
-    if asks_kept is not None:
-        assert f"fixed: {asks_kept} logged questions of the ask log kept" in fixed.stdout
+    if asks_kept:
+        assert f"fixed: {asks_kept} logged questions of the ask log kept\n" in fixed.stdout
+    elif asks_kept == 0:
+        assert "fixed: the ask log could not be read: it is lost" in fixed.stdout
 
     assert _records(home) == before  # centroids, medoid texts, settings, stats: all as they were
     asides = list(home.glob("damaged-*/kvchat.db"))

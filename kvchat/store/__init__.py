@@ -850,6 +850,8 @@ def _damage_problems(home: Path, damage: str) -> list[Problem]:
 
 
 def _asks_summary(plan: recovery.RebuildPlan) -> str:
+    if not plan.asks and not plan.asks_complete:
+        return "the ask log cannot be read: it is lost"
     kept = f"{len(plan.asks)} logged question{'' if len(plan.asks) == 1 else 's'} of the ask log can be kept"
     return kept + ("" if plan.asks_complete else "; the rest cannot be read")
 
