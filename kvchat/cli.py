@@ -552,6 +552,8 @@ def eval_command(
     out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
                                                   "a re-run skips what the file already has.")] = None,
     report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    per_conversation: Annotated[bool, typer.Option(
+        help="One row per conversation and variant in the table and --json (the report stays pooled).")] = False,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -612,12 +614,16 @@ def eval_command(
                          synthetic=not data)
         notes = [s.describe(config.questions) for s in sets] + skips
         report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
+    columns = EVAL_COLUMNS
+    if per_conversation:
+        rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
+        columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]
     if as_json:
         _emit_json(documents.eval_rows(rows))
         return
-    headers = [header for _, header, _ in EVAL_COLUMNS]
-    _table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in EVAL_COLUMNS] for row in rows],
-           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[1:])
+    headers = [header for _, header, _ in columns]
+    _table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
+           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
 
 
 @app.command("list")
