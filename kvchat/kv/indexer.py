@@ -19,7 +19,7 @@ Where the paper is silent, kvchat chooses:
   inference keeps "the most recent local window" besides the budget). The indexer sees no positions, and
   the tokens a question is asked right after are the ones no later query has scored yet; without the
   window the embedded model's first-token KL against full KV was 0.28 at budget 256 on LoCoMo conv-26
-  (memory on; 0.17 with it, benchmarks/indexmem.py).
+  (memory on; README, "IndexMem", has the figures with it).
 - **teacher logits**: the model's own, `q . k / sqrt(d_head)` after RoPE (the paper writes sqrt(d_model)).
 
 Training (`kvchat.training`) distils `KL(softmax(max_q teacher) || softmax(max_q A))` per layer and KV head,
