@@ -17,6 +17,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -31,6 +32,7 @@ from kvchat.config import (
     POSITION_MODES,
     PREFILL_MODES,
     AskConfig,
+    BatchConfig,
     CacheConfig,
     CakeConfig,
     EpisodeConfig,
@@ -190,42 +192,66 @@ class _RichIngestProgress:
             self.progress.advance(self.episodes)
 
 
+# The cache options of `ingest` and `ingest-batch`.
+ModelOpt = Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")]
+BudgetOpt = Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")]
+BlockSizeOpt = Annotated[int, typer.Option(help="Tokens per prefill block (B).")]
+EpisodesOpt = Annotated[int, typer.Option(help="Number of topical episodes (E).")]
+WindowOpt = Annotated[int, typer.Option(help="Turns per segment for clustering (w).")]
+MethodOpt = Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)]
+PositionsOpt = Annotated[Positions, typer.Option(help="original, compact (re-rotate kept keys) or auto.")]
+LayerBudgetsOpt = Annotated[LayerBudgets, typer.Option(
+    help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
+    "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
+    "attention; with --method cake, layers are evicted one by one in the forward).")]
+AlphaOpt = Annotated[float | None, typer.Option(help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")]
+Tau1Opt = Annotated[float, typer.Option(
+    help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")]
+Tau2Opt = Annotated[float, typer.Option(
+    help="cake budgets: temperature of attention shift (smaller = weighs it more).")]
+HeadBudgetsOpt = Annotated[HeadBudgets, typer.Option(
+    help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
+    "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
+    "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")]
+PrefillOpt = Annotated[Prefill, typer.Option(
+    help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+    "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
+    "(full when the history fits the model's window and its full KV fits memory).")]
+TrustOpt = Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")]
+ForceOpt = Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")]
+
+
+def _ingest_config(model: str, budget: int, block_size: int, episodes: int, window: int, method: str,
+                   positions: str, layer_budgets: str, alpha: float | None, tau1: float, tau2: float,
+                   head_budgets: str, prefill: str) -> IngestConfig:
+    """The IngestConfig the cache options describe."""
+    return IngestConfig(
+        model=model,
+        episodes=EpisodeConfig(episodes=episodes, window=window),
+        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
+                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
+                          head_budgets=head_budgets, prefill=prefill),
+    )
+
+
 @app.command()
 def ingest(
     history: Annotated[Path, typer.Argument(
         metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
-    model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
-        IngestConfig.model
-    ),
-    budget: Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")] = CacheConfig.budget,
-    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
-    episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
-    window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
-    method: Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)] = CacheConfig.method,
-    positions: Annotated[Positions, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
-        CacheConfig.positions
-    ),
-    layer_budgets: Annotated[LayerBudgets, typer.Option(
-        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
-        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
-        "attention; with --method cake, layers are evicted one by one in the forward).")] = CacheConfig.layer_budgets,
-    alpha: Annotated[float | None, typer.Option(
-        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")] = CacheConfig.alpha,
-    tau1: Annotated[float, typer.Option(
-        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")] = CakeConfig.tau1,
-    tau2: Annotated[float, typer.Option(
-        help="cake budgets: temperature of attention shift (smaller = weighs it more).")] = CakeConfig.tau2,
-    head_budgets: Annotated[HeadBudgets, typer.Option(
-        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
-        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
-        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")] = (
-        CacheConfig.head_budgets
-    ),
-    prefill: Annotated[Prefill, typer.Option(
-        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
-        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
-        "(full when the history fits the model's window and its full KV fits memory).")] = CacheConfig.prefill,
+    model: ModelOpt = IngestConfig.model,
+    budget: BudgetOpt = CacheConfig.budget,
+    block_size: BlockSizeOpt = CacheConfig.block_size,
+    episodes: EpisodesOpt = EpisodeConfig.episodes,
+    window: WindowOpt = EpisodeConfig.window,
+    method: MethodOpt = CacheConfig.method,
+    positions: PositionsOpt = CacheConfig.positions,
+    layer_budgets: LayerBudgetsOpt = CacheConfig.layer_budgets,
+    alpha: AlphaOpt = CacheConfig.alpha,
+    tau1: Tau1Opt = CakeConfig.tau1,
+    tau2: Tau2Opt = CakeConfig.tau2,
+    head_budgets: HeadBudgetsOpt = CacheConfig.head_budgets,
+    prefill: PrefillOpt = CacheConfig.prefill,
     max_memory: Annotated[int | None, typer.Option(
         help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
         "pre-flight check.")] = None,
@@ -237,10 +263,8 @@ def ingest(
     reingest: Annotated[bool, typer.Option(
         help="With --append: ingest the stored histories and this one again from the start, episodes clustered "
         "anew.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
-    force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
-        False
-    ),
+    trust_remote_code: TrustOpt = False,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -250,13 +274,8 @@ def ingest(
     from kvchat.ingest import validate
     from kvchat.store import validate_name
 
-    config = IngestConfig(
-        model=model,
-        episodes=EpisodeConfig(episodes=episodes, window=window),
-        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
-                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
-                          head_budgets=head_budgets, prefill=prefill),
-    )
+    config = _ingest_config(model, budget, block_size, episodes, window, method, positions, layer_budgets, alpha,
+                            tau1, tau2, head_budgets, prefill)  # fmt: skip
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -322,6 +341,168 @@ def _check_append(append: bool, reingest: bool, replace: bool, config: IngestCon
                         "options (to change them, ingest the whole history again with --replace)")
     if model != IngestConfig.model:
         raise UserError("--append uses the model the conversation was built with; drop --model")
+
+
+class _LineBatchProgress:
+    """Where stderr is not a terminal: a line per history done (with the tally and an ETA) or retried."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.total = 0
+        self.done = 0
+
+    def start(self, total: int, workers: int) -> None:
+        self.total = total
+        _say(f"kvchat: {total} histories on {workers} worker{'s' * (workers != 1)} (each loads the model once)",
+             console=err)  # fmt: skip
+
+    def running(self, name: str, attempt: int, worker) -> None:
+        pass
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        pass
+
+    def retrying(self, name: str, why: str) -> None:
+        _say(f"kvchat: retrying {name} on another worker: {why}", console=err)
+
+    def finished(self, result) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.started
+        eta = elapsed / self.done * (self.total - self.done)
+        _say(f"kvchat: [{self.done}/{self.total}] {result.status} {result.name}: {_batch_outcome(result)} "
+             f"({elapsed:.0f} s elapsed, ETA {eta:.0f} s)", console=err)  # fmt: skip
+
+
+class _RichBatchProgress:
+    """On a TTY: a bar over all histories (done, failed, running, ETA) and one per running history."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.overall = progress.add_task("histories", total=None)
+        self.running_tasks: dict[str, TaskID] = {}
+        self.tally = {"committed": 0, "skipped": 0, "failed": 0}
+
+    def start(self, total: int, workers: int) -> None:
+        self.progress.update(self.overall, total=total, description=f"starting {workers} workers")
+
+    def running(self, name: str, attempt: int, worker) -> None:
+        label = f"  {clean(name)}" + (f" (try {attempt})" if attempt > 1 else "")
+        self.running_tasks[name] = self.progress.add_task(label, total=None)
+        self._describe()
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        if name in self.running_tasks:
+            self.progress.update(self.running_tasks[name], completed=done, total=total)
+
+    def retrying(self, name: str, why: str) -> None:
+        self._stop(name)
+        _say(f"kvchat: retrying {name} on another worker: {why}", console=self.progress.console)
+
+    def finished(self, result) -> None:
+        self._stop(result.name)
+        self.tally[result.status] += 1
+        self.progress.advance(self.overall)
+        self._describe()
+        if result.status == "failed":
+            _say(f"kvchat: failed {result.name}: {result.error}", console=self.progress.console)
+
+    def _stop(self, name: str) -> None:
+        task = self.running_tasks.pop(name, None)
+        if task is not None:
+            self.progress.remove_task(task)
+
+    def _describe(self) -> None:
+        t = self.tally
+        done = f"{t['committed']} done" + (f", {t['skipped']} skipped" if t["skipped"] else "")
+        self.progress.update(self.overall, description=f"{done}, {t['failed']} failed, "
+                                                       f"{len(self.running_tasks)} running")  # fmt: skip
+
+
+def _batch_outcome(result) -> str:
+    """What became of one history, in a few words."""
+    if result.status == "committed":
+        report = result.report
+        return f"{report.episodes} episodes, {report.cache_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s"
+    if result.status == "skipped":
+        return "stored with the same settings"
+    return result.error or "failed"
+
+
+@app.command("ingest-batch")
+def ingest_batch(
+    files: Annotated[list[Path] | None, typer.Argument(
+        metavar="[HISTORY]...", help="History files; each becomes the conversation named after its stem.")] = None,
+    manifest: Annotated[list[Path] | None, typer.Option(
+        help="A file of NAME PATH lines (a relative PATH is relative to the manifest; # comments). Repeatable."
+    )] = None,
+    workers: Annotated[int | None, typer.Option(
+        help="Ray workers, each ingesting one history at a time (default: the CPUs Ray has / --threads; a local "
+        "Ray has this machine's usable cores).")] = BatchConfig.workers,
+    threads: Annotated[int, typer.Option(
+        help="Torch threads per worker; workers x threads may not exceed the CPUs.")] = BatchConfig.threads,
+    address: Annotated[str | None, typer.Option(
+        help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
+        "cluster needs: see the README).")] = BatchConfig.address,
+    model: ModelOpt = IngestConfig.model,
+    budget: BudgetOpt = CacheConfig.budget,
+    block_size: BlockSizeOpt = CacheConfig.block_size,
+    episodes: EpisodesOpt = EpisodeConfig.episodes,
+    window: WindowOpt = EpisodeConfig.window,
+    method: MethodOpt = CacheConfig.method,
+    positions: PositionsOpt = CacheConfig.positions,
+    layer_budgets: LayerBudgetsOpt = CacheConfig.layer_budgets,
+    alpha: AlphaOpt = CacheConfig.alpha,
+    tau1: Tau1Opt = CakeConfig.tau1,
+    tau2: Tau2Opt = CakeConfig.tau2,
+    head_budgets: HeadBudgetsOpt = CacheConfig.head_budgets,
+    prefill: PrefillOpt = CacheConfig.prefill,
+    max_memory: Annotated[int | None, typer.Option(
+        help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "
+        "workers there); decides auto prefill and the pre-flight check.")] = None,
+    replace: Annotated[bool, typer.Option(
+        help="Replace conversations stored with other settings (without it such a history fails; one stored "
+        "with the same settings is skipped either way).")] = False,
+    trust_remote_code: TrustOpt = False,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Ingest many histories on Ray workers (needs kvchat[batch]); a re-run skips what is already stored.
+
+    Exit status 2 when any history failed (each is reported; the others go on).
+    """
+    from kvchat import batch as batching
+
+    config = _ingest_config(model, budget, block_size, episodes, window, method, positions, layer_budgets, alpha,
+                            tau1, tau2, head_budgets, prefill)  # fmt: skip
+    sources = batching.histories(files or [], manifest or [])
+    store = _store()
+    with Progress(
+        TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal,
+    ) as bars:
+        progress = _RichBatchProgress(bars) if err.is_terminal else _LineBatchProgress()
+        report = batching.ingest_batch(
+            sources, store=store, config=config, batch=BatchConfig(workers=workers, threads=threads, address=address),
+            replace=replace, force=force, max_memory=None if max_memory is None else max_memory * 2**20,
+            trust_remote_code=trust_remote_code, progress=progress,
+        )
+    notes = dict.fromkeys(n for h in report.histories if h.report is not None for n in h.report.notes)
+    for note in notes:
+        _say(f"kvchat: note: {note}", console=err)
+    if as_json:
+        _emit_json(documents.batch(report))
+    else:
+        _table(("conversation", "status", "episodes", "MiB", "seconds", "tries", "error"),
+               [(h.name, h.status, h.report.episodes if h.report else "",
+                 f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
+                 h.error or "") for h in report.histories],
+               right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
+        _say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
+             f"failed in {report.seconds:.1f} s on {report.workers} workers x {report.threads} threads "
+             f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
+    failed = report.count("failed")
+    if failed:
+        raise UserError(f"{failed} of {len(report.histories)} histories failed")
 
 
 @app.command()

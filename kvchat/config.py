@@ -99,6 +99,17 @@ class IngestConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.batch)."""
+
+    workers: int | None = None  # None: the CPUs Ray has (a local Ray: this machine's usable cores) / threads
+    threads: int = 1            # torch threads per worker; workers x threads never exceed the CPUs
+    attempts: int = 2           # a history whose worker dies is given to another worker once more
+    address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster
+    start_timeout_s: float = 600.0  # workers not loaded by then are given up (Ray cannot start them: memory?)
+
+
+@dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt

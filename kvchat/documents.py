@@ -31,6 +31,31 @@ def ingest(report) -> dict[str, Any]:
     return document(**fields, timings_ms={"total": round(seconds * 1000, 1)})
 
 
+def batch(report) -> dict[str, Any]:
+    """`kvchat ingest-batch --json`, from a `BatchReport`: per history its outcome and, once committed, its
+    `ingest` document's fields."""
+    histories = []
+    for result in report.histories:
+        entry: dict[str, Any] = {"name": result.name, "path": str(result.path), "status": result.status,
+                                 "attempts": result.attempts, "error": result.error}  # fmt: skip
+        if result.report is not None:
+            entry |= {key: value for key, value in ingest(result.report).items() if key != "schema"}
+        else:
+            entry["timings_ms"] = {"total": round(result.seconds * 1000, 1)}
+        histories.append(entry)
+    return document(
+        histories=histories,
+        committed=report.count("committed"),
+        skipped=report.count("skipped"),
+        failed=report.count("failed"),
+        workers=report.workers,
+        threads=report.threads,
+        cache_bytes=report.cache_bytes,
+        histories_per_hour=round(report.histories_per_hour, 1),
+        timings_ms={"total": round(report.seconds * 1000, 1)},
+    )
+
+
 def answer(question: str, result) -> dict[str, Any]:
     """One line of `kvchat ask --json`, from an `Answer`."""
     fields = dataclasses.asdict(result)

@@ -5,7 +5,8 @@
 - `build_episode`: one episode's block prefill, the expensive step (a batch runner can run it elsewhere;
   an append can resume a stored cache through `block_prefill(resume=...)`).
 - `write_episode` and `commit_ingest`: encode each cache to its file (kvchat.kv.codec) in the store's
-  pending conversation, then make the conversation visible at once with its resolved settings.
+  pending conversation, then make the conversation visible at once with its resolved settings. A batch
+  worker (kvchat.batch) encodes where it builds (`encode_episode`) and its driver writes and commits.
 One episode cache is held at a time, so peak memory stays at one prefill's bound.
 """
 
@@ -43,7 +44,7 @@ from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import Scorer
-from kvchat.llm import ChatLayout, LoadedModel
+from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
 from kvchat.profile import find_profile
 from kvchat.settings import to_settings
 from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_name
@@ -183,7 +184,7 @@ def plan_ingest(
     *,
     name: str | None,
     config: IngestConfig,
-    store: Store,
+    store: Store | None,
     lm: LoadedModel,
     encoder: SentenceEncoder,
     replace: bool = False,
@@ -194,7 +195,10 @@ def plan_ingest(
     appended: Sequence[str] = (),
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`ingest` describes
-    the arguments)."""
+    the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker plans
+    without the store, which only its driver opens (kvchat.batch)."""
+    if store is None and (not replace or profile_dirs is None):
+        raise ValueError("plan_ingest without a store needs replace=True and profile_dirs")
     validate(config)
     from_file = isinstance(history, (str, os.PathLike))
     if not from_file and not name:
@@ -306,24 +310,45 @@ def build_episode(
     return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries)
 
 
-def write_episode(
-    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
-) -> EpisodeRecord:
-    """Encode one episode's cache into its file in the pending conversation (not visible until commit)."""
+@dataclass(frozen=True)
+class EncodedEpisode:
+    """One built episode as its file's tensors and metadata plus its index row: what a batch worker sends
+    its driver, which writes it into the pending conversation."""
+
+    index: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    centroid: list[float]
+    medoid_text: str
+    budgets: list[int]
+    n_tokens: int
+
+    def write(self, pending: PendingConversation) -> EpisodeRecord:
+        """Write and fsync the file in `pending` (not visible until commit)."""
+        return pending.write_episode(
+            self.index, self.tensors, self.metadata, centroid=self.centroid, medoid_text=self.medoid_text,
+            budgets=self.budgets, n_tokens=self.n_tokens,
+        )
+
+
+def encode_episode(plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel) -> EncodedEpisode:
+    """Encode one episode's cache (kvchat.kv.codec) with its routing data."""
     cache = built.cache
     meta = codec.meta_of(
         cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
     )
     tensors, metadata = codec.encode(cache, meta)
-    return pending.write_episode(
-        built.episode.index,
-        tensors,
-        metadata,
-        centroid=built.episode.centroid.tolist(),
-        medoid_text=built.episode.medoid_text,
-        budgets=list(meta.budgets),
-        n_tokens=cache.entries,
+    return EncodedEpisode(
+        built.episode.index, tensors, metadata, centroid=built.episode.centroid.tolist(),
+        medoid_text=built.episode.medoid_text, budgets=list(meta.budgets), n_tokens=cache.entries,
     )
+
+
+def write_episode(
+    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
+) -> EpisodeRecord:
+    """Encode one episode's cache into its file in the pending conversation (not visible until commit)."""
+    return encode_episode(plan, built, lm).write(pending)
 
 
 def commit_ingest(
@@ -331,10 +356,11 @@ def commit_ingest(
     plan: IngestPlan,
     built: Sequence[EpisodeStats],
     records: Sequence[EpisodeRecord],
-    lm: LoadedModel,
+    lm: LoadedModel | ModelIdentity,
     seconds: float,
 ) -> IngestReport:
-    """Make the conversation visible with its resolved settings; returns what the ingest did."""
+    """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
+    model that built the caches, or its identity where it was loaded elsewhere (a batch worker)."""
     cache_cfg = plan.config.cache
     settings = to_settings(plan.config, source=plan.source, appended=plan.appended)
     head_entries = [n for b in built for n in b.head_entries]
