@@ -168,18 +168,25 @@ class HistoryJob:
     workers_on_node: int
 
 
+# A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, then Finished.
+
+
 @dataclass(frozen=True)
 class Planned:
+    """The history will be ingested: the driver opens its pending conversation."""
+
     episodes: int
 
 
 @dataclass(frozen=True)
 class Skipped:
-    reason: str
+    """Stored already with the same settings, model and history."""
 
 
 @dataclass(frozen=True)
 class Finished:
+    """Every episode was sent: what the driver needs to commit."""
+
     plan: IngestPlan
     stats: list[EpisodeStats]
     model: ModelIdentity
@@ -189,7 +196,6 @@ class Finished:
 class WorkerInfo:
     fingerprint: str
     node: str  # Ray node id: workers on one node share its memory
-    pid: int
 
 
 class HistoryWorker:
@@ -219,7 +225,7 @@ class HistoryWorker:
         self._profiles = tempfile.TemporaryDirectory(prefix="kvchat-profiles-")
         for file_name, text in profiles.items():
             (Path(self._profiles.name) / Path(file_name).name).write_text(text)
-        return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id(), os.getpid())
+        return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id())
 
     def start(self, job: HistoryJob) -> Any:
         """Begin `job` (dropping any unfinished one) and return its first step."""
@@ -227,7 +233,10 @@ class HistoryWorker:
         return self.advance()
 
     def advance(self) -> Any:
-        return next(self._steps)
+        step = next(self._steps)
+        if isinstance(step, (Finished, Skipped)):
+            self._steps = iter(())  # release the history's tensors now, not at the next start
+        return step
 
     def _ingest(self, job: HistoryJob) -> Iterator[Any]:
         lm, encoder = self._lm, self._encoder
@@ -244,7 +253,7 @@ class HistoryWorker:
         if job.stored is not None:
             differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
             if not differences:
-                yield Skipped("stored with the same settings")
+                yield Skipped()
                 return
             if not job.replace:
                 raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use --replace")
@@ -351,13 +360,15 @@ def ingest_batch(
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     progress = progress or BatchProgress()
+    if not sources:
+        return BatchReport([], 0, batch.threads, 0.0)
     ray = import_ray()
     started = time.perf_counter()
     with _ray_session(ray, batch.address):
         workers = _Workers(ray, batch, len(sources))
         try:
             progress.start(len(sources), workers.count)
-            workers.load(config.model, store, trust_remote_code)
+            workers.start(config.model, store, trust_remote_code)
             driver = _Driver(ray, store, config, batch, workers, progress, replace=replace, force=force,
                              max_memory=max_memory)  # fmt: skip
             results = driver.run(sources)
@@ -405,12 +416,13 @@ class _Workers:
         # A local Ray's workers inherit this process's environment; a cluster's get WORKER_ENV set (which costs
         # each worker a fresh process, a few seconds once per batch).
         env = {} if batch.address is None else {"runtime_env": {"env_vars": WORKER_ENV}}
-        actor = ray.remote(HistoryWorker).options(num_cpus=batch.threads, **env)
-        self.handles = [actor.remote() for _ in range(self.count)]
+        self.actor = ray.remote(HistoryWorker).options(num_cpus=batch.threads, **env)
+        self.handles: list[Any] = []
         self.shares: dict[Any, int] = {}  # handle -> workers on its node
 
-    def load(self, spec: str, store: Store, trust_remote_code: bool) -> None:
-        """Load the model in every worker; refuse workers that would build different caches."""
+    def start(self, spec: str, store: Store, trust_remote_code: bool) -> None:
+        """Start the workers and load the model in each; refuse workers that would build different caches."""
+        self.handles = [self.actor.remote() for _ in range(self.count)]
         profile_dir = store.home / "profiles"
         profiles = {p.name: p.read_text() for p in sorted(profile_dir.glob("*.json"))} if profile_dir.is_dir() else {}
         calls = [h.load.remote(spec, str(store.home / "models"), self.threads, trust_remote_code, profiles)

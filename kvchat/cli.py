@@ -347,7 +347,7 @@ class _LineBatchProgress:
     """Where stderr is not a terminal: a line per history done (with the tally and an ETA) or retried."""
 
     def __init__(self) -> None:
-        self.started = time.monotonic()
+        self.started: float | None = None  # when the first history went to a worker: the ETA leaves out loading
         self.total = 0
         self.done = 0
 
@@ -357,7 +357,8 @@ class _LineBatchProgress:
              console=err)  # fmt: skip
 
     def running(self, name: str, attempt: int, worker) -> None:
-        pass
+        if self.started is None:
+            self.started = time.monotonic()
 
     def episode(self, name: str, done: int, total: int) -> None:
         pass
@@ -367,7 +368,7 @@ class _LineBatchProgress:
 
     def finished(self, result) -> None:
         self.done += 1
-        elapsed = time.monotonic() - self.started
+        elapsed = time.monotonic() - (self.started or time.monotonic())
         eta = elapsed / self.done * (self.total - self.done)
         _say(f"kvchat: [{self.done}/{self.total}] {result.status} {result.name}: {_batch_outcome(result)} "
              f"({elapsed:.0f} s elapsed, ETA {eta:.0f} s)", console=err)  # fmt: skip
@@ -498,7 +499,8 @@ def ingest_batch(
                  h.error or "") for h in report.histories],
                right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
         _say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
-             f"failed in {report.seconds:.1f} s on {report.workers} workers x {report.threads} threads "
+             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
+             f"{report.threads} thread{'s' * (report.threads != 1)} "
              f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
     failed = report.count("failed")
     if failed:

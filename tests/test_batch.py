@@ -262,3 +262,29 @@ def test_histories_are_named_before_anything_runs(tmp_path):
         histories([], [])
     run = run_main(tmp_path / "home", "ingest-batch", str(tmp_path / "a" / "x.json"), str(tmp_path / "b" / "x.json"))
     assert run.returncode == 2 and "name them in a --manifest" in run.stderr
+
+
+def test_a_stored_conversation_differs_in_what_a_rerun_would_change(files, tiny_lm, encoder):
+    from kvchat.batch import StoredIngest, stored_differences
+    from kvchat.ingest import plan_ingest
+    from kvchat.settings import to_settings
+
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=EPISODES))
+    plan = plan_ingest(files[0], name="h0", config=config, store=None, lm=tiny_lm, encoder=encoder, replace=True,
+                       profile_dirs=[])  # fmt: skip
+    fingerprint = tiny_lm.fingerprint
+    settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source)))
+    stored = StoredIngest(settings, fingerprint, plan.turns, plan.history_tokens)
+    assert stored_differences(stored, plan, fingerprint, config) == []
+
+    # --prefill auto accepts either prefill it may resolve to; an explicit one does not.
+    other = StoredIngest({**settings, "prefill": "block" if plan.prefill == "full" else "full"}, fingerprint,
+                         plan.turns, plan.history_tokens)  # fmt: skip
+    assert stored_differences(other, plan, fingerprint, config) == []
+    explicit = IngestConfig(cache=CacheConfig(budget=64, block_size=32, prefill=plan.prefill),
+                            episodes=EpisodeConfig(episodes=EPISODES))  # fmt: skip
+    assert stored_differences(other, plan, fingerprint, explicit) == ["settings (prefill)"]
+
+    changed = StoredIngest({**settings, "budget": 128}, "another model", plan.turns + 1, plan.history_tokens)
+    assert stored_differences(changed, plan, fingerprint, config) == [
+        "settings (budget)", "model", f"history ({plan.turns + 1} turns stored, {plan.turns} now)"]
