@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import signal
 import sys
@@ -192,66 +194,76 @@ class _RichIngestProgress:
             self.progress.advance(self.episodes)
 
 
-# The cache options of `ingest` and `ingest-batch`.
-ModelOpt = Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")]
-BudgetOpt = Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")]
-BlockSizeOpt = Annotated[int, typer.Option(help="Tokens per prefill block (B).")]
-EpisodesOpt = Annotated[int, typer.Option(help="Number of topical episodes (E).")]
-WindowOpt = Annotated[int, typer.Option(help="Turns per segment for clustering (w).")]
-MethodOpt = Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)]
-PositionsOpt = Annotated[Positions, typer.Option(help="original, compact (re-rotate kept keys) or auto.")]
-LayerBudgetsOpt = Annotated[LayerBudgets, typer.Option(
-    help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
-    "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
-    "attention; with --method cake, layers are evicted one by one in the forward).")]
-AlphaOpt = Annotated[float | None, typer.Option(help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")]
-Tau1Opt = Annotated[float, typer.Option(
-    help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")]
-Tau2Opt = Annotated[float, typer.Option(
-    help="cake budgets: temperature of attention shift (smaller = weighs it more).")]
-HeadBudgetsOpt = Annotated[HeadBudgets, typer.Option(
-    help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
-    "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
-    "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")]
-PrefillOpt = Annotated[Prefill, typer.Option(
-    help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
-    "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
-    "(full when the history fits the model's window and its full KV fits memory).")]
+def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
+
+
+# The cache options of `ingest` and `ingest-batch`, which `_cache_options` gives a command.
+_CACHE_OPTIONS = [
+    _option("model", Annotated[str, typer.Option(
+        help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")], IngestConfig.model),
+    _option("budget", Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")], CacheConfig.budget),
+    _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).")], CacheConfig.block_size),
+    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).")], EpisodeConfig.episodes),
+    _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).")], EpisodeConfig.window),
+    _option("method", Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)], CacheConfig.method),
+    _option("positions", Annotated[Positions, typer.Option(
+        help="original, compact (re-rotate kept keys) or auto.")], CacheConfig.positions),
+    _option("layer_budgets", Annotated[LayerBudgets, typer.Option(
+        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
+        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
+        "attention; with --method cake, layers are evicted one by one in the forward).")], CacheConfig.layer_budgets),
+    _option("alpha", Annotated[float | None, typer.Option(
+        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")], CacheConfig.alpha),
+    _option("tau1", Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")], CakeConfig.tau1),
+    _option("tau2", Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention shift (smaller = weighs it more).")], CakeConfig.tau2),
+    _option("head_budgets", Annotated[HeadBudgets, typer.Option(
+        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
+        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
+        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")],
+        CacheConfig.head_budgets),
+    _option("prefill", Annotated[Prefill, typer.Option(
+        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
+        "(full when the history fits the model's window and its full KV fits memory).")], CacheConfig.prefill),
+]
 TrustOpt = Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")]
 ForceOpt = Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")]
 
 
-def _ingest_config(model: str, budget: int, block_size: int, episodes: int, window: int, method: str,
-                   positions: str, layer_budgets: str, alpha: float | None, tau1: float, tau2: float,
-                   head_budgets: str, prefill: str) -> IngestConfig:
-    """The IngestConfig the cache options describe."""
-    return IngestConfig(
-        model=model,
-        episodes=EpisodeConfig(episodes=episodes, window=window),
-        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
-                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
-                          head_budgets=head_budgets, prefill=prefill),
-    )
+def _cache_options(command):
+    """Give `command`, in place of its parameter `config: IngestConfig`, the cache options (`_CACHE_OPTIONS`),
+    and call it with the IngestConfig they describe: one list of options for every command that ingests."""
+    signature = inspect.signature(command, eval_str=True)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("config")
+
+    @functools.wraps(command)
+    def with_config(**options):
+        o = {p.name: options.pop(p.name) for p in _CACHE_OPTIONS}
+        config = IngestConfig(
+            model=o["model"],
+            episodes=EpisodeConfig(episodes=o["episodes"], window=o["window"]),
+            cache=CacheConfig(method=o["method"], budget=o["budget"], block_size=o["block_size"],
+                              positions=o["positions"], layer_budgets=o["layer_budgets"], alpha=o["alpha"],
+                              cake=CakeConfig(tau1=o["tau1"], tau2=o["tau2"]), head_budgets=o["head_budgets"],
+                              prefill=o["prefill"]),
+        )  # fmt: skip
+        return command(config=config, **options)
+
+    with_config.__signature__ = signature.replace(parameters=[*params[:at], *_CACHE_OPTIONS, *params[at + 1 :]])
+    return with_config
 
 
 @app.command()
+@_cache_options
 def ingest(
     history: Annotated[Path, typer.Argument(
         metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
-    model: ModelOpt = IngestConfig.model,
-    budget: BudgetOpt = CacheConfig.budget,
-    block_size: BlockSizeOpt = CacheConfig.block_size,
-    episodes: EpisodesOpt = EpisodeConfig.episodes,
-    window: WindowOpt = EpisodeConfig.window,
-    method: MethodOpt = CacheConfig.method,
-    positions: PositionsOpt = CacheConfig.positions,
-    layer_budgets: LayerBudgetsOpt = CacheConfig.layer_budgets,
-    alpha: AlphaOpt = CacheConfig.alpha,
-    tau1: Tau1Opt = CakeConfig.tau1,
-    tau2: Tau2Opt = CakeConfig.tau2,
-    head_budgets: HeadBudgetsOpt = CacheConfig.head_budgets,
-    prefill: PrefillOpt = CacheConfig.prefill,
+    config: IngestConfig = IngestConfig(),
     max_memory: Annotated[int | None, typer.Option(
         help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
         "pre-flight check.")] = None,
@@ -274,8 +286,7 @@ def ingest(
     from kvchat.ingest import validate
     from kvchat.store import validate_name
 
-    config = _ingest_config(model, budget, block_size, episodes, window, method, positions, layer_budgets, alpha,
-                            tau1, tau2, head_budgets, prefill)  # fmt: skip
+    model = config.model
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -430,9 +441,10 @@ def _batch_outcome(result) -> str:
 
 
 @app.command("ingest-batch")
+@_cache_options
 def ingest_batch(
     files: Annotated[list[Path] | None, typer.Argument(
-        metavar="[HISTORY]...", help="History files; each becomes the conversation named after its stem.")] = None,
+        metavar="HISTORY", help="History files; each becomes the conversation named after its stem.")] = None,
     manifest: Annotated[list[Path] | None, typer.Option(
         help="A file of NAME PATH lines (a relative PATH is relative to the manifest; # comments). Repeatable."
     )] = None,
@@ -444,19 +456,7 @@ def ingest_batch(
     address: Annotated[str | None, typer.Option(
         help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
         "cluster needs: see the README).")] = BatchConfig.address,
-    model: ModelOpt = IngestConfig.model,
-    budget: BudgetOpt = CacheConfig.budget,
-    block_size: BlockSizeOpt = CacheConfig.block_size,
-    episodes: EpisodesOpt = EpisodeConfig.episodes,
-    window: WindowOpt = EpisodeConfig.window,
-    method: MethodOpt = CacheConfig.method,
-    positions: PositionsOpt = CacheConfig.positions,
-    layer_budgets: LayerBudgetsOpt = CacheConfig.layer_budgets,
-    alpha: AlphaOpt = CacheConfig.alpha,
-    tau1: Tau1Opt = CakeConfig.tau1,
-    tau2: Tau2Opt = CakeConfig.tau2,
-    head_budgets: HeadBudgetsOpt = CacheConfig.head_budgets,
-    prefill: PrefillOpt = CacheConfig.prefill,
+    config: IngestConfig = IngestConfig(),
     max_memory: Annotated[int | None, typer.Option(
         help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "
         "workers there); decides auto prefill and the pre-flight check.")] = None,
@@ -467,14 +467,12 @@ def ingest_batch(
     force: ForceOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Ingest many histories on Ray workers (needs kvchat[batch]); a re-run skips what is already stored.
+    """Ingest many histories on Ray workers (the optional extra 'batch'); a re-run skips what is already stored.
 
     Exit status 2 when any history failed (each is reported; the others go on).
     """
     from kvchat import batch as batching
 
-    config = _ingest_config(model, budget, block_size, episodes, window, method, positions, layer_budgets, alpha,
-                            tau1, tau2, head_budgets, prefill)  # fmt: skip
     sources = batching.histories(files or [], manifest or [])
     store = _store()
     with Progress(
