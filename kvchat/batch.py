@@ -194,6 +194,8 @@ class Finished:
 
 @dataclass(frozen=True)
 class WorkerInfo:
+    """What a worker tells the driver once loaded."""
+
     fingerprint: str
     node: str  # Ray node id: workers on one node share its memory
 
@@ -291,6 +293,8 @@ def stored_differences(stored: StoredIngest, plan: IngestPlan, fingerprint: str,
 
 @dataclass(frozen=True)
 class HistoryResult:
+    """What became of one history of a batch."""
+
     name: str
     path: Path
     status: str  # committed | skipped | failed
@@ -302,6 +306,8 @@ class HistoryResult:
 
 @dataclass(frozen=True)
 class BatchReport:
+    """What `ingest_batch` did: every history's result, in the order given."""
+
     histories: list[HistoryResult]
     workers: int
     threads: int
@@ -363,6 +369,8 @@ def ingest_batch(
     if not sources:
         return BatchReport([], 0, batch.threads, 0.0)
     ray = import_ray()
+    if batch.address is None and not ray.is_initialized():
+        workers_for(batch, preflight.usable_cores())  # before a local Ray is started for nothing
     started = time.perf_counter()
     with _ray_session(ray, batch.address):
         workers = _Workers(ray, batch, len(sources))
@@ -375,6 +383,17 @@ def ingest_batch(
         finally:
             workers.stop()
     return BatchReport(results, workers.count, batch.threads, time.perf_counter() - started)
+
+
+def workers_for(batch: BatchConfig, cpus: int) -> int:
+    """How many workers `batch` asks for on `cpus` CPUs; more threads than CPUs are refused, since every worker
+    would then wait on the others."""
+    wanted = batch.workers or max(1, cpus // batch.threads)
+    if wanted * batch.threads > cpus:
+        raise UserError(f"--workers {wanted} x --threads {batch.threads} needs {wanted * batch.threads} CPUs but "
+                        f"{'Ray has' if batch.address else 'this machine has'} {cpus}: more threads than cores make "
+                        "every worker wait on the others")  # fmt: skip
+    return wanted
 
 
 @contextmanager
@@ -405,14 +424,7 @@ class _Workers:
         self.ray = ray
         self.threads = batch.threads
         self.start_timeout_s = batch.start_timeout_s
-        cpus = int(ray.cluster_resources().get("CPU", 0))
-        wanted = batch.workers or max(1, cpus // batch.threads)
-        if wanted * batch.threads > cpus:
-            raise UserError(
-                f"--workers {wanted} x --threads {batch.threads} needs {wanted * batch.threads} CPUs but Ray has "
-                f"{cpus}: more threads than cores make every worker wait on the others"
-            )
-        self.count = max(1, min(wanted, histories))
+        self.count = max(1, min(workers_for(batch, int(ray.cluster_resources().get("CPU", 0))), histories))
         # A local Ray's workers inherit this process's environment; a cluster's get WORKER_ENV set (which costs
         # each worker a fresh process, a few seconds once per batch).
         env = {} if batch.address is None else {"runtime_env": {"env_vars": WORKER_ENV}}

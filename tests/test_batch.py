@@ -239,6 +239,13 @@ def test_the_command_reports_json_replaces_with_other_settings_and_exits_2(ray_i
     _assert_whole(home, {"h2", "h3", "first", "second"})
 
 
+@needs_ray
+def test_more_threads_than_cores_are_refused(files, tmp_path):
+    run = run_main(tmp_path / "home", "ingest-batch", str(files[0]), "--workers", "100000")
+    assert run.returncode == 2
+    assert run.stderr.startswith("kvchat: error: --workers 100000 x --threads 1 needs 100000 CPUs but ")
+
+
 def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     run = run_main(tmp_path / "home", "ingest-batch", str(tmp_path / "h.json"))
