@@ -58,7 +58,7 @@ from kvchat.ingest import (
 )
 from kvchat.llm import LoadedModel, ModelIdentity, load_model, use_threads
 from kvchat.settings import to_settings
-from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_name
+from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
 WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again
@@ -368,6 +368,7 @@ def ingest_batch(
     progress = progress or BatchProgress()
     if not sources:
         return BatchReport([], 0, batch.threads, 0.0)
+    store.check_writable()
     ray = import_ray()
     if batch.address is None and not ray.is_initialized():
         workers_for(batch, preflight.usable_cores())  # before a local Ray is started for nothing
@@ -437,7 +438,7 @@ class _Workers:
         self.handles = [self.actor.remote() for _ in range(self.count)]
         profile_dir = store.home / "profiles"
         profiles = {p.name: p.read_text() for p in sorted(profile_dir.glob("*.json"))} if profile_dir.is_dir() else {}
-        calls = [h.load.remote(spec, str(store.home / "models"), self.threads, trust_remote_code, profiles)
+        calls = [h.load.remote(spec, str(store.models_dir), self.threads, trust_remote_code, profiles)
                  for h in self.handles]  # fmt: skip
         try:
             infos: list[WorkerInfo] = self.ray.get(calls, timeout=self.start_timeout_s)
@@ -547,6 +548,8 @@ class _Driver:
     def _stored(self, name: str) -> StoredIngest | None:
         try:
             record = self.store.get(name)
+        except DamagedDatabase:  # the whole batch's problem: stop (`kvchat doctor` says what to do)
+            raise
         except UserError:  # not stored
             return None
         return StoredIngest(record.settings, record.fingerprint, record.stats.get("turns"),
