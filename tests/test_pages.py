@@ -13,7 +13,7 @@ from kvchat.kv.attention import HeadList
 from kvchat.kv.paged_attention import attention_with_retrieved
 from kvchat.kv.pagefile import decode, encode, open_pages, pages_metadata, write_layers
 from kvchat.kv.pages import HeadPages, PagingConfig, mips_keys, mips_queries, positional_pages, semantic_pages
-from kvchat.kv.retrieval import PAGE_SCORERS, retrieve, select_pages
+from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, retrieve, select_pages
 from kvchat.kv.spill import SpillWriter
 
 
@@ -169,6 +169,25 @@ def test_heads_retrieve_their_own_pages_within_the_budget():
     assert 5 in first.positions.tolist() and 5 not in second.positions.tolist()
 
 
+def test_page_pool_pins_the_questions_best_pages_and_refreshes_the_rest():
+    keys, values, positions, label = _clustered(clusters=12, per_cluster=10)
+    layer = [semantic_pages(keys, values, positions)]
+    a, b = (int((label == c).nonzero()[0]) for c in (0, 1))  # a key of cluster 0 and one of cluster 1
+
+    def query(row):
+        return keys[row].view(1, 1, 1, -1)
+
+    pool = PagePool(layer, budget=20, refresh=2, pinned_share=0.5)
+    asked = pool.retrieved(query(a).expand(1, 1, 4, -1))           # the question: about cluster 0
+    assert a in asked[0].positions.tolist()
+    assert pool.retrieved(query(b))[0] is asked[0]                   # decode step 1: no refresh yet
+    refreshed = pool.retrieved(query(b))[0]                          # step 2: the rest follows cluster 1
+    assert a in refreshed.positions.tolist() and b in refreshed.positions.tolist()
+    assert refreshed.positions.numel() <= 20
+    pool.clear()                                                     # rollback: the next question starts anew
+    assert a not in pool.retrieved(query(b).expand(1, 1, 4, -1))[0].positions.tolist()
+
+
 def _random_layers(dtype=torch.float32) -> list[list[HeadPages]]:
     layers = []
     for layer, counts in enumerate([[30, 0], [5, 70], [0, 0]]):
@@ -247,12 +266,13 @@ def test_spill_writer_pages_exactly_what_was_spilled(tmp_path):
     spilled: dict[tuple[int, int], list] = {}
     for block in range(4):  # blocks evict different counts per layer and head
         for layer in range(2):
+            evicted = []
             for head in range(2):
                 n = (block * 7 + layer * 3 + head * 5) % 11
                 keys, values, _ = _entries(n, dim=8, seed=block * 10 + layer * 2 + head)
-                positions = torch.arange(n) + 100 * block + 1000 * head
-                writer(layer, head, keys, values, positions)
-                spilled.setdefault((layer, head), []).append((keys, values, positions))
+                evicted.append((keys, values, torch.arange(n) + 100 * block + 1000 * head))
+                spilled.setdefault((layer, head), []).append(evicted[-1])
+            writer(layer, evicted)
     assert writer.entries == sum(sum(x[2].numel() for x in v) for v in spilled.values())
     path = tmp_path / "pages.safetensors"
     writer.write_pages(path, PagingConfig(page_size=4))

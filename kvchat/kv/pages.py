@@ -142,13 +142,27 @@ def semantic_pages(
         return HeadPages.empty(keys.shape[-1], keys.dtype)
     points = mips_keys(keys)
     labels = kmeans(points, -(-n // config.cluster_size), config.iterations, config.seed)
-    direction = torch.randn(points.shape[-1], generator=torch.Generator().manual_seed(config.seed))
-    projection = points @ direction
+    return pages_from_clusters(keys, values, positions, labels, config.page_size, config.seed)
+
+
+def pages_from_clusters(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    labels: torch.Tensor,
+    page_size: int,
+    seed: int = 0,
+) -> HeadPages:
+    """Pages of clustered entries (`labels` `[n]`): each cluster is ordered along one random projection
+    of `T_K(keys)` (the same direction for every cluster) and cut into the fewest nearly equal pages
+    of at most `page_size` entries."""
+    direction = torch.randn(keys.shape[-1] + 1, generator=torch.Generator().manual_seed(seed))
+    projection = mips_keys(keys) @ direction
     # Entries sorted by (cluster, projection): every cluster is one contiguous run.
     by_projection = torch.argsort(projection, stable=True)
     order = by_projection[torch.argsort(labels[by_projection], stable=True)]
-    sizes = torch.bincount(labels, minlength=int(labels.max()) + 1)
-    lengths = torch.cat([_split_evenly(int(m), config.page_size) for m in sizes.tolist() if m > 0])
+    sizes = torch.bincount(labels)
+    lengths = torch.cat([_split_evenly(int(m), page_size) for m in sizes.tolist() if m > 0])
     return pages_from_order(keys, values, positions, order, lengths)
 
 

@@ -10,7 +10,7 @@ head's entries into semantic pages and streams the layer into the pages file.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +25,9 @@ _NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
 class SpillWriter:
     """Collects the evicted entries of one episode in `directory` (which must exist and be private).
 
-    Call it as the cache's eviction observer: `writer(layer, head, keys [n, D], values [n, D],
-    positions [n])`. Entries are stored at `dtype` (half precision by default).
+    It is an eviction observer (`EpisodeCache.on_evict`): `writer(layer, evicted)` with, per KV head, the
+    keys `[n, D]`, values `[n, D]` and original positions `[n]` leaving the cache. Entries are stored at
+    `dtype` (half precision by default).
     """
 
     def __init__(
@@ -38,9 +39,15 @@ class SpillWriter:
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
         self.counts = [[0] * kv_heads for _ in range(num_layers)]
 
-    def __call__(
-        self, layer: int, head: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor
-    ) -> None:
+    def __call__(self, layer: int, evicted: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Append, per KV head h, `evicted[h]` = (keys `[n, D]`, values `[n, D]`, positions `[n]`)."""
+        if len(evicted) != self.kv_heads:
+            raise ValueError(f"layer {layer}: evictions for {len(evicted)} heads, expected {self.kv_heads}")
+        for head, (keys, values, positions) in enumerate(evicted):
+            self.spill(layer, head, keys, values, positions)
+
+    def spill(self, layer: int, head: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append one head's evicted entries."""
         n = keys.shape[0]
         if keys.shape != (n, self.head_dim) or values.shape != keys.shape or positions.shape != (n,):
             raise ValueError(f"spilled entries of layer {layer} head {head} have mismatched shapes")
