@@ -28,6 +28,7 @@ from kvchat.ask import Session
 from kvchat.config import CacheConfig, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.ingest import IngestReport, ingest
+from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import ChatLayout, load_model
 from kvchat.store import Store
@@ -77,10 +78,7 @@ def main() -> None:
         answers[mode] = [session.ask(f.question, log=False).text for f in facts]
         caches[mode] = []
         for episode in record.episodes:
-            tensors, meta = store.load_episode(episode, lm.fingerprint)
-            caches[mode].append(EpisodeCache.from_tensors(
-                tensors, next_position=int(meta["next_position"]), protected=int(meta["protected"])
-            ))  # fmt: skip
+            caches[mode].append(codec.decode(*store.load_episode(episode, lm.fingerprint))[0])
         log(f"{mode}: {reports[mode].cache_bytes} bytes stored, {reports[mode].seconds:.1f} s, {answers[mode]}")
 
     layout = ChatLayout.from_tokenizer(lm.tokenizer, IngestConfig().system_prompt)

@@ -19,8 +19,10 @@ from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import ChatLayout, LoadedModel, generate
+from kvchat.settings import rebuild_command
 from kvchat.store import ConversationRecord, Store
 
 
@@ -34,6 +36,8 @@ class Answer:
     answer_tokens: int
     reused_cache: bool
     timings_ms: dict[str, float] = field(default_factory=dict)  # embed, route, load, decode
+    # "stop": the model ended it; "length": cut at max_new_tokens; "stopped": `stop` asked (Ctrl-C)
+    finish_reason: str = "stop"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -65,12 +69,15 @@ class Session:
         on_text: Callable[[str], None] | None = None,
         on_first_logits: Callable[[torch.Tensor], None] | None = None,
         log: bool = True,
+        stop: Callable[[], bool] | None = None,
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
-        decoded; `on_first_logits` the logits of the first answer token (evaluation compares them)."""
+        decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
+        `stop`, asked before each token, ends the answer early when it returns true."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
+        self._check_length(question)
         timings: dict[str, float] = {}
         self._follow_replacement()
         clock = time.perf_counter()
@@ -97,22 +104,27 @@ class Session:
         clock = time.perf_counter()
         prompt_ids = self.lm.encode(self.layout.question(self.config.question_template.format(question=question)))
         mark = cache.checkpoint()
-        tokens: list[int] = []
+        stream = Detokenizer(self.lm.decode)
+        finish = "stop"
         shown = ""
         try:
             for token in generate(
                 self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits
             ):
-                tokens.append(token)
-                if on_text is not None:
-                    text = self.lm.decode(tokens)
-                    if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
-                        on_text(text[len(shown):])
-                        shown = text
+                if stop is not None and stop():
+                    finish = "stopped"
+                    break
+                delta = stream.push(token)
+                if on_text is not None and delta:
+                    on_text(delta)
+                    shown += delta
         finally:
             cache.rollback(mark)
+        tokens = stream.tokens
+        if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
+            finish = "length"
         full_text = self.lm.decode(tokens)
-        if on_text is not None and len(full_text) > len(shown):
+        if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
             on_text(full_text[len(shown):])
         text = full_text.strip()
         timings["decode"] = _ms_since(clock)
@@ -126,6 +138,7 @@ class Session:
             answer_tokens=len(tokens),
             reused_cache=reused,
             timings_ms=timings,
+            finish_reason=finish,
         )
         if log:
             self.store.log_ask(
@@ -139,6 +152,16 @@ class Session:
                 }
             )
         return answer
+
+    def _check_length(self, question: str) -> None:
+        """Refuse a question longer than a quarter of the model's window before it costs anything: its
+        attention over the cache grows with its square."""
+        limit = max(64, self.lm.context_window // 4) if self.lm.context_window else 2048
+        if len(question) > 32 * limit:  # no tokenizer makes fewer than one token per 32 characters of text
+            raise UserError(f"the question is {len(question)} characters; at most about {limit} tokens fit")
+        n = int(self.lm.encode(question).shape[-1])
+        if n > limit:
+            raise UserError(f"the question is {n} tokens; at most {limit} (a quarter of the model's window) fit")
 
     def _follow_replacement(self) -> None:
         """A conversation re-ingested (`--replace`) while this session is open is answered from its new
@@ -164,18 +187,40 @@ class Session:
         record = self.conversation.episodes[index]
         tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
         try:
-            cache = EpisodeCache.from_tensors(
-                tensors,
-                next_position=int(metadata["next_position"]),
-                protected=int(metadata["protected"]),
-            )
+            cache, _ = codec.decode(tensors, metadata)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
+            c = self.conversation
             raise CacheIntegrityError(
-                f"cache of conversation '{self.conversation.name}' episode {index} does not hold a KV cache "
-                f"kvchat can read ({e}); rebuild with `kvchat ingest HISTORY --name {self.conversation.name} --replace`"
+                f"cache of conversation '{c.name}' episode {index} does not hold a KV cache kvchat can read "
+                f"({e}); rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
             ) from None
         self._resident = (index, cache)
         return cache
+
+
+class Detokenizer:
+    """The text of a growing list of tokens, decoding a few tokens per step rather than all of them
+    (linear in the answer's length, where decoding everything at each step is quadratic).
+
+    Each step decodes the tokens since the last-but-one emitted chunk and emits what that adds beyond
+    the previous chunk, so tokenizers that drop a leading space or join bytes into characters (a
+    multi-byte character across tokens decodes to U+FFFD until it is complete) stream right."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.tokens: list[int] = []
+        self._prefix = 0  # start of the window decoded each step
+        self._read = 0  # tokens already emitted
+
+    def push(self, token: int) -> str:
+        """Add `token`; return the text it completes ("" while a character is still partial)."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self._prefix:self._read])
+        after = self.decode(self.tokens[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.tokens)
+            return after[len(before):]
+        return ""
 
 
 def _ms_since(start: float) -> float:

@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
+from kvchat import documents
 from kvchat.config import (
+    HEAD_BUDGETS,
+    LAYER_BUDGETS,
+    POSITION_MODES,
+    PREFILL_MODES,
     AskConfig,
     CacheConfig,
     CakeConfig,
@@ -25,24 +32,57 @@ from kvchat.config import (
     default_home,
 )
 from kvchat.errors import UserError
+from kvchat.kv.methods import METHODS, REGISTRY
 from kvchat.report import COLUMNS as EVAL_COLUMNS
 from kvchat.report import cell as eval_cell
+from kvchat.terminal import StreamCleaner, cell, clean
 
 app = typer.Typer(
     help="Answer questions about chat histories far longer than your KV-cache budget.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
 )
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document on stdout (for scripts).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts; see the README).")]
+ThreadsOpt = Annotated[int | None, typer.Option(
+    help="Torch threads (default: $OMP_NUM_THREADS, else the cores this process may use). Running several "
+    "kvchat processes? Give each cores / processes.")]
+# Choices are real choices: listed in --help, completed by the shell, refused by the parser (exit 2).
+Positions = Literal[POSITION_MODES]  # type: ignore[valid-type]
+Prefill = Literal[PREFILL_MODES]  # type: ignore[valid-type]
+Method = Literal[METHODS]  # type: ignore[valid-type]
+LayerBudgets = Literal[LAYER_BUDGETS]  # type: ignore[valid-type]
+HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
+
+
+def _complete_conversation(incomplete: str) -> list[str]:
+    """Stored conversation names, for shell completion."""
+    try:
+        return [r.name for r in _store().conversations() if r.name.startswith(incomplete)]
+    except Exception:  # completion must never print a traceback into the shell
+        return []
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("kvchat")
+        except PackageNotFoundError:
+            number = "unknown"
+        sys.stdout.write(f"kvchat {number}\n")
+        raise typer.Exit()
+_METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 @app.callback()
 def _root(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print kvchat's version and exit.")] = False,
 ) -> None:
     """kvchat keeps one compressed KV cache per topical episode of a conversation, on disk
     ($KVCHAT_HOME, default: the platform's user data dir), and answers from the nearest one."""
@@ -54,9 +94,10 @@ def _store():
     return Store(default_home())
 
 
-def _model(spec: str, store, trust_remote_code: bool = False):
-    from kvchat.llm import load_model
+def _model(spec: str, store, trust_remote_code: bool = False, threads: int | None = None):
+    from kvchat.llm import load_model, use_threads
 
+    use_threads(threads)
     return load_model(spec, store.home / "models", trust_remote_code=trust_remote_code)
 
 
@@ -66,9 +107,47 @@ def _encoder():
     return SentenceEncoder()
 
 
-def _emit_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+def _emit_json(document: dict) -> None:
+    """One JSON document on one line (JSON Lines when a command prints several)."""
+    sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
     sys.stdout.flush()
+
+
+def _say(*parts: str | tuple[str, str], console: Console | None = None) -> None:
+    """One line to a console: user data shown as its characters (no markup, no escape sequences), never
+    hard-wrapped; a part given as (text, style) is styled."""
+    text = Text()
+    for part in parts:
+        value, style = part if isinstance(part, tuple) else (part, "")
+        text.append(clean(value), style=style)
+    (console or out).print(text, soft_wrap=True)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,
+           right: Sequence[str] = ()) -> None:
+    """A table: with rich's rules on a terminal (folded, never cut), tab-separated values otherwise
+    (a header line, then one line per row: plain for cut, awk and sort)."""
+    if not out.is_terminal:
+        for line in [headers, *rows]:
+            sys.stdout.write("\t".join(cell(v) for v in line) + "\n")
+        sys.stdout.flush()
+        return
+    table = Table(title=clean(title) if title else None)
+    for header in headers:
+        table.add_column(header, justify="right" if header in right else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(Text(cell(v)) for v in row))
+    out.print(table)
+
+
+class _LineIngestProgress:
+    """Where stderr is not a terminal: one line per episode, so a log shows the ingest is alive."""
+
+    def episode(self, index: int, total: int) -> None:
+        err.print(f"kvchat: episode {index + 1}/{total}", markup=False, soft_wrap=True)
+
+    def block(self, done: int, total: int) -> None:
+        pass
 
 
 class _RichIngestProgress:
@@ -79,8 +158,12 @@ class _RichIngestProgress:
         self.episodes = progress.add_task("episodes", total=None)
         self.blocks = progress.add_task("blocks", total=None)
 
+    def history(self, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total, description="history (full prefill)")
+
     def episode(self, index: int, total: int) -> None:
         self.progress.update(self.episodes, completed=index, total=total, description=f"episode {index + 1}")
+        self.progress.update(self.blocks, description="blocks")
 
     def block(self, done: int, total: int) -> None:
         self.progress.update(self.blocks, completed=done, total=total)
@@ -90,7 +173,8 @@ class _RichIngestProgress:
 
 @app.command()
 def ingest(
-    history: Annotated[Path, typer.Argument(help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
+    history: Annotated[Path, typer.Argument(
+        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
     model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
         IngestConfig.model
@@ -99,16 +183,11 @@ def ingest(
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
     episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
     window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
-    method: Annotated[str, typer.Option(
-        help="epicache (episodic, the default), full (keep everything: the reference), or a baseline under "
-        "block prefill: streaming, snapkv, infinipot, kvzip, keydiff, cake (CAKE's mean + variance of the "
-        "block's last-window attention; with --layer-budgets cake, all of CAKE).")] = (
-        CacheConfig.method
-    ),
-    positions: Annotated[str, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
+    method: Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)] = CacheConfig.method,
+    positions: Annotated[Positions, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
         CacheConfig.positions
     ),
-    layer_budgets: Annotated[str, typer.Option(
+    layer_budgets: Annotated[LayerBudgets, typer.Option(
         help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
         "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
         "attention; with --method cake, layers are evicted one by one in the forward).")] = CacheConfig.layer_budgets,
@@ -118,17 +197,25 @@ def ingest(
         help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")] = CakeConfig.tau1,
     tau2: Annotated[float, typer.Option(
         help="cake budgets: temperature of attention shift (smaller = weighs it more).")] = CakeConfig.tau2,
-    head_budgets: Annotated[str, typer.Option(
+    head_budgets: Annotated[HeadBudgets, typer.Option(
         help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
         "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
         "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")] = (
         CacheConfig.head_budgets
     ),
+    prefill: Annotated[Prefill, typer.Option(
+        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
+        "(full when the history fits the model's window and its full KV fits memory).")] = CacheConfig.prefill,
+    max_memory: Annotated[int | None, typer.Option(
+        help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
+        "pre-flight check.")] = None,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
     force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
         False
     ),
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
@@ -142,86 +229,168 @@ def ingest(
         episodes=EpisodeConfig(episodes=episodes, window=window),
         cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
                           layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
-                          head_budgets=head_budgets),
+                          head_budgets=head_budgets, prefill=prefill),
     )
+    if max_memory is not None and max_memory < 1:
+        raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
-    name = validate_name(name or history.stem)
+    if name is None:
+        try:
+            name = validate_name(history.stem)
+        except UserError as exc:
+            raise UserError(f"{exc}; name it with --name") from None
+    else:
+        name = validate_name(name)
     turns = load_history(history)  # a bad file fails here, before any model is loaded
     store = _store()
-    lm = _model(model, store, trust_remote_code)
+    lm = _model(model, store, trust_remote_code, threads)
     encoder = _encoder()
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True, disable=not err.is_terminal or as_json,
+        console=err, transient=True, disable=not err.is_terminal,
     ) as bars:
         report = run_ingest(
-            turns, name=name, config=config, store=store, lm=lm, encoder=encoder,
-            replace=replace, progress=_RichIngestProgress(bars), source=str(history.resolve()), force=force,
+            turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
+            progress=_RichIngestProgress(bars) if err.is_terminal else _LineIngestProgress(),
+            source=str(history.resolve()), force=force, max_memory=None if max_memory is None else max_memory * 2**20,
         )
     for note in report.notes:
-        err.print(f"kvchat: note: {note}", markup=False, soft_wrap=True)
+        _say(f"kvchat: note: {note}", console=err)
     if as_json:
-        _emit_json(report.to_dict())
+        _emit_json(documents.ingest(report))
     else:
-        out.print(
-            f"ingested [bold]{report.name}[/]: {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.layer_budgets} layer budgets, "
+        _say(
+            "ingested ", (report.name, "bold"),
+            f": {report.turns} turns, {report.history_tokens} tokens -> "
+            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.prefill} prefill, "
+            f"{report.layer_budgets} layer budgets, "
             f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
-            f"{report.cache_bytes / 2**20:.1f} MiB, "
-            f"{report.seconds:.1f}s"
+            f"{report.cache_bytes / 2**20:.1f} MiB, {report.seconds:.1f}s",
         )
 
 
 @app.command()
 def ask(
-    question: Annotated[str | None, typer.Argument(help="The question. Omit it to read stdin or start a REPL.")] = None,
-    conversation: Annotated[str | None, typer.Option(help="Conversation name (default: the latest).")] = None,
+    question: Annotated[str | None, typer.Argument(
+        metavar="QUESTION",
+        help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
+    conversation: Annotated[str | None, typer.Option(
+        help="Conversation name (default: the latest).", autocompletion=_complete_conversation)] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
-    as_json: JsonOpt = False,
+    threads: ThreadsOpt = None,
+    no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per question (JSON Lines).")] = False,
 ) -> None:
-    """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL)."""
-    from kvchat.ask import Session
+    """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL).
 
+    Every question and answer is recorded in the store (`kvchat logs` shows them) unless --no-log."""
     if question is not None and not question.strip():
         raise UserError("the question is empty")
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
-    store = _store()
-    record = store.get(conversation) if conversation else store.latest()
-    session = Session(store, record, _model(record.model, store), _encoder(), AskConfig(max_new_tokens))
-
-    def answer(q: str, show_episode: bool = False) -> None:
-        if as_json:
-            _emit_json(session.ask(q, episode=episode).to_dict())
-            return
-        if show_episode:
-            result = session.ask(q, episode=episode, on_text=lambda t: None)
-            reuse = ", resident" if result.reused_cache else ""
-            err.print(f"[dim]episode {result.episode} (similarity {result.similarity:.2f}{reuse})[/]")
-            out.print(result.text)
-            return
-        session.ask(q, episode=episode, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
-        sys.stdout.write("\n")
-
+    if question is None and (sys.stdin is None or sys.stdin.closed):
+        raise UserError("no question: give one as an argument, or one per line on stdin")
+    asker = _Asker(_store(), conversation, AskConfig(max_new_tokens), log=not no_log, threads=threads)
     if question is not None:
-        answer(question)
-    elif not sys.stdin.isatty():
+        asker.answer(question, episode, as_json=as_json)
+    elif sys.stdin.isatty() and out.is_terminal and not as_json:
+        from kvchat.repl import Repl, prompt_reader
+
+        if episode is not None:
+            asker.check_episode(episode)
+        name = asker.session.conversation.name
+        _say((name, "bold"), f": {asker.episode_count()} episodes. /help for help; exit, quit or Ctrl-D ends.",
+             console=err)
+        repl = Repl(prompt_reader(asker.store.home / "repl-history"), asker, lambda m: _say(m, console=err))
+        repl.episode = episode
+        repl.run()
+    else:
         for line in sys.stdin:
             if line.strip():
-                answer(line)
-    else:
-        err.print(f"[bold]{record.name}[/]: {len(record.episodes)} episodes. Ask away; exit, quit or Ctrl-D ends.")
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if line.strip() in {"exit", "quit"}:
-                break
-            if line.strip():
-                answer(line, show_episode=True)
+                asker.answer(line, episode, as_json=as_json)
+
+
+class _Asker:
+    """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
+
+    def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None) -> None:
+        from kvchat.ask import Session
+
+        self.store, self.config, self.log = store, config, log
+        record = store.get(conversation) if conversation else store.latest()
+        self.threads = threads
+        self.session = Session(store, record, _model(record.model, store, threads=threads), _encoder(), config)
+
+    def episode_count(self) -> int:
+        return len(self.session.conversation.episodes)
+
+    def check_episode(self, episode: int) -> None:
+        if not 0 <= episode < self.episode_count():
+            raise UserError(f"--episode {episode} does not exist (conversation "
+                            f"'{self.session.conversation.name}' has episodes 0..{self.episode_count() - 1})")
+
+    def switch(self, name: str) -> int:
+        from kvchat.ask import Session
+
+        record = self.store.get(name)
+        same = record.model == self.session.lm.spec
+        lm = self.session.lm if same else _model(record.model, self.store, threads=self.threads)
+        self.session = Session(self.store, record, lm, self.session.encoder, self.config)
+        return self.episode_count()
+
+    def answer(self, question: str, episode: int | None, *, as_json: bool = False) -> None:
+        """Stream the answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it."""
+        question = question.strip()
+        if as_json:
+            result = self.session.ask(question, episode=episode, log=self.log)
+            _emit_json(documents.answer(question, result))
+            return
+        cleaner = StreamCleaner()
+
+        def write(text: str) -> None:
+            sys.stdout.write(cleaner.feed(text))
+            sys.stdout.flush()
+
+        with _ctrl_c_stops() as stopping:
+            result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping)
+        sys.stdout.write(cleaner.flush() + "\n")
+        sys.stdout.flush()
+        if result.finish_reason == "length":
+            _say(f"[answer cut at --max-new-tokens {self.config.max_new_tokens}]", console=err)
+        elif result.finish_reason == "stopped":
+            _say("[stopped]", console=err)
+        if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
+            reuse = ", resident" if result.reused_cache else ""
+            err.print(Text(f"episode {result.episode} (similarity {result.similarity:.2f}{reuse})", style="dim"))
+
+
+class _ctrl_c_stops:
+    """While an answer streams on a terminal, a first Ctrl-C asks it to stop (the answer ends after the
+    current token and the session stays); a second one interrupts at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = None
+        if sys.stdin is not None and sys.stdin.isatty() and _main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return lambda: self.requested
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 @app.command("profile-layers")
@@ -234,30 +403,37 @@ def profile_layers_command(
     out_file: Annotated[Path | None, typer.Option("--out", help="Profile JSON (default: in $KVCHAT_HOME).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Also draw sensitivity and budgets per layer to this PNG.")] = None,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Measure how much block prefill disturbs each layer; ingest then budgets layers by it."""
-    from kvchat.profile import calibration_text, profile_layers, save_plot
+    from kvchat.profile import calibration_text, profile_layers, save_plot, shipped_profiles
 
     if text is not None and not text.is_file():
         raise UserError(f"{text}: no such file")
     calibration = text.read_text(errors="replace") if text else calibration_text()
     store = _store()
-    lm = _model(model, store, trust_remote_code)
+    lm = _model(model, store, trust_remote_code, threads)
     settings = ProfileSettings(budget=budget, block_size=block_size, sink=sink)
     profile = profile_layers(lm, calibration, settings, source=str(text) if text else "kvchat/data/calibration.txt")
     target = out_file or store.home / "profiles" / f"{profile.weights}.json"
     profile.save(target)
     if plot is not None:
         save_plot(profile, plot)
+    overridden = [str(p) for p in shipped_profiles() if json.loads(p.read_text()).get("weights") == profile.weights
+                  ] if target.parent == store.home / "profiles" else []
+    if overridden:
+        _say(f"kvchat: note: ingest now uses {target} for these weights instead of the shipped {overridden[0]}; "
+             "delete it to go back", console=err)
     if as_json:
-        _emit_json({"path": str(target), **dataclasses.asdict(profile)})
+        _emit_json(documents.document(path=str(target), overrides=overridden[0] if overridden else None,
+                                      **dataclasses.asdict(profile)))
         return
-    table = Table("layer", "key similarity", "sensitivity")
-    for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True)):
-        table.add_row(str(i), f"{sim:.5f}", f"{sens:.5f}")
-    out.print(table)
-    out.print(f"wrote {target}" + (f" and {plot}" if plot else ""))
+    _table(("layer", "key similarity", "sensitivity"),
+           [(i, f"{sim:.5f}", f"{sens:.5f}")
+            for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True))],
+           right=("layer", "key similarity", "sensitivity"))
+    _say(f"wrote {target}" + (f" and {plot}" if plot else ""), console=err)
 
 
 class _RichEvalProgress:
@@ -289,7 +465,8 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 
 @app.command("eval")
 def eval_command(
-    data: Annotated[list[Path] | None, typer.Argument(help="LoCoMo-format conversation files with QA.")] = None,
+    data: Annotated[list[Path] | None, typer.Argument(
+        metavar="DATA", help="LoCoMo-format conversation files with QA.")] = None,
     methods: Annotated[str, typer.Option(help="Comma-separated methods; full KV always runs as the reference.")] = (
         ",".join(EvalConfig.methods)
     ),
@@ -308,9 +485,13 @@ def eval_command(
         IngestConfig.model
     ),
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    prefill: Annotated[Prefill, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
+        CacheConfig.prefill
+    ),
     out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
                                                   "a re-run skips what the file already has.")] = None,
     report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
@@ -333,7 +514,7 @@ def eval_command(
         raise UserError(f"--questions must be >= 1 (got {questions})")
     if max_context is not None and max_context < 64:
         raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
-    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size))
+    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
     variant_list = evaluate.variants(config.methods, config.budgets, base.cache)
     for v in variant_list:
         validate(dataclasses.replace(base, cache=v.cache))
@@ -341,12 +522,12 @@ def eval_command(
         load_locomo(path)  # a bad file fails here, before any model is loaded
     results = evaluate.ResultsFile(out_path)
     store = _store()
-    lm = _model(model, store)
+    lm = _model(model, store, threads=threads)
     sets = evaluate.qa_sets(data or [], synthetic, lm, config)
     for s in sets:
         if s.sessions_total:
-            err.print(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
-                      f"{len(s.questions)} questions with all evidence inside", markup=False)
+            _say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
+                 f"{len(s.questions)} questions with all evidence inside", console=err)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=err, transient=True, disable=not err.is_terminal or as_json,
@@ -360,24 +541,22 @@ def eval_command(
     skips = [f"{key} on {name} skipped: {reason}" for (name, key), reason in evaluate.skipped(records).items()
              if name in names]
     for line in skips:
-        err.print(f"kvchat: {line}", markup=False)
+        _say(f"kvchat: {line}", console=err)
     if report is not None:
         from kvchat import report as eval_report
 
         report.parent.mkdir(parents=True, exist_ok=True)
         png = report.with_suffix(".png")
-        eval_report.plot(rows, png)
+        eval_report.plot(rows, png, title=f"kvchat eval ({lm.spec}): {', '.join(sorted(names))}",
+                         synthetic=not data)
         notes = [s.describe(config.questions) for s in sets] + skips
         report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
     if as_json:
-        _emit_json(rows)
+        _emit_json(documents.eval_rows(rows))
         return
-    table = Table(title=f"kvchat eval: {', '.join(sorted(names))}")
-    for _, header, _ in EVAL_COLUMNS:
-        table.add_column(header, justify="left" if header == "variant" else "right")
-    for row in rows:
-        table.add_row(*(eval_cell(row, key, fmt) for key, _, fmt in EVAL_COLUMNS))
-    out.print(table)
+    headers = [header for _, header, _ in EVAL_COLUMNS]
+    _table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in EVAL_COLUMNS] for row in rows],
+           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[1:])
 
 
 @app.command("list")
@@ -385,56 +564,73 @@ def list_conversations(as_json: JsonOpt = False) -> None:
     """List stored conversations."""
     records = _store().conversations()
     if as_json:
-        _emit_json([_summary(r) for r in records])
+        _emit_json(documents.conversations(records))
         return
-    table = Table("name", "created", "model", "method", "episodes", "turns", "MiB")
+    rows = []
     for r in records:
-        s = _summary(r)
-        table.add_row(r.name, r.created_at[:19], r.model, s["method"], str(s["episodes"]),
-                      str(s["turns"]), f"{s['bytes'] / 2**20:.1f}")
-    out.print(table)
+        s = documents.conversation(r)
+        rows.append((r.name, r.created_at[:19], r.model, s["method"], s["episode_count"], s["turns"],
+                     f"{s['cache_bytes'] / 2**20:.1f}"))
+    _table(("name", "created", "model", "method", "episodes", "turns", "MiB"), rows,
+           right=("episodes", "turns", "MiB"))
+
+
+NameArg = Annotated[str, typer.Argument(help="Conversation name.", autocompletion=_complete_conversation)]
 
 
 @app.command()
-def show(name: str, as_json: JsonOpt = False) -> None:
+def show(name: NameArg, as_json: JsonOpt = False) -> None:
     """Show a conversation's episodes: sizes, budgets and medoid excerpts."""
     record = _store().get(name)
     if as_json:
-        _emit_json(
-            _summary(record)
-            | {"settings": record.settings, "stats": record.stats,
-               "episodes": [
-                   {"index": e.index, "budgets": e.budgets, "bytes": e.bytes, "entries": e.n_tokens,
-                    "medoid_text": e.medoid_text}
-                   for e in record.episodes
-               ]}
-        )
+        _emit_json(documents.show(record))
         return
     s = record.settings
     strategy = s.get("layer_budgets", "uniform")
     if strategy == "cake":
         strategy += f" tau1={s.get('tau1')} tau2={s.get('tau2')}"
     heads = _head_budgets_text(s.get("head_budgets", "uniform"), record.stats.get("head_entries", []))
-    out.print(
-        f"[bold]{record.name}[/] ({record.model}, {s['method']}, budget {s['budget']}, block {s['block_size']}, "
-        f"{strategy} layer budgets, {heads}, {s['positions']} positions) ingested {record.created_at[:19]}"
+    _say(
+        (record.name, "bold"),
+        f" ({record.model}, {s['method']}, budget {s['budget']}, block {s['block_size']}, "
+        f"{strategy} layer budgets, {heads}, {s['positions']} positions) ingested {record.created_at[:19]}",
     )
-    table = Table("episode", "MiB", "budgets per layer", "medoid excerpt")
-    for e in record.episodes:
-        budgets = _compress_budgets(e.budgets)
-        excerpt = " ".join(e.medoid_text.split())[:90]
-        table.add_row(str(e.index), f"{e.bytes / 2**20:.1f}", budgets, excerpt)
-    out.print(table)
+    rows = [(e.index, f"{e.bytes / 2**20:.1f}", _compress_budgets(e.budgets),
+             " ".join(e.medoid_text.split())[:90] if out.is_terminal else e.medoid_text)
+            for e in record.episodes]
+    _table(("episode", "MiB", "budgets per layer", "medoid excerpt"), rows, right=("episode", "MiB"))
 
 
 @app.command()
-def rm(name: str, as_json: JsonOpt = False) -> None:
+def rm(name: NameArg, as_json: JsonOpt = False) -> None:
     """Remove a conversation and its caches."""
     _store().remove(name)
     if as_json:
-        _emit_json({"removed": name})
+        _emit_json(documents.document(removed=name))
     else:
-        out.print(f"removed {name}")
+        _say(f"removed {name}")
+
+
+@app.command()
+def logs(
+    count: Annotated[int, typer.Option("-n", "--count", help="How many, newest first.")] = 20,
+    conversation: Annotated[str | None, typer.Option(
+        help="Only this conversation's.", autocompletion=_complete_conversation)] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show recorded questions and answers (`kvchat ask --no-log` records nothing)."""
+    if count < 1:
+        raise UserError(f"-n must be >= 1 (got {count})")
+    store = _store()
+    if conversation is not None:
+        store.get(conversation)  # an unknown name is a mistake, not an empty log
+    rows = store.asks(limit=count, conversation=conversation)
+    if as_json:
+        _emit_json(documents.asks(rows))
+        return
+    _table(("time", "conversation", "episode", "question", "answer"),
+           [(r["created_at"][:19], r["conversation"], r["episode"], r["question"], r["answer"]) for r in rows],
+           right=("episode",))
 
 
 @app.command()
@@ -453,32 +649,20 @@ def doctor(
     fixed = store.fix(found) if fix and found else []
     remaining = store.check() if fix and found else found
     if as_json:
-        _emit_json({"healthy": not remaining, "problems": [p.to_dict() for p in found], "fixed": fixed})
+        _emit_json(documents.document(healthy=not remaining, problems=[p.to_dict() for p in found], fixed=fixed))
     else:
         for problem in found:
-            out.print(f"problem: {problem.message}", markup=False, soft_wrap=True)
+            _say(f"problem: {problem.message}")
         for line in fixed:
-            out.print(f"fixed: {line}", markup=False, soft_wrap=True)
+            _say(f"fixed: {line}")
         if not remaining:
-            out.print("healthy" if not found else "healthy now")
+            _say("healthy" if not found else "healthy now")
         elif not fix:
-            out.print(f"{len(remaining)} problem(s); `kvchat doctor --fix` repairs them", markup=False)
+            _say(f"{len(remaining)} problem(s); `kvchat doctor --fix` repairs them")
         else:
-            out.print(f"{len(remaining)} problem(s) remain", markup=False)
+            _say(f"{len(remaining)} problem(s) remain")
     if remaining:
         raise typer.Exit(1)
-
-
-def _summary(record) -> dict:
-    return {
-        "name": record.name,
-        "created_at": record.created_at,
-        "model": record.model,
-        "method": record.settings.get("method"),
-        "episodes": len(record.episodes),
-        "turns": record.stats.get("turns"),
-        "bytes": sum(e.bytes for e in record.episodes),
-    }
 
 
 def _head_budgets_text(mode: str, entries: list[int]) -> str:
@@ -496,30 +680,66 @@ def _compress_budgets(budgets: list[int]) -> str:
 
 
 def main() -> None:
-    """Entry point: user mistakes exit 2 with one line; internal failures exit 1 and point to --debug."""
-    debug = "--debug" in sys.argv[1:]
+    """Entry point: usage errors and user mistakes exit 2 with one line (usage errors with click's usage
+    line); internal failures exit 1 and point to --debug; a closed pipe ends quietly, as in git."""
+    if hasattr(signal, "SIGPIPE"):  # `kvchat ask ... | head -c1`: die of SIGPIPE like any Unix filter
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    for name in ("SIGTERM", "SIGHUP"):  # unwind, so an ingest or a model conversion removes its temp dir
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _terminate)
+    run()
+
+
+class _Terminated(SystemExit):
+    """SIGTERM or SIGHUP: leave through every `finally` and context manager, then exit 128 + signal."""
+
+
+def _terminate(signum: int, frame) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the clean-up short
+    raise _Terminated(128 + signum)
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """main() without the process-wide signal setup (tests call this in-process)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
     _quiet_libraries()
     try:
-        status = app(standalone_mode=False)  # without standalone mode, click returns typer.Exit's code
-        if isinstance(status, int) and status:
-            sys.exit(status)
+        status = app(args=args, prog_name="kvchat", standalone_mode=False)  # returns typer.Exit's code
+    except _Terminated as exc:
+        err.print("kvchat: terminated", markup=False)
+        sys.exit(exc.code)
     except UserError as exc:
-        err.print(f"kvchat: error: {exc}", markup=False, soft_wrap=True)
+        _say(f"kvchat: error: {exc}", console=err)
         sys.exit(2)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.ClickException as exc:
+    except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
+        if getattr(exc, "ctx", False) is None:  # raised by the parser before it had a context
+            exc.ctx = _usage_context(args)
         exc.show()
         sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        err.print("kvchat: interrupted")
-        sys.exit(130)
+    except (typer.Abort, KeyboardInterrupt):
+        status = 130
     except Exception as exc:  # an internal failure: say so, traceback only on request
         if debug:
             raise
-        err.print(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-                  markup=False, soft_wrap=True)
+        _say(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+             console=err)
         sys.exit(1)
+    if status == 130:  # typer turns Ctrl-C into Exit(130)
+        err.print("kvchat: interrupted", markup=False)
+    if isinstance(status, int) and status:
+        sys.exit(status)
+
+
+def _usage_context(args: Sequence[str]):
+    """A context for the command `args` name (or the root), so a usage error shows that command's usage."""
+    root = typer.main.get_command(app)
+    context = root.make_context("kvchat", [], resilient_parsing=True)
+    name = next((a for a in args if not a.startswith("-")), None)
+    command = root.get_command(context, name) if name else None
+    if command is None:
+        return context
+    return command.make_context(name, [], parent=context, resilient_parsing=True)
 
 
 def _quiet_libraries() -> None:

@@ -8,36 +8,27 @@ from pathlib import Path
 
 import platformdirs
 
-# epicache: episodic patched prompts; the rest are query-agnostic baselines adapted to block prefill
-# (EpiCache A.2) that build a single cache: streaming, snapkv, infinipot, kvzip, keydiff, and CAKE's
-# eviction indicator (cake); full keeps all.
-METHODS = ("epicache", "full", "streaming", "snapkv", "infinipot", "kvzip", "keydiff", "cake")
+from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
+
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
+PREFILL_MODES = ("auto", "block", "full")
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 HEAD_BUDGETS = ("uniform", "adaptive")
-# Methods whose scores are attention weights, comparable across the heads of a layer: the ones that
-# head-wise (adaptive) selection applies to. Streaming ranks by recency, the same in every head.
-HEAD_ADAPTIVE_METHODS = ("epicache", "snapkv", "infinipot", "kvzip")
 # Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
 # (AdaKV's safeguard alpha = 0.2), and never less than the protected system prompt, so a head whose
 # attention is focused is not starved to nothing by heads that spread theirs.
 HEAD_FLOOR_FRACTION = 0.2
 
-# EpiCache's official instruction for the patched prompt (METHODS.md, point 3).
+# EpiCache's official instruction for the patched prompt (its code; the paper's §3.1 describes it).
 EPISODE_INSTRUCTION = (
     "Extract essential information from this conversation segment. Identify speaker names, "
     "personas, key events with dates/times, personal details, commitments, opinions, relationships, "
     "emotional moments, and unique experiences."
 )
 
-INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
-KVZIP_PROMPT = "Repeat the part of the previous context exactly."
-SNAPKV_WINDOW = 64        # SnapKV's observation window: the block's last tokens
-STREAMING_SINK = 128      # StreamingLLM sink tokens, scaled down to budget // 4 for small budgets
-
 # The conversation sits in the system turn, the question in a user turn: SmolLM2 answers
-# planted-fact questions far better this way than with both in one user message (DESIGN.md).
+# planted-fact questions far better this way than with both in one user message (3/4 vs 1/4 planted facts).
 SYSTEM_PROMPT = (
     "You are a helpful assistant with a memory of a past conversation. Answer the user's question "
     "briefly, using only facts from the conversation below.\n\nConversation:\n"
@@ -89,6 +80,9 @@ class CacheConfig:
     cake: CakeConfig = CakeConfig()
     head_budgets: str = "uniform"  # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's
                                    # top M_l x kv_heads (head, token) pairs, floor HEAD_FLOOR_FRACTION x M_l)
+    prefill: str = "auto"  # block (evict after every block: peak flat in the history) | full (keep the whole
+                           # history, then each episode keeps its top entries: one prefill for all episodes) |
+                           # auto (full when the history fits the model's window and its full KV fits memory)
 
 
 @dataclass(frozen=True)

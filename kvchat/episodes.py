@@ -6,11 +6,13 @@ the centroid, which become the patched prompt that decides what its cache keeps.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from sklearn.cluster import KMeans
+from sklearn.exceptions import ConvergenceWarning
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,11 @@ def cluster(embeddings: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.n
     k = max(1, min(k, len(embeddings)))
     if k == 1:
         return np.zeros(len(embeddings), dtype=int), _unit(embeddings.mean(axis=0, keepdims=True))
-    km = KMeans(n_clusters=k, init="k-means++", n_init=10, random_state=seed).fit(embeddings)
+    with warnings.catch_warnings():
+        # Fewer distinct segments than k (repeated turns): K-Means says so, and leaves some clusters empty or
+        # duplicated; that is a property of the history, not something to print on every ingest.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        km = KMeans(n_clusters=k, init="k-means++", n_init=10, random_state=seed).fit(embeddings)
     return km.labels_, _unit(km.cluster_centers_)
 
 

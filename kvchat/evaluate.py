@@ -30,7 +30,7 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
 from kvchat.ingest import IngestProgress, ingest
-from kvchat.kv.cache import EpisodeCache
+from kvchat.kv import codec
 from kvchat.llm import LoadedModel
 from kvchat.qa import (
     CATEGORIES,
@@ -46,6 +46,10 @@ from kvchat.store import Store
 
 REFERENCE = "full"
 _CACHE_DEFAULTS = CacheConfig()
+
+
+class MixedResults(UserError):
+    """A resumed results file holds a variant measured another way than this run would measure it."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +168,8 @@ def evaluate(
             for i, variant in enumerate(v for v in pending if v.key != REFERENCE):
                 try:
                     runner.run(variant, progress, position=(i + 1, len(pending)), reference=reference)
+                except MixedResults:
+                    raise
                 except UserError as error:  # a setting this model cannot take: say so, run the rest
                     skip = {"kind": "skipped", "set": qa_set.name, "variant": variant.key, "reason": str(error)}
                     results.append(skip)
@@ -209,7 +215,14 @@ class _SetRunner:
         )
         conversation = self.store.get(name)
         done = self.results.done(self.qa_set.name, variant.key)
-        if variant.key not in {r["variant"] for r in self._ingests()}:
+        earlier = {r["variant"]: r.get("prefill", "block") for r in self._ingests()}  # older files: block
+        if done and earlier.get(variant.key, report.prefill) != report.prefill:
+            raise MixedResults(
+                f"{self.results.path}: {variant.key} on {self.qa_set.name} was measured with "
+                f"{earlier[variant.key]} prefill and this run builds its caches with {report.prefill} prefill; "
+                f"resume with --prefill {earlier[variant.key]} or write to a new --out file"
+            )
+        if variant.key not in earlier:
             self.results.append(
                 {
                     "kind": "ingest",
@@ -220,6 +233,7 @@ class _SetRunner:
                     "history_tokens": report.history_tokens,
                     "episodes": report.episodes,
                     "layer_budgets": report.layer_budgets,
+                    "prefill": report.prefill,
                     "peak_layer_entries": report.peak_layer_entries,
                     "cache_bytes": report.cache_bytes,
                     "seconds": report.seconds,
@@ -273,10 +287,9 @@ class _SetRunner:
     def _kept_positions(self, episode) -> tuple[torch.Tensor, int]:
         """[layers * heads, positions] booleans saying which original positions each head kept, and
         the length of the protected system prompt."""
-        tensors, metadata = self.store.load_episode(episode, self.lm.fingerprint)
-        protected = int(metadata["protected"])
-        cache = EpisodeCache.from_tensors(tensors, next_position=int(metadata["next_position"]), protected=protected)
-        if metadata.get("positions") == "compact":  # re-rotated: original positions are gone
+        cache, meta = codec.decode(*self.store.load_episode(episode, self.lm.fingerprint))
+        protected = meta.protected
+        if meta.positions == "compact":  # re-rotated: original positions are gone
             return torch.zeros(0, 0, dtype=torch.bool), protected
         heads = [p for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
         kept = torch.zeros(len(heads), max(int(p.max()) + 1 for p in heads), dtype=torch.bool)

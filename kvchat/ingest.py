@@ -1,26 +1,33 @@
-"""The ingest pipeline as one library call: history -> episodes -> one compressed cache each -> store."""
+"""The ingest pipeline as library calls: plan -> build each episode's cache -> commit; `ingest` runs all three.
+
+- `plan_ingest`: validate the settings, load and tokenize the history, resolve layer budgets and positions,
+  check memory before anything runs, and cut the history into episodes. Nothing is written.
+- `build_episode`: one episode's block prefill, the expensive step (a batch runner can run it elsewhere;
+  an append can resume a stored cache through `block_prefill(resume=...)`).
+- `write_episode` and `commit_ingest`: encode each cache to its file (kvchat.kv.codec) in the store's
+  pending conversation, then make the conversation visible at once with its resolved settings.
+One episode cache is held at a time, so peak memory stays at one prefill's bound.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kvchat import memory
+import torch
+
+from kvchat import preflight
 from kvchat.config import (
     ANSWER_ROOM,
-    HEAD_ADAPTIVE_METHODS,
     HEAD_BUDGETS,
-    INFINIPOT_PROMPT,
-    KVZIP_PROMPT,
     LAYER_BUDGETS,
-    METHODS,
     POSITION_MODES,
-    SNAPKV_WINDOW,
-    STREAMING_SINK,
+    PREFILL_MODES,
     CacheConfig,
     IngestConfig,
 )
@@ -28,25 +35,25 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
+from kvchat.kv import codec
 from kvchat.kv.budgets import layer_budgets
+from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
-from kvchat.kv.prefill import block_prefill
-from kvchat.kv.scoring import (
-    BlockPromptScorer,
-    CakeScorer,
-    KeyDiffScorer,
-    PatchedPromptScorer,
-    RecencyScorer,
-    Scorer,
-)
+from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
+from kvchat.kv.prefill import block_prefill, select_from
+from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_profile
-from kvchat.store import Store, validate_name
+from kvchat.settings import to_settings
+from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_name
 
 
 class IngestProgress:
     """Hooks for a progress display; the default does nothing."""
+
+    def history(self, done: int, total: int) -> None:
+        """Blocks of the one full prefill that `--prefill full` shares among the episodes."""
 
     def episode(self, index: int, total: int) -> None: ...
 
@@ -65,11 +72,12 @@ class IngestReport:
     layer_budgets: str
     peak_layer_entries: int   # most entries one layer held at once during any episode's prefill
     peak_total_entries: int  # most entries all layers held together at once (per KV head), same counting
-    estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.memory)
+    estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.preflight)
     cache_bytes: int
     seconds: float
     head_budgets: str = "uniform"
     head_entries: list[int] = dataclasses.field(default_factory=list)  # [fewest, most] entries one KV head kept
+    prefill: str = "block"  # how the caches were built: block by block, or selected from the full history
     notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
 
     def to_dict(self) -> dict:
@@ -79,8 +87,10 @@ class IngestReport:
 def validate(config: IngestConfig) -> None:
     """Reject option values that cannot work, before anything is loaded or written."""
     cache, eps = config.cache, config.episodes
-    if cache.method not in METHODS:
-        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(METHODS)})")
+    if cache.method not in REGISTRY:
+        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(REGISTRY)})")
+    if cache.prefill not in PREFILL_MODES:
+        raise UserError(f"unknown --prefill {cache.prefill!r} (choose from {', '.join(PREFILL_MODES)})")
     if cache.positions not in POSITION_MODES:
         raise UserError(f"unknown --positions {cache.positions!r} (choose from {', '.join(POSITION_MODES)})")
     if cache.budget < 1:
@@ -104,10 +114,10 @@ def validate(config: IngestConfig) -> None:
         raise UserError(
             f"unknown --head-budgets {cache.head_budgets!r} (choose from {', '.join(HEAD_BUDGETS)})"
         )
-    if cache.head_budgets == "adaptive" and cache.method not in HEAD_ADAPTIVE_METHODS:
+    if cache.head_budgets == "adaptive" and not method(cache.method).across_heads:
         raise UserError(
             f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
-            f"has none (use it with {', '.join(HEAD_ADAPTIVE_METHODS)})"
+            f"has none (use it with {', '.join(across_heads_methods())})"
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
         raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
@@ -123,7 +133,48 @@ def validate(config: IngestConfig) -> None:
         raise UserError(f"CAKE pool kernel must be an odd number >= 1 (got {cake.pool_kernel})")
 
 
-def ingest(
+@dataclass(frozen=True)
+class IngestPlan:
+    """Everything an ingest decided before the first episode is built (see the module docstring)."""
+
+    name: str
+    config: IngestConfig                     # resolved: positions, layer budgets and alpha as they run
+    source: str | None                       # the history's path, recorded for rebuild commands
+    turns: int
+    layout: ChatLayout
+    prefix_ids: torch.Tensor                 # system prompt up to the conversation: never evicted
+    context_ids: torch.Tensor                # the history
+    budgets: list[int] | CakeBudgets | None  # per layer (None: full KV)
+    heads: HeadBudgets
+    prefill: str                             # block | full, as resolved from the config's (kvchat.config)
+    episodes: list[Episode]
+    estimated_peak_bytes: int
+    notes: list[str]
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What the report needs of a built episode once its cache is written and released."""
+
+    budgets: list[int]        # kept entries per KV head of each layer
+    head_entries: list[int]   # kept entries of every (layer, KV head)
+    peak_layer_entries: int
+    peak_total_entries: int
+
+
+@dataclass(frozen=True)
+class BuiltEpisode:
+    episode: Episode
+    cache: EpisodeCache
+    peak_layer_entries: int
+    peak_total_entries: int
+
+    def stats(self) -> EpisodeStats:
+        heads = [n for layer in self.cache.layers for n in layer.lengths]
+        return EpisodeStats(self.cache.sizes, heads, self.peak_layer_entries, self.peak_total_entries)
+
+
+def plan_ingest(
     history: str | os.PathLike | Sequence[Turn],
     *,
     name: str | None,
@@ -132,16 +183,13 @@ def ingest(
     lm: LoadedModel,
     encoder: SentenceEncoder,
     replace: bool = False,
-    progress: IngestProgress | None = None,
     source: str | None = None,
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
-) -> IngestReport:
-    """Build and store the episode caches of one history (a file, or turns already loaded from one;
-    then `name` is required). Nothing is visible in the store until all is written. Refuses to start
-    when the memory estimate exceeds the available memory, unless `force`. Layer profiles are looked up
-    in `profile_dirs` (default: the store's `profiles/`), then among the shipped ones."""
-    started = time.perf_counter()
+    max_memory: int | None = None,
+) -> IngestPlan:
+    """Decide everything about an ingest without building a cache or writing anything (`ingest` describes
+    the arguments)."""
     validate(config)
     from_file = isinstance(history, (str, os.PathLike))
     if not from_file and not name:
@@ -149,14 +197,13 @@ def ingest(
     name = validate_name(name or Path(history).stem)
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
-    progress = progress or IngestProgress()
     turns = load_history(history) if from_file else list(history)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)
     context_ids = lm.encode("\n".join(lines))
     cache_cfg = config.cache
-    full = cache_cfg.method == "full"
+    full = method(cache_cfg.method).scorer is None
     total = prefix_ids.shape[-1] + context_ids.shape[-1]
     protected = prefix_ids.shape[-1]
     if not full and cache_cfg.budget <= protected:  # every layer's floor lies above the prompt when M does
@@ -169,98 +216,185 @@ def ingest(
         cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), protected, notes
     )
     heads = HeadBudgets(cache_cfg.head_budgets)
-    shape = memory.ModelShape.of(lm.model)
-    estimate = memory.estimate_ingest_bytes(
-        shape,
-        budget=cache_cfg.budget,
-        block_size=cache_cfg.block_size,
-        prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
-        context_tokens=total,
-        full=full,
-        longest_head=None if full else _longest_head(budgets, heads, shape, protected),
-    )
+    shape = preflight.ModelShape.of(lm.model)
+    available = max_memory if max_memory is not None else preflight.available_bytes()
+
+    def estimate(select_from_full: bool) -> int:
+        return preflight.estimate_ingest_bytes(
+            shape,
+            budget=cache_cfg.budget,
+            block_size=cache_cfg.block_size,
+            prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
+            context_tokens=total,
+            full=full,
+            longest_head=None if full else _longest_head(budgets, heads, shape, protected),
+            select_from_full=select_from_full,
+        )
+
+    prefill = _prefill_mode(cache_cfg, strategy, total, lm.context_window, estimate(True), shape, available)
+    peak_bytes = estimate(prefill == "full")
     if not force:
-        memory.check_fits(estimate, resident=shape.weight_bytes, available=memory.available_bytes())
+        preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=available)
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
-    episodes = _episodes(lines, config, lm, encoder, episodic=cache_cfg.method == "epicache")
-    peak, peak_total_entries, nbytes, stored_budgets, head_entries = 0, 0, 0, [], []
-    with store.begin(name, replace=replace) as pending:
-        for episode in episodes:
-            progress.episode(episode.index, len(episodes))
-            scorer = _scorer(config, episode, lm, layout)
-            result = block_prefill(
-                lm.model,
-                prefix_ids,
-                context_ids,
-                block_size=cache_cfg.block_size,
-                budgets=budgets,
-                scorer=scorer,
-                compact=positions == "compact",
-                on_block=progress.block,
-                heads=heads,
-            )
-            cache = result.cache
-            peak = max(peak, result.peak_layer_entries)
-            peak_total_entries = max(peak_total_entries, result.peak_total_entries)
-            stored_budgets = cache.sizes
-            head_entries += [n for layer in cache.layers for n in layer.lengths]
-            record = pending.write_episode(
-                episode.index,
-                cache.to_tensors(),
-                {
-                    "fingerprint": lm.fingerprint,
-                    "method": cache_cfg.method,
-                    "positions": positions,
-                    "next_position": str(cache.next_position),
-                    "protected": str(cache.protected),
-                    "budgets": ",".join(map(str, cache.sizes)),
-                },
-                centroid=episode.centroid.tolist(),
-                medoid_text=episode.medoid_text,
-                budgets=cache.sizes,
-                n_tokens=cache.entries,
-            )
-            nbytes += record.bytes
-        report = IngestReport(
-            name=name,
-            method=cache_cfg.method,
-            positions=positions,
-            turns=len(turns),
-            history_tokens=int(context_ids.shape[-1]),
-            episodes=len(episodes),
-            budgets=stored_budgets,
-            layer_budgets=strategy,
-            peak_layer_entries=peak,
-            peak_total_entries=peak_total_entries,
-            estimated_peak_bytes=estimate,
-            cache_bytes=nbytes,
-            seconds=round(time.perf_counter() - started, 2),
-            head_budgets=cache_cfg.head_budgets,
-            head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
-            notes=notes,
-        )
-        pending.commit(
-            model=lm.spec,
-            fingerprint=lm.fingerprint,
-            settings={
-                "method": cache_cfg.method,
-                "budget": cache_cfg.budget,
-                "block_size": cache_cfg.block_size,
-                "positions": positions,
-                "pool_kernel": cache_cfg.pool_kernel,
-                "layer_budgets": strategy,
-                **({"alpha": alpha} if alpha is not None else {}),
-                **_cake_settings(cache_cfg, strategy),
-                "head_budgets": cache_cfg.head_budgets,
-                "episodes": config.episodes.episodes,
-                "window": config.episodes.window,
-                "prompt_tokens": config.episodes.prompt_tokens,
-                "system_prompt": config.system_prompt,
-                "source": str(Path(history).resolve()) if from_file else source,
-            },
-            stats=report.to_dict(),
-        )
+    resolved = dataclasses.replace(
+        config,
+        cache=dataclasses.replace(
+            cache_cfg, positions=positions, layer_budgets=cache_cfg.layer_budgets if full else strategy, alpha=alpha,
+            prefill=prefill,
+        ),
+    )
+    return IngestPlan(
+        name=name,
+        config=resolved,
+        source=str(Path(history).resolve()) if from_file else source,
+        turns=len(turns),
+        layout=layout,
+        prefix_ids=prefix_ids,
+        context_ids=context_ids,
+        budgets=budgets,
+        heads=heads,
+        prefill=prefill,
+        episodes=_episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic),
+        estimated_peak_bytes=peak_bytes,
+        notes=notes,
+    )
+
+
+def prefill_history(
+    plan: IngestPlan, lm: LoadedModel, *, on_block: Callable[[int, int], None] | None = None
+) -> EpisodeCache:
+    """The whole history's KV, fed block by block and kept whole: what `--prefill full` selects from."""
+    return block_prefill(
+        lm.model, plan.prefix_ids, plan.context_ids, block_size=plan.config.cache.block_size, budgets=None,
+        scorer=None, on_block=on_block,
+    ).cache
+
+
+def build_episode(
+    plan: IngestPlan,
+    episode: Episode,
+    lm: LoadedModel,
+    *,
+    on_block: Callable[[int, int], None] | None = None,
+    full: EpisodeCache | None = None,
+) -> BuiltEpisode:
+    """`episode`'s cache: block prefill of the history, or with `plan.prefill == "full"` a selection from
+    `full` (`prefill_history`), scored once by the episode's patched prompt."""
+    cache_cfg = plan.config.cache
+    scorer = _scorer(plan.config, episode, lm, plan.layout)
+    compact = cache_cfg.positions == "compact"
+    if plan.prefill == "full":
+        if full is None:
+            raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
+        last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
+        cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
+                            compact=compact)  # fmt: skip
+        if on_block is not None:
+            on_block(1, 1)
+        return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries)
+    result = block_prefill(
+        lm.model,
+        plan.prefix_ids,
+        plan.context_ids,
+        block_size=cache_cfg.block_size,
+        budgets=plan.budgets,
+        scorer=scorer,
+        compact=compact,
+        on_block=on_block,
+        heads=plan.heads,
+    )
+    return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries)
+
+
+def write_episode(
+    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
+) -> EpisodeRecord:
+    """Encode one episode's cache into its file in the pending conversation (not visible until commit)."""
+    cache = built.cache
+    meta = codec.meta_of(
+        cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
+    )
+    tensors, metadata = codec.encode(cache, meta)
+    return pending.write_episode(
+        built.episode.index,
+        tensors,
+        metadata,
+        centroid=built.episode.centroid.tolist(),
+        medoid_text=built.episode.medoid_text,
+        budgets=list(meta.budgets),
+        n_tokens=cache.entries,
+    )
+
+
+def commit_ingest(
+    pending: PendingConversation,
+    plan: IngestPlan,
+    built: Sequence[EpisodeStats],
+    records: Sequence[EpisodeRecord],
+    lm: LoadedModel,
+    seconds: float,
+) -> IngestReport:
+    """Make the conversation visible with its resolved settings; returns what the ingest did."""
+    cache_cfg = plan.config.cache
+    settings = to_settings(plan.config, source=plan.source)
+    head_entries = [n for b in built for n in b.head_entries]
+    report = IngestReport(
+        name=plan.name,
+        method=cache_cfg.method,
+        positions=cache_cfg.positions,
+        turns=plan.turns,
+        history_tokens=int(plan.context_ids.shape[-1]),
+        episodes=len(built),
+        budgets=list(built[-1].budgets),
+        layer_budgets=settings["layer_budgets"],
+        peak_layer_entries=max(b.peak_layer_entries for b in built),
+        peak_total_entries=max(b.peak_total_entries for b in built),
+        estimated_peak_bytes=plan.estimated_peak_bytes,
+        cache_bytes=sum(r.bytes for r in records),
+        seconds=round(seconds, 2),
+        head_budgets=cache_cfg.head_budgets,
+        head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
+        prefill=plan.prefill,
+        notes=plan.notes,
+    )
+    pending.commit(
+        model=lm.spec,
+        fingerprint=lm.fingerprint,
+        settings=settings,
+        stats=report.to_dict(),
+    )
     return report
+
+
+def ingest(
+    history: str | os.PathLike | Sequence[Turn],
+    *,
+    store: Store,
+    lm: LoadedModel,
+    progress: IngestProgress | None = None,
+    **plan_options: Any,
+) -> IngestReport:
+    """Build and store the episode caches of one history (a file, or turns already loaded from one).
+    Nothing is visible in the store until all is written.
+
+    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
+    `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
+    passed), `force` past the memory estimate (an ingest whose estimate exceeds the available memory is
+    refused by default), `profile_dirs` where layer profiles are looked up (default: the store's
+    `profiles/`) before the shipped ones."""
+    started = time.perf_counter()
+    progress = progress or IngestProgress()
+    plan = plan_ingest(history, store=store, lm=lm, **plan_options)
+    stats: list[EpisodeStats] = []
+    records: list[EpisodeRecord] = []
+    full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
+    with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
+        for episode in plan.episodes:
+            progress.episode(episode.index, len(plan.episodes))
+            built = build_episode(plan, episode, lm, on_block=progress.block, full=full)
+            records.append(write_episode(pending, plan, built, lm))
+            stats.append(built.stats())  # the cache itself is released before the next episode is built
+        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
 
 
 def _layer_budgets(
@@ -292,7 +426,7 @@ def _layer_budgets(
 
 
 def _longest_head(
-    budgets: list[int] | CakeBudgets, heads: HeadBudgets, shape: memory.ModelShape, protected: int
+    budgets: list[int] | CakeBudgets, heads: HeadBudgets, shape: preflight.ModelShape, protected: int
 ) -> int:
     """The most entries one KV head of one layer may keep: the largest layer budget (cake: every other
     layer at its floor), and with adaptive heads that layer's whole share less the other heads' floors."""
@@ -305,18 +439,35 @@ def _longest_head(
     return largest * shape.kv_heads - (shape.kv_heads - 1) * head_floor(largest, protected, heads.floor_fraction)
 
 
-def _cake_settings(cache: CacheConfig, strategy: str) -> dict:
-    """CAKE's settings, recorded in the store when CAKE budgets or CAKE's scorer were used."""
-    if strategy != "cake" and cache.method != "cake":
-        return {}
-    cake = cache.cake
-    settings = {"cake_window": cake.window}
-    if strategy == "cake":
-        settings |= {"tau1": cake.tau1, "tau2": cake.tau2, "cake_floor_fraction": cake.floor_fraction,
-                     "cake_cascade": cake.cascade}
-    if cache.method == "cake":
-        settings |= {"cake_gamma": cake.gamma, "cake_pool_kernel": cake.pool_kernel}
-    return settings
+def _prefill_mode(
+    cache: CacheConfig,
+    strategy: str,
+    history_tokens: int,
+    window: int,
+    full_bytes: int,
+    shape: preflight.ModelShape,
+    available: int | None,
+) -> str:
+    """`block` or `full` (see `CacheConfig.prefill`). `auto` picks `full` when it can run (a method that
+    scores after the block, fixed layer budgets, a history inside the model's window) and the estimate of
+    holding the whole history fits `available`; an explicit `full` that cannot run is refused."""
+    entry = method(cache.method)
+    if entry.scorer is None or cache.prefill == "block":
+        return "block"  # full KV evicts nothing: both ways build the same cache
+    if entry.in_forward:
+        why_not = f"--method {entry.name} scores inside each block's forward"
+    elif strategy == "cake":
+        why_not = "cake layer budgets come from each block's attention"
+    elif window and history_tokens + ANSWER_ROOM > window:
+        why_not = f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window})"
+    else:
+        why_not = None
+    if cache.prefill == "full":
+        if why_not:
+            raise UserError(f"--prefill full cannot run: {why_not}; use --prefill block or auto")
+        return "full"
+    fits = available is None or full_bytes - shape.weight_bytes <= available
+    return "full" if why_not is None and fits else "block"
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
@@ -349,35 +500,12 @@ def _episodes(
 
 
 def _scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout) -> Scorer | None:
-    """The eviction scorer of `config.cache.method` (None for full KV)."""
-    cache = config.cache
-    method = cache.method
-    if method == "full":
+    """The eviction scorer of `config.cache.method` for this episode (None for full KV)."""
+    entry = method(config.cache.method)
+    if entry.scorer is None:
         return None
-    if method == "epicache":
-        return PatchedPromptScorer(
-            lm.encode(layout.question(_patched_prompt(config, episode, lm))), cache.pool_kernel
-        )
-    if method == "infinipot":
-        return PatchedPromptScorer(lm.encode(layout.question(INFINIPOT_PROMPT)), cache.pool_kernel)
-    if method == "snapkv":
-        empty = lm.encode("")
-        return BlockPromptScorer(empty, empty, SNAPKV_WINDOW, cache.block_size, cache.pool_kernel)
-    if method == "kvzip":
-        return BlockPromptScorer(
-            lm.encode(layout.before_question + KVZIP_PROMPT + "\n"),
-            lm.encode(layout.after_question),
-            tail=None,
-            block_size=cache.block_size,
-            pool_kernel=cache.pool_kernel,
-        )
-    if method == "streaming":
-        return RecencyScorer(sink=min(STREAMING_SINK, cache.budget // 4))
-    if method == "keydiff":
-        return KeyDiffScorer()
-    if method == "cake":
-        return CakeScorer(cache.cake.window, cache.cake.gamma, cache.cake.pool_kernel)
-    raise UserError(f"unknown --method {method!r}")
+    prompt = _patched_prompt(config, episode, lm) if entry.episodic else ""
+    return entry.scorer(ScorerInputs(lm.encode, layout, config.cache, prompt))
 
 
 def _medoid_cap(config: IngestConfig, lm: LoadedModel) -> int:

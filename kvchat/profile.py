@@ -9,6 +9,7 @@ not the input (EpiCache Fig. 4a), so one is computed per model and shipped or st
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ from kvchat.config import ProfileSettings
 from kvchat.errors import UserError
 from kvchat.llm import LoadedModel, weights_fingerprint
 
-DATA_DIR = Path(__file__).parent / "data"  # package data: calibration text and shipped profiles
+DATA_DIR = Path(__file__).parent / "data"  # package data: the calibration text
 PROFILE_VERSION = 1
 
 
@@ -98,8 +99,8 @@ def profile_layers(
 
 
 def shipped_profiles() -> list[Path]:
-    """Profiles that ship inside the package (kvchat/data/profiles)."""
-    return sorted((DATA_DIR / "profiles").glob("*.json"))
+    """Profiles that ship with kvchat (the repository's profiles/, installed as the package kvchat.profiles)."""
+    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(".json"))
 
 
 def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile | None:
@@ -118,8 +119,9 @@ def calibration_text() -> str:
     return (DATA_DIR / "calibration.txt").read_text()
 
 
-def save_plot(profile: LayerProfile, path: Path, budget: int = 1024) -> None:
-    """Sensitivity per layer and the budgets it gives at `budget` (needs matplotlib: kvchat[plot])."""
+def save_plot(profile: LayerProfile, path: Path, budget: int | None = None) -> None:
+    """Sensitivity per layer and the budgets it gives at `budget` (default: the budget it was measured
+    at), needs matplotlib: kvchat[plot]."""
     try:
         import matplotlib
 
@@ -129,11 +131,13 @@ def save_plot(profile: LayerProfile, path: Path, budget: int = 1024) -> None:
         raise UserError("--plot needs matplotlib: pip install 'kvchat[plot]'") from None
     from kvchat.kv.budgets import sensitivity_budgets
 
+    budget = budget or int(profile.settings.get("budget", ProfileSettings.budget))
     layers = range(len(profile.sensitivity))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5.5), sharex=True)
     top.bar(layers, profile.sensitivity, color="tab:red")
     top.set_ylabel("sensitivity (1 - key cos)")
-    top.set_title(f"{profile.model}: block-prefill sensitivity per layer")
+    name = "the default model" if profile.model == "default" else Path(profile.model).name or profile.model
+    top.set_title(f"Block-prefill sensitivity per layer of {name} (weights {profile.weights[:8]})")
     bottom.bar(layers, sensitivity_budgets(profile.sensitivity, budget, profile.alpha), color="tab:blue")
     bottom.axhline(budget, color="gray", linestyle="--", label=f"uniform {budget}")
     bottom.set_ylabel(f"budget (alpha {profile.alpha})")

@@ -48,18 +48,23 @@ def markdown(rows: Sequence[dict], *, title: str, notes: Sequence[str] = (), plo
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: Sequence[dict], path: Path) -> None:
-    """F1 and agreement vs budget, one line per method; full KV as a dashed level."""
+def plot(rows: Sequence[dict], path: Path, *, title: str = "kvchat eval", synthetic: bool = False) -> None:
+    """F1 and agreement vs budget, one line per method; full KV as a dashed level; one legend for both
+    panels; the budgets as plain numbers on the x axis; y from 0, however flat the values."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import FixedLocator, NullLocator
     except ImportError:
         raise UserError("a PNG report needs matplotlib: pip install 'kvchat[plot]'") from None
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     series = sorted({_series(r) for r in rows if r["budget"] is not None})
-    for ax, key, label in ((axes[0], "f1", "LoCoMo F1"), (axes[1], "agreement", "agreement with full KV")):
+    budgets = sorted({r["budget"] for r in rows if r["budget"] is not None})
+    f1_label = "F1 (planted facts)" if synthetic else "F1 (LoCoMo scoring)"
+    for ax, key, label in ((axes[0], "f1", f1_label), (axes[1], "agreement", "agreement with full KV")):
+        values = [r[key] for r in rows if r[key] is not None]
         for name in series:
             points = sorted((r["budget"], r[key]) for r in rows if _series(r) == name and r[key] is not None)
             if points:
@@ -67,12 +72,20 @@ def plot(rows: Sequence[dict], path: Path) -> None:
         for r in rows:
             if r["budget"] is None and r[key] is not None:
                 ax.axhline(r[key], color="black", linestyle="--", label="full KV")
-        ax.set_xscale("log", base=2)
+        if len(budgets) > 1:
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(budgets))
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticklabels([str(b) for b in budgets])
+        ax.set_ylim(0, max(0.1, max(values, default=0) * 1.15))
         ax.set_xlabel("budget (entries per layer and head)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    handles, labels = axes[0].get_legend_handles_labels()
+    unique = dict(zip(labels, handles, strict=True))
+    fig.legend(unique.values(), unique.keys(), loc="lower center", ncol=min(6, len(unique)) or 1, fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

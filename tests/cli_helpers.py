@@ -23,20 +23,23 @@ def run(home: Path, *args: str, stdin: str | None = None) -> subprocess.Complete
     )
 
 
-def run_main(home: Path, *args: str) -> subprocess.CompletedProcess:
-    """`kvchat ARGS` through kvchat.cli.main() in this process: same exit codes and output streams."""
+def run_main(home: Path, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """`kvchat ARGS` through kvchat.cli.run() (main() less its process-wide SIGPIPE setting) in this
+    process: same exit codes and output streams."""
     from transformers.utils import logging
 
-    from kvchat.cli import main
+    from kvchat.cli import run as main
 
     # The CLI silences load-time progress bars through environment variables read at import time,
     # which in this process is long past.
     logging.disable_progress_bar()
 
-    saved_env, saved_argv = dict(os.environ), sys.argv
+    saved_env, saved_argv, saved_stdin = dict(os.environ), sys.argv, sys.stdin
     stdout, stderr = io.StringIO(), io.StringIO()
     os.environ["KVCHAT_HOME"] = str(home)
     sys.argv = ["kvchat", *args]
+    if stdin is not None:
+        sys.stdin = io.StringIO(stdin)
     code = 0
     try:
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
@@ -44,7 +47,7 @@ def run_main(home: Path, *args: str) -> subprocess.CompletedProcess:
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     finally:
-        sys.argv = saved_argv
+        sys.argv, sys.stdin = saved_argv, saved_stdin
         os.environ.clear()
         os.environ.update(saved_env)
     return subprocess.CompletedProcess(["kvchat", *args], code, stdout.getvalue(), stderr.getvalue())

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from cli_helpers import KVCHAT, run, run_main
+from cli_helpers import KVCHAT, cli_env, run, run_main
 
 from kvchat.synthetic import planted_conversation
 
@@ -24,12 +27,16 @@ def ingested(tmp_path_factory, tiny_model_dir):
         "--episodes", "3", "--json",
     )
     assert result.returncode == 0, result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("kvchat: episode ")] == [
+        "kvchat: episode 1/3", "kvchat: episode 2/3", "kvchat: episode 3/3"
+    ]  # not a terminal: one line per episode, so a log shows the ingest is alive
     return home, json.loads(result.stdout)
 
 
 def test_ingest_json_reports_the_peak(ingested):
     _, report = ingested
-    assert report["name"] == "chat" and report["episodes"] == 3
+    assert report["timings_ms"]["total"] > 0 and "seconds" not in report and "episodes" not in report
+    assert report["name"] == "chat" and report["episode_count"] == 3 and report["schema"] == 1
     assert report["peak_layer_entries"] <= 80 + 32 + 256 + 16
     assert report["estimated_peak_bytes"] > 0
 
@@ -46,16 +53,17 @@ def test_ask_json_one_shot(ingested):
 
 def test_ask_reads_one_question_per_stdin_line(ingested):
     home, _ = ingested
-    result = run(home, "ask", "--json", "--max-new-tokens", "3", stdin="first question?\n\nsecond question?\n")
+    result = run(home, "ask", "--json", "--max-new-tokens", "3", stdin="first question?\n\n  second question?\r\n")
     assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
-    assert len(lines) == 2 and all(json.loads(line)["conversation"] == "chat" for line in lines)
+    records = [json.loads(line) for line in result.stdout.splitlines()]  # JSON Lines: one object a line
+    assert [r["question"] for r in records] == ["first question?", "second question?"]
+    assert all(r["conversation"] == "chat" and r["schema"] == 1 and isinstance(r["answer"], str) for r in records)
 
 
 def test_list_show_rm(ingested, tmp_path):
     home, _ = ingested
     listed = json.loads(run(home, "list", "--json").stdout)
-    assert [c["name"] for c in listed] == ["chat"]
+    assert listed["schema"] == 1 and [c["name"] for c in listed["conversations"]] == ["chat"]
     shown = json.loads(run(home, "show", "chat", "--json").stdout)
     assert len(shown["episodes"]) == 3 and all(e["budgets"] == [80, 80] for e in shown["episodes"])
     assert "chat" in run(home, "show", "chat").stdout
@@ -142,7 +150,7 @@ def test_rm_removes(tmp_path, tiny_model_dir):
     assert run(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64",
                "--block-size", "32", "--episodes", "2").returncode == 0
     assert run(tmp_path, "rm", "h").returncode == 0
-    assert json.loads(run(tmp_path, "list", "--json").stdout) == []
+    assert json.loads(run(tmp_path, "list", "--json").stdout)["conversations"] == []
 
 
 def test_help_lists_the_commands():
@@ -150,3 +158,234 @@ def test_help_lists_the_commands():
     assert result.returncode == 0
     for command in ("ingest", "ask", "list", "show", "rm"):
         assert command in result.stdout
+
+
+# --------------------------------------------------------------------------- usage errors, --version, completion
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ((), "Usage: kvchat"),
+        (("bogus",), "No such command 'bogus'"),
+        (("ingest",), "Missing argument 'HISTORY'"),
+        (("ingest", "h.json", "--budget", "abc"), "Invalid value for '--budget'"),
+        (("ingest", "h.json", "--budget", "1.5"), "Invalid value for '--budget'"),
+        (("ingest", "h.json", "--positions", "sideways"), "Invalid value for '--positions'"),
+        (("ingest", "h.json", "--layer-budgets", "cake-walk"), "Invalid value for '--layer-budgets'"),
+        (("list", "--frobnicate"), "No such option: --frobnicate"),
+        (("ask", "q?", "--max-new-tokens"), "Option '--max-new-tokens' requires an argument"),
+        (("show",), "Missing argument 'NAME'"),
+    ],
+)
+def test_usage_errors_exit_2_with_the_usage_line(tmp_path, args, fragment):
+    result = run_main(tmp_path, *args)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    shown = result.stdout + result.stderr
+    assert fragment.lower() in shown.lower() and "Usage: kvchat" in shown
+    assert "kvchat: internal error" not in shown and "Traceback" not in shown
+
+
+def test_version():
+    result = subprocess.run([*KVCHAT, "--version"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.startswith("kvchat ") and result.stderr == ""
+
+
+def test_choices_are_listed_in_help(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    shown = " ".join(run_main(Path("/nonexistent"), "ingest", "--help").stdout.split())
+    assert "original|compact|auto" in shown and "uniform|adaptive" in shown
+
+
+def test_shell_completion_script_and_conversation_names(ingested, monkeypatch):
+    home, _ = ingested
+    monkeypatch.setenv("_TYPER_COMPLETE_TEST_DISABLE_SHELL_DETECTION", "1")  # name the shell, not detect it
+    script = run(home, "--show-completion", "bash")
+    assert script.returncode == 0 and "_KVCHAT_COMPLETE" in script.stdout
+    monkeypatch.setenv("_KVCHAT_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "kvchat show ch")
+    monkeypatch.setenv("COMP_CWORD", "2")
+    completed = run(home, "show", "ch")
+    assert completed.returncode == 0 and completed.stdout.split() == ["chat"]
+
+
+# --------------------------------------------------------------------------- untrusted text
+
+HOSTILE = " [/] [b]bold[/b] \x1b[31mred\x1b[0m \x1b]0;pwned\x07 \u202eevil"
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory, tiny_model_dir):
+    """A store whose history text and model path are full of markup and escape sequences."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("hostile")
+    model = root / "m[" / "]x"  # the model path reads "m[/]x": rich markup's closing tag
+    shutil.copytree(tiny_model_dir, model)
+    messages, _ = planted_conversation(seed=3, topics=2, turns_per_topic=6)
+    history = root / "h.json"
+    history.write_text(json.dumps([{**m, "content": m["content"] + HOSTILE} for m in messages]))
+    home = root / "home"
+    result = run_main(home, "ingest", str(history), "--model", str(model), "--budget", "64", "--block-size", "32",
+                      "--episodes", "2")
+    assert result.returncode == 0, result.stderr
+    return home, str(model)
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_history_text_and_paths_are_shown_as_text(hostile, monkeypatch, terminal):
+    home, model = hostile
+    monkeypatch.setenv("TTY_COMPATIBLE", "1" if terminal else "0")  # rich's way to say "a terminal"
+    monkeypatch.setenv("COLUMNS", "400")
+    for args in (("show", "h"), ("list",)):
+        result = run_main(home, *args)
+        assert result.returncode == 0, result.stderr
+        assert "\x1b" not in result.stdout and "\x07" not in result.stdout and "\u202e" not in result.stdout
+        assert ("\t" in result.stdout) != terminal  # piped: tab-separated values
+    shown = run_main(home, "show", "h").stdout
+    assert "[/] [b]bold[/b] red  \\u202eevil" in shown  # markup as typed; the bidi override made visible
+    assert model in run_main(home, "list").stdout
+
+
+def test_piped_tables_are_tab_separated_and_whole(hostile):
+    home, model = hostile
+    lines = run_main(home, "list").stdout.splitlines()
+    assert lines[0].split("\t") == ["name", "created", "model", "method", "episodes", "turns", "MiB"]
+    assert lines[1].split("\t")[0] == "h" and lines[1].split("\t")[2] == model and len(lines) == 2
+    shown = run_main(home, "show", "h").stdout.splitlines()
+    rows = [line.split("\t") for line in shown[2:]]
+    assert all(len(r) == 4 for r in rows) and all(len(r[3]) > 90 for r in rows)  # excerpts not cut when piped
+
+
+def test_streamed_answers_are_cleaned(monkeypatch, capsys):
+    from kvchat import cli
+    from kvchat.ask import Answer
+
+    class FakeSession:
+        def ask(self, question, *, episode, on_text, log, stop):
+            for piece in ["a \x1b[3", "1mred\x1b", "[0m [b]x[/b] \x1b]0;t", "itle\x07 done"]:
+                on_text(piece)
+            return Answer("", "c", 0, 1.0, 1, 4, False, finish_reason="length")
+
+    asker = cli._Asker.__new__(cli._Asker)
+    asker.session, asker.log, asker.config = FakeSession(), True, cli.AskConfig(4)
+    asker.answer("q?", None)
+    captured = capsys.readouterr()
+    assert captured.out == "a red [b]x[/b]  done\n"
+    assert "[answer cut at --max-new-tokens 4]" in captured.err
+
+
+# --------------------------------------------------------------------------- ask: the gaps bad input found
+
+
+def test_ask_marks_a_cut_off_answer(ingested):
+    home, _ = ingested
+    plain = run_main(home, "ask", "Which gate does the flight leave from?", "--max-new-tokens", "1")
+    record = json.loads(run_main(home, "ask", "Which gate does the flight leave from?", "--max-new-tokens", "1",
+                                 "--json").stdout)
+    assert record["finish_reason"] in {"length", "stop"}
+    assert ("[answer cut at --max-new-tokens 1]" in plain.stderr) == (record["finish_reason"] == "length")
+    assert record["answer_tokens"] == (1 if record["finish_reason"] == "length" else 0)
+
+
+def test_a_question_too_long_is_refused_before_it_costs(ingested):
+    home, _ = ingested
+    result = run_main(home, "ask", "why " * 250_000)
+    assert result.returncode == 2 and result.stdout == ""
+    assert len(result.stderr.strip().splitlines()) == 1 and "the question is 999999 characters" in result.stderr
+    tokens = run_main(home, "ask", "why " * 1500)  # few characters enough, too many tokens
+    assert tokens.returncode == 2 and "the question is 1500 tokens; at most 1024" in tokens.stderr
+
+
+def test_ask_with_stdin_closed(ingested, monkeypatch):
+    """`kvchat ask <&-`: Python then has no sys.stdin at all."""
+    home, _ = ingested
+    monkeypatch.setattr(sys, "stdin", None)
+    result = run_main(home, "ask")
+    assert result.returncode == 2 and "no question" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_closed_pipe_ends_ask_quietly(ingested):
+    """`kvchat ask ... | head -c1`: the reader is gone before the answer; kvchat dies of SIGPIPE as git does,
+    with nothing on stderr, rather than reporting an internal error."""
+    home, _ = ingested
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([*KVCHAT, "ask", "Which gate?", "--max-new-tokens", "3"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, env=cli_env(home), timeout=300)
+    finally:
+        os.close(write_end)
+    assert result.returncode == -signal.SIGPIPE and result.stderr == ""
+
+
+def test_ingest_name_error_suggests_name(tmp_path):
+    history = tmp_path / "my chat.json"
+    history.write_text(json.dumps(planted_conversation(seed=1, topics=1, turns_per_topic=4)[0]))
+    result = run_main(tmp_path, "ingest", str(history))
+    assert result.returncode == 2 and "invalid conversation name 'my chat'" in result.stderr
+    assert "name it with --name" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- logs
+
+
+def test_logs_and_no_log(ingested):
+    home, _ = ingested
+    before = json.loads(run_main(home, "logs", "-n", "1000", "--json").stdout)["asks"]
+    assert run_main(home, "ask", "A question not to keep?", "--no-log", "--max-new-tokens", "2").returncode == 0
+    assert json.loads(run_main(home, "logs", "-n", "1000", "--json").stdout)["asks"] == before
+    assert run_main(home, "ask", "A question to keep?", "--max-new-tokens", "2").returncode == 0
+    logged = json.loads(run_main(home, "logs", "-n", "1", "--json").stdout)
+    assert logged["schema"] == 1 and len(logged["asks"]) == 1
+    latest = logged["asks"][0]
+    assert latest["question"] == "A question to keep?" and latest["conversation"] == "chat"
+    assert set(latest["timings_ms"]) == {"embed", "route", "load", "decode"}
+    assert json.loads(run_main(home, "logs", "--conversation", "chat", "-n", "1", "--json").stdout) == logged
+    table = run_main(home, "logs", "-n", "1").stdout.splitlines()
+    assert table[0].split("\t") == ["time", "conversation", "episode", "question", "answer"]
+    assert table[1].split("\t")[3] == "A question to keep?"
+    unknown = run_main(home, "logs", "--conversation", "nope")
+    assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
+
+
+def test_sigterm_during_an_ingest_removes_its_temp_dir(tmp_path, tiny_model_dir):
+    """SIGTERM, sent once the ingest says it is on its second episode (its temp dir then holds the first
+    episode's file), unwinds: the temp dir goes, nothing is listed, exit 143 with one line."""
+    history = tmp_path / "long.json"
+    history.write_text(json.dumps(planted_conversation(seed=7, topics=6, turns_per_topic=30)[0]))
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [*KVCHAT, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64", "--block-size", "32",
+         "--episodes", "4"],
+        env={**cli_env(home), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if line.startswith("kvchat: episode 2/"):
+            assert list((home / "caches").glob(".tmp-*")), "the ingest's temp dir should exist by now"
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest = proc.stderr.read()
+    proc.wait(timeout=300)
+    assert proc.returncode == 143, seen + [rest]
+    assert rest.strip().splitlines()[-1] == "kvchat: terminated" and "Traceback" not in rest
+    assert list((home / "caches").glob(".tmp-*")) == []
+    assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
+
+
+def test_profile_layers_says_when_its_profile_overrides_a_shipped_one(tmp_path, tiny_model_dir, monkeypatch):
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(["Maya walks the dog in the park and Tom bakes sourdough bread ."] * 20))
+    args = ("profile-layers", "--model", str(tiny_model_dir), "--text", str(text), "--budget", "48",
+            "--block-size", "16", "--sink", "4", "--json")
+    first = run_main(tmp_path, *args)
+    assert first.returncode == 0 and json.loads(first.stdout)["overrides"] is None and first.stderr == ""
+    shipped = tmp_path / "shipped" / "tiny.json"
+    shipped.parent.mkdir()
+    shipped.write_text(Path(json.loads(first.stdout)["path"]).read_text())  # as if kvchat shipped these weights'
+    monkeypatch.setattr("kvchat.profile.shipped_profiles", lambda: [shipped])
+    second = run_main(tmp_path, *args)
+    assert json.loads(second.stdout)["overrides"] == str(shipped)
+    assert "ingest now uses" in second.stderr and f"instead of the shipped {shipped}" in second.stderr

@@ -26,7 +26,9 @@ from kvchat.qa import (
 )
 from kvchat.synthetic import _TOPICS
 
-SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
+SMALL = IngestConfig(
+    cache=CacheConfig(budget=96, block_size=48, prefill="block"), episodes=EpisodeConfig(prompt_tokens=48)
+)
 
 
 # --- scoring ------------------------------------------------------------------------------------------
@@ -218,7 +220,9 @@ def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
             "--report", str(report), "--json")
     result = run_main(tmp_path / "home", *args)
     assert result.returncode == 0, result.stderr
-    rows = {r["variant"]: r for r in json.loads(result.stdout)}
+    document = json.loads(result.stdout)
+    assert document["schema"] == 1 and all(r["ingest_ms"] > 0 for r in document["rows"])
+    rows = {r["variant"]: r for r in document["rows"]}
     assert set(rows) == {REFERENCE, "streaming@256/block_size=256"}
     assert all(r["questions"] == 2 for r in rows.values())
     assert "| streaming@256/block_size=256 |" in report.read_text() and report.with_suffix(".png").stat().st_size > 0

@@ -7,15 +7,16 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
 from cli_helpers import run_main
 
-from kvchat import memory
+from kvchat import preflight
 from kvchat import store as store_module
 from kvchat.errors import UserError
-from kvchat.memory import ModelShape, check_fits, estimate_ingest_bytes
+from kvchat.preflight import ModelShape, check_fits, estimate_ingest_bytes
 from kvchat.store import Store, validate_name
 from kvchat.synthetic import planted_conversation
 
@@ -30,9 +31,10 @@ def history(tmp_path: Path) -> Path:
 
 
 def _assert_refused(home: Path, result, fragment: str) -> None:
-    """Exit 2, one line naming the problem, nothing on stdout, nothing in the store."""
+    """Exit 2, one line naming the problem (after the progress lines of a run that had started), nothing on
+    stdout, nothing in the store."""
     assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("kvchat: episode ")]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
     assert list(home.rglob("*.safetensors")) == [] and list(home.rglob(".tmp-*")) == []
@@ -51,6 +53,10 @@ def _assert_refused(home: Path, result, fragment: str) -> None:
         (("--name", ".."), "invalid conversation name"),
         (("--name", "tab\there"), "invalid conversation name"),
         (("--name", "esc\x1b[31mred"), "invalid conversation name"),
+        (("--name=-starts-like-an-option",), "invalid conversation name"),
+        (("--name", "CON"), "not a device name"),
+        (("--name", "nul.txt"), "invalid conversation name"),
+        (("--name", "a."), "not ending with '.'"),
     ],
 )
 def test_bad_ingest_options(tmp_path, history, tiny_model_dir, args, fragment):
@@ -124,19 +130,19 @@ def test_check_fits():
 
 
 def test_available_bytes_reads_this_machine():
-    available = memory.available_bytes()
+    available = preflight.available_bytes()
     assert available is None or available > 0
 
 
 def test_ingest_refuses_what_cannot_fit_unless_forced(tmp_path, history, tiny_model_dir, monkeypatch):
     home = tmp_path / "home"
-    monkeypatch.setattr(memory, "available_bytes", lambda: 1000)
+    monkeypatch.setattr(preflight, "available_bytes", lambda: 1000)
     args = ("ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--json")
     _assert_refused(home, run_main(home, *args), "pass --force to run it anyway")
     forced = run_main(home, *args, "--force")
     assert forced.returncode == 0, forced.stderr
     report = json.loads(forced.stdout)
-    assert report["estimated_peak_bytes"] > report["cache_bytes"] / report["episodes"]
+    assert report["estimated_peak_bytes"] > report["cache_bytes"] / report["episode_count"]
 
     # A damaged cache is refused when asked, with the way to rebuild it.
     path = Store(home).get("h").episodes[0].path
@@ -145,9 +151,11 @@ def test_ingest_refuses_what_cannot_fit_unless_forced(tmp_path, history, tiny_mo
     path.write_bytes(bytes(data))
     asked = run_main(home, "ask", "Which gate?", "--conversation", "h", "--episode", "0")
     assert asked.returncode == 2 and len(asked.stderr.strip().splitlines()) == 1, asked.stderr
-    assert "failed its checksum" in asked.stderr and "rebuild with `kvchat ingest HISTORY --name h --replace`" in (
-        asked.stderr
-    )
+    # The hint is the real command: the stored source and settings, as `doctor --fix` prints them.
+    rebuild = asked.stderr.split("rebuild with `")[1].split("`")[0]
+    words = shlex.split(rebuild)
+    assert "failed its checksum" in asked.stderr and words[:5] == ["kvchat", "ingest", str(history), "--name", "h"]
+    assert words[-1] == "--replace" and words[words.index("--model") + 1] == str(tiny_model_dir)
 
 
 def test_ingest_on_a_full_disk(tmp_path, history, tiny_model_dir, monkeypatch):
@@ -160,4 +168,62 @@ def test_ingest_on_a_full_disk(tmp_path, history, tiny_model_dir, monkeypatch):
     result = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), *TINY)
     _assert_refused(home, result, f"no space left on device while writing caches to {home / 'caches'}")
     assert result.stderr.strip().endswith("free space or lower --budget")
-    assert json.loads(run_main(home, "list", "--json").stdout) == []
+    assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
+
+
+# --------------------------------------------------------------------------- model files
+
+
+def _gguf(path: Path, cut: int = 0) -> Path:
+    """A small valid GGUF file (one tensor), its last `cut` bytes removed."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((64, 16), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if cut:
+        data = path.read_bytes()
+        path.write_bytes(data[:-cut])
+    return path
+
+
+def _empty(d: Path) -> Path:
+    (d / "empty.gguf").write_bytes(b"")
+    return d / "empty.gguf"
+
+
+def _random(d: Path) -> Path:
+    (d / "random.gguf").write_bytes(os.urandom(4096))
+    return d / "random.gguf"
+
+
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (_empty, "not a GGUF file (it is empty)"),
+        (_random, "does not start with GGUF's magic"),
+        (lambda d: _gguf(d / "cut.gguf", cut=1000), "damaged GGUF file"),
+    ],
+)
+def test_bad_gguf_files_are_the_users_to_fix(tmp_path, make, fragment):
+    model = make(tmp_path)
+    result = run_main(tmp_path / "home", "profile-layers", "--model", str(model))
+    assert result.returncode == 2 and fragment in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not any((tmp_path / "home" / "models").glob(".tmp-*"))
+
+
+def test_a_truncated_safetensors_model_is_the_users_to_fix(tmp_path, tiny_model_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    result = run_main(tmp_path / "home", "profile-layers", "--model", str(model))
+    assert result.returncode == 2 and "cannot load model" in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -44,7 +44,7 @@ def _locomo_prefix(source: Path, max_tokens: int, lm, target: Path) -> Path:
 def test_locomo_conversation_cut_to_2k_tokens(tmp_path, default_lm, encoder):
     history = _locomo_prefix(SHARED_DATA / "conv-30.json", 2000, default_lm, tmp_path / "conv30.json")
     store = Store(tmp_path / "home")
-    config = IngestConfig(cache=CacheConfig(budget=512, block_size=256))
+    config = IngestConfig(cache=CacheConfig(budget=512, block_size=256, prefill="block"))
     report = ingest(history, name="conv30", config=config, store=store, lm=default_lm, encoder=encoder)
     assert 1000 < report.history_tokens <= 2000 and report.episodes == 4
     assert report.layer_budgets == "sensitivity"  # the shipped profile of the embedded model is used

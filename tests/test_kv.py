@@ -10,6 +10,7 @@ from conftest import with_kvchat_attention as _with_kvchat_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvchat.kv import codec
 from kvchat.kv.attention import AttentionRecorder
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -141,11 +142,11 @@ def test_compact_makes_positions_contiguous_and_keeps_attention_consistent(model
 
 def test_rollback_restores_the_cache_exactly(model):
     cache = block_prefill(model, _ids(3, 1), _ids(50, 2), block_size=16, budgets=None, scorer=None).cache
-    before = {k: v.clone() for k, v in cache.to_tensors().items()}
+    before = {k: v.clone() for k, v in codec.encode_layers(cache).items()}
     mark = cache.checkpoint()
     forward(model, cache, _ids(9, 3))
     cache.rollback(mark)
-    after = cache.to_tensors()
+    after = codec.encode_layers(cache)
     assert cache.next_position == 53
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -154,11 +155,11 @@ def test_tensors_round_trip(model):
     cache = block_prefill(
         model, _ids(3, 1), _ids(70, 2), block_size=16, budgets=[30, 30], scorer=PatchedPromptScorer(_ids(3, 4))
     ).cache
-    tensors = cache.to_tensors()
+    tensors = codec.encode_layers(cache)
     assert set(tensors) == {"k.0", "v.0", "pos.0", "k.1", "v.1", "pos.1"}
     assert tensors["k.0"].shape == (2, 30, 16) and tensors["pos.0"].dtype == torch.int32
-    back = EpisodeCache.from_tensors(tensors, next_position=cache.next_position, protected=3)
-    assert all(torch.equal(a, b) for a, b in zip(tensors.values(), back.to_tensors().values(), strict=True))
+    back = codec.decode_layers(tensors, next_position=cache.next_position, protected=3)
+    assert all(torch.equal(a, b) for a, b in zip(tensors.values(), codec.encode_layers(back).values(), strict=True))
 
 
 def test_recorder_only_scores_entries_cached_before_the_forward(model):
@@ -187,8 +188,8 @@ def test_a_recorder_may_ask_for_the_last_queries_only(model):
         def __init__(self, rows):
             self.query_rows, self.weights = rows, {}
 
-        def record(self, layer_idx, weights, past):
-            self.weights[layer_idx] = weights
+        def record(self, view):
+            self.weights[view.layer_idx] = view.weights
 
     cache = EpisodeCache(2)
     forward(model, cache, _ids(10, 1))

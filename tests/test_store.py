@@ -235,7 +235,8 @@ def test_name_taken_while_pending_is_refused(store: Store) -> None:
     store.load_episode(committed.episodes[0], FP)
 
 
-@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "../x", "a\x00b", "a\nb", "x" * 101, ".hidden", "a b"])
+@pytest.mark.parametrize("bad", ["", ".", "..", "a/b", "../x", "a\x00b", "a\nb", "x" * 101, ".hidden", "a b",
+                                 "-dash", "CON", "com1.json", "a."])  # fmt: skip
 def test_bad_names_are_refused(store: Store, bad: str) -> None:
     with pytest.raises(UserError, match="invalid conversation name") as info:
         store.begin(bad)
@@ -243,7 +244,7 @@ def test_bad_names_are_refused(store: Store, bad: str) -> None:
     assert _tmp_dirs(store) == []
 
 
-@pytest.mark.parametrize("good", ["a", "chat-1.v2_x", "x" * 100, "2024.01", "-dash"])
+@pytest.mark.parametrize("good", ["a", "chat-1.v2_x", "x" * 100, "2024.01", "_under", "CONTROL", "a.b"])
 def test_good_names_are_accepted(store: Store, good: str) -> None:
     _ingest(store, good, n=1)
     assert store.get(good).name == good
@@ -260,7 +261,8 @@ def test_flipped_byte_is_refused(store: Store) -> None:
     with pytest.raises(CacheIntegrityError, match="rebuild") as info:
         store.load_episode(ep, FP)
     msg = str(info.value)
-    assert "checksum" in msg and "'chat'" in msg and "episode 0" in msg and "--name chat --replace" in msg
+    assert "checksum" in msg and "'chat'" in msg and "episode 0" in msg and "--name chat " in msg
+    assert msg.endswith("--replace`")  # the stored settings' rebuild command
     assert "\n" not in msg
 
 

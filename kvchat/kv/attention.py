@@ -17,6 +17,7 @@ head is padded to the longest. Models have few KV heads (3 on SmolLM2-135M), so 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -36,25 +37,47 @@ class HeadList(tuple):
     __slots__ = ()
 
 
+@dataclass(frozen=True)
+class LayerView:
+    """What a recorder sees of one layer during a forward, right after that layer's attention ran.
+
+    `weights`: softmax attention `[kv_heads, group, rows, kv]` of the forward's last `rows` queries over all
+    the layer's keys (the `past` cached entries first, then the forward's own tokens; GQA groups explicit).
+    `queries`: those queries `[1, q_heads, rows, head_dim]`, after RoPE. `hidden`: the layer's attention
+    input (after its norm) for those rows, `[1, rows, hidden]`, when the recorder asked (`needs_hidden`).
+    """
+
+    layer_idx: int
+    weights: torch.Tensor
+    past: int
+    queries: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+class Recorder(Protocol):
+    """Passed to a model forward as the `kvchat_recorder` keyword; kvchat's attention calls `record` once
+    per layer after that layer's attention output is computed, so it may evict from the cache. The prefill
+    loop's recorders are `AttentionRecorder` (probe passes) and `kvchat.kv.cascade.BlockWindow` (scores
+    and CAKE budgets inside the block's forward)."""
+
+    query_rows: int | None  # the last queries whose weights it needs (None: all)
+
+    def record(self, view: LayerView) -> None: ...
+
+
 @dataclass
 class AttentionRecorder:
     """Collects, per layer, the max attention each cached entry receives from the current queries.
 
-    Passed to a model forward as the `kvchat_recorder` keyword; transformers hands it to every attention
-    call. `scores[layer]` is `[kv_heads, past_len]`: max over the queries and over the query heads of each
-    GQA group (EpiCache eq. 3). Only entries cached before this forward are scored.
-
-    Any object with `record(layer_idx, weights, past)` and `query_rows` can be passed instead (CAKE's
-    block window, kvchat.kv.cascade): `query_rows` limits the weights to the last queries (None: all), and
-    `record` is called once the layer's attention output is computed, so it may evict from the cache.
+    `scores[layer]` is `[kv_heads, past_len]`: max over the queries and over the query heads of each GQA
+    group (EpiCache eq. 3). Only entries cached before this forward are scored.
     """
 
     scores: dict[int, torch.Tensor] = field(default_factory=dict)
     query_rows: int | None = None
 
-    def record(self, layer_idx: int, weights: torch.Tensor, past: int) -> None:
-        # weights: [kv_heads, group, q, kv]; keep columns of the entries cached before this forward.
-        self.scores[layer_idx] = weights[..., :past].amax(dim=(1, 2))
+    def record(self, view: LayerView) -> None:
+        self.scores[view.layer_idx] = view.weights[..., : view.past].amax(dim=(1, 2))
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
@@ -88,14 +111,15 @@ def kvchat_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    kvchat_recorder: AttentionRecorder | None = None,
+    kvchat_recorder: Recorder | None = None,
+    kvchat_hidden: dict[int, torch.Tensor] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """SDPA with a per-layer causal mask; optionally records attention for scoring."""
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     if isinstance(key, HeadList):
-        return _ragged_attention(module, query, key, value, attention_mask, scaling, kvchat_recorder)
+        return _ragged_attention(module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden)
     q_len, kv_len = query.shape[2], key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
@@ -106,8 +130,20 @@ def kvchat_attention(
         )
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
-        kvchat_recorder.record(module.layer_idx, weights, kv_len - q_len)
+        kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden))
     return out.transpose(1, 2).contiguous(), None
+
+
+def _view(
+    layer_idx: int, weights: torch.Tensor, past: int, query: torch.Tensor, hidden: dict[int, torch.Tensor] | None
+) -> LayerView:
+    """The recorder's view of a layer: the last `rows` queries (those `weights` cover) and hidden states."""
+    rows = weights.shape[-2]
+    layer_hidden = hidden.pop(layer_idx, None) if hidden is not None else None
+    return LayerView(
+        layer_idx, weights, past, query[:, :, query.shape[2] - rows :],
+        None if layer_hidden is None else layer_hidden[:, layer_hidden.shape[1] - rows :],
+    )
 
 
 def _ragged_attention(
@@ -117,7 +153,8 @@ def _ragged_attention(
     value: HeadList,
     attention_mask: torch.Tensor | None,
     scaling: float | None,
-    recorder: AttentionRecorder | None,
+    recorder: Recorder | None,
+    hidden: dict[int, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, None]:
     """Attention of a ragged layer: per KV head h, its group of query heads attends over that head's own
     `n_h` entries only. Same causal rule as the uniform path: cached entries visible, new tokens causal.
@@ -132,21 +169,24 @@ def _ragged_attention(
     kv_heads, q_len = len(key), query.shape[2]
     group = query.shape[1] // kv_heads
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    rows = q_len if recorder is None else min(recorder.query_rows or q_len, q_len)
     outs, weights = [], []
     for h in range(kv_heads):
         q = query[:, h * group : (h + 1) * group]
         mask = causal_mask(q_len, key[h].shape[2], query.device)
         if recorder is not None:
-            weights.append(grouped_attention_weights(q, key[h], scale, mask)[0])  # [group, q, n_h]
+            last = None if mask is None else mask[q_len - rows :]
+            # [group, rows, n_h]
+            weights.append(grouped_attention_weights(q[:, :, q_len - rows :], key[h], scale, last)[0])
         outs.append(F.scaled_dot_product_attention(q, key[h], value[h], attn_mask=mask, scale=scale, enable_gqa=True))
     if recorder is not None:
         past = max(w.shape[-1] for w in weights) - q_len
-        padded = weights[0].new_zeros(kv_heads, group, q_len, past + q_len)
+        padded = weights[0].new_zeros(kv_heads, group, rows, past + q_len)
         for h, w in enumerate(weights):
             own = w.shape[-1] - q_len
             padded[h, ..., :own] = w[..., :own]
             padded[h, ..., past:] = w[..., own:]
-        recorder.record(module.layer_idx, padded, past)
+        recorder.record(_view(module.layer_idx, padded, past, query, hidden))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 

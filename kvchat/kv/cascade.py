@@ -44,9 +44,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvchat.kv.attention import LayerView
 from kvchat.kv.budgets import cake_budgets, cascade_budgets
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.scoring import CakeScorer, select_top
+from kvchat.kv.scoring import Scorer, select_top
 
 
 @dataclass(frozen=True)
@@ -85,14 +86,14 @@ def layer_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
 class BlockWindow:
     """Attention recorder of one block's forward (see the module docstring).
 
-    `budgets` are a layer's final budgets (fixed) or `CakeBudgets`; `scorer` is set when the window also
-    supplies the scores; `evict` says whether this block evicts at all (decided before the forward);
+    `budgets` are a layer's final budgets (fixed) or `CakeBudgets`; `scorer` is set when it scores during
+    the forward (`Scorer.layer_scores`); `evict` says whether this block evicts at all (decided before the forward);
     `caps[l]` is what layer l holds once the block is appended (cake budgets never exceed it).
     """
 
     cache: EpisodeCache
     budgets: Sequence[int] | CakeBudgets
-    scorer: CakeScorer | None
+    scorer: Scorer | None
     evict: bool
     caps: Sequence[int] | None = None
     preferences: list[float] = field(default_factory=list)
@@ -100,16 +101,21 @@ class BlockWindow:
 
     @property
     def query_rows(self) -> int:
-        if isinstance(self.budgets, CakeBudgets):
-            return max(self.budgets.window, self.scorer.window if self.scorer else 0)
-        return self.scorer.window
+        own = self.budgets.window if isinstance(self.budgets, CakeBudgets) else 0
+        return max(own, self.scorer.query_rows if self.scorer else 0)
 
-    def record(self, layer_idx: int, weights: torch.Tensor, past: int) -> None:
-        """Called by kvchat's attention once layer `layer_idx` has its output; `weights` are its window's."""
+    @property
+    def needs_hidden(self) -> bool:
+        return self.scorer is not None and self.scorer.needs_hidden
+
+    def record(self, view: LayerView) -> None:
+        """Called by kvchat's attention once layer `view.layer_idx` has its output."""
         cake = self.budgets if isinstance(self.budgets, CakeBudgets) else None
-        preference = None if cake is None else layer_preference(weights[..., -cake.window :, :], cake.tau1, cake.tau2)
-        scores = None if self.scorer is None else self.scorer.window_scores(weights[..., -self.scorer.window :, :])
-        self.layer_done(layer_idx, preference, scores)
+        preference = (
+            None if cake is None else layer_preference(view.weights[..., -cake.window :, :], cake.tau1, cake.tau2)
+        )
+        scores = None if self.scorer is None else self.scorer.layer_scores(view)
+        self.layer_done(view.layer_idx, preference, scores)
 
     def layer_done(self, layer_idx: int, preference: float | None, scores: torch.Tensor | None) -> None:
         """Layer `layer_idx` ran: note its preference and scores, and evict what this stage allows (Alg. 1)."""
@@ -146,7 +152,7 @@ class BlockWindow:
     def _evict(self, layer: int, budget: int) -> None:
         index = select_top(self.scores[layer], budget, self.cache.protected)
         if index is not None:
-            self.cache.layers[layer].keep(index)
+            self.cache.keep_layer(layer, index)
             self.scores[layer] = self.scores[layer].gather(-1, index)
 
 

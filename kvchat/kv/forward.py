@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
-from kvchat.kv.attention import AttentionRecorder
+from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
 
 
@@ -14,23 +17,50 @@ def forward(
     cache: EpisodeCache,
     ids: torch.Tensor,
     *,
-    recorder: AttentionRecorder | None = None,
+    recorder: Recorder | None = None,
     last_logits_only: bool = True,
 ) -> torch.Tensor:
     """Feed `ids` [1, n]; returns logits (of the last token only, by default) and advances the cache.
 
     Position ids are passed explicitly: after eviction the physical cache is shorter than the logical
-    position, and transformers would otherwise infer positions from the physical length.
+    position, and transformers would otherwise infer positions from the physical length. A `recorder`
+    sees every layer's attention (kvchat.kv.attention.LayerView); one with `needs_hidden` also gets the
+    layers' attention inputs.
     """
     n = ids.shape[-1]
-    extra = {"kvchat_recorder": recorder} if recorder is not None else {}
-    out = model(
-        input_ids=ids,
-        position_ids=cache.position_ids(n),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1 if last_logits_only else 0,
-        **extra,
-    )
+    extra: dict = {}
+    if recorder is not None:
+        extra["kvchat_recorder"] = recorder
+    with _hidden_states(model, getattr(recorder, "needs_hidden", False)) as hidden:
+        if hidden is not None:
+            extra["kvchat_hidden"] = hidden
+        out = model(
+            input_ids=ids,
+            position_ids=cache.position_ids(n),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1 if last_logits_only else 0,
+            **extra,
+        )
     cache.advance(n)
     return out.logits
+
+
+@contextmanager
+def _hidden_states(model: torch.nn.Module, wanted: bool) -> Iterator[dict[int, torch.Tensor] | None]:
+    """While inside, every attention module's input hidden states land in the yielded dict by layer index
+    (torch forward pre-hooks: a public extension point; the model's code is untouched)."""
+    if not wanted:
+        yield None
+        return
+    captured: dict[int, torch.Tensor] = {}
+
+    def stash(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        captured[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+
+    handles = [layer.self_attn.register_forward_pre_hook(stash, with_kwargs=True) for layer in model.model.layers]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()

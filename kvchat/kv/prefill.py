@@ -2,8 +2,17 @@
 
 Peak entries per layer stay below protected prefix + budget + block + scorer's transient tokens,
 whatever the history's length (EpiCache Fig. 1c). Eviction happens after the block, once a scorer's
-probe pass has scored every layer, or during the block's forward when CAKE's window supplies the
-scores (kvchat.kv.cascade, which also computes `cake` budgets from the block's attention).
+probe pass has scored every layer, or during the block's forward when the scorer reads the block there
+(`Scorer.in_forward`, kvchat.kv.scoring) or CAKE budgets are computed from it (kvchat.kv.cascade).
+
+`select_from` is the other way to the same kind of cache (`--prefill full`): one cache holding the whole
+history is scored once per episode and each episode keeps a copy of its top entries, so every kept entry
+was computed with the whole history in view, at the cost of a peak that grows with the history.
+
+The loop can continue a cache built earlier (`resume`): blocks are cut from where that cache stopped, so
+prefilling A and then resuming with B gives exactly the cache of prefilling A + B in one call when A
+ends on a block boundary (a cache that was evicted after a partial last block has already chosen what
+the shorter block let it keep).
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import BlockWindow, CakeBudgets, block_evicts
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
-from kvchat.kv.scoring import CakeScorer, Scorer
+from kvchat.kv.scoring import Scorer, scores_in_forward
 
 
 @dataclass(frozen=True)
@@ -30,15 +39,16 @@ class PrefillResult:
 
 def block_prefill(
     model: torch.nn.Module,
-    prefix_ids: torch.Tensor,
+    prefix_ids: torch.Tensor | None,
     context_ids: torch.Tensor,
     *,
     block_size: int,
     budgets: Sequence[int] | CakeBudgets | None,
-    scorer: Scorer | CakeScorer | None,
+    scorer: Scorer | None,
     compact: bool = False,
     on_block: Callable[[int, int], None] | None = None,
     heads: HeadBudgets = HeadBudgets(),
+    resume: EpisodeCache | None = None,
 ) -> PrefillResult:
     """Build an episode cache: `prefix_ids` (never evicted), then `context_ids` in blocks.
 
@@ -47,23 +57,28 @@ def block_prefill(
     eviction so the cache fits a short context window. `on_block(done, total)` reports progress.
     `heads` shares each layer's budget among its KV heads (uniform, or adaptive: heads keep different
     counts and the layer becomes ragged; sizes and the peak then count entries per head averaged over
-    the layer's heads).
+    the layer's heads). `resume` continues that cache (its prefix is already in; `prefix_ids` must be
+    None) and extends it in place; its peaks keep counting from where they were.
     """
-    num_layers = model.config.num_hidden_layers
-    cache = EpisodeCache(num_layers)
-    forward(model, cache, prefix_ids)
-    cache.protected = prefix_ids.shape[-1]
+    if resume is None:
+        cache = EpisodeCache(model.config.num_hidden_layers)
+        forward(model, cache, prefix_ids)
+        cache.protected = prefix_ids.shape[-1]
+    elif prefix_ids is not None:
+        raise ValueError("a resumed cache already holds its prefix: pass prefix_ids=None")
+    else:
+        cache = resume
     blocks = list(context_ids.split(block_size, dim=-1))
     rotary = model.model.rotary_emb
-    in_block = isinstance(scorer, CakeScorer)
+    in_forward = scorer is not None and scores_in_forward(scorer)
     for done, block in enumerate(blocks, start=1):
         evict = budgets is not None and block_evicts(cache, block.shape[-1], budgets)
         window = None
-        if budgets is not None and (in_block or isinstance(budgets, CakeBudgets)):
+        if budgets is not None and (in_forward or isinstance(budgets, CakeBudgets)):
             caps = [n + block.shape[-1] for n in cache.sizes]
-            window = BlockWindow(cache, budgets, scorer if in_block else None, evict, caps)
+            window = BlockWindow(cache, budgets, scorer if in_forward else None, evict, caps)
         forward(model, cache, block, recorder=window)
-        if evict and not in_block:  # the scorer's pass comes after the block: evict every layer once
+        if evict and not in_forward:  # the scorer reads the cache after the block: evict every layer once
             assert scorer is not None, "a budget needs a scorer"
             final = window.final_budgets() if window is not None else budgets
             scores = scorer(model, cache, block)
@@ -81,3 +96,31 @@ def block_prefill(
         cache=cache, peak_layer_entries=cache.peak_layer_entries, blocks=len(blocks),
         peak_total_entries=cache.peak_total_entries,
     )
+
+
+def select_from(
+    model: torch.nn.Module,
+    full: EpisodeCache,
+    last_block: torch.Tensor,
+    *,
+    budgets: Sequence[int],
+    scorer: Scorer,
+    heads: HeadBudgets = HeadBudgets(),
+    compact: bool = False,
+) -> EpisodeCache:
+    """An episode cache chosen from `full` (everything kept, e.g. `block_prefill(budgets=None)`): `scorer`
+    reads it once, as after the history's last block (`last_block`, its ids), and each layer keeps its top
+    `budgets[l]` entries, shared among heads by `heads`. `full` is left whole for the next episode; its
+    peaks count the scorer's probe."""
+    if scores_in_forward(scorer):
+        raise ValueError("selecting from a full cache needs a scorer that reads it after the block")
+    scores = scorer(model, full, last_block)
+    cache = full.copy()
+    cache.keep(
+        [heads.select(s, b, cache.protected, layer.lengths) for s, b, layer in zip(scores, budgets, cache.layers,
+                                                                                    strict=True)]
+    )
+    cache.peak_layer_entries, cache.peak_total_entries = full.peak_layer_entries, full.peak_total_entries
+    if compact:
+        cache.compact(model.model.rotary_emb)
+    return cache

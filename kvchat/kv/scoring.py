@@ -1,6 +1,16 @@
 """Scorers: one score per (layer, KV head, cached entry); higher means keep.
 
-A scorer sees the model, the cache right after a block was appended, and that block's ids.
+One protocol, two moments a scorer may read the block (a method's registry entry, kvchat.kv.methods,
+says which one it uses as `in_forward`):
+- **after the block** (`__call__`): the block is in the cache; score every layer at once, by a probe
+  pass whose queries attend to the cache (EpiCache's patched prompt, SnapKV, InfiniPot, KVzip) or from
+  the keys alone (StreamingLLM, KeyDiff). The prefill loop then evicts every layer.
+- **during the block's forward** (`layer_scores`): right after layer l's attention, from a `LayerView` of
+  the block's last `query_rows` queries (their attention weights, the queries themselves and, with
+  `needs_hidden`, the layer's input hidden states); the loop evicts layer l before layer l+1 runs (CAKE's
+  indicator; a learned indexer reads the hidden states the same way). No extra pass.
+`BlockScorer` holds the defaults; a plain object with `__call__` and `transient_tokens` is an after-block
+scorer too.
 """
 
 from __future__ import annotations
@@ -11,22 +21,46 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from kvchat.kv.attention import AttentionRecorder
+from kvchat.kv.attention import AttentionRecorder, LayerView
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 
 
 class Scorer(Protocol):
-    """Scores every cached entry of every layer: a list of [kv_heads, n_l] tensors."""
+    """Scores every cached entry of every layer: `[kv_heads, n_l]` per layer (see the module docstring)."""
 
-    def __call__(
-        self, model: torch.nn.Module, cache: EpisodeCache, block_ids: torch.Tensor
-    ) -> list[torch.Tensor]: ...
+    transient_tokens: int  # tokens the scorer adds to attention while scoring (counted in the peak)
+    in_forward: bool       # scores come from `layer_scores` during the block's forward, not `__call__`
+    query_rows: int        # the block's last queries `layer_scores` reads
+    needs_hidden: bool     # `layer_scores` reads the layer's input hidden states
 
-    @property
-    def transient_tokens(self) -> int:
-        """Tokens the scorer adds to attention while scoring (counted in the peak)."""
+    def layer_scores(self, view: LayerView) -> torch.Tensor:
+        """During the block's forward: scores `[kv_heads, n]` of layer `view.layer_idx`'s entries."""
         ...
+
+    def __call__(self, model: torch.nn.Module, cache: EpisodeCache, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        """After the block: scores of every layer."""
+        ...
+
+
+class BlockScorer:
+    """Defaults of the protocol: an after-block scorer adding no tokens. Subclasses override what they use."""
+
+    transient_tokens: int = 0
+    in_forward: bool = False
+    query_rows: int = 0
+    needs_hidden: bool = False
+
+    def layer_scores(self, view: LayerView) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} scores after the block, not during its forward")
+
+    def __call__(self, model: torch.nn.Module, cache: EpisodeCache, block_ids: torch.Tensor) -> list[torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} scores during the block's forward")
+
+
+def scores_in_forward(scorer: Scorer) -> bool:
+    """Whether `scorer` reads the block during its forward (a plain `__call__` object does not)."""
+    return bool(getattr(scorer, "in_forward", False))
 
 
 def probe_scores(model: torch.nn.Module, cache: EpisodeCache, prompt_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -41,7 +75,7 @@ def probe_scores(model: torch.nn.Module, cache: EpisodeCache, prompt_ids: torch.
 
 
 @dataclass(frozen=True)
-class PatchedPromptScorer:
+class PatchedPromptScorer(BlockScorer):
     """EpiCache: score by the attention an episode-specific patched prompt pays to each entry."""
 
     prompt_ids: torch.Tensor  # [1, P]
@@ -83,7 +117,7 @@ def select_top(scores: torch.Tensor, budget: int, protected: int) -> torch.Tenso
 
 
 @dataclass(frozen=True)
-class BlockPromptScorer:
+class BlockPromptScorer(BlockScorer):
     """A patched prompt built from the block itself: SnapKV (its last `tail` tokens) and KVzip
     (an instruction followed by the whole block), as adapted to block prefill in EpiCache A.2."""
 
@@ -107,7 +141,7 @@ class BlockPromptScorer:
 
 
 @dataclass(frozen=True)
-class RecencyScorer:
+class RecencyScorer(BlockScorer):
     """StreamingLLM: keep `sink` entries right after the protected prefix, then the most recent."""
 
     sink: int
@@ -124,7 +158,7 @@ class RecencyScorer:
 
 
 @dataclass(frozen=True)
-class KeyDiffScorer:
+class KeyDiffScorer(BlockScorer):
     """KeyDiff: keep keys least similar to the block's mean normalised key (distinct keys carry more)."""
 
     transient_tokens: int = 0
@@ -140,7 +174,7 @@ class KeyDiffScorer:
 
 
 @dataclass(frozen=True)
-class CakeScorer:
+class CakeScorer(BlockScorer):
     """CAKE's attention-shift tolerant eviction indicator (eq. 11), from the block's own last window.
 
     For an entry n before the window, over the window's queries: `mean(A[:, n]) + gamma * var(A[:, n])`
@@ -155,6 +189,14 @@ class CakeScorer:
     gamma: float       # weight of the variance
     pool_kernel: int   # odd; 1 = no pooling
     transient_tokens: int = 0
+    in_forward = True
+
+    @property
+    def query_rows(self) -> int:
+        return self.window
+
+    def layer_scores(self, view: LayerView) -> torch.Tensor:
+        return self.window_scores(view.weights[..., -self.window :, :])
 
     def window_scores(self, weights: torch.Tensor) -> torch.Tensor:
         """Scores [kv_heads, kv] from the window's attention `weights` [kv_heads, group, w, kv]."""

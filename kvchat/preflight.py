@@ -1,9 +1,11 @@
 """Pre-flight memory estimate for an ingest: refuse one that cannot fit before it starts, rather than
-be killed by the OOM killer halfway. The estimate follows the bound DESIGN.md promises: peak KV
-entries per layer <= budget + block + patched prompt, whatever the history's length."""
+be killed by the OOM killer halfway. The estimate follows the bound block prefill promises
+(ARCHITECTURE.md): peak KV entries per layer <= budget + block + patched prompt, whatever the
+history's length."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,7 @@ def estimate_ingest_bytes(
     context_tokens: int,
     full: bool,
     longest_head: int | None = None,
+    select_from_full: bool = False,
 ) -> int:
     """Peak bytes of one ingest, weights included (an upper estimate, not a measurement).
 
@@ -63,11 +66,16 @@ def estimate_ingest_bytes(
     finished cache of the previous episode plus its serialised copy while it is written (2 x kept
     entries), one layer's copy while a block is appended, one block's activations, and one layer's
     attention scores for the block and for the patched prompt (weights and softmax; ragged heads are
-    padded to the longest there).
+    padded to the longest there). `select_from_full` (`--prefill full`): the whole context stays live while
+    each episode's patched prompt scores it and `budget` entries per layer are copied out.
     """
-    live = context_tokens if full else budget + block_size + prompt_tokens
-    kept = context_tokens if full else budget
-    widest = live if full else (longest_head or budget) + block_size + prompt_tokens
+    if select_from_full:
+        live, kept, widest = context_tokens + prompt_tokens, budget, context_tokens + prompt_tokens
+        full = False  # the patched prompt's scores are counted below
+    else:
+        live = context_tokens if full else budget + block_size + prompt_tokens
+        kept = context_tokens if full else budget
+        widest = live if full else (longest_head or budget) + block_size + prompt_tokens
     entry = shape.kv_heads * (2 * shape.head_dim * shape.dtype_bytes + POSITION_BYTES)  # K, V, position
     cache = (live + 2 * kept) * entry * shape.layers + widest * entry
     activations = block_size * shape.hidden * ACTIVATION_FACTOR * FLOAT_BYTES
@@ -93,6 +101,21 @@ def available_bytes() -> int | None:
             continue
         available = min(available, max(limit - usage, 0))
     return available
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota when one is
+    set (a container's `os.cpu_count()` is the host's)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):  # absent, or "max": no quota
+        pass
+    return cores
 
 
 def check_fits(estimate: int, *, resident: int, available: int | None) -> None:

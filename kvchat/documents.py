@@ -1,0 +1,90 @@
+"""The JSON documents kvchat prints with `--json`: one vocabulary across commands, and a schema version.
+
+Every document is a JSON object with `"schema": SCHEMA`; `kvchat ask --json` prints one such object per
+question (JSON Lines). One vocabulary (the README's "JSON output" section lists every shape):
+
+- `episodes` is always a list of episode objects; a number of episodes is `episode_count`.
+- sizes on disk are `cache_bytes`; durations are milliseconds in `timings_ms` (a dict of phases; ingest's
+  one phase is `total`) or in a key ending in `_ms`.
+- an answer's text is `answer`, next to the `question` it answers.
+
+SCHEMA changes when a key is removed or changes meaning; new keys may appear within a version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SCHEMA = 1
+
+
+def document(**fields: Any) -> dict[str, Any]:
+    return {"schema": SCHEMA, **fields}
+
+
+def ingest(report) -> dict[str, Any]:
+    """`kvchat ingest --json`, from an `IngestReport`."""
+    fields = report.to_dict()
+    seconds = fields.pop("seconds")
+    fields["episode_count"] = fields.pop("episodes")
+    return document(**fields, timings_ms={"total": round(seconds * 1000, 1)})
+
+
+def answer(question: str, result) -> dict[str, Any]:
+    """One line of `kvchat ask --json`, from an `Answer`."""
+    fields = dataclasses.asdict(result)
+    return document(question=question, answer=fields.pop("text"), **fields)
+
+
+def conversation(record) -> dict[str, Any]:
+    """A conversation in `kvchat list --json`."""
+    return {
+        "name": record.name,
+        "created_at": record.created_at,
+        "model": record.model,
+        "method": record.settings.get("method"),
+        "episode_count": len(record.episodes),
+        "turns": record.stats.get("turns"),
+        "cache_bytes": sum(e.bytes for e in record.episodes),
+    }
+
+
+def conversations(records) -> dict[str, Any]:
+    """`kvchat list --json`."""
+    return document(conversations=[conversation(r) for r in records])
+
+
+def show(record) -> dict[str, Any]:
+    """`kvchat show NAME --json`: the conversation, its settings, stats and episodes."""
+    return document(
+        **conversation(record),
+        settings=record.settings,
+        stats=record.stats,
+        episodes=[
+            {"index": e.index, "budgets": e.budgets, "cache_bytes": e.bytes, "entries": e.n_tokens,
+             "medoid_text": e.medoid_text}
+            for e in record.episodes
+        ],
+    )
+
+
+def asks(rows) -> dict[str, Any]:
+    """`kvchat logs --json`, from `Store.asks()` rows (newest first)."""
+    return document(asks=[
+        {"id": r["id"], "created_at": r["created_at"], "conversation": r["conversation"], "episode": r["episode"],
+         "question": r["question"], "answer": r["answer"], "similarity": r["similarity"],
+         "timings_ms": r.get("timings") or {}}
+        for r in rows
+    ])
+
+
+def eval_rows(rows) -> dict[str, Any]:
+    """`kvchat eval --json`: one row per variant (`kvchat.evaluate.summarize`)."""
+    out = []
+    for row in rows:
+        row = dict(row)
+        seconds = row.pop("ingest_seconds", None)
+        row["ingest_ms"] = None if seconds is None else round(seconds * 1000, 1)
+        out.append(row)
+    return document(rows=out)

@@ -1,0 +1,152 @@
+"""The episode file format, in one place: the tensors and metadata an episode cache is stored as.
+
+An episode file is a safetensors file (never pickle). Per layer l:
+- uniform layer (`UniformLayer`): `k.{l}`, `v.{l}` `[kv_heads, n, head_dim]` in the model's dtype and
+  `pos.{l}` `[kv_heads, n]` int32, the original token position of every entry;
+- ragged layer (`RaggedLayer`, `--head-budgets adaptive`): `k.{l}`, `v.{l}` `[total, head_dim]` with the
+  heads' rows concatenated in head order, `pos.{l}` `[total]` int32 and `len.{l}` `[kv_heads]` int32, each
+  head's row count. Only kept entries are written.
+
+Format versions (metadata `format_version`):
+- "1": uniform layers only.
+- "2": as "1", plus ragged layers. A "1" file is a "2" file without ragged layers.
+kvchat writes `FORMAT_VERSION` and reads `READABLE_FORMAT_VERSIONS`. The store (kvchat.store) stamps the
+version on every file it writes and refuses unreadable versions and foreign model fingerprints before a
+tensor is allocated; everything about the content is decoded here.
+
+Metadata (strings, a safetensors rule): `EpisodeMeta`'s fields. A new layer type adds its tensor names
+and a version here, and nowhere else (ARCHITECTURE.md, "Where things go").
+
+Importing this module loads torch only (the cache classes load transformers, which takes seconds), so
+the store and `kvchat list` can use the format versions without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from kvchat.kv.cache import EpisodeCache
+    from kvchat.kv.layers import CacheLayer
+
+FORMAT_VERSION = "2"  # written
+READABLE_FORMAT_VERSIONS = ("1", "2")
+
+
+@dataclass(frozen=True)
+class EpisodeMeta:
+    """What an episode file says about its cache, besides the tensors."""
+
+    fingerprint: str            # the model that built it (kvchat.llm.model_fingerprint)
+    method: str                 # the eviction method (kvchat.kv.methods)
+    positions: str              # original | compact (keys re-rotated to 0..n-1)
+    next_position: int          # logical position of the next token fed after the history
+    protected: int              # leading entries of every head (the system prompt) never evicted
+    budgets: tuple[int, ...] = ()  # per layer, kept entries per KV head (ragged: the mean, rounded up)
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            "fingerprint": self.fingerprint,
+            "method": self.method,
+            "positions": self.positions,
+            "next_position": str(self.next_position),
+            "protected": str(self.protected),
+            "budgets": ",".join(map(str, self.budgets)),
+        }
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, str]) -> EpisodeMeta:
+        """Parse file metadata; raises ValueError naming what is missing or malformed."""
+        try:
+            budgets = metadata.get("budgets", "")
+            return cls(
+                fingerprint=metadata["fingerprint"],
+                method=metadata.get("method", "epicache"),
+                positions=metadata.get("positions", "original"),
+                next_position=int(metadata["next_position"]),
+                protected=int(metadata.get("protected", "0")),
+                budgets=tuple(int(b) for b in budgets.split(",")) if budgets else (),
+            )
+        except KeyError as e:
+            raise ValueError(f"episode metadata has no {e.args[0]!r}") from None
+        except ValueError as e:
+            raise ValueError(f"episode metadata is malformed: {e}") from None
+
+
+def meta_of(cache: EpisodeCache, *, fingerprint: str, method: str, positions: str) -> EpisodeMeta:
+    """The metadata of a freshly built cache."""
+    return EpisodeMeta(fingerprint, method, positions, cache.next_position, cache.protected, tuple(cache.sizes))
+
+
+def encode(cache: EpisodeCache, meta: EpisodeMeta) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of an episode file (the store adds `format_version`)."""
+    return encode_layers(cache), meta.to_metadata()
+
+
+def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[EpisodeCache, EpisodeMeta]:
+    """The cache an episode file holds; raises ValueError when the tensors or metadata do not describe one."""
+    meta = EpisodeMeta.from_metadata(metadata)
+    return decode_layers(tensors, next_position=meta.next_position, protected=meta.protected), meta
+
+
+def encode_layers(cache: EpisodeCache) -> dict[str, torch.Tensor]:
+    """Every layer's tensors, named as the module docstring says."""
+    out: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(cache.layers):
+        out.update(_encode_layer(layer, i))
+    return out
+
+
+def decode_layers(tensors: dict[str, torch.Tensor], *, next_position: int, protected: int) -> EpisodeCache:
+    """The inverse of `encode_layers`; a layer with a `len.{l}` tensor is ragged. Raises ValueError when the
+    tensors do not describe a cache."""
+    num_layers = sum(1 for name in tensors if name.startswith("k."))
+    if any(f"{n}.{i}" not in tensors for i in range(num_layers) for n in ("k", "v", "pos")):
+        raise ValueError(f"cache tensors are incomplete: {sorted(tensors)}")
+    from kvchat.kv.cache import EpisodeCache  # transformers, only when a cache is built (module docstring)
+
+    layers = [_decode_layer(tensors, i) for i in range(num_layers)]
+    return EpisodeCache.of_layers(layers, next_position=next_position, protected=protected)
+
+
+def _encode_layer(layer: CacheLayer, i: int) -> dict[str, torch.Tensor]:
+    if layer.ragged:
+        return {
+            f"k.{i}": torch.cat([k[0, 0] for k in layer.keys]),
+            f"v.{i}": torch.cat([v[0, 0] for v in layer.values]),
+            f"pos.{i}": torch.cat(layer.positions).to(torch.int32),
+            f"len.{i}": torch.tensor(layer.lengths, dtype=torch.int32),
+        }
+    return {
+        f"k.{i}": layer.keys[0].contiguous(),
+        f"v.{i}": layer.values[0].contiguous(),
+        f"pos.{i}": layer.positions.to(torch.int32).contiguous(),
+    }
+
+
+def _decode_layer(tensors: dict[str, torch.Tensor], i: int) -> CacheLayer:
+    from kvchat.kv.layers import RaggedLayer, UniformLayer
+
+    keys, values, positions = (tensors[f"{n}.{i}"] for n in ("k", "v", "pos"))
+    if f"len.{i}" not in tensors:
+        if keys.dim() != 3 or values.shape != keys.shape or positions.shape != keys.shape[:2]:
+            raise ValueError(f"layer {i}: keys {list(keys.shape)}, values {list(values.shape)} and positions "
+                             f"{list(positions.shape)} do not describe a uniform layer")
+        return UniformLayer.of(keys.unsqueeze(0), values.unsqueeze(0), positions.to(torch.long))
+    lengths = tensors[f"len.{i}"]
+    split = [int(n) for n in lengths.tolist()]
+    rows = keys.shape[0]
+    if (
+        lengths.dim() != 1 or min(split, default=-1) < 0 or sum(split) != rows
+        or keys.dim() != 2 or values.shape != keys.shape or positions.shape != (rows,)
+    ):
+        raise ValueError(f"layer {i}: per-head lengths {split} do not match tensors of {rows} rows")
+    return RaggedLayer(
+        [k.unsqueeze(0).unsqueeze(0) for k in keys.split(split)],
+        [v.unsqueeze(0).unsqueeze(0) for v in values.split(split)],
+        [p.to(torch.long) for p in positions.split(split)],
+    )
+

@@ -1,0 +1,255 @@
+"""Layer types of an episode cache: how one layer holds its kept entries.
+
+Every layer type keeps, per KV head, a subset of the entries fed so far, in position order (so "the
+first `protected` entries" of every head is the system prompt, never evicted), with the original token
+position of each entry. They differ in layout:
+- `UniformLayer`: keys/values `[1, kv_heads, n, head_dim]`, positions `[kv_heads, n]`. Heads may keep
+  different tokens but the same number of them.
+- `RaggedLayer` (head-wise budgets, kvchat.kv.heads): each KV head h keeps its own `n_h` entries, as
+  separate tensors `[1, 1, n_h, head_dim]` (a `HeadList`) with positions `[n_h]`: memory holds exactly the
+  kept entries. A uniform layer becomes ragged when it is asked to keep a different count per head.
+
+A new layout (paged offload, quantized) is one more class implementing `CacheLayer`, plus its encoding in
+kvchat.kv.codec (see ARCHITECTURE.md, "Adding a layer type").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvchat.kv.attention import HeadList
+from kvchat.kv.rope import reposition_keys
+
+# One index per head (1-D, sorted) selects a different number of entries in each head.
+HeadIndex = Sequence[torch.Tensor]
+# What one head gives up in an eviction: keys [n, D], values [n, D], original positions [n].
+EvictedHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class CacheLayer(Protocol):
+    """What the prefill loop, the decoder and the codec need of one layer."""
+
+    ragged: bool       # heads hold different counts (update() returns HeadLists)
+    positions: object  # original position of every entry: [kv_heads, n], or one [n_h] tensor per head
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add `keys/values [1, kv_heads, q, D]` at `positions [kv_heads, q]` to every head."""
+
+    def peek(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention sees when `keys/values` are added, without keeping them."""
+
+    def keep(self, index: torch.Tensor | HeadIndex) -> None:
+        """Keep only the entries `index` of each head (sorted: position order is preserved)."""
+
+    def evicted(self, index: torch.Tensor | HeadIndex) -> list[EvictedHead]:
+        """Per head, the entries `keep(index)` would drop, in position order."""
+
+    def truncate_heads(self, lengths: Sequence[int]) -> None:
+        """Keep each head's first `lengths[h]` entries (rollback after an answer)."""
+
+    def compact(self, rotary_emb: torch.nn.Module) -> None:
+        """Re-rotate kept keys to positions 0..n_h-1."""
+
+    @property
+    def lengths(self) -> list[int]: ...
+
+    @property
+    def entries(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def nbytes(self) -> int: ...
+
+
+def _dropped(length: int, kept: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Indices in 0..length-1 that are not in `kept`, ascending."""
+    mask = torch.ones(length, dtype=torch.bool, device=device)
+    mask[kept] = False
+    return mask.nonzero().squeeze(1)
+
+
+class UniformLayer(DynamicLayer):
+    """One layer's kept entries plus their original positions; every head holds `n` entries."""
+
+    ragged = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions: torch.Tensor = torch.zeros(0, 0, dtype=torch.long)
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> UniformLayer:
+        """A layer holding `keys/values [1, kv_heads, n, D]` at `positions [kv_heads, n]`."""
+        layer = cls()
+        layer.append(keys, values, positions)
+        return layer
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+            self.keys, self.values = keys, values
+            self.positions = positions
+            return
+        self.keys = torch.cat([self.keys, keys], dim=-2)
+        self.values = torch.cat([self.values, values], dim=-2)
+        self.positions = torch.cat([self.positions, positions], dim=-1)
+
+    def peek(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            return keys, values
+        return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
+
+    def keep(self, index: torch.Tensor) -> None:
+        """Keep entries `index` [kv_heads, m] (sorted per head, so position order is preserved)."""
+        gather = index.unsqueeze(0).unsqueeze(-1).expand(1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, gather)
+        self.values = self.values.gather(2, gather)
+        self.positions = self.positions.gather(1, index)
+
+    def evicted(self, index: torch.Tensor | HeadIndex) -> list[EvictedHead]:
+        out = []
+        for h, kept in enumerate(index):
+            drop = _dropped(self.size, kept, self.keys.device)
+            out.append((self.keys[0, h, drop], self.values[0, h, drop], self.positions[h, drop]))
+        return out
+
+    def truncate(self, length: int) -> None:
+        self.keys = self.keys[..., :length, :]
+        self.values = self.values[..., :length, :]
+        self.positions = self.positions[..., :length]
+
+    def truncate_heads(self, lengths: Sequence[int]) -> None:
+        """`truncate` with one length per head (all equal in this layout)."""
+        if len(set(lengths)) > 1:
+            raise ValueError("a uniform layer cannot keep different lengths per head")
+        if lengths:
+            self.truncate(lengths[0])
+
+    @property
+    def size(self) -> int:
+        """Entries per head (equal across heads in this layout)."""
+        return self.get_seq_length()
+
+    @property
+    def lengths(self) -> list[int]:
+        """Entries kept by each head."""
+        return [self.size] * self.keys.shape[1] if self.is_initialized else []
+
+    @property
+    def entries(self) -> int:
+        return sum(self.lengths)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes if self.is_initialized else 0
+
+    def compact(self, rotary_emb: torch.nn.Module) -> None:
+        """Re-rotate kept keys to positions 0..n-1."""
+        new = torch.arange(self.size, device=self.keys.device).expand_as(self.positions)
+        if not torch.equal(new, self.positions):
+            self.keys = reposition_keys(self.keys, self.positions, new, rotary_emb)
+            self.positions = new.clone()
+
+
+class RaggedLayer(DynamicLayer):
+    """A layer whose KV heads keep different numbers of entries (head-wise budgets).
+
+    `keys`/`values` are `HeadList`s of `[1, 1, n_h, head_dim]` tensors and `positions` a tuple of `[n_h]`
+    tensors, one per head: no padding anywhere, so `nbytes()` is exactly kept entries x entry size.
+    `update` returns the HeadLists, and kvchat's attention function attends per head over its own
+    length. The token axis of every new forward is appended to every head, as in the uniform layout.
+    """
+
+    ragged = True
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]):
+        super().__init__()
+        if not (len(keys) == len(values) == len(positions)) or not keys:
+            raise ValueError("a ragged layer needs keys, values and positions for every head")
+        self.keys, self.values = HeadList(keys), HeadList(values)
+        self.positions: tuple[torch.Tensor, ...] = tuple(positions)
+        self.dtype, self.device = keys[0].dtype, keys[0].device
+        self.is_initialized = True
+
+    @classmethod
+    def from_uniform(cls, layer: UniformLayer) -> RaggedLayer:
+        """The same entries, one tensor per head (views: nothing is copied until `keep` gathers)."""
+        heads = layer.keys.shape[1]
+        return cls(
+            [layer.keys[:, h : h + 1] for h in range(heads)],
+            [layer.values[:, h : h + 1] for h in range(heads)],
+            [layer.positions[h] for h in range(heads)],
+        )
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+        raise RuntimeError("a ragged layer is built from existing entries")
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Add `keys/values [1, kv_heads, q, D]` (positions `[kv_heads, q]`) to every head."""
+        self.keys, self.values = self.peek(keys, values)
+        self.positions = tuple(torch.cat([p, new]) for p, new in zip(self.positions, positions, strict=True))
+
+    def peek(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[HeadList, HeadList]:
+        return (
+            HeadList(torch.cat([k, keys[:, h : h + 1]], dim=-2) for h, k in enumerate(self.keys)),
+            HeadList(torch.cat([v, values[:, h : h + 1]], dim=-2) for h, v in enumerate(self.values)),
+        )
+
+    def keep(self, index: HeadIndex | torch.Tensor) -> None:
+        """Keep entries `index[h]` (1-D, sorted, so position order is preserved) of every head h."""
+        if len(index) != len(self.keys):
+            raise ValueError(f"{len(index)} indices for {len(self.keys)} heads")
+        self.keys = HeadList(k.index_select(2, i) for k, i in zip(self.keys, index, strict=True))
+        self.values = HeadList(v.index_select(2, i) for v, i in zip(self.values, index, strict=True))
+        self.positions = tuple(p.index_select(0, i) for p, i in zip(self.positions, index, strict=True))
+
+    def evicted(self, index: HeadIndex | torch.Tensor) -> list[EvictedHead]:
+        out = []
+        for k, v, p, kept in zip(self.keys, self.values, self.positions, index, strict=True):
+            drop = _dropped(p.shape[0], kept, p.device)
+            out.append((k[0, 0, drop], v[0, 0, drop], p[drop]))
+        return out
+
+    def truncate_heads(self, lengths: Sequence[int]) -> None:
+        self.keys = HeadList(k[..., :n, :] for k, n in zip(self.keys, lengths, strict=True))
+        self.values = HeadList(v[..., :n, :] for v, n in zip(self.values, lengths, strict=True))
+        self.positions = tuple(p[:n] for p, n in zip(self.positions, lengths, strict=True))
+
+    @property
+    def lengths(self) -> list[int]:
+        """Entries kept by each head."""
+        return [k.shape[2] for k in self.keys]
+
+    @property
+    def entries(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def size(self) -> int:
+        """Entries per head on average, rounded up: the layer's memory in units of one head's entry, so
+        `size <= budget` exactly when the layer holds at most `budget x kv_heads` entries."""
+        return -(-self.entries // len(self.keys))
+
+    def get_seq_length(self) -> int:
+        """The longest head (only used by transformers to size masks, which kvchat builds itself)."""
+        return max(self.lengths)
+
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values, strict=True))
+
+    def compact(self, rotary_emb: torch.nn.Module) -> None:
+        """Re-rotate every head's kept keys to positions 0..n_h-1."""
+        keys, positions = [], []
+        for k, p in zip(self.keys, self.positions, strict=True):
+            new = torch.arange(p.shape[0], device=p.device)
+            if not torch.equal(new, p):
+                k = reposition_keys(k, p.unsqueeze(0), new.unsqueeze(0), rotary_emb)
+                p = new
+            keys.append(k)
+            positions.append(p)
+        self.keys, self.positions = HeadList(keys), tuple(positions)

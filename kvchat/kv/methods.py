@@ -1,0 +1,140 @@
+"""The method registry: every eviction method kvchat knows, its scorer and its properties.
+
+`--method`'s choices, its help text, option validation and the settings an ingest records all read this
+table. Adding a method is one scorer (kvchat.kv.scoring or a module of its own) and one `Method` line
+below; ARCHITECTURE.md walks through it. Factories import the scorers when called, so the command line
+can list methods without loading torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvchat.config import CacheConfig
+    from kvchat.kv.scoring import Scorer
+
+# Prompts and windows of the baselines as EpiCache adapts them to block prefill (its appendix A.2).
+INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
+KVZIP_PROMPT = "Repeat the part of the previous context exactly."
+SNAPKV_WINDOW = 64        # SnapKV's observation window: the block's last tokens
+STREAMING_SINK = 128      # StreamingLLM sink tokens, scaled down to budget // 4 for small budgets
+
+
+class PromptLayout(Protocol):
+    """Where a user turn sits in the model's chat template (kvchat.llm.ChatLayout)."""
+
+    before_question: str
+    after_question: str
+
+    def question(self, text: str) -> str: ...
+
+
+@dataclass(frozen=True)
+class ScorerInputs:
+    """What a method's scorer may be built from, for one episode's cache."""
+
+    encode: Callable[[str], torch.Tensor]  # text -> token ids [1, n]
+    layout: PromptLayout
+    cache: CacheConfig
+    episode_prompt: str = ""  # the episode's patched prompt text (instruction + medoid segments)
+
+
+@dataclass(frozen=True)
+class Method:
+    """One eviction method. `scorer` is None for a method that keeps everything."""
+
+    name: str
+    summary: str                                   # one line for --help and the README
+    scorer: Callable[[ScorerInputs], Scorer] | None
+    across_heads: bool = False   # scores are attention weights, comparable across a layer's heads:
+                                 # adaptive (AdaKV) head budgets apply
+    in_forward: bool = False     # scores inside the block's forward, no probe pass (kvchat.kv.scoring)
+    episodic: bool = False       # one cache per episode, each scored by that episode's patched prompt
+    trained: bool = False        # needs trained weights shipped in profiles/ or made by a train command
+
+
+def _epicache(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import PatchedPromptScorer
+
+    return PatchedPromptScorer(inputs.encode(inputs.layout.question(inputs.episode_prompt)), inputs.cache.pool_kernel)
+
+
+def _infinipot(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import PatchedPromptScorer
+
+    return PatchedPromptScorer(inputs.encode(inputs.layout.question(INFINIPOT_PROMPT)), inputs.cache.pool_kernel)
+
+
+def _snapkv(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import BlockPromptScorer
+
+    empty = inputs.encode("")
+    return BlockPromptScorer(empty, empty, SNAPKV_WINDOW, inputs.cache.block_size, inputs.cache.pool_kernel)
+
+
+def _kvzip(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import BlockPromptScorer
+
+    layout = inputs.layout
+    return BlockPromptScorer(
+        inputs.encode(layout.before_question + KVZIP_PROMPT + "\n"),
+        inputs.encode(layout.after_question),
+        tail=None,
+        block_size=inputs.cache.block_size,
+        pool_kernel=inputs.cache.pool_kernel,
+    )
+
+
+def _streaming(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import RecencyScorer
+
+    return RecencyScorer(sink=min(STREAMING_SINK, inputs.cache.budget // 4))
+
+
+def _keydiff(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import KeyDiffScorer
+
+    return KeyDiffScorer()
+
+
+def _cake(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.scoring import CakeScorer
+
+    cake = inputs.cache.cake
+    return CakeScorer(cake.window, cake.gamma, cake.pool_kernel)
+
+
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("epicache", "episodic: each episode's patched prompt scores the cache (EpiCache, the default)",
+               _epicache, across_heads=True, episodic=True),
+        Method("full", "keep everything: the reference", None),
+        Method("streaming", f"sink min({STREAMING_SINK}, M/4) + most recent (StreamingLLM)", _streaming),
+        Method("snapkv", f"prompt = the block's last {SNAPKV_WINDOW} tokens (SnapKV)", _snapkv, across_heads=True),
+        Method("infinipot", "a summarize prompt (InfiniPot)", _infinipot, across_heads=True),
+        Method("kvzip", "a repeat prompt followed by the block (KVzip)", _kvzip, across_heads=True),
+        Method("keydiff", "distance from the block's mean key (KeyDiff)", _keydiff),
+        Method("cake", "mean + 200 x variance of the attention of the block's last 32 tokens, evicting each "
+               "layer during the block's forward (CAKE)", _cake, in_forward=True),
+    )
+}
+METHODS = tuple(REGISTRY)
+
+
+def method(name: str) -> Method:
+    """The registry entry of `name`; ValueError naming the choices when there is none."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)})") from None
+
+
+def across_heads_methods() -> tuple[str, ...]:
+    """Methods whose scores compare across heads (adaptive head budgets need one)."""
+    return tuple(m.name for m in REGISTRY.values() if m.across_heads)

@@ -1,0 +1,151 @@
+"""`kvchat ask` on a terminal: a REPL in the manner of `llm chat` and `ollama run`.
+
+The loop (`Repl.run`) knows nothing of terminals: it reads lines through a function, answers through an
+`Actions` object and speaks through another function, so its logic is tested without a terminal.
+`prompt_reader` gives it line editing and a persistent history (prompt_toolkit); Ctrl-C while an
+answer streams stops that answer and keeps the session (the CLI turns it into `stop` for `Session.ask`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from kvchat.errors import UserError
+
+HELP = """\
+Type a question and press Enter. A pasted multi-line question stays one question.
+  !multi ... !end       a question over several lines (or start and end it with \"\"\")
+  /episode N            answer from episode N's cache; /episode auto routes again
+  /conversation NAME    switch to another stored conversation
+  /help, /?             this help
+  exit, quit, Ctrl-D    leave
+Ctrl-C stops an answer (the session stays); at the prompt it clears the line."""
+
+PROMPT, CONTINUATION = "> ", "... "
+
+
+class Actions(Protocol):
+    """What the loop asks of the CLI."""
+
+    def answer(self, question: str, episode: int | None) -> None:
+        """Answer and print; KeyboardInterrupt stops it, UserError is shown and the loop goes on."""
+
+    def switch(self, name: str) -> int:
+        """Make `name` the conversation asked; return its number of episodes."""
+
+    def episode_count(self) -> int: ...
+
+
+class Repl:
+    def __init__(self, read: Callable[[str], str], actions: Actions, say: Callable[[str], None]) -> None:
+        self.read, self.actions, self.say = read, actions, say
+        self.episode: int | None = None
+
+    def run(self) -> None:
+        """Until exit, quit or end of input (Ctrl-D)."""
+        while True:
+            try:
+                line = self.read(PROMPT)
+            except KeyboardInterrupt:  # at the prompt: drop the line, as shells do
+                continue
+            except EOFError:
+                self.say("")  # end the prompt's line, so the shell's prompt starts on its own
+                return
+            try:
+                question = self._question(line)
+            except EOFError:
+                self.say("")
+                return
+            except KeyboardInterrupt:  # Ctrl-C inside a multi-line question drops it
+                continue
+            if question is _EXIT:
+                return
+            if question is None:
+                continue
+            try:
+                self.actions.answer(question, self.episode)
+            except KeyboardInterrupt:
+                self.say("[interrupted]")
+            except UserError as exc:
+                self.say(f"error: {exc}")
+
+    def _question(self, line: str) -> str | object | None:
+        """The question `line` starts (reading more lines for a multi-line one), _EXIT, or None when the
+        line was a command or blank."""
+        stripped = line.strip()
+        if stripped in {"exit", "quit", "/exit", "/quit", "/bye"}:
+            return _EXIT
+        if stripped == "!multi":
+            return self._until(lambda s: s.strip() == "!end", keep_last=False)
+        if stripped.startswith('"""'):
+            rest = stripped[3:]
+            if rest.endswith('"""') and len(rest) >= 3:  # """one line"""
+                return rest[:-3].strip() or None
+            head = [rest] if rest else []
+            return self._until(lambda s: s.rstrip().endswith('"""'), keep_last=True, head=head, strip='"""')
+        if stripped.startswith("/"):
+            self._command(stripped)
+            return None
+        return stripped or None
+
+    def _until(self, last: Callable[[str], bool], *, keep_last: bool, head: list[str] | None = None,
+               strip: str = "") -> str | None:
+        lines = list(head or [])
+        while True:
+            line = self.read(CONTINUATION)
+            if last(line):
+                if keep_last:
+                    lines.append(line.rstrip()[: -len(strip)] if strip else line)
+                break
+            lines.append(line)
+        return "\n".join(lines).strip() or None
+
+    def _command(self, text: str) -> None:
+        word, _, arg = text.partition(" ")
+        arg = arg.strip()
+        if word in {"/help", "/?", "/h"}:
+            self.say(HELP)
+        elif word == "/episode":
+            if arg in {"", "auto"}:
+                self.episode = None
+                self.say("routing each question to the nearest episode")
+                return
+            count = self.actions.episode_count()
+            if not arg.isdigit() or not 0 <= int(arg) < count:
+                self.say(f"error: /episode takes a number from 0 to {count - 1}, or auto")
+                return
+            self.episode = int(arg)
+            self.say(f"answering from episode {self.episode}")
+        elif word == "/conversation":
+            if not arg:
+                self.say("error: /conversation takes a conversation name")
+                return
+            try:
+                count = self.actions.switch(arg)
+            except UserError as exc:
+                self.say(f"error: {exc}")
+                return
+            self.episode = None
+            self.say(f"{arg}: {count} episodes")
+        else:
+            self.say(f"error: unknown command {word} (/help lists them)")
+
+
+_EXIT = object()
+
+
+def prompt_reader(history_file: Path) -> Callable[[str], str]:
+    """A `read` with line editing, bracketed paste (a pasted block stays one question) and a persistent
+    history in `history_file`."""
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory
+
+    history_file.parent.mkdir(parents=True, exist_ok=True)
+    session: PromptSession[str] = PromptSession(history=FileHistory(str(history_file)))
+
+    def read(prompt: str) -> str:
+        return session.prompt(prompt)
+
+    return read

@@ -1,0 +1,117 @@
+"""A conversation's saved ingest settings, both ways: the `IngestConfig` that built it <-> the flat dict
+the store keeps with it, and the command line that builds it again.
+
+The store keeps the *resolved* settings (what ran: `auto` positions and layer budgets replaced by the
+choice made, the alpha used), so the same settings rebuild the same caches. Keys are stable across
+versions; a key an older kvchat did not write takes its default here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+
+# Settings keys of CAKE's knobs: with `cake` layer budgets, and with the `cake` method's scorer.
+_CAKE_BUDGET_KEYS = {"tau1": "tau1", "tau2": "tau2", "cake_floor_fraction": "floor_fraction", "cake_cascade": "cascade"}
+_CAKE_SCORER_KEYS = {"cake_gamma": "gamma", "cake_pool_kernel": "pool_kernel"}
+_FULL = "full"  # what `layer_budgets` records for full KV, which has none
+
+
+def to_settings(config: IngestConfig, *, source: str | None) -> dict:
+    """The dict stored with a conversation. `config` is the resolved one (see the module docstring)."""
+    cache, episodes = config.cache, config.episodes
+    strategy = _FULL if cache.method == "full" else cache.layer_budgets
+    settings: dict = {
+        "method": cache.method,
+        "budget": cache.budget,
+        "block_size": cache.block_size,
+        "positions": cache.positions,
+        "pool_kernel": cache.pool_kernel,
+        "layer_budgets": strategy,
+        "head_budgets": cache.head_budgets,
+        "prefill": cache.prefill,
+        "episodes": episodes.episodes,
+        "window": episodes.window,
+        "prompt_tokens": episodes.prompt_tokens,
+        "seed": episodes.seed,
+        "system_prompt": config.system_prompt,
+        "instruction": config.instruction,
+        "source": source,
+    }
+    if strategy == "sensitivity" and cache.alpha is not None:
+        settings["alpha"] = cache.alpha
+    cake = dataclasses.asdict(cache.cake)
+    if strategy == "cake" or cache.method == "cake":
+        settings["cake_window"] = cache.cake.window
+    if strategy == "cake":
+        settings |= {key: cake[field] for key, field in _CAKE_BUDGET_KEYS.items()}
+    if cache.method == "cake":
+        settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
+    return settings
+
+
+def from_settings(settings: dict, model: str = "default") -> IngestConfig:
+    """The `IngestConfig` stored `settings` describe (defaults for keys they lack)."""
+    defaults = IngestConfig()
+    cache_d, episodes_d, cake_d = defaults.cache, defaults.episodes, defaults.cache.cake
+
+    def get(key: str, default):
+        return settings.get(key, default)
+
+    cake = CakeConfig(
+        window=get("cake_window", cake_d.window),
+        **{field: get(key, getattr(cake_d, field)) for key, field in (_CAKE_BUDGET_KEYS | _CAKE_SCORER_KEYS).items()},
+    )
+    strategy = get("layer_budgets", cache_d.layer_budgets)
+    cache = CacheConfig(
+        method=get("method", cache_d.method),
+        budget=get("budget", cache_d.budget),
+        block_size=get("block_size", cache_d.block_size),
+        positions=get("positions", cache_d.positions),
+        pool_kernel=get("pool_kernel", cache_d.pool_kernel),
+        layer_budgets=cache_d.layer_budgets if strategy == _FULL else strategy,
+        alpha=get("alpha", cache_d.alpha),
+        cake=cake,
+        head_budgets=get("head_budgets", cache_d.head_budgets),
+        prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
+    )
+    episodes = EpisodeConfig(
+        episodes=get("episodes", episodes_d.episodes),
+        window=get("window", episodes_d.window),
+        prompt_tokens=get("prompt_tokens", episodes_d.prompt_tokens),
+        seed=get("seed", episodes_d.seed),
+    )
+    return IngestConfig(
+        model=model, episodes=episodes, cache=cache,
+        system_prompt=get("system_prompt", defaults.system_prompt),
+        instruction=get("instruction", defaults.instruction),
+    )
+
+
+def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = False) -> str:
+    """`kvchat ingest SOURCE --name NAME ...` with every setting a command-line option can carry (the rest
+    are library-only and, when changed, must be passed through `IngestConfig`)."""
+    config = from_settings(settings, model)
+    cache, episodes = config.cache, config.episodes
+    words = ["kvchat", "ingest", settings.get("source") or "HISTORY", "--name", name]
+    if model != "default":
+        words += ["--model", model]
+    options: dict[str, object] = {
+        "method": cache.method, "budget": cache.budget, "block-size": cache.block_size,
+        "episodes": episodes.episodes, "window": episodes.window, "positions": cache.positions,
+    }  # fmt: skip
+    if cache.method != "full":
+        options["layer-budgets"] = cache.layer_budgets
+    if cache.alpha is not None:
+        options["alpha"] = cache.alpha
+    if cache.layer_budgets == "cake" and cache.method != "full":
+        options |= {"tau1": cache.cake.tau1, "tau2": cache.cake.tau2}
+    options["head-budgets"] = cache.head_budgets
+    options["prefill"] = cache.prefill
+    for option, value in options.items():
+        words += [f"--{option}", str(value)]
+    if replace:
+        words.append("--replace")
+    return shlex.join(words)

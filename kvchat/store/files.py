@@ -1,0 +1,202 @@
+"""Episode files on disk: written so a crash or a full disk cannot pass unnoticed, read back only if
+they are the bytes that were committed.
+
+The file-level primitives under the store's atomic write (fsync of files and dirs, temp dirs that name
+their writer's pid) and under every read (path inside the store, size, sha256, and a safetensors header
+checked by hand before anything is allocated). Nothing here knows about SQLite or conversations.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import sqlite3
+import struct
+import uuid
+from pathlib import Path
+from typing import Any
+
+from kvchat.errors import UserError
+
+MAX_HEADER_BYTES = 100_000_000
+
+_TMP_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]+")
+_NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+# Bytes per element of every dtype safetensors' torch loader understands.
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 8,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write a new file and fsync it. Our own write, not safetensors' save_file: that one did not
+    report a failed write (saving to /dev/full "succeeds"), and a full disk must fail loudly."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in `path` durable (a no-op where dirs cannot be opened)."""
+    if os.name == "nt":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """ENOSPC/EDQUOT from a write, or SQLite's SQLITE_FULL from a commit."""
+    if isinstance(e, OSError):
+        return e.errno in _NO_SPACE
+    return isinstance(e, sqlite3.OperationalError) and "disk is full" in str(e)
+
+
+def disk_full(where: Path) -> UserError:
+    """The environment, not a bug: one line (exit 2) that says what to do."""
+    return UserError(f"no space left on device while writing caches to {where}: free space or lower --budget")
+
+
+# --------------------------------------------------------------------------- temp dirs and deletion
+
+
+def new_temp_path(caches_dir: Path) -> Path:
+    """A fresh `caches/.tmp-<pid>-<uuid>` name: the pid lets a later open tell a dead writer's dir."""
+    return caches_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def temp_writer_pid(path: Path) -> int | None:
+    """The pid in a name made by `new_temp_path`, or None for any other name."""
+    m = _TMP_RE.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def discard(path: Path, caches_dir: Path) -> None:
+    """Best-effort delete that makes `path` vanish at once (rename), then removes it."""
+    target = new_temp_path(caches_dir)
+    try:
+        os.rename(path, target)
+    except OSError:
+        target = path
+    shutil.rmtree(target, ignore_errors=True)
+
+
+def try_rmdir(path: Path) -> None:
+    """Remove `path` if it is an empty directory; anything else is left alone."""
+    try:
+        path.rmdir()
+    except OSError:
+        pass
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class FileMismatch(Exception):
+    """A stored file is not the one that was committed. `kind` is the doctor's name for how
+    (outside | missing | size | checksum); the message says it, to follow "episode N"."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def is_inside(path: Path, directory: Path) -> bool:
+    """Whether `path`, links resolved, lies below `directory`."""
+    return os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep)
+
+
+def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
+    """The bytes of `path`, read once, if it lies inside `within` and holds `size` bytes hashing to `sha256`.
+
+    Raises FileMismatch otherwise. Other OSErrors (a directory, no permission) propagate: the caller says
+    what they mean. Reading once means the bytes that were checked are the bytes the caller gets.
+    """
+    if not is_inside(path, within):
+        raise FileMismatch("outside", f"points outside the store ({path})")
+    try:
+        with open(path, "rb") as f:
+            actual = os.fstat(f.fileno()).st_size
+            if actual != size:
+                raise FileMismatch("size", f"is {actual} bytes, expected {size} (truncated or replaced)")
+            data = f.read(size + 1)
+    except FileNotFoundError:
+        raise FileMismatch("missing", f"is missing ({path})") from None
+    if len(data) != size:
+        raise FileMismatch("size", "changed size while being read")
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise FileMismatch("checksum", "failed its checksum (the file changed on disk)")
+    return data
+
+
+def check_safetensors_header(data: bytes) -> dict[str, Any]:
+    """Parse and validate a safetensors header without trusting it; return the header dict.
+
+    Raises ValueError naming the first problem. A header must not be able to make the loader
+    allocate more than the file holds, so every tensor's byte span must lie inside the data
+    section, match dtype x shape exactly, and the spans must tile the data section.
+    """
+    size = len(data)
+    if size < 8:
+        raise ValueError("file is too short for a safetensors header")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > MAX_HEADER_BYTES:
+        raise ValueError(f"header claims {n} bytes (limit {MAX_HEADER_BYTES})")
+    if 8 + n > size:
+        raise ValueError("header extends past the end of the file")
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise ValueError("header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    data_len = size - 8 - n
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("header metadata is not a string map")
+    spans: list[tuple[int, int]] = []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {key!r} has no description")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dtype not in _DTYPE_BYTES:
+            raise ValueError(f"tensor {key!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
+            raise ValueError(f"tensor {key!r} has an invalid shape")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
+            raise ValueError(f"tensor {key!r} has invalid data offsets")
+        begin, end = offsets
+        if not begin <= end <= data_len:
+            raise ValueError(f"tensor {key!r} lies outside the file")
+        if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
+            raise ValueError(f"tensor {key!r} shape {shape} does not match its {end - begin} bytes")
+        spans.append((begin, end))
+    cursor = 0
+    for begin, end in sorted(spans):
+        if begin != cursor:
+            raise ValueError("tensor data overlaps or leaves gaps")
+        cursor = end
+    if cursor != data_len:
+        raise ValueError("tensor data does not fill the file")
+    return header
+
+
+def _is_uint(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

@@ -1,0 +1,194 @@
+"""Leftovers in caches/: what crashed or interrupted processes leave behind, found (every open, `kvchat
+doctor`) and removed without ever taking a file a live process may use.
+
+Kept apart from the store proper: no read or write of a conversation needs it. It agrees with the store
+on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`) and on the lock:
+a function marked "under the write lock" must run inside the store's write transaction, which a
+committing ingest holds from its rename to its row commit, so a dir about to be committed is never taken
+for an orphan. What goes is first renamed to a temp dir of this process and deleted after the lock is
+released (`delete_trees`), so a crash mid-delete leaves only another stale temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchat.store.files import new_temp_path, temp_writer_pid, try_rmdir
+
+ORPHAN_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing `Store.check` found wrong.
+
+    `conversation` is set when a stored conversation is damaged (`fix` removes it whole); it is None
+    for leftovers that no row refers to (`fix` deletes them).
+    """
+
+    kind: str  # missing | size | checksum | outside | unreadable | orphan | stray | stale-temp
+    conversation: str | None
+    episode: int | None
+    path: Path
+    message: str
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind, "conversation": self.conversation, "episode": self.episode,
+            "path": str(self.path), "message": self.message,
+        }  # fmt: skip
+
+
+def remove_dead_temp_dirs(caches_dir: Path) -> None:
+    """Remove `caches/.tmp-<pid>-*` when no process `pid` exists; a live pid's temp dir is never touched.
+
+    Pids are per host (and per PID namespace), so a home must not be shared across machines or
+    containers mid-ingest.
+    """
+    for entry in _subdirs(caches_dir):
+        pid = temp_writer_pid(entry)
+        if pid is not None and not _pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def stale_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
+    """Ingest dirs that are unreferenced and old enough, plus empty name dirs.
+
+    `caches/<name>/<ingest_id>` is an orphan when no conversation row references `ingest_id`
+    (`referenced`: every row's; ingest ids are unique uuids, so any row will do) and its mtime is over
+    `ORPHAN_GRACE_S` old. Such a dir comes from a crash between rename and row commit, from a `remove`
+    or `--replace` that died before deleting files, or from a failed best-effort delete.
+    """
+    found: list[Path] = []
+    cutoff = time.time() - ORPHAN_GRACE_S
+    for name_dir in _subdirs(caches_dir):
+        if name_dir.name.startswith("."):
+            continue
+        try:
+            children = list(name_dir.iterdir())
+        except OSError:
+            continue
+        if not children:
+            found.append(name_dir)
+        for child in children:
+            if not child.is_dir() or child.is_symlink() or child.name in referenced:
+                continue
+            try:
+                if child.stat().st_mtime < cutoff:
+                    found.append(child)
+            except OSError:
+                continue
+    return found
+
+
+def move_aside_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
+    """Under the write lock: remove empty name dirs and move stale orphans aside; returns what to
+    `delete_trees` once the lock is released."""
+    doomed: list[Path] = []
+    for path in stale_orphans(caches_dir, referenced):
+        if path.parent == caches_dir:  # an empty name dir
+            try_rmdir(path)
+            continue
+        target = new_temp_path(caches_dir)
+        try:
+            os.rename(path, target)
+        except OSError:
+            continue
+        doomed.append(target)
+        try_rmdir(path.parent)  # only succeeds once the name dir is empty
+    return doomed
+
+
+def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path]) -> list[Problem]:
+    """What lies in caches/ that no row refers to and no live process writes. Under the write lock.
+
+    `live_dirs`: every conversation row's `caches/<name>/<ingest_id>`; `live_files`: every episode
+    row's file.
+    """
+    found: list[Problem] = []
+
+    def leftover(kind: str, path: Path, what: str) -> None:
+        found.append(Problem(kind, None, None, path, f"{what}: {path}; --fix deletes it"))
+
+    for entry in sorted(caches_dir.iterdir()):
+        pid = temp_writer_pid(entry)
+        if pid is not None and _is_dir(entry):
+            if not _pid_alive(pid):
+                leftover("stale-temp", entry, "temp dir of an ingest that died")
+            continue
+        if not _is_dir(entry) or entry.name.startswith("."):
+            leftover("stray", entry, "stray file")
+            continue
+        children = sorted(entry.iterdir())
+        if not children:
+            leftover("orphan", entry, "empty conversation dir")
+        for child in children:
+            if child in live_dirs and _is_dir(child):
+                for file in sorted(child.iterdir()):
+                    if file not in live_files:
+                        leftover("stray", file, "file no episode refers to")
+            elif _is_dir(child):
+                leftover("orphan", child, "ingest dir no conversation refers to (a crashed or replaced ingest)")
+            else:
+                leftover("stray", child, "stray file")
+    return found
+
+
+def delete_leftovers(caches_dir: Path, doomed: Iterable[Problem]) -> tuple[list[str], list[Path]]:
+    """Under the write lock, with `doomed` just found by `leftovers`: delete files, move dirs aside.
+
+    Returns one line per action and the dirs to `delete_trees` once the lock is released.
+    """
+    done: list[str] = []
+    moved: list[Path] = []
+    for leftover in doomed:
+        path = leftover.path
+        try:
+            if _is_dir(path):
+                target = new_temp_path(caches_dir)
+                os.rename(path, target)
+                moved.append(target)
+            else:
+                path.unlink()
+        except OSError as e:
+            done.append(f"could not delete {path}: {e.strerror or e}")
+            continue
+        done.append(f"deleted {leftover.kind} {path}")
+        if path.parent.parent == caches_dir:
+            try_rmdir(path.parent)  # a conversation dir left empty
+    return done, moved
+
+
+def delete_trees(paths: Iterable[Path]) -> None:
+    """Delete what was moved aside under the lock; best effort (an open at a later time sweeps the rest)."""
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _subdirs(caches_dir: Path) -> list[Path]:
+    try:
+        return [p for p in caches_dir.iterdir() if _is_dir(p)]
+    except OSError:
+        return []
+
+
+def _is_dir(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
+
+
+def _pid_alive(pid: int) -> bool:
+    """True unless `pid` certainly does not exist. Windows: always True (os.kill would kill it)."""
+    if os.name == "nt" or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists but belongs to someone else
+        return True
+    return True
