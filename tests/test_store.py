@@ -119,8 +119,32 @@ def test_records_survive_reopening(store: Store) -> None:
     reopened = Store(store.home)
     assert reopened.get("chat") == committed
     with sqlite3.connect(store.db_path) as conn:
-        assert conn.execute("select version from migrations").fetchall() == [(1,)]
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,)]
         assert conn.execute("pragma journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_home_from_before_pages_files_is_upgraded_in_place(tmp_path: Path, monkeypatch) -> None:
+    """A kvchat.db written by the first schema (no pages columns) gains them; its episodes have no pages."""
+    from kvchat.store import schema
+
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    Store(tmp_path).close()
+    monkeypatch.undo()
+    data = b"an episode file"
+    path = tmp_path / "caches" / "chat" / "old" / "0.safetensors"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    with sqlite3.connect(tmp_path / "kvchat.db") as conn:
+        conn.execute("insert into conversations values ('chat', '2026-01-01', 'default', ?, '{}', '{}', 'old')", [FP])
+        conn.execute(
+            "insert into episodes values ('chat', 0, '[1.0]', 'm', '[4]', 8, ?, ?, 'caches/chat/old/0.safetensors')",
+            [len(data), hashlib.sha256(data).hexdigest()],
+        )
+    store = Store(tmp_path)
+    assert [e.pages for e in store.get("chat").episodes] == [None]
+    assert store.check() == []
+    with sqlite3.connect(store.db_path) as conn:
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,)]
 
 
 def test_newer_schema_is_refused(store: Store) -> None:
