@@ -9,8 +9,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from kvchat.kv.attention import HeadList
-from kvchat.kv.paged_attention import attention_with_retrieved
+from kvchat.kv.attention import HeadList, attention_with_retrieved
 from kvchat.kv.pagefile import decode, encode, open_pages, pages_metadata, write_layers
 from kvchat.kv.pages import HeadPages, PagingConfig, mips_keys, mips_queries, positional_pages, semantic_pages
 from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, retrieve, select_pages

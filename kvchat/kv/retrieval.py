@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.layers import PagedLayer
 from kvchat.kv.pages import HeadPages
 
 # (queries [rows, D], one head's pages, softmax scale, entries to retrieve R) -> one score per page [P];
@@ -154,3 +156,25 @@ class PagePool:
 
     def clear(self) -> None:
         self._current, self._pinned, self._steps = None, None, 0
+
+
+def attach_pages(
+    cache: EpisodeCache,
+    pages: Sequence[Sequence[HeadPages]],
+    *,
+    budget: int,
+    scorer: PageScorer = centroid_scores,
+    refresh: int = 8,
+    pinned_share: float = 0.5,
+) -> None:
+    """Make `cache` answer with its offloaded `pages` (per layer, per KV head, e.g. kvchat.kv.pagefile's
+    `decode`): every layer with pages becomes a `PagedLayer` over its own `PagePool`."""
+    if len(pages) != len(cache.layers):
+        raise ValueError(f"pages for {len(pages)} layers, the cache has {len(cache.layers)}")
+    for i, layer_pages in enumerate(pages):
+        if len(layer_pages) != len(cache.layers[i].lengths):
+            heads = len(cache.layers[i].lengths)
+            raise ValueError(f"layer {i}: pages for {len(layer_pages)} KV heads, the cache has {heads}")
+        if any(head.num_pages for head in layer_pages):
+            pool = PagePool(layer_pages, budget, scorer, refresh, pinned_share)
+            cache.layers[i] = PagedLayer.over(cache.layers[i], pool)

@@ -10,7 +10,7 @@ head's entries into semantic pages and streams the layer into the pages file.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ import torch
 from kvchat.kv.pagefile import LayerPages, pages_metadata, write_layers
 from kvchat.kv.pages import PagingConfig, semantic_pages
 
+PAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}  # how spilled entries and pages are stored
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
 
 
@@ -84,11 +85,14 @@ class SpillWriter:
         for layer in range(self.num_layers):
             yield [semantic_pages(*self.head_entries(layer, head), config) for head in range(self.kv_heads)]
 
-    def write_pages(self, path: Path, config: PagingConfig = PagingConfig()) -> tuple[int, str]:
+    def write_pages(
+        self, path: Path, config: PagingConfig = PagingConfig(), metadata: Mapping[str, str] | None = None
+    ) -> tuple[int, str]:
         """Page every head's spilled entries and write the pages file at `path` (fsynced), then remove
-        the spill files. Returns (bytes, sha256 hex)."""
-        metadata = pages_metadata(self.num_layers, self.kv_heads, self.head_dim, config.page_size)
-        result = write_layers(path, self.layers(config), metadata, dtype=self.dtype)
+        the spill files. `metadata` is added to the file's (e.g. the model fingerprint). Returns (bytes,
+        sha256 hex)."""
+        shape = pages_metadata(self.num_layers, self.kv_heads, self.head_dim, config.page_size)
+        result = write_layers(path, self.layers(config), {**shape, **(metadata or {})}, dtype=self.dtype)
         self.discard()
         return result
 
