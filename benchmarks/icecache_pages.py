@@ -42,10 +42,9 @@ from transformers.masking_utils import AttentionMaskInterface
 from kvchat.config import SYSTEM_PROMPT
 from kvchat.evaluate import _turn_positions
 from kvchat.history import format_turns
-from kvchat.kv.attention import causal_mask, grouped_attention_weights, kvchat_attention
+from kvchat.kv.attention import attention_with_retrieved, causal_mask, grouped_attention_weights, kvchat_attention
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
-from kvchat.kv.paged_attention import attention_with_retrieved
 from kvchat.kv.pages import (
     HeadPages,
     PagingConfig,
