@@ -231,7 +231,7 @@ def bench_turns(lm: LoadedModel, home: Path, plan: TurnPlan) -> TurnStats:
     history.write_text(json.dumps(messages))
     store = Store(home)
     encoder = SentenceEncoder()
-    config = IngestConfig(cache=CacheConfig(budget=TURN_BUDGET))
+    config = IngestConfig(cache=CacheConfig(budget=TURN_BUDGET, prefill="block"))
     with torch.inference_mode():
         report = ingest(history, name="bench", config=config, store=store, lm=lm, encoder=encoder)
     log(f"ingested {report.history_tokens} tokens into {report.episodes} episodes in {report.seconds:.1f} s")

@@ -71,7 +71,7 @@ def main() -> None:
     caches: dict[str, list[EpisodeCache]] = {}
     answers: dict[str, list[str]] = {}
     for mode in MODES:
-        config = IngestConfig(cache=CacheConfig(budget=args.budget, head_budgets=mode))
+        config = IngestConfig(cache=CacheConfig(budget=args.budget, head_budgets=mode, prefill="block"))
         reports[mode] = ingest(EXAMPLE, name=mode, config=config, store=store, lm=lm, encoder=encoder)
         record = store.get(mode)
         session = Session(store, record, lm, encoder)

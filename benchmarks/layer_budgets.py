@@ -39,7 +39,8 @@ def grid(budgets: tuple[int, ...], method: str = "epicache") -> list[Variant]:
         for strategy in STRATEGIES:
             for heads in HEAD_MODES:
                 cache = dataclasses.replace(
-                    CacheConfig(), method=method, budget=budget, layer_budgets=strategy, head_budgets=heads
+                    CacheConfig(prefill="block"), method=method, budget=budget, layer_budgets=strategy,
+                    head_budgets=heads,
                 )
                 out.append(Variant(cache))
     return out

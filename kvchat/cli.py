@@ -6,13 +6,21 @@ import dataclasses
 import json
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
@@ -147,8 +155,19 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: s
 class _LineIngestProgress:
     """Where stderr is not a terminal: one line per episode, so a log shows the ingest is alive."""
 
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def history(self, done: int, total: int) -> None:
+        if done == total:
+            err.print(f"kvchat: history prefilled once ({total} blocks, {self._elapsed()}); selecting episodes",
+                      markup=False, soft_wrap=True)  # fmt: skip
+
     def episode(self, index: int, total: int) -> None:
-        err.print(f"kvchat: episode {index + 1}/{total}", markup=False, soft_wrap=True)
+        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()})", markup=False, soft_wrap=True)
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:.1f} s elapsed"
 
     def block(self, done: int, total: int) -> None:
         pass
@@ -226,6 +245,13 @@ def ingest(
         PagingConfig.page_size
     ),
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
+    append: Annotated[bool, typer.Option(
+        help="Add the history's turns to conversation --name: every episode cache continues from where it "
+        "stopped, with the settings it was built with (cache options are not taken); the past is not ingested "
+        "again.")] = False,
+    reingest: Annotated[bool, typer.Option(
+        help="With --append: ingest the stored histories and this one again from the start, episodes clustered "
+        "anew.")] = False,
     trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
     force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
         False
@@ -251,6 +277,8 @@ def ingest(
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
+    if append and name is None:
+        raise UserError("--append needs --name, the conversation to continue")
     if name is None:
         try:
             name = validate_name(history.stem)
@@ -259,27 +287,40 @@ def ingest(
     else:
         name = validate_name(name)
     turns = load_history(history)  # a bad file fails here, before any model is loaded
+    if append or reingest:
+        _check_append(append, reingest, replace, config, model)
     store = _store()
-    lm = _model(model, store, trust_remote_code, threads)
+    spec = store.get(name).model if append else model
+    lm = _model(spec, store, trust_remote_code, threads)
     encoder = _encoder()
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=err, transient=True, disable=not err.is_terminal,
     ) as bars:
-        report = run_ingest(
-            turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
-            progress=_RichIngestProgress(bars) if err.is_terminal else _LineIngestProgress(),
-            source=str(history.resolve()), force=force, max_memory=None if max_memory is None else max_memory * 2**20,
-        )
+        progress = _RichIngestProgress(bars) if err.is_terminal else _LineIngestProgress()
+        if append:
+            from kvchat import append as appending
+
+            run = appending.reingest if reingest else appending.append
+            extra = {} if reingest else {"source": str(history.resolve())}
+            report = run(history if reingest else turns, name=name, store=store, lm=lm, encoder=encoder,
+                         progress=progress, force=force, **extra)  # fmt: skip
+        else:
+            report = run_ingest(
+                turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
+                progress=progress, source=str(history.resolve()), force=force,
+                max_memory=None if max_memory is None else max_memory * 2**20,
+            )
     for note in report.notes:
         _say(f"kvchat: note: {note}", console=err)
     if as_json:
         _emit_json(documents.ingest(report))
     else:
         _say(
-            "ingested ", (report.name, "bold"),
+            "appended to " if append and not reingest else "ingested ", (report.name, "bold"),
             f": {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{report.episodes} episodes x budget {budget} ({report.method}, {report.prefill} prefill, "
+            f"{report.episodes} episodes x budget {round(sum(report.budgets) / len(report.budgets))} "
+            f"({report.method}, {report.prefill} prefill, "
             f"{report.layer_budgets} layer budgets, "
             f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
@@ -294,6 +335,19 @@ def _offload_text(report) -> str:
     per_token = report.pages_bytes / max(report.history_tokens, 1)
     return (f" + {report.pages_bytes / 2**20:.1f} MiB of pages ({report.offloaded_entries} offloaded entries, "
             f"{per_token / 1024:.1f} KiB per history token)")
+
+
+def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str) -> None:
+    """--append takes the conversation's own settings: refuse options that would be silently ignored."""
+    if reingest and not append:
+        raise UserError("--reingest goes with --append (a plain ingest always starts from the start)")
+    if replace:
+        raise UserError("--append continues a conversation and --replace starts it over: give one of them")
+    if config != IngestConfig(model=model):
+        raise UserError("--append continues with the settings the conversation was built with; drop the cache "
+                        "options (to change them, ingest the whole history again with --replace)")
+    if model != IngestConfig.model:
+        raise UserError("--append uses the model the conversation was built with; drop --model")
 
 
 @app.command()
@@ -574,7 +628,7 @@ def eval_command(
             _say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
                  f"{len(s.questions)} questions with all evidence inside", console=err)
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=err, transient=True, disable=not err.is_terminal or as_json,
     ) as bars:
         records = evaluate.evaluate(

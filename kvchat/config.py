@@ -19,6 +19,10 @@ ANSWER_ROOM = 320  # tokens reserved after the history for a question and its an
 HEAD_BUDGETS = ("uniform", "adaptive")
 OFFLOAD_MODES = ("none", "icecache")
 OFFLOAD_SCORERS = tuple(PAGE_SCORERS)
+# `ingest --append`: below this mean cosine similarity between the new segments and their nearest episode
+# centroid, the new turns are about something no episode covers, and re-clustering (--reingest) is offered.
+# MiniLM puts unrelated sentences around 0-0.2 and sentences on one topic above 0.4.
+APPEND_FAR_SIMILARITY = 0.25
 # Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
 # (AdaKV's safeguard alpha = 0.2), and never less than the protected system prompt, so a head whose
 # attention is focused is not starved to nothing by heads that spread theirs.

@@ -82,6 +82,7 @@ class IngestReport:
     head_budgets: str = "uniform"
     head_entries: list[int] = dataclasses.field(default_factory=list)  # [fewest, most] entries one KV head kept
     prefill: str = "block"  # how the caches were built: block by block, or selected from the full history
+    episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments in each episode
     notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
     offload: str = "none"       # none | icecache (evicted entries kept in each episode's pages file)
     offloaded_entries: int = 0  # entries written to the pages files, over episodes, layers and KV heads
@@ -169,13 +170,16 @@ class IngestPlan:
     turns: int
     layout: ChatLayout
     prefix_ids: torch.Tensor                 # system prompt up to the conversation: never evicted
-    context_ids: torch.Tensor                # the history
+    context_ids: torch.Tensor                # the history (an append: its new turns only)
+    history_tokens: int                      # tokens of the whole history the caches hold
     budgets: list[int] | CakeBudgets | None  # per layer (None: full KV)
     heads: HeadBudgets
     prefill: str                             # block | full, as resolved from the config's (kvchat.config)
     episodes: list[Episode]
     estimated_peak_bytes: int
     notes: list[str]
+    episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
+    appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
 
 
 @dataclass(frozen=True)
@@ -216,6 +220,7 @@ def plan_ingest(
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
     max_memory: int | None = None,
+    appended: Sequence[str] = (),
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`ingest` describes
     the arguments)."""
@@ -241,7 +246,7 @@ def plan_ingest(
             "layer keeps; raise --budget"
         )
     notes: list[str] = []
-    strategy, budgets, alpha = ("full", None, None) if full else _layer_budgets(
+    strategy, budgets, alpha = ("full", None, None) if full else resolve_layer_budgets(
         cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), protected, notes
     )
     heads = HeadBudgets(cache_cfg.head_budgets)
@@ -249,16 +254,7 @@ def plan_ingest(
     available = max_memory if max_memory is not None else preflight.available_bytes()
 
     def estimate(select_from_full: bool) -> int:
-        return preflight.estimate_ingest_bytes(
-            shape,
-            budget=cache_cfg.budget,
-            block_size=cache_cfg.block_size,
-            prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
-            context_tokens=total,
-            full=full,
-            longest_head=None if full else _longest_head(budgets, heads, shape, protected),
-            select_from_full=select_from_full,
-        )
+        return estimate_bytes(config, lm, layout, total, budgets, heads, protected, select_from_full=select_from_full)
 
     prefill = _prefill_mode(cache_cfg, strategy, total, lm.context_window, estimate(True), shape, available)
     peak_bytes = estimate(prefill == "full")
@@ -271,6 +267,7 @@ def plan_ingest(
             f"({total} tokens with the system prompt) must fit the model's window ({lm.context_window}) with "
             "--positions original"
         )
+    episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(
@@ -286,12 +283,15 @@ def plan_ingest(
         layout=layout,
         prefix_ids=prefix_ids,
         context_ids=context_ids,
+        history_tokens=int(context_ids.shape[-1]),
         budgets=budgets,
         heads=heads,
         prefill=prefill,
-        episodes=_episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic),
+        episodes=episodes,
+        episode_segments=[len(e.segments) for e in episodes],
         estimated_peak_bytes=peak_bytes,
         notes=notes,
+        appended=tuple(appended),
     )
 
 
@@ -319,7 +319,7 @@ def build_episode(
     see `spill_writer`), every entry an eviction drops goes to disk; with `--method full`, everything
     between the system prompt and the last `offload.window` history tokens is dropped there."""
     cache_cfg = plan.config.cache
-    scorer = _scorer(plan.config, episode, lm, plan.layout)
+    scorer = episode_scorer(plan.config, episode, lm, plan.layout)
     compact = cache_cfg.positions == "compact"
     if plan.prefill == "full":
         if full is None:
@@ -348,15 +348,15 @@ def build_episode(
     return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
 
 
-def spill_writer(plan: IngestPlan, lm: LoadedModel, directory: Path) -> SpillWriter | None:
-    """Where an episode's evicted entries go with `--offload` (None without): files in `directory`, a
-    private dir (the pending conversation's `scratch_dir`)."""
+def spill_writer(plan: IngestPlan, lm: LoadedModel, pending: PendingConversation, index: int) -> SpillWriter | None:
+    """Where episode `index`'s evicted entries go with `--offload` (None without): files in the pending
+    conversation's private scratch dir for that episode."""
     offload = plan.config.cache.offload
     if not offload.enabled:
         return None
     shape = preflight.ModelShape.of(lm.model)
     return SpillWriter(
-        directory, num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        pending.scratch_dir(index), num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
         dtype=PAGE_DTYPES[offload.dtype],
     )
 
@@ -398,14 +398,14 @@ def commit_ingest(
 ) -> IngestReport:
     """Make the conversation visible with its resolved settings; returns what the ingest did."""
     cache_cfg = plan.config.cache
-    settings = to_settings(plan.config, source=plan.source)
+    settings = to_settings(plan.config, source=plan.source, appended=plan.appended)
     head_entries = [n for b in built for n in b.head_entries]
     report = IngestReport(
         name=plan.name,
         method=cache_cfg.method,
         positions=cache_cfg.positions,
         turns=plan.turns,
-        history_tokens=int(plan.context_ids.shape[-1]),
+        history_tokens=plan.history_tokens,
         episodes=len(built),
         budgets=list(built[-1].budgets),
         layer_budgets=settings["layer_budgets"],
@@ -417,6 +417,7 @@ def commit_ingest(
         head_budgets=cache_cfg.head_budgets,
         head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
         prefill=plan.prefill,
+        episode_segments=list(plan.episode_segments),
         notes=plan.notes,
         offload=cache_cfg.offload.mode,
         offloaded_entries=sum(b.offloaded_entries for b in built),
@@ -457,14 +458,14 @@ def ingest(
         for episode in plan.episodes:
             progress.episode(episode.index, len(plan.episodes))
             with pending.disk_full_guard():  # spilled entries are written during the prefill
-                spill = spill_writer(plan, lm, pending.scratch_dir(episode.index))
+                spill = spill_writer(plan, lm, pending, episode.index)
                 built = build_episode(plan, episode, lm, on_block=progress.block, full=full, spill=spill)
             records.append(write_episode(pending, plan, built, lm))
             stats.append(built.stats())  # the cache itself is released before the next episode is built
         return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
 
 
-def _layer_budgets(
+def resolve_layer_budgets(
     cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], protected: int, notes: list[str]
 ) -> tuple[str, list[int] | CakeBudgets, float | None]:
     """The strategy actually used, its per-layer budgets (each above the `protected` system prompt) and,
@@ -504,6 +505,31 @@ def _longest_head(
     if heads.mode == "uniform":
         return largest
     return largest * shape.kv_heads - (shape.kv_heads - 1) * head_floor(largest, protected, heads.floor_fraction)
+
+
+def estimate_bytes(
+    config: IngestConfig,
+    lm: LoadedModel,
+    layout: ChatLayout,
+    context_tokens: int,
+    budgets: list[int] | CakeBudgets | None,
+    heads: HeadBudgets,
+    protected: int,
+    *,
+    select_from_full: bool = False,
+) -> int:
+    """The pre-flight estimate (kvchat.preflight) of building `config`'s caches over `context_tokens`."""
+    shape = preflight.ModelShape.of(lm.model)
+    return preflight.estimate_ingest_bytes(
+        shape,
+        budget=config.cache.budget,
+        block_size=config.cache.block_size,
+        prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
+        context_tokens=context_tokens,
+        full=budgets is None,
+        longest_head=None if budgets is None else _longest_head(budgets, heads, shape, protected),
+        select_from_full=select_from_full,
+    )
 
 
 def _prefill_mode(
@@ -566,7 +592,7 @@ def _episodes(
     )
 
 
-def _scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout) -> Scorer | None:
+def episode_scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout) -> Scorer | None:
     """The eviction scorer of `config.cache.method` for this episode (None for full KV)."""
     entry = method(config.cache.method)
     if entry.scorer is None:

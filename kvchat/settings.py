@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
+from collections.abc import Sequence
 
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig
 from kvchat.kv.pages import PagingConfig
@@ -27,8 +28,9 @@ _PAGING_KEYS = {"page_size": "page_size", "cluster_size": "cluster_size", "kmean
                 "paging_seed": "seed"}  # fmt: skip
 
 
-def to_settings(config: IngestConfig, *, source: str | None) -> dict:
-    """The dict stored with a conversation. `config` is the resolved one (see the module docstring)."""
+def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
+    """The dict stored with a conversation. `config` is the resolved one (see the module docstring);
+    `appended`, the histories `kvchat ingest --append` added after `source`, in order."""
     cache, episodes = config.cache, config.episodes
     strategy = _FULL if cache.method == "full" else cache.layer_budgets
     settings: dict = {
@@ -48,6 +50,8 @@ def to_settings(config: IngestConfig, *, source: str | None) -> dict:
         "instruction": config.instruction,
         "source": source,
     }
+    if appended:
+        settings["appended"] = list(appended)
     if strategy == "sensitivity" and cache.alpha is not None:
         settings["alpha"] = cache.alpha
     cake = dataclasses.asdict(cache.cake)
@@ -137,4 +141,5 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         words += [f"--{option}", str(value)]
     if replace:
         words.append("--replace")
-    return shlex.join(words)
+    appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]
+    return " && ".join([shlex.join(words), *appends])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from kvchat.synthetic import _TOPICS
+from kvchat.synthetic import _TOPICS, planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data" / "locomo"
@@ -112,6 +113,15 @@ def default_lm():
     from kvchat.llm import load_model
 
     return load_model("default", MODELS_DIR)
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory) -> Path:
+    """A planted-fact history file: 4 topics of 16 turns (a module may define its own `history`)."""
+    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=16)
+    path = tmp_path_factory.mktemp("hist") / "planted.json"
+    path.write_text(json.dumps(messages))
+    return path
 
 
 @pytest.fixture(scope="session")

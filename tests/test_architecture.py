@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 LAYERS: list[tuple[str, ...]] = [
     ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal"),
     ("kvchat.evaluate", "kvchat.report"),
+    ("kvchat.append",),
     ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa"),
     ("kvchat.llm", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings"),
     ("kvchat.kv", "kvchat.config"),

@@ -34,7 +34,8 @@ def _assert_refused(home: Path, result, fragment: str) -> None:
     """Exit 2, one line naming the problem (after the progress lines of a run that had started), nothing on
     stdout, nothing in the store."""
     assert result.returncode == 2, (result.stdout, result.stderr)
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("kvchat: episode ")]
+    progress = ("kvchat: episode ", "kvchat: history ")
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith(progress)]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
     assert list(home.rglob("*.safetensors")) == [] and list(home.rglob(".tmp-*")) == []

@@ -284,14 +284,6 @@ def test_head_budgets_reject_unknown_modes():
 # --------------------------------------------------------------------------- ingest, store, ask, CLI
 
 
-@pytest.fixture(scope="module")
-def history(tmp_path_factory):
-    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=16)
-    path = tmp_path_factory.mktemp("hist") / "planted.json"
-    path.write_text(json.dumps(messages))
-    return path
-
-
 def test_adaptive_ingest_and_ask_round_trip_through_the_store(tmp_path, history, tiny_lm, encoder):
     store = Store(tmp_path)
     config = IngestConfig(

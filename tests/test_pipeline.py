@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,14 +22,6 @@ from kvchat.synthetic import planted_conversation
 # Block prefill, whose peak these tests bound (the default, auto, holds the whole history when it fits).
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                      episodes=EpisodeConfig(prompt_tokens=48))
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory) -> Path:
-    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=16)
-    path = tmp_path_factory.mktemp("hist") / "planted.json"
-    path.write_text(json.dumps(messages))
-    return path
 
 
 def _ingest(store, history, lm, encoder, config=SMALL, name="conv", **kw):

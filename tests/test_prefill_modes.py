@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,17 +17,8 @@ from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import CakeScorer, PatchedPromptScorer, probe_scores, select_top
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 CONFIG = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory) -> Path:
-    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=16)
-    path = tmp_path_factory.mktemp("hist") / "planted.json"
-    path.write_text(json.dumps(messages))
-    return path
 
 
 def test_select_from_keeps_the_top_scored_entries_and_leaves_the_full_cache_whole(model):

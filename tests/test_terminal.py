@@ -106,7 +106,9 @@ def test_stop_ends_an_answer_early_and_leaves_the_cache_as_it_was(tmp_path, tiny
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     store = Store(tmp_path / "home")
-    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2))
+    config = IngestConfig(
+        cache=CacheConfig(budget=64, block_size=32, prefill="block"), episodes=EpisodeConfig(episodes=2)
+    )
     ingest(history, name="h", config=config, store=store, lm=tiny_lm, encoder=encoder)
     session = Session(store, store.get("h"), tiny_lm, encoder, AskConfig(max_new_tokens=8))
     full = session.ask("Which gate?", episode=0, log=False)

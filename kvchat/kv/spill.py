@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from kvchat.kv.pagefile import LayerPages, pages_metadata, write_layers
-from kvchat.kv.pages import PagingConfig, semantic_pages
+from kvchat.kv.pages import HeadPages, PagingConfig, semantic_pages
 
 PAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}  # how spilled entries and pages are stored
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
@@ -62,6 +62,13 @@ class SpillWriter:
             with open(self._file(layer, head, suffix), "ab") as f:
                 f.write(tensor.contiguous().numpy().tobytes())
         self.counts[layer][head] += n
+
+    def spill_pages(self, layers: Sequence[Sequence[HeadPages]]) -> None:
+        """Spill the entries of existing pages (per layer, per KV head; e.g. a stored pages file, memory-mapped),
+        one head at a time, so they are paged again with what is evicted next."""
+        for layer, heads in enumerate(layers):
+            for head, pages in enumerate(heads):
+                self.spill(layer, head, pages.keys, pages.values, pages.positions)
 
     @property
     def entries(self) -> int:

@@ -647,6 +647,8 @@ class PendingConversation:
         created_at = utc_timestamp()
         old_ingest: str | None = None
         renamed = False
+        for scratch in self._tmp.glob("scratch-*"):  # an episode's intermediate files never become visible
+            shutil.rmtree(scratch, ignore_errors=True)
         try:
             fsync_dir(self._tmp)
             with store._write_lock() as db:

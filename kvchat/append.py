@@ -1,0 +1,200 @@
+"""New turns for a stored conversation without ingesting its past again (`kvchat ingest --append`).
+
+Every episode cache covers the whole history (its patched prompt decides what it keeps), so each one
+continues block prefill with the new turns from where it stopped (`block_prefill(resume=...)`), with the
+settings the conversation was built with (kvchat.settings). The new turns' segments join their nearest
+episode, whose centroid moves to the mean of its members' embeddings; when they are far from every
+episode, a note says that `--reingest` (cluster everything again) would route them better. The new
+version is committed atomically: until then questions are answered from the old one.
+
+The caches equal those of ingesting the whole history at once with the same episodes when the stored
+history ended on a block boundary; otherwise its last, shorter block was evicted at its own length before
+the new turns came (kvchat.kv.prefill). With `--offload icecache`, each episode's stored pages and what
+the new turns evict are paged again together into its new pages file.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvchat import preflight
+from kvchat.config import APPEND_FAR_SIMILARITY
+from kvchat.encoder import SentenceEncoder
+from kvchat.episodes import Episode, segment
+from kvchat.errors import UserError
+from kvchat.history import Turn, format_turns, load_history
+from kvchat.ingest import (
+    BuiltEpisode,
+    IngestPlan,
+    IngestProgress,
+    IngestReport,
+    commit_ingest,
+    episode_scorer,
+    estimate_bytes,
+    ingest,
+    resolve_layer_budgets,
+    spill_writer,
+    write_episode,
+)
+from kvchat.kv import codec, pagefile
+from kvchat.kv.heads import HeadBudgets
+from kvchat.kv.prefill import block_prefill
+from kvchat.llm import ChatLayout, LoadedModel
+from kvchat.settings import from_settings
+from kvchat.store import ConversationRecord, Store
+
+
+def append(
+    history: str | os.PathLike | Sequence[Turn],
+    *,
+    name: str,
+    store: Store,
+    lm: LoadedModel,
+    encoder: SentenceEncoder,
+    progress: IngestProgress | None = None,
+    source: str | None = None,
+    force: bool = False,
+    profile_dirs: Sequence[Path] | None = None,
+) -> IngestReport:
+    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`)."""
+    started = time.perf_counter()
+    progress = progress or IngestProgress()
+    record = _record(store, name, lm)
+    config = from_settings(record.settings, record.model)
+    if config.cache.offload.enabled and config.cache.method == "full":
+        raise UserError(
+            f"conversation '{name}' pages everything past its last tokens (--method full --offload): new turns "
+            "would be prefilled without the paged past; use --append --reingest"
+        )
+    from_file = isinstance(history, (str, os.PathLike))
+    turns = load_history(history) if from_file else list(history)
+    lines = format_turns(turns)
+    layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
+    prefix_ids = lm.encode(layout.before_conversation)
+    new_ids = lm.encode("\n" + "\n".join(lines))  # the stored history's last line ends without a newline
+    old_tokens = int(record.stats.get("history_tokens", 0))
+    notes: list[str] = []
+    episodes, members = _moved_episodes(record, segment(lines, config.episodes.window), encoder, notes)
+    protected = prefix_ids.shape[-1]
+    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
+    _, budgets, _ = (None, None, None) if config.cache.method == "full" else resolve_layer_budgets(
+        config.cache, lm, dirs, protected, notes
+    )
+    heads = HeadBudgets(config.cache.head_budgets)
+    # A cache under budget costs what an ingest of the new turns alone would; full KV holds the old ones too.
+    context = protected + new_ids.shape[-1] + (old_tokens if budgets is None else 0)
+    peak_bytes = estimate_bytes(config, lm, layout, context, budgets, heads, protected)
+    if not force:
+        shape = preflight.ModelShape.of(lm.model)
+        preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=preflight.available_bytes())
+    source_now = str(Path(history).resolve()) if from_file else source
+    plan = IngestPlan(
+        name=name,
+        config=config,
+        source=record.settings.get("source"),
+        turns=int(record.stats.get("turns", 0)) + len(turns),
+        layout=layout,
+        prefix_ids=prefix_ids,
+        context_ids=new_ids,
+        history_tokens=old_tokens + int(new_ids.shape[-1]),
+        budgets=budgets,
+        heads=heads,
+        prefill="block",
+        episodes=episodes,
+        estimated_peak_bytes=peak_bytes,
+        notes=notes,
+        episode_segments=members,
+        appended=(*record.settings.get("appended", []), *([source_now] if source_now else [])),
+    )
+    stats, records = [], []
+    with store.begin(name, replace=True) as pending:
+        for episode, stored in zip(episodes, record.episodes, strict=True):
+            progress.episode(episode.index, len(episodes))
+            cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint))
+            with pending.disk_full_guard():  # with --offload: the stored pages and the new evictions, spilled
+                spill = spill_writer(plan, lm, pending, episode.index)
+                if spill is not None:
+                    spill.spill_pages(pagefile.decode(*store.load_pages(stored, lm.fingerprint)))
+                result = block_prefill(
+                    lm.model, None, new_ids, block_size=config.cache.block_size, budgets=budgets,
+                    scorer=episode_scorer(config, episode, lm, layout), compact=config.cache.positions == "compact",
+                    on_block=progress.block, heads=heads, resume=cache, on_evict=spill,
+                )  # fmt: skip
+            built = BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
+            records.append(write_episode(pending, plan, built, lm))
+            stats.append(built.stats())
+        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
+
+
+def reingest(
+    history: str | os.PathLike,
+    *,
+    name: str,
+    store: Store,
+    lm: LoadedModel,
+    encoder: SentenceEncoder,
+    progress: IngestProgress | None = None,
+    force: bool = False,
+) -> IngestReport:
+    """`--append --reingest`: the stored history, what was appended to it and `history`, ingested again from
+    the start with the conversation's settings (episodes clustered anew)."""
+    record = _record(store, name, lm)
+    settings = record.settings
+    sources = [settings.get("source"), *settings.get("appended", [])]
+    missing = [s for s in sources if not s or not Path(s).is_file()]
+    if missing:
+        raise UserError(
+            f"--reingest needs the histories conversation '{name}' was built from; missing: "
+            f"{', '.join(str(m) for m in missing)}"
+        )
+    turns = [turn for path in [*sources, history] for turn in load_history(path)]
+    return ingest(
+        turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
+        progress=progress, replace=True, source=sources[0], force=force,
+        appended=[*sources[1:], str(Path(history).resolve())],
+    )
+
+
+def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
+    record = store.get(name)
+    if record.fingerprint != lm.fingerprint:
+        raise UserError(
+            f"conversation '{name}' was built with model {record.model!r}; append with --model {record.model}"
+        )
+    return record
+
+
+def _moved_episodes(
+    record: ConversationRecord, segments: list[str], encoder: SentenceEncoder, notes: list[str]
+) -> tuple[list[Episode], list[int]]:
+    """The stored episodes with the new segments joined to their nearest one, and each one's segment count:
+    centroids move to the mean of their members (stored counts; an older store's are taken as equal shares).
+    Medoids, hence patched prompts, stay: they decided what the stored caches kept."""
+    centroids = np.asarray([e.centroid for e in record.episodes], dtype=np.float64)
+    counts = record.stats.get("episode_segments") or []
+    if len(counts) != len(centroids):
+        turns, window = int(record.stats.get("turns", 0)), int(record.settings.get("window", 4))
+        counts = [max(1, -(-turns // window) // len(centroids))] * len(centroids)
+    sums = centroids * np.asarray(counts, dtype=np.float64)[:, None]
+    members = [int(n) for n in counts]
+    if segments:
+        embeddings = np.asarray(encoder.embed(segments), dtype=np.float64)
+        similarity = embeddings @ centroids.T
+        nearest = similarity.argmax(axis=1)
+        for row, episode in zip(embeddings, nearest, strict=True):
+            sums[episode] += row
+            members[episode] += 1
+        best = float(similarity.max(axis=1).mean())
+        if best < APPEND_FAR_SIMILARITY:
+            notes.append(
+                f"the new turns are far from every episode (mean similarity {best:.2f} to the nearest): "
+                "questions about them route poorly; `--append --reingest` clusters everything again"
+            )
+    moved = sums / np.linalg.norm(sums, axis=1, keepdims=True)
+    episodes = [Episode(e.index, moved[i].astype(np.float32), (), e.medoid_text) for i, e in enumerate(record.episodes)]
+    return episodes, members

@@ -1,0 +1,203 @@
+"""`kvchat ingest --append`: new turns continue every stored episode cache instead of ingesting the past again."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_helpers import run_main
+
+from kvchat import store as store_module
+from kvchat.append import append, reingest
+from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.episodes import Episode
+from kvchat.errors import UserError
+from kvchat.history import format_turns, load_history
+from kvchat.ingest import episode_scorer, ingest
+from kvchat.kv import codec
+from kvchat.kv.prefill import block_prefill
+from kvchat.llm import ChatLayout
+from kvchat.settings import from_settings
+from kvchat.store import Store
+from kvchat.synthetic import planted_conversation
+
+
+@pytest.fixture(scope="module")
+def halves(tmp_path_factory) -> tuple[Path, Path]:
+    messages, _ = planted_conversation(seed=3, topics=4, turns_per_topic=12)
+    folder = tmp_path_factory.mktemp("halves")
+    first, second = folder / "a.json", folder / "b.json"
+    first.write_text(json.dumps(messages[:30]))
+    second.write_text(json.dumps(messages[30:]))
+    return first, second
+
+
+def _tokens(lm, path: Path) -> torch.Tensor:
+    return lm.encode("\n".join(format_turns(load_history(path))))
+
+
+def test_appending_b_to_a_gives_the_caches_of_a_and_b_at_once(tmp_path, halves, tiny_lm, encoder):
+    first, second = halves
+    a = _tokens(tiny_lm, first)
+    block = a.shape[-1]  # A ends on a block boundary: its one block
+    config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block"),
+                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+    store = Store(tmp_path)
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    report = append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    record = store.get("chat")
+    b = tiny_lm.encode("\n" + "\n".join(format_turns(load_history(second))))
+    both = torch.cat([a, b], dim=-1)
+    whole = tiny_lm.encode("\n".join(format_turns(load_history(first) + load_history(second))))
+    assert torch.equal(both, whole)  # the appended tokens are the whole history's tail
+    assert report.history_tokens == both.shape[-1] and report.turns == record.stats["turns"] == 48
+
+    resolved = from_settings(record.settings, record.model)
+    layout = ChatLayout.from_tokenizer(tiny_lm.tokenizer, resolved.system_prompt)
+    for stored in record.episodes:
+        episode = Episode(stored.index, np.asarray(stored.centroid), (), stored.medoid_text)
+        at_once = block_prefill(
+            tiny_lm.model, tiny_lm.encode(layout.before_conversation), both, block_size=block,
+            budgets=[resolved.cache.budget] * 2, scorer=episode_scorer(resolved, episode, tiny_lm, layout),
+        ).cache  # fmt: skip
+        appended, meta = codec.decode(*store.load_episode(stored, tiny_lm.fingerprint))
+        assert meta.next_position == at_once.next_position
+        want, got = codec.encode_layers(at_once), codec.encode_layers(appended)
+        assert all(torch.equal(want[k], got[k]) for k in want), stored.index
+
+
+def test_an_append_moves_centroids_and_counts_segments(tmp_path, halves, tiny_lm, encoder):
+    first, second = halves
+    store = Store(tmp_path)
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2))
+    before = ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    old = store.get("chat")
+    after = append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    new = store.get("chat")
+    assert sum(before.episode_segments) == 8 and sum(after.episode_segments) == 8 + 5  # 30 then 18 turns by 4
+    moved = [e.index for e, o in zip(new.episodes, old.episodes, strict=True) if e.centroid != o.centroid]
+    assert moved and all(abs(np.linalg.norm(e.centroid) - 1) < 1e-5 for e in new.episodes)
+    assert [e.medoid_text for e in new.episodes] == [e.medoid_text for e in old.episodes]
+    assert new.settings["appended"] == [str(second.resolve())] and new.settings["budget"] == 64
+
+
+def test_a_failed_append_leaves_the_conversation_as_it_was(tmp_path, halves, tiny_lm, encoder, monkeypatch):
+    first, second = halves
+    store = Store(tmp_path)
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2))
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    old = store.get("chat")
+    written, real_write = [], store_module._write_file
+
+    def fails_second(path, data):
+        written.append(path)
+        if len(written) == 2:
+            raise OSError(5, "Input/output error")
+        real_write(path, data)
+
+    monkeypatch.setattr(store_module, "_write_file", fails_second)
+    with pytest.raises(OSError):
+        append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    assert store.get("chat") == old and store.check() == []
+
+
+def test_reingest_clusters_the_stored_and_the_new_turns_again(tmp_path, halves, tiny_lm, encoder):
+    first, second = halves
+    store = Store(tmp_path)
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2))
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    report = reingest(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    record = store.get("chat")
+    assert report.turns == 48 and record.settings["appended"] == [str(second.resolve())]
+    assert record.settings["source"] == str(first.resolve()) and record.settings["budget"] == 64
+
+
+def test_cli_append_and_its_refusals(tmp_path, halves, tiny_model_dir):
+    first, second = halves
+    home = tmp_path / "home"
+    model = ("--model", str(tiny_model_dir))
+    base = ("--budget", "64", "--block-size", "32", "--episodes", "2")
+    assert run_main(home, "ingest", str(first), "--name", "chat", *model, *base).returncode == 0
+    for args, says in [
+        (("--append",), "--append needs --name"),
+        (("--name", "chat", "--append", "--replace"), "give one of them"),
+        (("--name", "chat", "--append", "--budget", "128"), "drop the cache options"),
+        (("--name", "chat", "--reingest"), "--reingest goes with --append"),
+    ]:
+        refused = run_main(home, "ingest", str(second), *args)
+        assert refused.returncode == 2 and says in refused.stderr, refused.stderr
+    done = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["turns"] == 48
+    settings = Store(home).get("chat").settings
+    command = store_module._reingest_command(Store(home).get("chat"))
+    first_part, then = command.split(" && ")
+    assert shlex.split(then) == ["kvchat", "ingest", str(second.resolve()), "--name", "chat", "--append"]
+    assert shlex.split(first_part)[2] == settings["source"] == str(first.resolve())
+
+
+def test_append_refuses_a_conversation_of_another_model(tmp_path, halves, tiny_lm, encoder):
+    first, second = halves
+    store = Store(tmp_path)
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2))
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    other = replace(tiny_lm, fingerprint="another model")
+    with pytest.raises(Exception, match="append with --model"):
+        append(second, name="chat", store=store, lm=other, encoder=encoder)
+
+
+def test_appending_to_an_offload_conversation_pages_the_stored_and_the_new_evictions(tmp_path, halves, tiny_lm,
+                                                                                      encoder):  # fmt: skip
+    """The new pages file of every episode holds what ingesting A and B at once would have evicted."""
+    from kvchat.config import OffloadConfig
+    from kvchat.kv.pagefile import decode as decode_pages
+    from kvchat.kv.spill import SpillWriter
+
+    first, second = halves
+    a = _tokens(tiny_lm, first)
+    block = a.shape[-1]
+    offload = OffloadConfig(mode="icecache", dtype="float32")
+    config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block",
+                                            offload=offload), episodes=EpisodeConfig(episodes=2, prompt_tokens=48))
+    store = Store(tmp_path)
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    record = store.get("chat")
+    both = tiny_lm.encode("\n".join(format_turns(load_history(first) + load_history(second))))
+    layout = ChatLayout.from_tokenizer(tiny_lm.tokenizer, config.system_prompt)
+    cfg = tiny_lm.model.config
+    for stored in record.episodes:
+        episode = Episode(stored.index, np.asarray(stored.centroid), (), stored.medoid_text)
+        spill_dir = tmp_path / f"spill-{stored.index}"
+        spill_dir.mkdir()
+        spill = SpillWriter(spill_dir, num_layers=2, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                            dtype=torch.float32)  # fmt: skip
+        block_prefill(
+            tiny_lm.model, tiny_lm.encode(layout.before_conversation), both, block_size=block,
+            budgets=[config.cache.budget] * 2, scorer=episode_scorer(config, episode, tiny_lm, layout), on_evict=spill,
+        )  # fmt: skip
+        pages = decode_pages(*store.load_pages(stored, tiny_lm.fingerprint))
+        for layer in range(2):
+            for head in range(cfg.num_key_value_heads):
+                keys, _, positions = spill.head_entries(layer, head)
+                got = pages[layer][head]
+                order, got_order = positions.argsort(), got.positions.argsort()
+                assert torch.equal(positions[order], got.positions[got_order])
+                assert torch.equal(keys[order], got.keys[got_order])
+
+
+def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm, encoder):
+    from kvchat.config import OffloadConfig
+
+    first, second = halves
+    config = IngestConfig(cache=CacheConfig(method="full", offload=OffloadConfig(mode="icecache")),
+                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+    store = Store(tmp_path)
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    with pytest.raises(UserError, match="--append --reingest"):
+        append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
