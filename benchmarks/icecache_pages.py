@@ -39,7 +39,7 @@ from sklearn.cluster import KMeans
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvchat.config import SYSTEM_PROMPT
+from kvchat.config import SYSTEM_PROMPT, PagingConfig
 from kvchat.evaluate import _turn_positions
 from kvchat.history import format_turns
 from kvchat.kv.attention import attention_with_retrieved, causal_mask, grouped_attention_weights, kvchat_attention
@@ -47,7 +47,6 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.pages import (
     HeadPages,
-    PagingConfig,
     mips_keys,
     pages_from_clusters,
     positional_pages,

@@ -9,8 +9,6 @@ from pathlib import Path
 import platformdirs
 
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
-from kvchat.kv.pages import PagingConfig  # how offloaded entries become pages (its defaults live there)
-from kvchat.kv.retrieval import PAGE_SCORERS
 
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
@@ -18,7 +16,7 @@ PREFILL_MODES = ("auto", "block", "full")
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 HEAD_BUDGETS = ("uniform", "adaptive")
 OFFLOAD_MODES = ("none", "icecache")
-OFFLOAD_SCORERS = tuple(PAGE_SCORERS)
+OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 # `ingest --append`: below this mean cosine similarity between the new segments and their nearest episode
 # centroid, the new turns are about something no episode covers, and re-clustering (--reingest) is offered.
 # MiniLM puts unrelated sentences around 0-0.2 and sentences on one topic above 0.4.
@@ -71,6 +69,21 @@ class CakeConfig:
     pool_kernel: int = 5   # average pool of the indicator over neighbouring entries (CAKE's code)
     floor_fraction: float = 0.25  # each layer keeps at least M/4 (and the system prompt plus the window)
     cascade: bool = True   # evict layer by layer during the block's forward (False: once at its end)
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """How one KV head's offloaded entries become pages (kvchat.kv.pages)."""
+
+    page_size: int = 16     # entries per page at most (IceCache's official page: a 16-entry tree leaf)
+    cluster_size: int = 16  # target entries per k-means cluster; clusters over page_size are cut into pages.
+                            # 16 beat 64 (KL 0.048 vs 0.059 at R=192, benchmarks/icecache_pages.py)
+    iterations: int = 8     # Lloyd iterations of k-means (random init: k-means++ cost 6x for no gain)
+    seed: int = 0           # k-means initialisation and the projection that orders entries in a cluster
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.cluster_size < 1 or self.iterations < 1:
+            raise ValueError(f"invalid paging config {self}")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,7 @@ import dataclasses
 import shlex
 from collections.abc import Sequence
 
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig
-from kvchat.kv.pages import PagingConfig
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 
 # Settings keys of CAKE's knobs: with `cake` layer budgets, and with the `cake` method's scorer.
 _CAKE_BUDGET_KEYS = {"tau1": "tau1", "tau2": "tau2", "cake_floor_fraction": "floor_fraction", "cake_cascade": "cascade"}

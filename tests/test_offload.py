@@ -11,13 +11,12 @@ import torch
 from conftest import random_ids as _ids
 
 from kvchat.ask import Session
-from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig
+from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.ingest import ingest
 from kvchat.kv.forward import forward
 from kvchat.kv.layers import PagedLayer
 from kvchat.kv.pagefile import open_pages
-from kvchat.kv.pages import PagingConfig
 from kvchat.kv.prefill import block_prefill, keep_sink_and_window
 from kvchat.kv.retrieval import attach_pages
 from kvchat.kv.scoring import PatchedPromptScorer

@@ -9,9 +9,10 @@ import pytest
 import safetensors.torch
 import torch
 
+from kvchat.config import OFFLOAD_SCORERS, PagingConfig
 from kvchat.kv.attention import HeadList, attention_with_retrieved
 from kvchat.kv.pagefile import decode, encode, open_pages, pages_metadata, write_layers
-from kvchat.kv.pages import HeadPages, PagingConfig, mips_keys, mips_queries, positional_pages, semantic_pages
+from kvchat.kv.pages import HeadPages, mips_keys, mips_queries, positional_pages, semantic_pages
 from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, retrieve, select_pages
 from kvchat.kv.spill import SpillWriter
 
@@ -108,6 +109,10 @@ def test_top_keys_scorer_finds_a_stored_key_without_cluster_structure():
     for row in range(0, 300, 37):
         (got,) = retrieve(keys[row].view(1, 1, 1, -1), [pages], budget=16, scorer=PAGE_SCORERS["top-keys"])
         assert int(positions[row]) in got.positions.tolist()
+
+
+def test_the_configurable_scorers_are_the_implemented_ones():
+    assert tuple(PAGE_SCORERS) == OFFLOAD_SCORERS
 
 
 def test_select_pages_takes_best_pages_within_the_budget():

@@ -21,19 +21,7 @@ import torch
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 
-
-@dataclass(frozen=True)
-class PagingConfig:
-    """How a head's offloaded entries become pages."""
-
-    page_size: int = 16     # entries per page at most (IceCache's official page: a 16-entry tree leaf)
-    cluster_size: int = 16  # target entries per k-means cluster; clusters over page_size are cut into pages
-    iterations: int = 8     # Lloyd iterations of k-means (see benchmarks/icecache_pages.py for the choice)
-    seed: int = 0           # k-means initialisation and the projection that orders entries in a cluster
-
-    def __post_init__(self) -> None:
-        if self.page_size < 1 or self.cluster_size < 1 or self.iterations < 1:
-            raise ValueError(f"invalid paging config {self}")
+from kvchat.config import PagingConfig
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvchat.config import PagingConfig
 from kvchat.kv.pagefile import LayerPages, pages_metadata, write_layers
-from kvchat.kv.pages import HeadPages, PagingConfig, semantic_pages
+from kvchat.kv.pages import HeadPages, semantic_pages
 
 PAGE_DTYPES = {"float16": torch.float16, "float32": torch.float32}  # how spilled entries and pages are stored
 _NUMPY = {torch.float16: np.float16, torch.float32: np.float32}
