@@ -81,10 +81,6 @@ class PagingConfig:
     iterations: int = 8     # Lloyd iterations of k-means (random init: k-means++ cost 6x for no gain)
     seed: int = 0           # k-means initialisation and the projection that orders entries in a cluster
 
-    def __post_init__(self) -> None:
-        if self.page_size < 1 or self.cluster_size < 1 or self.iterations < 1:
-            raise ValueError(f"invalid paging config {self}")
-
 
 @dataclass(frozen=True)
 class OffloadConfig:

@@ -143,21 +143,23 @@ def validate(config: IngestConfig) -> None:
 
 
 def _validate_offload(offload: OffloadConfig) -> None:
-    if offload.mode not in OFFLOAD_MODES:
-        raise UserError(f"unknown --offload {offload.mode!r} (choose from {', '.join(OFFLOAD_MODES)})")
-    if offload.scorer not in OFFLOAD_SCORERS:
-        raise UserError(f"unknown page scorer {offload.scorer!r} (choose from {', '.join(OFFLOAD_SCORERS)})")
+    """IceCache's settings (`--offload`, `--retrieve`, `--page-size` and the library-only ones)."""
+    for what, value, choices in (
+        ("--offload", offload.mode, OFFLOAD_MODES), ("page scorer", offload.scorer, OFFLOAD_SCORERS),
+        ("pages dtype", offload.dtype, tuple(PAGE_DTYPES)),
+    ):
+        if value not in choices:
+            raise UserError(f"unknown {what} {value!r} (choose from {', '.join(choices)})")
     if offload.retrieve < 0:
         raise UserError(f"--retrieve must be >= 0 (got {offload.retrieve})")
-    if offload.paging.page_size < 1 or offload.paging.cluster_size < 1 or offload.paging.iterations < 1:
-        raise UserError(f"--page-size must be >= 1 (got {offload.paging.page_size}); cluster size and "
-                        "k-means iterations too")
+    paging = offload.paging
+    if paging.page_size < 1 or paging.cluster_size < 1 or paging.iterations < 1:
+        raise UserError(f"--page-size must be >= 1 (got {paging.page_size}), and so must the cluster size and "
+                        "k-means iterations")
     if offload.window < 0 or offload.refresh < 0 or offload.first_paged_layer < 0:
         raise UserError("offload window, refresh and first paged layer must be >= 0")
     if not 0 <= offload.pinned_share <= 1:
         raise UserError(f"pinned share must be in [0, 1] (got {offload.pinned_share})")
-    if offload.dtype not in PAGE_DTYPES:
-        raise UserError(f"pages dtype must be one of {', '.join(PAGE_DTYPES)} (got {offload.dtype!r})")
 
 
 @dataclass(frozen=True)

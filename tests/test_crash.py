@@ -45,6 +45,25 @@ def _whole(store: Store, fingerprint: str) -> dict[str, ConversationRecord]:
     return listed
 
 
+def _run_killed_at(command: list[str], home: Path, stage: int) -> int:
+    """Run an ingest and SIGKILL it at `stage`: 0 at once, k in 1..EPISODES as it says "episode k/N", later
+    never. Kills are timed by what the ingest says it is doing (one line per episode on stderr), never by
+    the clock (from the second episode on, its temp dir holds files). Returns its exit status."""
+    proc = subprocess.Popen(command, env=_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if stage == 0:
+        proc.kill()
+    elif stage <= EPISODES:
+        for line in proc.stderr:
+            if line.startswith(f"kvchat: episode {stage}/"):
+                proc.kill()
+                break
+    proc.stderr.read()
+    proc.stderr.close()
+    proc.wait()
+    assert proc.returncode in (0, -9)
+    return proc.returncode
+
+
 def test_kill_9_at_any_moment_of_an_ingest_leaves_all_or_nothing(tmp_path, tiny_model_dir):
     home = tmp_path / "home"
     history = _history(tmp_path / "long.json", seed=7, topics=6, turns=40)
@@ -60,26 +79,9 @@ def test_kill_9_at_any_moment_of_an_ingest_leaves_all_or_nothing(tmp_path, tiny_
         # with --replace (the old version must survive a kill).
         replace = trial % 2 == 1
         name = "kept" if replace else f"new{trial}"
-        proc = subprocess.Popen(
-            [*ingest_cmd, "--name", name, *(["--replace"] if replace else [])],
-            env=_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        # Kills are timed by what the ingest says it is doing (one line per episode on stderr), never by
-        # the clock: at start-up, as each episode starts (from the second on, the temp dir holds files),
-        # or not at all.
         stage = (trial // 2) % (EPISODES + 2)  # 0: at once; 1..EPISODES: at "episode k/N"; last: let it finish
-        if stage == 0:
-            proc.kill()
-        elif stage <= EPISODES:
-            for line in proc.stderr:
-                if line.startswith(f"kvchat: episode {stage}/"):
-                    proc.kill()
-                    break
-        proc.stderr.read()
-        proc.stderr.close()
-        proc.wait()
-        killed += proc.returncode == -9
-        assert proc.returncode in (0, -9)
+        returncode = _run_killed_at([*ingest_cmd, "--name", name, *(["--replace"] if replace else [])], home, stage)
+        killed += returncode == -9
         interrupted_writes += any((home / "caches").glob(".tmp-*"))  # died with files half-way
         store = Store(home)  # the next start cleans up after the dead process
         assert sorted(store.caches_dir.glob(".tmp-*")) == []
@@ -130,22 +132,12 @@ def test_kill_9_during_an_offload_ingest_leaves_all_or_nothing(tmp_path, tiny_mo
     killed = 0
     for stage in range(1, EPISODES + 2):  # at "episode k/N" (spill files and pages files in flight), or never
         name = f"new{stage}"
-        proc = subprocess.Popen([*ingest_cmd, "--name", name], env=_env(home), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
-        if stage <= EPISODES:
-            for line in proc.stderr:
-                if line.startswith(f"kvchat: episode {stage}/"):
-                    proc.kill()
-                    break
-        proc.stderr.read()
-        proc.stderr.close()
-        proc.wait()
-        killed += proc.returncode == -9
-        assert proc.returncode in (0, -9)
+        returncode = _run_killed_at([*ingest_cmd, "--name", name], home, stage)
+        killed += returncode == -9
         store = Store(home)
         assert sorted(store.caches_dir.glob(".tmp-*")) == []
         listed = _whole(store, fingerprint)
-        assert "kept" in listed and (proc.returncode != 0 or name in listed)
+        assert "kept" in listed and (returncode != 0 or name in listed)
         assert not list(store.caches_dir.rglob("scratch-*"))
         store.close()
     assert killed >= EPISODES - 1

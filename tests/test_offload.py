@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +22,6 @@ from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import SpillWriter
 from kvchat.settings import from_settings, rebuild_command, to_settings
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 EVERYTHING = 10**6  # R larger than any head's pages
 
@@ -144,14 +142,6 @@ OFFLOAD = IngestConfig(
 )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def history(tmp_path_factory) -> Path:
-    messages, _ = planted_conversation(seed=3, topics=2, turns_per_topic=12)
-    path = tmp_path_factory.mktemp("hist") / "planted.json"
-    path.write_text(json.dumps(messages))
-    return path
-
-
 def _ingest(store, history, lm, encoder, config=OFFLOAD):
     return ingest(history, name="conv", config=config, store=store, lm=lm, encoder=encoder)
 
@@ -216,6 +206,7 @@ def test_offload_settings_round_trip_and_rebuild(tmp_path):
         (OffloadConfig(mode="icecache", retrieve=-1), "--retrieve"),
         (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=1, cluster_size=1)), None),
         (OffloadConfig(mode="icecache", scorer="best"), "page scorer"),
+        (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=0)), "--page-size"),
     ],
 )
 def test_bad_offload_settings_are_user_errors(tmp_path, history, tiny_lm, encoder, offload, message):
