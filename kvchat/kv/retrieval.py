@@ -14,7 +14,7 @@ Page scorers (the issue's table compares the first two):
   scored as `top-keys` does. Reads only the candidates' keys: an exact re-ranking of a coarse search,
   the role IceCache's tree search plays.
 
-Both are softmax weights per query row, so rows with different query norms are comparable and the
+All three are softmax weights per query row, so rows with different query norms are comparable and the
 max over rows and the group's heads is EpiCache eq. 3's aggregation.
 """
 
