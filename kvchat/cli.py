@@ -110,7 +110,7 @@ def _model(spec: str, store, trust_remote_code: bool = False, threads: int | Non
     from kvchat.llm import load_model, use_threads
 
     use_threads(threads)
-    return load_model(spec, store.home / "models", trust_remote_code=trust_remote_code)
+    return load_model(spec, store.models_dir, trust_remote_code=trust_remote_code)
 
 
 def _encoder():
@@ -290,6 +290,7 @@ def ingest(
     if append or reingest:
         _check_append(append, reingest, replace, config, model)
     store = _store()
+    store.check_writable()
     spec = store.get(name).model if append else model
     lm = _model(spec, store, trust_remote_code, threads)
     encoder = _encoder()
@@ -377,8 +378,12 @@ def ask(
         raise UserError("no question: give one as an argument, or one per line on stdin")
     if retrieve is not None and retrieve < 0:
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
-    asker = _Asker(_store(), conversation, AskConfig(max_new_tokens, retrieve=retrieve), log=not no_log,
-                   threads=threads)  # fmt: skip
+    store = _store()
+    if store.read_only and not no_log:
+        _say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
+             console=err)
+    asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve),
+                   log=not no_log and not store.read_only, threads=threads)
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -389,7 +394,8 @@ def ask(
         name = asker.session.conversation.name
         _say((name, "bold"), f": {asker.episode_count()} episodes. /help for help; exit, quit or Ctrl-D ends.",
              console=err)
-        repl = Repl(prompt_reader(asker.store.home / "repl-history"), asker, lambda m: _say(m, console=err))
+        history_file = None if store.read_only else store.home / "repl-history"
+        repl = Repl(prompt_reader(history_file), asker, lambda m: _say(m, console=err))
         repl.episode = episode
         repl.run()
     else:
@@ -583,6 +589,8 @@ def eval_command(
     out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
                                                   "a re-run skips what the file already has.")] = None,
     report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    per_conversation: Annotated[bool, typer.Option(
+        help="One row per conversation and variant in the table and --json (the report stays pooled).")] = False,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -650,12 +658,16 @@ def eval_command(
                          synthetic=not data)
         notes = [s.describe(config.questions) for s in sets] + skips
         report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
+    columns = EVAL_COLUMNS
+    if per_conversation:
+        rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
+        columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]
     if as_json:
         _emit_json(documents.eval_rows(rows))
         return
-    headers = [header for _, header, _ in EVAL_COLUMNS]
-    _table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in EVAL_COLUMNS] for row in rows],
-           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[1:])
+    headers = [header for _, header, _ in columns]
+    _table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
+           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
 
 
 @app.command("list")
@@ -734,19 +746,21 @@ def logs(
 
 @app.command()
 def doctor(
-    fix: Annotated[bool, typer.Option("--fix", help="Remove damaged conversations and delete leftovers.")] = False,
+    fix: Annotated[bool, typer.Option("--fix", help=(
+        "Rebuild a damaged database (moved aside, kept), remove damaged conversations, delete leftovers."))] = False,
     as_json: JsonOpt = False,
 ) -> None:
-    """Check the store: missing or damaged cache files, leftovers of crashed ingests.
+    """Check the store: a damaged database, missing or damaged cache files, leftovers of crashed ingests
+    and model conversions. Reads only (no lock) unless --fix.
 
     Exit status: 0 when the store is healthy (with --fix: once repaired), 1 when problems remain.
     """
-    from kvchat.store import Store
+    from kvchat.store import diagnose, repair
 
-    store = Store(default_home(), clean_stale=False)  # leave crash leftovers in place to report them
-    found = store.check()
-    fixed = store.fix(found) if fix and found else []
-    remaining = store.check() if fix and found else found
+    home = default_home()
+    found = diagnose(home)
+    fixed = repair(home, found) if fix and found else []
+    remaining = diagnose(home) if fix and found else found
     if as_json:
         _emit_json(documents.document(healthy=not remaining, problems=[p.to_dict() for p in found], fixed=fixed))
     else:

@@ -409,6 +409,12 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r["method"] != REFERENCE, r["method"], r["budget"] or 0, r["variant"]))
 
 
+def summarize_per_conversation(records: Sequence[dict]) -> list[dict]:
+    """`summarize` for each QA set (conversation) on its own; each row names its `conversation`."""
+    sets = sorted({r["set"] for r in records})
+    return [{"conversation": s, **row} for s in sets for row in summarize([r for r in records if r["set"] == s])]
+
+
 def _mean(values: Iterable[float]) -> float | None:
     values = list(values)
     return sum(values) / len(values) if values else None

@@ -231,6 +231,7 @@ def plan_ingest(
     if not from_file and not name:
         raise ValueError("name is required when ingesting turns rather than a file")
     name = validate_name(name or Path(history).stem)
+    store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
     turns = load_history(history) if from_file else list(history)

@@ -7,6 +7,7 @@ copy under `$KVCHAT_HOME/models/` and that copy is loaded afterwards.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import os
@@ -128,7 +129,12 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
     target = _converted_dir(gguf, models_dir)
     if (target / _CONVERTED_MARKER).is_file():
         return target
-    models_dir.mkdir(parents=True, exist_ok=True)
+    try:  # a read-only home: the conversion has nowhere to go
+        models_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(models_dir, os.W_OK):
+            raise PermissionError(errno.EACCES, "cannot be written")
+    except OSError as exc:
+        raise UserError(f"cannot convert {gguf} into {models_dir}: {exc.strerror or exc}") from None
     _check_gguf(gguf)
     tmp = models_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:

@@ -136,14 +136,16 @@ class Repl:
 _EXIT = object()
 
 
-def prompt_reader(history_file: Path) -> Callable[[str], str]:
+def prompt_reader(history_file: Path | None) -> Callable[[str], str]:
     """A `read` with line editing, bracketed paste (a pasted block stays one question) and a persistent
-    history in `history_file`."""
+    history in `history_file` (None: this session's only, where the home cannot be written)."""
     from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
 
-    history_file.parent.mkdir(parents=True, exist_ok=True)
-    session: PromptSession[str] = PromptSession(history=FileHistory(str(history_file)))
+    if history_file is not None:
+        history_file.parent.mkdir(parents=True, exist_ok=True)
+    history = InMemoryHistory() if history_file is None else FileHistory(str(history_file))
+    session: PromptSession[str] = PromptSession(history=history)
 
     def read(prompt: str) -> str:
         return session.prompt(prompt)

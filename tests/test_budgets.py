@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvchat.config import ProfileSettings
 from kvchat.kv.budgets import (
+    Preference,
     cake_budgets,
     cascade_budgets,
     layer_budgets,
@@ -66,27 +68,35 @@ preferences = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None)
-@given(p=preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
-def test_cake_budgets_sum_exactly_respect_the_floor_and_follow_preferences(p, budget, fraction):
-    floor = int(budget * fraction)
+# preferences made from their logarithm (tau down to 1e-300): far beyond a float, apart by any factor, ties
+log_preferences = st.lists(
+    st.one_of(st.none(), st.sampled_from([0.0, -1e300, 1e300]), st.floats(-1e300, 1e300, allow_nan=False)).map(
+        lambda log2: Preference.of(0.0) if log2 is None else Preference.from_log2(Fraction(log2))
+    ),
+    min_size=1, max_size=40,
+)
+
+
+def _order(p: float | Preference) -> tuple:
+    exact = Preference.of(p)
+    return (exact.mantissa > 0, exact.exponent, exact.mantissa)
+
+
+def _assert_split_exactly_by_preference(p, budget: int, floor: int) -> None:
     budgets = cake_budgets(p, budget, floor)
     assert sum(budgets) == len(p) * budget
     assert min(budgets) >= floor
     for pa, ba in zip(p, budgets, strict=True):
         for pb, bb in zip(p, budgets, strict=True):
-            if pa < pb:
+            if _order(pa) < _order(pb):
                 assert ba <= bb
-            elif pa == pb:
+            elif _order(pa) == _order(pb):
                 assert abs(ba - bb) <= 1
 
 
-@settings(max_examples=300, deadline=None)
-@given(data=st.data(), p=preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
-def test_cascade_budgets_never_grow_and_end_at_the_one_shot_budgets(data, p, budget, fraction):
+def _assert_cascade_exact(p, budget: int, floor: int, caps: list[int] | None) -> None:
     """What Theorem 1 needs from the budgets, integer rounding and caps (entries a layer holds) included."""
-    layers, floor = len(p), int(budget * fraction)
-    caps = data.draw(st.none() | st.lists(st.integers(0, 3 * budget), min_size=layers, max_size=layers))
+    layers = len(p)
     stages = [cascade_budgets(p[: m + 1], layers, budget, floor, caps) for m in range(layers)]
     final = cake_budgets(p, budget, floor, caps)
     assert stages[-1] == final
@@ -100,6 +110,41 @@ def test_cascade_budgets_never_grow_and_end_at_the_one_shot_budgets(data, p, bud
         assert sum(final) == layers * budget
     else:  # nothing given to a layer beyond the entries it holds
         assert all(b <= max(c, floor) for b, c in zip(final, caps, strict=True))
+
+
+def _caps(data, layers: int, budget: int) -> list[int] | None:
+    return data.draw(st.none() | st.lists(st.integers(0, 3 * budget), min_size=layers, max_size=layers))
+
+
+@settings(max_examples=300, deadline=None)
+@given(p=preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
+def test_cake_budgets_sum_exactly_respect_the_floor_and_follow_preferences(p, budget, fraction):
+    _assert_split_exactly_by_preference(p, budget, int(budget * fraction))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), p=preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
+def test_cascade_budgets_never_grow_and_end_at_the_one_shot_budgets(data, p, budget, fraction):
+    _assert_cascade_exact(p, budget, int(budget * fraction), _caps(data, len(p), budget))
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), p=log_preferences, budget=st.integers(1, 3000), fraction=st.floats(0.0, 1.0))
+def test_preferences_of_any_size_keep_the_budgets_and_the_cascade_exact(data, p, budget, fraction):
+    """CAKE with tau down to 1e-300 (issue 16: the float preference overflowed into a ValueError)."""
+    floor = int(budget * fraction)
+    _assert_split_exactly_by_preference(p, budget, floor)
+    _assert_cascade_exact(p, budget, floor, _caps(data, len(p), budget))
+
+
+def test_preferences_from_logarithms():
+    assert float(Preference.from_log2(Fraction(3))) == 8.0
+    assert float(Preference.from_log2(Fraction(-1, 2))) == pytest.approx(2**-0.5)
+    assert Preference.of(12.0) == Preference(Fraction(3, 2), 3)  # floats are taken exactly
+    huge, larger = Preference.from_log2(Fraction(10**300)), Preference.from_log2(Fraction(10**300 + 1))
+    assert float(huge) == float("inf")
+    assert cake_budgets([huge, larger, 5.0], 10, 2) == [10, 18, 2]  # twice the preference; 5.0 is negligible
+    assert cake_budgets([huge, huge], 10, 2) == [10, 10]
 
 
 def test_cake_budgets_by_hand():

@@ -77,10 +77,15 @@ def test_layer_preference_by_hand():
     weights = torch.tensor([[0.4, 0.4, 0.2, 0.0], [0.1, 0.1, 0.4, 0.4]]).reshape(1, 1, 2, 4)
     dispersion = -2 * (0.4 * math.log(0.4) + 0.1 * math.log(0.1))   # eq. 4: row entropies, summed
     shift = 2 * 0.045                                                # eq. 5: unbiased variance down each column
-    assert layer_preference(weights, 1.0, 1.0) == pytest.approx(dispersion * shift, rel=1e-6)
-    assert layer_preference(weights, 0.5, 2.0) == pytest.approx(dispersion**2 * shift**0.5, rel=1e-6)
+    assert float(layer_preference(weights, 1.0, 1.0)) == pytest.approx(dispersion * shift, rel=1e-6)
+    assert float(layer_preference(weights, 0.5, 2.0)) == pytest.approx(dispersion**2 * shift**0.5, rel=1e-6)
     steady = torch.tensor([[0.3, 0.3, 0.4, 0.0], [0.3, 0.3, 0.2, 0.2]]).reshape(1, 1, 2, 4)
-    assert layer_preference(steady, 1.0, 1.0) == 0.0                 # attention that never shifts asks for nothing
+    assert float(layer_preference(steady, 1.0, 1.0)) == 0.0          # attention that never shifts asks for nothing
+    # tiny temperatures: H^(1/tau1) is far beyond a float, the preference is not (issue 16)
+    assert float(layer_preference(weights, 1e-300, 1.0)) == float("inf")
+    assert layer_preference(weights, 1e-300, 1.0).exponent == pytest.approx(math.log2(dispersion) * 1e300, rel=1e-6)
+    assert float(layer_preference(weights, 1.0, 5e-324)) == 0.0     # V < 1: vanishingly small, yet not zero
+    assert layer_preference(weights, 1.0, 5e-324).mantissa > 0
 
 
 @pytest.fixture(scope="module")

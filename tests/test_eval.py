@@ -278,3 +278,21 @@ def test_a_variant_the_model_cannot_take_is_recorded_as_skipped(tmp_path, tiny_l
                      config=EvalConfig(max_new_tokens=2, questions=1), base=SMALL,
                      results=ResultsFile(tmp_path / "r.jsonl"))
     assert (tmp_path / "r.jsonl").read_text() == lines and len(again) == len(records)  # a resume does not retry it
+
+
+def test_per_conversation_rows_name_their_conversation(tmp_path, tiny_lm, encoder):
+    """Two conversations: the pooled summary has one row per variant, the per-conversation one a row per
+    conversation and variant, each counting only its own questions."""
+    from kvchat.evaluate import summarize_per_conversation
+
+    sets = planted_sets(2, topics=2, turns_per_topic=8)
+    variant = Variant(dataclasses.replace(SMALL.cache, method="streaming", budget=64))
+    records = evaluate(sets, [variant], lm=tiny_lm, encoder=encoder,
+                       config=EvalConfig(max_new_tokens=2, questions=1), base=SMALL)  # fmt: skip
+    pooled = {r["variant"]: r for r in summarize(records)}
+    per = summarize_per_conversation(records)
+    assert pooled[variant.key]["questions"] == 2
+    assert sorted((r["conversation"], r["variant"]) for r in per) == sorted(
+        (s.name, key) for s in sets for key in (REFERENCE, variant.key)
+    )
+    assert all(r["questions"] == 1 for r in per)

@@ -67,6 +67,18 @@ def test_bad_ingest_options(tmp_path, history, tiny_model_dir, args, fragment):
     assert "\x1b" not in result.stderr
 
 
+@pytest.mark.parametrize("args", [("--tau1", "1e-300"), ("--method", "cake", "--tau2", "5e-324")])
+def test_cake_budgets_take_any_temperature_in_range(tmp_path, history, tiny_model_dir, args):
+    """H^(1/tau1) overflowed a float into a ValueError (issue 16); the preference is kept in log space."""
+    home = tmp_path / "home"
+    result = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--layer-budgets", "cake",
+                      *args)
+    assert result.returncode == 0, result.stderr
+    record = Store(home).get("h")
+    assert record.settings["layer_budgets"] == "cake" and record.settings[args[-2][2:]] == float(args[-1])
+    assert all(sum(e.budgets) <= 2 * 64 for e in record.episodes)  # 2 layers, mean budget 64
+
+
 @pytest.mark.parametrize("question", ["", " \t "])
 def test_empty_questions(tmp_path, question):
     _assert_refused(tmp_path, run_main(tmp_path, "ask", question), "the question is empty")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -168,8 +169,10 @@ def test_ingest_writes_a_pages_file_per_episode_holding_what_eviction_dropped(tm
             assert sorted(resident + paged) == list(range(int(meta["next_position"])))
     assert entries == report.offloaded_entries > 0
     assert sorted(p.name for p in record.episodes[0].path.parent.iterdir()) == sorted(
-        [f"{i}.safetensors" for i in range(2)] + [f"{i}.pages.safetensors" for i in range(2)]
+        [f"{i}.safetensors" for i in range(2)] + [f"{i}.pages.safetensors" for i in range(2)] + ["conversation.json"]
     )  # no spill files left behind
+    manifest = json.loads((record.episodes[0].path.parent / "conversation.json").read_text())["conversation"]
+    assert [e["pages"]["sha256"] for e in manifest["episodes"]] == [e.pages.sha256 for e in record.episodes]
 
 
 def test_answers_with_every_page_equal_full_kv_answers(tmp_path, history, tiny_lm, encoder):
@@ -284,3 +287,25 @@ def test_any_other_failure_of_an_offload_ingest_leaves_nothing(tmp_path, history
     with pytest.raises(RuntimeError, match="boom"):
         _ingest(store, history, tiny_lm, encoder)
     assert store.conversations() == [] and list(store.caches_dir.iterdir()) == []
+
+
+def test_a_damaged_database_is_rebuilt_with_the_pages_files(tmp_path, history, tiny_lm, encoder):
+    """`doctor --fix` rebuilds kvchat.db from the manifests: the pages files come back with their rows."""
+    import os
+
+    from kvchat.store import diagnose, repair
+
+    store = Store(tmp_path)
+    _ingest(store, history, tiny_lm, encoder)
+    before = store.get("conv")
+    store.close()
+    db = tmp_path / "kvchat.db"
+    db.write_bytes(os.urandom(db.stat().st_size))
+    problems = diagnose(tmp_path)
+    assert [p.kind for p in problems] == ["database"]
+    assert any("restored conversation 'conv'" in line for line in repair(tmp_path, problems))
+    store = Store(tmp_path)
+    assert store.get("conv").episodes == before.episodes and all(e.pages for e in before.episodes)
+    for episode in before.episodes:
+        store.load_pages(episode, tiny_lm.fingerprint)
+    assert diagnose(tmp_path) == []

@@ -27,10 +27,11 @@ from kvchat.store import (
     EpisodeRecord,
     Store,
     check_safetensors_header,
+    manifest,
 )
 
 FP = "fp-model-a"
-SETTINGS = {"budget": 64, "method": "epicache", "positions": "auto"}
+SETTINGS = {"budget": 64, "block_size": 32, "method": "epicache", "positions": "auto"}
 STATS = {"n_turns": 12, "n_tokens": 345, "peak_layer_entries": 80, "seconds": 1.5}
 
 
@@ -43,12 +44,13 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _ingest(store: Store, name: str, n: int = 2, *, replace: bool = False, fp: str = FP, seed: int = 0):
+def _ingest(store: Store, name: str, n: int = 2, *, replace: bool = False, fp: str = FP, seed: int = 0,
+            offset: float = 0.0):
     with store.begin(name, replace=replace) as pending:
         for i in range(n):
             pending.write_episode(
                 i, _tensors(seed + i), {"fingerprint": fp, "method": "epicache"},
-                centroid=[0.25 * i, -1.0, 3.0], medoid_text=f"episode {i}", budgets=[8, 12], n_tokens=20,
+                centroid=[0.25 * i + offset, -1.0, 3.0], medoid_text=f"episode {i}", budgets=[8, 12], n_tokens=20,
             )  # fmt: skip
         return pending.commit(model="default", fingerprint=fp, settings=SETTINGS, stats=STATS)
 
@@ -57,14 +59,23 @@ def _tmp_dirs(store: Store) -> list[str]:
     return [p.name for p in store.caches_dir.iterdir() if p.name.startswith(".tmp-")]
 
 
+def _edit_episode_row(store: Store, name: str, index: int, **columns: object) -> None:
+    """Change an episode row and re-sign its conversation's digest: an index that is consistent, yet wrong."""
+    with sqlite3.connect(store.db_path) as conn:
+        conn.row_factory = sqlite3.Row
+        for column, value in columns.items():
+            conn.execute(f"update episodes set {column} = ? where conversation = ? and idx = ?", (value, name, index))
+        row = dict(conn.execute("select * from conversations where name = ?", (name,)).fetchone())
+        episodes = [dict(r) for r in conn.execute("select * from episodes where conversation = ? order by idx",
+                                                  (name,))]
+        conn.execute("update conversations set digest = ? where name = ?",
+                     (manifest.digest(manifest.document_from_rows(row, episodes)), name))
+
+
 def _set_file_record(store: Store, record: EpisodeRecord, name: str) -> EpisodeRecord:
     """Make the index agree with whatever is now in the file, so only content checks can object."""
     data = record.path.read_bytes()
-    with sqlite3.connect(store.db_path) as conn:
-        conn.execute(
-            "update episodes set bytes = ?, sha256 = ? where conversation = ? and idx = ?",
-            (len(data), hashlib.sha256(data).hexdigest(), name, record.index),
-        )
+    _edit_episode_row(store, name, record.index, bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     return store.get(name).episodes[record.index]
 
 
@@ -119,15 +130,17 @@ def test_records_survive_reopening(store: Store) -> None:
     reopened = Store(store.home)
     assert reopened.get("chat") == committed
     with sqlite3.connect(store.db_path) as conn:
-        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,)]
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,)]
         assert conn.execute("pragma journal_mode").fetchone()[0] == "wal"
 
 
-def test_a_home_from_before_pages_files_is_upgraded_in_place(tmp_path: Path, monkeypatch) -> None:
-    """A kvchat.db written by the first schema (no pages columns) gains them; its episodes have no pages."""
+@pytest.mark.parametrize("versions", [1, 2])
+def test_a_home_from_before_pages_files_is_upgraded_in_place(tmp_path: Path, monkeypatch, versions: int) -> None:
+    """A kvchat.db written by an older schema (no pages columns) gains them; its episodes have no pages and
+    its rows still match their digest."""
     from kvchat.store import schema
 
-    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:1])
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:versions])
     Store(tmp_path).close()
     monkeypatch.undo()
     data = b"an episode file"
@@ -135,16 +148,24 @@ def test_a_home_from_before_pages_files_is_upgraded_in_place(tmp_path: Path, mon
     path.parent.mkdir(parents=True)
     path.write_bytes(data)
     with sqlite3.connect(tmp_path / "kvchat.db") as conn:
-        conn.execute("insert into conversations values ('chat', '2026-01-01', 'default', ?, '{}', '{}', 'old')", [FP])
+        conn.execute("insert into conversations (name, created_at, model, fingerprint, settings, stats, ingest_id) "
+                     "values ('chat', '2026-01-01', 'default', ?, '{}', '{}', 'old')", [FP])  # fmt: skip
         conn.execute(
             "insert into episodes values ('chat', 0, '[1.0]', 'm', '[4]', 8, ?, ?, 'caches/chat/old/0.safetensors')",
             [len(data), hashlib.sha256(data).hexdigest()],
         )
+        if versions >= 2:  # that schema's rows carry their digest
+            from kvchat.store.manifest import digest, document_from_rows
+
+            conn.row_factory = sqlite3.Row
+            row = dict(conn.execute("select * from conversations").fetchone())
+            episodes = [dict(r) for r in conn.execute("select * from episodes")]
+            conn.execute("update conversations set digest = ?", [digest(document_from_rows(row, episodes))])
     store = Store(tmp_path)
     assert [e.pages for e in store.get("chat").episodes] == [None]
-    assert store.check() == []
+    assert store.check() == [] and store.database_damage() is None
     with sqlite3.connect(store.db_path) as conn:
-        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,)]
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,)]
 
 
 def test_newer_schema_is_refused(store: Store) -> None:
@@ -329,8 +350,7 @@ def test_wrong_fingerprint_is_refused(store: Store) -> None:
 
 def test_path_outside_store_is_refused(store: Store, tmp_path: Path) -> None:
     ep = _ingest(store, "chat").episodes[0]
-    with sqlite3.connect(store.db_path) as conn:
-        conn.execute("update episodes set path = '../outside.safetensors' where idx = 0")
+    _edit_episode_row(store, "chat", 0, path="../outside.safetensors")
     (tmp_path / "outside.safetensors").write_bytes(ep.path.read_bytes())
     with pytest.raises(CacheIntegrityError, match="outside the store"):
         store.load_episode(store.get("chat").episodes[0], FP)
@@ -577,6 +597,8 @@ def test_check_and_fix_every_kind_of_damage(store: Store) -> None:
     orphan = store.caches_dir / "gone" / uuid.uuid4().hex
     orphan.mkdir(parents=True)
     (orphan / "0.safetensors").write_bytes(b"x")
+    old = time.time() - 3600  # a young one may be an ingest committing now: doctor takes no lock to know
+    os.utime(orphan, (old, old))
     stray = store.caches_dir / "notes.txt"
     stray.write_text("x")
     extra = healthy.episodes[0].path.parent / "7.safetensors"

@@ -163,7 +163,12 @@ def kvchat_attention(
         weights = grouped_attention_weights(
             query[:, :, q_len - rows :], key, scale, None if mask is None else mask[q_len - rows :]
         )
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
+    if kvchat_recorder is not None and weights.shape[-2] == q_len:
+        # The weights of every query are at hand (a probe pass): the output is one matmul away, no second softmax.
+        kv_heads, group = weights.shape[:2]
+        out = torch.matmul(weights.to(value.dtype), value[0].unsqueeze(1)).reshape(1, kv_heads * group, q_len, -1)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
         kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden))
     return out.transpose(1, 2).contiguous(), None

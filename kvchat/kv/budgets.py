@@ -5,17 +5,70 @@ uniform) with each layer at or above a floor. The floor is the strategy's own (a
 budget), raised where needed above the `protected` system prompt, which no layer ever evicts: a layer
 must keep some history too. Shares are turned into integers by the largest remainder method, ties to
 the lower layer, so results are deterministic.
+
+CAKE's preferences span any range (`H^(1/tau1) * V^(1/tau2)` with `tau1 = 1e-300` is far beyond a float),
+so they are `Preference`s: exact rationals times a power of two of any size, made from their logarithm.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
 
 LAYER_BUDGET_STRATEGIES = ("uniform", "sensitivity", "pyramid", "cake")
+
+# A preference below 2**-NEGLIGIBLE_BITS of the largest counts as zero. Floats span under 2100 binary orders
+# of magnitude, so no preference given as a float is ever dropped; only `Preference.from_log2` reaches this.
+NEGLIGIBLE_BITS = 2200
+
+
+@dataclass(frozen=True)
+class Preference:
+    """A CAKE layer preference `P >= 0`, exactly `mantissa * 2**exponent` with an exponent of any size.
+
+    `H^(1/tau1) * V^(1/tau2)` over- or underflows a float for small temperatures (`--tau1 1e-300`), while its
+    logarithm does not: `from_log2` builds a preference from `log2 P`, and budgets split in proportion to
+    preferences with exact rationals whatever their range. Floats are taken as they are (`of`).
+    """
+
+    mantissa: Fraction  # 0 (no preference at all), or in [1, 2)
+    exponent: int
+
+    @classmethod
+    def of(cls, value: float | Preference) -> Preference:
+        """`value` itself when a Preference; a finite non-negative float exactly (frexp)."""
+        if isinstance(value, Preference):
+            return value
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError("preferences must be finite and non-negative")
+        if value == 0:
+            return cls(Fraction(0), 0)
+        mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
+        return cls(Fraction(mantissa) * 2, exponent - 1)
+
+    @classmethod
+    def from_log2(cls, log2: Fraction) -> Preference:
+        """`2**log2`, for an exact rational `log2` of any size (the fraction's power of two rounded to a float)."""
+        exponent = math.floor(log2)
+        mantissa = Fraction(2.0 ** float(log2 - exponent))
+        if mantissa == 2:  # rounding reached the next power
+            return cls(Fraction(1), exponent + 1)
+        return cls(mantissa, exponent)
+
+    def __float__(self) -> float:
+        """The nearest float (inf beyond a float's range), for reports and tests."""
+        if self.mantissa == 0:
+            return 0.0
+        if self.exponent > 1024:
+            return math.inf
+        try:
+            return math.ldexp(float(self.mantissa), self.exponent)
+        except OverflowError:
+            return math.inf
 
 
 def uniform_budgets(num_layers: int, budget: int) -> list[int]:
@@ -72,7 +125,7 @@ def pyramid_budgets(num_layers: int, budget: int, beta: float = 20.0, protected:
 
 
 def cake_budgets(
-    preferences: Sequence[float], budget: int, floor: int, caps: Sequence[int] | None = None
+    preferences: Sequence[float | Preference], budget: int, floor: int, caps: Sequence[int] | None = None
 ) -> list[int]:
     """CAKE eq. 7 with a floor: `floor` per layer, the rest of `L * budget` split in proportion to each
     layer's preference; the budgets the cascade ends at (see `cascade_budgets`). All-zero preferences
@@ -90,7 +143,7 @@ def cake_budgets(
     if caps is not None:
         if len(caps) != num_layers:
             raise ValueError(f"{len(caps)} caps for {num_layers} layers")
-        bounds = [*_stage_bounds(p[:-1], num_layers, budget, floor), None]
+        bounds = [*_stage_bounds(_exact(preferences[:-1], budget, floor), num_layers, budget, floor), None]
         rooms = [max(min(c, c if b is None else b) - floor, 0) for c, b in zip(caps, bounds, strict=True)]
     weights = p if any(p) else [Fraction(1)] * num_layers
     extras = _water_fill(weights, rooms, num_layers * (budget - floor))
@@ -103,7 +156,11 @@ def cake_budgets(
 
 
 def cascade_budgets(
-    preferences: Sequence[float], num_layers: int, budget: int, floor: int, caps: Sequence[int] | None = None
+    preferences: Sequence[float | Preference],
+    num_layers: int,
+    budget: int,
+    floor: int,
+    caps: Sequence[int] | None = None,
 ) -> list[int]:
     """CAKE eq. 9: the budgets of layers 0..m once the preferences of those m + 1 layers are known.
 
@@ -122,12 +179,21 @@ def cascade_budgets(
     return _stage_bounds(_exact(preferences, budget, floor), num_layers, budget, floor)
 
 
-def _exact(preferences: Sequence[float], budget: int, floor: int) -> list[Fraction]:
+def _exact(preferences: Sequence[float | Preference], budget: int, floor: int) -> list[Fraction]:
+    """The preferences as exact rationals, all divided by one power of two (the largest one's), which no
+    split in proportion to them sees. Those below 2**-NEGLIGIBLE_BITS of the largest become 0: a later
+    stage, whose largest can only be larger, drops at least what an earlier one dropped, and what it drops
+    weighs less than the layer that raised the largest, so each stage's sum still only grows (which the
+    cascade's exactness rests on)."""
     if not 0 <= floor <= budget:
         raise ValueError(f"floor {floor} must be within 0..{budget}")
-    if not all(math.isfinite(x) and x >= 0 for x in preferences):
-        raise ValueError("preferences must be finite and non-negative")
-    return [Fraction(float(x)) for x in preferences]
+    exact = [Preference.of(x) for x in preferences]
+    top = max((p.exponent for p in exact if p.mantissa), default=0)
+    return [
+        p.mantissa * Fraction(2) ** (p.exponent - top) if p.mantissa and p.exponent - top >= -NEGLIGIBLE_BITS
+        else Fraction(0)
+        for p in exact
+    ]
 
 
 def _stage_bounds(p: list[Fraction], num_layers: int, budget: int, floor: int) -> list[int]:

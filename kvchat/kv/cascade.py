@@ -4,7 +4,8 @@ cascading eviction during the block's forward pass.
 **Preferences.** For each block, layer l's attention of the block's last S_w queries over the keys before
 them (`A[-S_w:, :-S_w]`: the entries cached from earlier blocks and the block's own earlier tokens) gives
 its dispersion H (entropy, eq. 4), shift V (column variance, eq. 5) and preference
-`P_l = H^(1/tau1) * V^(1/tau2)` (eq. 6). The block's budgets are `floor + spare * P_l / sum P`
+`P_l = H^(1/tau1) * V^(1/tau2)` (eq. 6), computed from its logarithm as an exact `budgets.Preference`, so that
+any temperature in the valid range works (`1e-300` included). The block's budgets are `floor + spare * P_l / sum P`
 (eq. 7, `budgets.cake_budgets`), summing to `L * M`; a layer holding fewer entries than its share
 passes the rest on to the others. They are recomputed every block, so they follow the input and
 differ between episodes.
@@ -39,13 +40,15 @@ grow before the higher layers have run and can shrink. With fixed budgets and `C
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
 from kvchat.kv.attention import LayerView
-from kvchat.kv.budgets import cake_budgets, cascade_budgets
+from kvchat.kv.budgets import Preference, cake_budgets, cascade_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.scoring import Scorer, select_top
 
@@ -67,19 +70,26 @@ class CakeBudgets:
         return min(self.budget, max(int(self.budget * self.floor_fraction), protected + self.window))
 
 
-def layer_preference(weights: torch.Tensor, tau1: float, tau2: float) -> float:
+def layer_preference(weights: torch.Tensor, tau1: float, tau2: float) -> Preference:
     """CAKE eq. 6 from the window's attention `weights` [kv_heads, group, w, kv] over all the layer's keys.
 
     As in CAKE's code, H and V are summed over the layer's heads, and the submatrix keeps the softmax
-    over all keys (its rows do not sum to one).
+    over all keys (its rows do not sum to one). `log2 P = log2 H / tau1 + log2 V / tau2` in exact rationals:
+    P itself overflows a float for small temperatures.
     """
     rows, kv = weights.shape[-2], weights.shape[-1]
     before = weights[..., : kv - rows].double()
     if before.shape[-1] == 0:
-        return 0.0
-    dispersion = (-(before * torch.log(before + 1e-10)).sum()).clamp(min=0.0)
-    shift = before.var(dim=-2, correction=1 if rows > 1 else 0).sum()
-    return float(dispersion ** (1.0 / tau1) * shift ** (1.0 / tau2))
+        return Preference.of(0.0)
+    dispersion = float((-(before * torch.log(before + 1e-10)).sum()).clamp(min=0.0))
+    shift = float(before.var(dim=-2, correction=1 if rows > 1 else 0).sum())
+    if not (math.isfinite(dispersion) and math.isfinite(shift)):
+        raise ValueError(f"attention gave a non-finite preference (dispersion {dispersion}, shift {shift})")
+    if dispersion == 0 or shift == 0:  # 0 to any positive power
+        return Preference.of(0.0)
+    return Preference.from_log2(
+        Fraction(math.log2(dispersion)) / Fraction(tau1) + Fraction(math.log2(shift)) / Fraction(tau2)
+    )
 
 
 @dataclass
@@ -96,7 +106,7 @@ class BlockWindow:
     scorer: Scorer | None
     evict: bool
     caps: Sequence[int] | None = None
-    preferences: list[float] = field(default_factory=list)
+    preferences: list[Preference | float] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
 
     @property
@@ -117,7 +127,7 @@ class BlockWindow:
         scores = None if self.scorer is None else self.scorer.layer_scores(view)
         self.layer_done(view.layer_idx, preference, scores)
 
-    def layer_done(self, layer_idx: int, preference: float | None, scores: torch.Tensor | None) -> None:
+    def layer_done(self, layer_idx: int, preference: Preference | float | None, scores: torch.Tensor | None) -> None:
         """Layer `layer_idx` ran: note its preference and scores, and evict what this stage allows (Alg. 1)."""
         if layer_idx != len(self.scores if self.scorer else self.preferences):
             raise RuntimeError(f"layers must run in order: got layer {layer_idx}")

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sqlite3
+import stat
 import struct
 import uuid
 from collections.abc import Callable
@@ -110,7 +111,7 @@ def try_rmdir(path: Path) -> None:
 
 class FileMismatch(Exception):
     """A stored file is not the one that was committed. `kind` is the doctor's name for how
-    (outside | missing | size | checksum); the message says it, to follow "episode N"."""
+    (outside | missing | not-a-file | size | checksum); the message says it, to follow "episode N"."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -122,11 +123,37 @@ def is_inside(path: Path, directory: Path) -> bool:
     return os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep)
 
 
-def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
-    """The bytes of `path`, read once, if it lies inside `within` and holds `size` bytes hashing to `sha256`.
+def open_regular(path: Path):
+    """`path` opened for reading if it is a regular file; FileMismatch("not-a-file") otherwise.
 
-    Raises FileMismatch otherwise. Other OSErrors (a directory, no permission) propagate: the caller says
-    what they mean. Reading once means the bytes that were checked are the bytes the caller gets.
+    Opened without blocking and checked on the open descriptor: a FIFO put in a file's place would block a
+    plain open forever (until something writes to it), and checking before opening leaves a window for the swap.
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise FileMismatch("not-a-file", f"is not a regular file but a {_file_type(mode)} ({path})")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_type(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
+             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))  # fmt: skip
+    return next((name for test, name in kinds if test(mode)), "special file")
+
+
+def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
+    """The bytes of `path`, read once, if it lies inside `within`, is a regular file and holds `size` bytes
+    hashing to `sha256`.
+
+    Raises FileMismatch otherwise. Other OSErrors (no permission) propagate: the caller says what they
+    mean. Reading once means the bytes that were checked are the bytes the caller gets.
     """
     chunks: list[bytes] = []
     _read_checked(path, size, sha256, within, chunks.append, size + 1)
@@ -146,21 +173,23 @@ _HASH_CHUNK = 1 << 22
 def _read_checked(
     path: Path, size: int, sha256: str, within: Path, consume: Callable[[bytes], None], chunk_size: int
 ) -> None:
-    """Read `path` in chunks of `chunk_size`, handing each to `consume`, checking place, size and hash."""
+    """Read `path` in chunks of `chunk_size`, handing each to `consume`, checking place, kind, size and hash."""
     if not is_inside(path, within):
         raise FileMismatch("outside", f"points outside the store ({path})")
     digest, read = hashlib.sha256(), 0
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 raise FileMismatch("size", f"is {actual} bytes, expected {size} (truncated or replaced)")
-            while (chunk := f.read(chunk_size)) and read <= size:
+            while read <= size and (chunk := f.read(chunk_size)):
                 digest.update(chunk)
                 consume(chunk)
                 read += len(chunk)
     except FileNotFoundError:
         raise FileMismatch("missing", f"is missing ({path})") from None
+    except IsADirectoryError:  # where a directory cannot be opened at all
+        raise FileMismatch("not-a-file", f"is not a regular file but a directory ({path})") from None
     if read != size:
         raise FileMismatch("size", "changed size while being read")
     if digest.hexdigest() != sha256:

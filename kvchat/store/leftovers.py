@@ -1,8 +1,9 @@
-"""Leftovers in caches/: what crashed or interrupted processes leave behind, found (every open, `kvchat
-doctor`) and removed without ever taking a file a live process may use.
+"""Leftovers in caches/ and models/: what crashed or interrupted processes leave behind, found (every open,
+`kvchat doctor`) and removed without ever taking a file a live process may use.
 
 Kept apart from the store proper: no read or write of a conversation needs it. It agrees with the store
-on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`) and on the lock:
+on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`, and `models/.tmp-<pid>-*`,
+where `kvchat.llm.convert_gguf` writes a converted model) and on the lock:
 a function marked "under the write lock" must run inside the store's write transaction, which a
 committing ingest holds from its rename to its row commit, so a dir about to be committed is never taken
 for an orphan. What goes is first renamed to a temp dir of this process and deleted after the lock is
@@ -31,7 +32,7 @@ class Problem:
     for leftovers that no row refers to (`fix` deletes them).
     """
 
-    kind: str  # missing | size | checksum | outside | unreadable | orphan | stray | stale-temp
+    kind: str  # missing | not-a-file | size | checksum | outside | unreadable | orphan | stray | stale-temp
     conversation: str | None
     episode: int | None
     path: Path
@@ -44,16 +45,33 @@ class Problem:
         }  # fmt: skip
 
 
-def remove_dead_temp_dirs(caches_dir: Path) -> None:
-    """Remove `caches/.tmp-<pid>-*` when no process `pid` exists; a live pid's temp dir is never touched.
+def remove_dead_temp_dirs(directory: Path) -> None:
+    """Remove `directory/.tmp-<pid>-*` (caches/ or models/) when no process `pid` exists; a live pid's temp
+    dir is never touched.
 
     Pids are per host (and per PID namespace), so a home must not be shared across machines or
     containers mid-ingest.
     """
-    for entry in _subdirs(caches_dir):
+    for entry in dead_temp_dirs(directory):
+        shutil.rmtree(entry, ignore_errors=True)
+
+
+def dead_temp_dirs(directory: Path) -> list[Path]:
+    """`directory/.tmp-<pid>-*` dirs whose writer `pid` no longer exists."""
+    found = []
+    for entry in sorted(_subdirs(directory)):
         pid = temp_writer_pid(entry)
         if pid is not None and not _pid_alive(pid):
-            shutil.rmtree(entry, ignore_errors=True)
+            found.append(entry)
+    return found
+
+
+def model_leftovers(models_dir: Path) -> list[Problem]:
+    """Temp dirs of model conversions that died (a first GGUF conversion killed: hundreds of MiB)."""
+    return [
+        Problem("stale-temp", None, None, path, f"temp dir of a model conversion that died: {path}; --fix deletes it")
+        for path in dead_temp_dirs(models_dir)
+    ]
 
 
 def stale_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
@@ -104,18 +122,21 @@ def move_aside_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
     return doomed
 
 
-def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path]) -> list[Problem]:
-    """What lies in caches/ that no row refers to and no live process writes. Under the write lock.
+def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, grace_s: float) -> list[Problem]:
+    """What lies in caches/ that no row refers to and no live process writes.
 
-    `live_dirs`: every conversation row's `caches/<name>/<ingest_id>`; `live_files`: every episode
-    row's file.
+    `live_dirs`: every conversation row's `caches/<name>/<ingest_id>`; `live_files`: every file a row
+    refers to. Exact under the write lock (pass `grace_s=0`). Without it, an ingest may be between its
+    rename and its row commit: ingest dirs and empty name dirs younger than `grace_s` are not reported,
+    and a dir that vanishes while being looked at (an `rm` deleting it) is skipped.
     """
     found: list[Problem] = []
+    cutoff = time.time() - grace_s if grace_s > 0 else None
 
     def leftover(kind: str, path: Path, what: str) -> None:
         found.append(Problem(kind, None, None, path, f"{what}: {path}; --fix deletes it"))
 
-    for entry in sorted(caches_dir.iterdir()):
+    for entry in _entries(caches_dir):
         pid = temp_writer_pid(entry)
         if pid is not None and _is_dir(entry):
             if not _pid_alive(pid):
@@ -124,19 +145,37 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path]) -> 
         if not _is_dir(entry) or entry.name.startswith("."):
             leftover("stray", entry, "stray file")
             continue
-        children = sorted(entry.iterdir())
-        if not children:
+        children = _entries(entry)
+        if not children and _older_than(entry, cutoff):
             leftover("orphan", entry, "empty conversation dir")
         for child in children:
             if child in live_dirs and _is_dir(child):
-                for file in sorted(child.iterdir()):
+                for file in _entries(child):
                     if file not in live_files:
                         leftover("stray", file, "file no episode refers to")
             elif _is_dir(child):
-                leftover("orphan", child, "ingest dir no conversation refers to (a crashed or replaced ingest)")
+                if _older_than(child, cutoff):
+                    leftover("orphan", child, "ingest dir no conversation refers to (a crashed or replaced ingest)")
             else:
                 leftover("stray", child, "stray file")
     return found
+
+
+def _entries(directory: Path) -> list[Path]:
+    """What `directory` holds, sorted; nothing when it is gone or unreadable."""
+    try:
+        return sorted(directory.iterdir())
+    except OSError:
+        return []
+
+
+def _older_than(path: Path, cutoff: float | None) -> bool:
+    if cutoff is None:
+        return True
+    try:
+        return path.stat().st_mtime < cutoff
+    except OSError:
+        return False
 
 
 def delete_leftovers(caches_dir: Path, doomed: Iterable[Problem]) -> tuple[list[str], list[Path]]:
@@ -148,6 +187,10 @@ def delete_leftovers(caches_dir: Path, doomed: Iterable[Problem]) -> tuple[list[
     moved: list[Path] = []
     for leftover in doomed:
         path = leftover.path
+        if leftover.kind == "stale-temp":  # its writer is dead: nothing else can take it, no need to move it
+            moved.append(path)
+            done.append(f"deleted {leftover.kind} {path}")
+            continue
         try:
             if _is_dir(path):
                 target = new_temp_path(caches_dir)

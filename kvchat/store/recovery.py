@@ -1,0 +1,276 @@
+"""A damaged kvchat.db: what can be rebuilt, from where, and what is lost.
+
+A damaged database (unreadable, corrupt pages, rows failing their digest, tables that are not kvchat's, a
+directory in its place) is never patched in place. `kvchat doctor --fix` moves it aside, kept, into
+`damaged-<timestamp>/`, and builds a new one from what survives, conversation by conversation:
+1. its rows in the damaged database, when they still read, match their digest and its files verify;
+2. else its manifest (`conversation.json` in its ingest dir, written by every ingest since kvchat keeps
+   one), when it matches its digest and the files verify.
+Anything else is lost. An ingest dir with neither still holds episode files with their model fingerprint
+and cache metadata, but not the centroids that route a question, the medoid texts, the model spec or the
+settings (the system prompt included) needed to answer from them. Even a single-episode conversation,
+which needs no routing, cannot be answered without its model and system prompt, so such a conversation
+must be re-ingested: its dir is moved aside with the damaged database (kept, never deleted), and the
+command that rebuilds it is given, with its settings when its conversation row still reads. Of the ask
+log, the rows that still read are kept.
+
+Nothing here writes to the new database; the store does (`kvchat.store.repair`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sqlite3
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from kvchat.settings import rebuild_command
+from kvchat.store.files import FileMismatch, fsync_dir, try_rmdir, verify_file
+from kvchat.store.manifest import digest, document_from_rows, read_manifest
+from kvchat.store.schema import connect_read_only
+
+FROM_ROWS = "its rows in the damaged database"
+FROM_MANIFEST = "its manifest"
+ASIDE_PREFIX = "damaged-"
+_DB_SUFFIXES = ("", "-wal", "-shm", "-journal")
+
+
+@dataclass(frozen=True)
+class Restorable:
+    """A conversation the new database gets back whole: its document and where it came from."""
+
+    document: dict
+    source: str  # FROM_ROWS | FROM_MANIFEST
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A conversation that cannot be rebuilt; `ingest_dir` (None when gone too) is kept aside."""
+
+    name: str
+    ingest_dir: Path | None
+    episode_files: int
+    why: str
+    rebuild: str  # the command that builds it again
+
+    def describe(self) -> str:
+        files = f" ({self.episode_files} episode files)" if self.episode_files else ""
+        return f"conversation {self.name!r}{files} cannot be rebuilt: {self.why}"
+
+
+@dataclass(frozen=True)
+class RebuildPlan:
+    """What a rebuild of kvchat.db restores and loses."""
+
+    restorable: list[Restorable]
+    lost: list[Lost]
+    asks: list[dict]  # ask log rows that still read
+    asks_complete: bool  # False: some could not be read
+
+    def asks_line(self) -> str:
+        kept = f"{len(self.asks)} logged question{'s' if len(self.asks) != 1 else ''}"
+        return f"keeps {kept}" + ("" if self.asks_complete else "; the rest of the ask log cannot be read")
+
+
+@dataclass
+class _Salvage:
+    """What still reads in the damaged database."""
+
+    documents: dict[str, dict] = field(default_factory=dict)  # ingest_id -> verified document
+    commands: dict[str, str] = field(default_factory=dict)  # name -> rebuild command, from its row's settings
+    asks: list[dict] = field(default_factory=list)
+    asks_complete: bool = False
+
+
+def plan_rebuild(home: Path, db_path: Path, caches_dir: Path) -> RebuildPlan:
+    """Look at the damaged `db_path` and every ingest dir in `caches_dir`; change nothing.
+
+    Files are hashed (every episode of every conversation), so this takes as long as `kvchat doctor`.
+    Of several ingest dirs of one name (a replaced or crashed ingest left behind), the newest that
+    verifies is restored; the others stay orphans for the usual leftovers sweep.
+    """
+    salvage = _salvage(db_path)
+    restorable: dict[str, Restorable] = {}
+    unusable: dict[str, list[tuple[Path, int, str]]] = {}
+    for ingest_dir in _ingest_dirs(caches_dir):
+        name = ingest_dir.parent.name
+        doc, source, why = salvage.documents.get(ingest_dir.name), FROM_ROWS, ""
+        if doc is None or doc["name"] != name:
+            doc, source, why = _manifest(ingest_dir)
+        if doc is not None:
+            why = _files_problem(home, caches_dir, ingest_dir, doc) or ""
+            doc = None if why else doc
+        if doc is None:
+            unusable.setdefault(name, []).append((ingest_dir, _episode_files(ingest_dir), why))
+        elif name not in restorable or doc["created_at"] > restorable[name].document["created_at"]:
+            restorable[name] = Restorable(doc, source)
+    lost = [
+        Lost(name, ingest_dir, files, why, salvage.commands.get(name) or _generic_command(name))
+        for name, dirs in sorted(unusable.items()) if name not in restorable
+        for ingest_dir, files, why in dirs
+    ]  # fmt: skip
+    gone = sorted({doc["name"] for doc in salvage.documents.values()} - set(restorable) - set(unusable))
+    lost += [Lost(name, None, 0, "its cache files are missing", salvage.commands[name]) for name in gone]
+    return RebuildPlan(sorted(restorable.values(), key=lambda r: r.document["name"]), lost, salvage.asks,
+                       salvage.asks_complete)  # fmt: skip
+
+
+def move_aside(home: Path, db_path: Path, lost: list[Lost]) -> Path:
+    """Move the lost conversations' ingest dirs, then the damaged database (with its WAL), into a new
+    `home/damaged-<timestamp>/`; return it.
+
+    Dirs first: a new database would take them for orphans and sweep them away. The database file is
+    hard-linked (copied where links are not supported), so `kvchat.db` stays in place until the new one
+    replaces it in one rename; its WAL and shared memory are moved, so SQLite never applies an old WAL to
+    the new file. A directory in the database's place is moved whole.
+    """
+    aside = _new_aside_dir(home)
+    for item in lost:
+        if item.ingest_dir is None:
+            continue
+        target = aside / item.ingest_dir.parent.parent.name / item.ingest_dir.parent.name / item.ingest_dir.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(item.ingest_dir, target)
+        try_rmdir(item.ingest_dir.parent)
+    if db_path.is_dir() and not db_path.is_symlink():
+        os.rename(db_path, aside / db_path.name)
+    elif db_path.exists():
+        try:
+            os.link(db_path, aside / db_path.name)
+        except OSError:
+            shutil.copy2(db_path, aside / db_path.name)
+    for suffix in _DB_SUFFIXES[1:]:
+        companion = Path(f"{db_path}{suffix}")
+        if companion.exists():
+            os.rename(companion, aside / companion.name)
+    fsync_dir(aside)
+    fsync_dir(home)
+    return aside
+
+
+def _new_aside_dir(home: Path) -> Path:
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    for attempt in range(1000):
+        aside = home / f"{ASIDE_PREFIX}{stamp}{f'-{attempt}' if attempt else ''}"
+        try:
+            aside.mkdir()
+            return aside
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{home}: too many {ASIDE_PREFIX}{stamp}* dirs")
+
+
+def _salvage(db_path: Path) -> _Salvage:
+    """Every row of the damaged database that still reads (decoded by hand: a byte that is not UTF-8 costs
+    its row, not the table), and the conversations among them that match their digests."""
+    found = _Salvage()
+    if not db_path.is_file():
+        return found
+    try:
+        conn = connect_read_only(db_path)
+    except sqlite3.Error:
+        return found
+    conn.text_factory = bytes
+    try:
+        conversations, _ = _readable_rows(conn, "select * from conversations")
+        episodes, _ = _readable_rows(conn, "select * from episodes order by conversation, idx")
+        found.asks, found.asks_complete = _readable_rows(conn, "select * from asks order by id")
+    finally:
+        conn.close()
+    by_name: dict[str, list[dict]] = {}
+    for row in episodes:
+        by_name.setdefault(row.get("conversation"), []).append(row)
+    for row in conversations:
+        try:
+            doc = document_from_rows(row, by_name.get(row["name"], []))
+        except (KeyError, TypeError, ValueError):
+            doc = None
+        command = _command_from_row(row)
+        if command is not None:
+            found.commands[row["name"]] = command
+        # a database from before digests (schema 1) has no digest to check; its files still are checked
+        if doc is not None and doc["episodes"] and row.get("digest", digest(doc)) == digest(doc):
+            found.documents[doc["ingest_id"]] = doc
+    return found
+
+
+def _readable_rows(conn: sqlite3.Connection, sql: str) -> tuple[list[dict], bool]:
+    """The rows of `sql` that read: all but those holding text that is not UTF-8, up to the first page
+    SQLite cannot read; whether all could."""
+    rows: list[dict] = []
+    complete = True
+    try:
+        cursor = conn.execute(sql)
+        columns = [c[0] for c in cursor.description]
+        for values in cursor:
+            try:
+                rows.append({c: v.decode("utf-8") if isinstance(v, bytes) else v
+                             for c, v in zip(columns, values, strict=True)})  # fmt: skip
+            except UnicodeDecodeError:
+                complete = False
+    except sqlite3.DatabaseError:
+        return rows, False
+    return rows, complete
+
+
+def _command_from_row(row: dict) -> str | None:
+    try:
+        return rebuild_command(row["name"], row["model"], json.loads(row["settings"]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+def _generic_command(name: str) -> str:
+    return shlex.join(["kvchat", "ingest", "HISTORY", "--name", name]) + " (with the settings you built it with)"
+
+
+def _ingest_dirs(caches_dir: Path) -> list[Path]:
+    """`caches/<name>/<ingest_id>` dirs (temp dirs and stray files are the leftovers sweep's)."""
+    found = []
+    for name_dir in sorted(caches_dir.iterdir()) if caches_dir.is_dir() else []:
+        if name_dir.name.startswith(".") or not name_dir.is_dir() or name_dir.is_symlink():
+            continue
+        found += [d for d in sorted(name_dir.iterdir()) if d.is_dir() and not d.is_symlink()]
+    return found
+
+
+def _manifest(ingest_dir: Path) -> tuple[dict | None, str, str]:
+    try:
+        doc = read_manifest(ingest_dir)
+    except FileNotFoundError:
+        return None, "", "no row of it survives, and it has no manifest (ingested before kvchat kept one)"
+    except (ValueError, FileMismatch) as e:
+        return None, "", f"no row of it survives, and {e}"
+    except OSError as e:
+        return None, "", f"no row of it survives, and its manifest cannot be read ({e.strerror or e})"
+    if doc["name"] != ingest_dir.parent.name or doc["ingest_id"] != ingest_dir.name:
+        return None, "", "no row of it survives, and its manifest describes another ingest dir"
+    return doc, FROM_MANIFEST, ""
+
+
+def _files_problem(home: Path, caches_dir: Path, ingest_dir: Path, doc: dict) -> str | None:
+    """What is wrong with the episode files `doc` lists, or None when each is the file it committed."""
+    for episode in doc["episodes"]:
+        files = [("", episode), *([(" pages file", episode["pages"])] if episode.get("pages") else [])]
+        for what, file in files:
+            path = home / file["path"]
+            if path.parent != ingest_dir:
+                return f"episode {episode['index']}{what} lies outside its ingest dir"
+            try:
+                verify_file(path, file["bytes"], file["sha256"], within=caches_dir)
+            except FileMismatch as e:
+                return f"episode {episode['index']}{what} {e}"
+            except OSError as e:
+                return f"episode {episode['index']}{what} cannot be read ({e.strerror or e})"
+    return None
+
+
+def _episode_files(ingest_dir: Path) -> int:
+    try:
+        return sum(1 for p in ingest_dir.iterdir() if p.suffix == ".safetensors" and ".pages." not in p.name)
+    except OSError:
+        return 0
