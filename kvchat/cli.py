@@ -31,6 +31,7 @@ from kvchat import documents
 from kvchat.config import (
     HEAD_BUDGETS,
     LAYER_BUDGETS,
+    OFFLOAD_MODES,
     POSITION_MODES,
     PREFILL_MODES,
     AskConfig,
@@ -40,6 +41,8 @@ from kvchat.config import (
     EpisodeConfig,
     EvalConfig,
     IngestConfig,
+    OffloadConfig,
+    PagingConfig,
     ProfileSettings,
     default_home,
 )
@@ -67,6 +70,7 @@ Prefill = Literal[PREFILL_MODES]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
 LayerBudgets = Literal[LAYER_BUDGETS]  # type: ignore[valid-type]
 HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
+Offload = Literal[OFFLOAD_MODES]  # type: ignore[valid-type]
 
 
 def _complete_conversation(incomplete: str) -> list[str]:
@@ -267,6 +271,17 @@ def ingest(
     max_memory: Annotated[int | None, typer.Option(
         help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
         "pre-flight check.")] = None,
+    offload: Annotated[Offload, typer.Option(
+        help="icecache: keep what eviction drops on disk, in pages of similar keys, and answer with the pages "
+        "that match the question beside the kept cache (IceCache); with --method full, everything but the "
+        "system prompt and the last tokens is paged. none: drop it.")] = OffloadConfig.mode,
+    retrieve: Annotated[int, typer.Option(
+        help="--offload icecache: entries per layer and KV head read from the pages while answering (R).")] = (
+        OffloadConfig.retrieve
+    ),
+    page_size: Annotated[int, typer.Option(help="--offload icecache: entries per page at most.")] = (
+        PagingConfig.page_size
+    ),
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     append: Annotated[bool, typer.Option(
         help="Add the history's turns to conversation --name: every episode cache continues from where it "
@@ -287,6 +302,8 @@ def ingest(
     from kvchat.store import validate_name
 
     model = config.model
+    offloading = OffloadConfig(mode=offload, retrieve=retrieve, paging=PagingConfig(page_size=page_size))
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading))
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -338,8 +355,17 @@ def ingest(
             f"{report.layer_budgets} layer budgets, "
             f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
-            f"{report.cache_bytes / 2**20:.1f} MiB, {report.seconds:.1f}s",
+            f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}, {report.seconds:.1f}s",
         )
+
+
+def _offload_text(report) -> str:
+    """What `--offload` added: entries paged and their disk use, per history token too."""
+    if report.offload == "none":
+        return ""
+    per_token = report.pages_bytes / max(report.history_tokens, 1)
+    return (f" + {report.pages_bytes / 2**20:.1f} MiB of pages ({report.offloaded_entries} offloaded entries, "
+            f"{per_token / 1024:.1f} KiB per history token)")
 
 
 def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str) -> None:
@@ -515,6 +541,9 @@ def ask(
         help="Conversation name (default: the latest).", autocompletion=_complete_conversation)] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
+    retrieve: Annotated[int | None, typer.Option(
+        help="Conversations ingested with --offload: entries per layer and KV head read from the pages (R; "
+        "default: the conversation's).")] = None,
     threads: ThreadsOpt = None,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per question (JSON Lines).")] = False,
@@ -528,12 +557,14 @@ def ask(
         raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     if question is None and (sys.stdin is None or sys.stdin.closed):
         raise UserError("no question: give one as an argument, or one per line on stdin")
+    if retrieve is not None and retrieve < 0:
+        raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
     store = _store()
     if store.read_only and not no_log:
         _say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
              console=err)
-    asker = _Asker(store, conversation, AskConfig(max_new_tokens), log=not no_log and not store.read_only,
-                   threads=threads)
+    asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve),
+                   log=not no_log and not store.read_only, threads=threads)
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -727,6 +758,12 @@ def eval_command(
         IngestConfig.model
     ),
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    offload: Annotated[str, typer.Option(
+        help="Comma-separated offload modes, each run with every method and budget: none, icecache (with "
+        "icecache, full KV runs once more, paged past the system prompt and the last tokens).")] = "none",
+    retrieve: Annotated[int, typer.Option(help="--offload icecache: entries per layer and KV head read (R).")] = (
+        OffloadConfig.retrieve
+    ),
     prefill: Annotated[Prefill, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
         CacheConfig.prefill
     ),
@@ -759,7 +796,14 @@ def eval_command(
     if max_context is not None and max_context < 64:
         raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
     base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
-    variant_list = evaluate.variants(config.methods, config.budgets, base.cache)
+    modes = tuple(m.strip() for m in offload.split(",") if m.strip())
+    for mode in modes:
+        if mode not in OFFLOAD_MODES:
+            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
+    variant_list = [
+        v for mode in modes or ("none",) for v in evaluate.variants(config.methods, config.budgets, dataclasses.replace(
+            base.cache, offload=OffloadConfig(mode=mode, retrieve=retrieve)))
+    ]  # fmt: skip
     for v in variant_list:
         validate(dataclasses.replace(base, cache=v.cache))
     for path in data or []:

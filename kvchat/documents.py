@@ -4,8 +4,9 @@ Every document is a JSON object with `"schema": SCHEMA`; `kvchat ask --json` pri
 question (JSON Lines). One vocabulary (the README's "JSON output" section lists every shape):
 
 - `episodes` is always a list of episode objects; a number of episodes is `episode_count`.
-- sizes on disk are `cache_bytes`; durations are milliseconds in `timings_ms` (a dict of phases; ingest's
-  one phase is `total`) or in a key ending in `_ms`.
+- sizes on disk are `cache_bytes` (an `--offload` conversation's pages files: `pages_bytes`); durations
+  are milliseconds in `timings_ms` (a dict of phases; ingest's one phase is `total`) or in a key ending
+  in `_ms`.
 - an answer's text is `answer`, next to the `question` it answers.
 
 SCHEMA changes when a key is removed or changes meaning; new keys may appear within a version.
@@ -69,9 +70,11 @@ def conversation(record) -> dict[str, Any]:
         "created_at": record.created_at,
         "model": record.model,
         "method": record.settings.get("method"),
+        "offload": record.settings.get("offload", "none"),
         "episode_count": len(record.episodes),
         "turns": record.stats.get("turns"),
         "cache_bytes": sum(e.bytes for e in record.episodes),
+        "pages_bytes": sum(e.pages.bytes for e in record.episodes if e.pages is not None),
     }
 
 
@@ -88,7 +91,7 @@ def show(record) -> dict[str, Any]:
         stats=record.stats,
         episodes=[
             {"index": e.index, "budgets": e.budgets, "cache_bytes": e.bytes, "entries": e.n_tokens,
-             "medoid_text": e.medoid_text}
+             "pages_bytes": e.pages.bytes if e.pages is not None else 0, "medoid_text": e.medoid_text}
             for e in record.episodes
         ],
     )

@@ -27,10 +27,13 @@ from kvchat.config import (
     ANSWER_ROOM,
     HEAD_BUDGETS,
     LAYER_BUDGETS,
+    OFFLOAD_MODES,
+    OFFLOAD_SCORERS,
     POSITION_MODES,
     PREFILL_MODES,
     CacheConfig,
     IngestConfig,
+    OffloadConfig,
 )
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
@@ -42,12 +45,13 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
-from kvchat.kv.prefill import block_prefill, select_from
+from kvchat.kv.prefill import block_prefill, keep_sink_and_window, select_from
 from kvchat.kv.scoring import Scorer
+from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
 from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
 from kvchat.profile import find_profile
 from kvchat.settings import to_settings
-from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_name
+from kvchat.store import EpisodeRecord, PagesRecord, PendingConversation, Store, validate_name
 
 
 class IngestProgress:
@@ -81,6 +85,9 @@ class IngestReport:
     prefill: str = "block"  # how the caches were built: block by block, or selected from the full history
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments in each episode
     notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
+    offload: str = "none"       # none | icecache (evicted entries kept in each episode's pages file)
+    offloaded_entries: int = 0  # entries written to the pages files, over episodes, layers and KV heads
+    pages_bytes: int = 0        # the pages files' size on disk, over episodes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,6 +140,27 @@ def validate(config: IngestConfig) -> None:
         raise UserError("CAKE settings: window must be >= 1, gamma finite and >= 0, floor_fraction in [0, 1]")
     if cake.pool_kernel < 1 or cake.pool_kernel % 2 == 0:
         raise UserError(f"CAKE pool kernel must be an odd number >= 1 (got {cake.pool_kernel})")
+    _validate_offload(cache.offload)
+
+
+def _validate_offload(offload: OffloadConfig) -> None:
+    """IceCache's settings (`--offload`, `--retrieve`, `--page-size` and the library-only ones)."""
+    for what, value, choices in (
+        ("--offload", offload.mode, OFFLOAD_MODES), ("page scorer", offload.scorer, OFFLOAD_SCORERS),
+        ("pages dtype", offload.dtype, tuple(PAGE_DTYPES)),
+    ):
+        if value not in choices:
+            raise UserError(f"unknown {what} {value!r} (choose from {', '.join(choices)})")
+    if offload.retrieve < 0:
+        raise UserError(f"--retrieve must be >= 0 (got {offload.retrieve})")
+    paging = offload.paging
+    if paging.page_size < 1 or paging.cluster_size < 1 or paging.iterations < 1:
+        raise UserError(f"--page-size must be >= 1 (got {paging.page_size}), and so must the cluster size and "
+                        "k-means iterations")
+    if offload.window < 0 or offload.refresh < 0 or offload.first_paged_layer < 0:
+        raise UserError("offload window, refresh and first paged layer must be >= 0")
+    if not 0 <= offload.pinned_share <= 1:
+        raise UserError(f"pinned share must be in [0, 1] (got {offload.pinned_share})")
 
 
 @dataclass(frozen=True)
@@ -165,6 +193,7 @@ class EpisodeStats:
     head_entries: list[int]   # kept entries of every (layer, KV head)
     peak_layer_entries: int
     peak_total_entries: int
+    offloaded_entries: int = 0  # entries its pages file holds
 
 
 @dataclass(frozen=True)
@@ -173,10 +202,12 @@ class BuiltEpisode:
     cache: EpisodeCache
     peak_layer_entries: int
     peak_total_entries: int
+    spill: SpillWriter | None = None  # what eviction dropped, on disk (`--offload icecache`)
 
     def stats(self) -> EpisodeStats:
         heads = [n for layer in self.cache.layers for n in layer.lengths]
-        return EpisodeStats(self.cache.sizes, heads, self.peak_layer_entries, self.peak_total_entries)
+        offloaded = self.spill.entries if self.spill is not None else 0
+        return EpisodeStats(self.cache.sizes, heads, self.peak_layer_entries, self.peak_total_entries, offloaded)
 
 
 def plan_ingest(
@@ -238,6 +269,12 @@ def plan_ingest(
     if not force:
         preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=available)
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
+    if cache_cfg.offload.enabled and positions == "compact":
+        raise UserError(
+            f"--offload {cache_cfg.offload.mode} keeps evicted entries at their original positions, so the history "
+            f"({total} tokens with the system prompt) must fit the model's window ({lm.context_window}) with "
+            "--positions original"
+        )
     episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
     resolved = dataclasses.replace(
         config,
@@ -283,9 +320,12 @@ def build_episode(
     *,
     on_block: Callable[[int, int], None] | None = None,
     full: EpisodeCache | None = None,
+    spill: SpillWriter | None = None,
 ) -> BuiltEpisode:
     """`episode`'s cache: block prefill of the history, or with `plan.prefill == "full"` a selection from
-    `full` (`prefill_history`), scored once by the episode's patched prompt."""
+    `full` (`prefill_history`), scored once by the episode's patched prompt. With `spill` (`--offload`,
+    see `spill_writer`), every entry an eviction drops goes to disk; with `--method full`, everything
+    between the system prompt and the last `offload.window` history tokens is dropped there."""
     cache_cfg = plan.config.cache
     scorer = episode_scorer(plan.config, episode, lm, plan.layout)
     compact = cache_cfg.positions == "compact"
@@ -294,10 +334,10 @@ def build_episode(
             raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
         last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
         cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
-                            compact=compact)  # fmt: skip
+                            compact=compact, on_evict=spill)  # fmt: skip
         if on_block is not None:
             on_block(1, 1)
-        return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries)
+        return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries, spill)
     result = block_prefill(
         lm.model,
         plan.prefix_ids,
@@ -308,8 +348,25 @@ def build_episode(
         compact=compact,
         on_block=on_block,
         heads=plan.heads,
+        on_evict=spill,
     )
-    return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries)
+    if spill is not None and scorer is None:  # full KV evicted nothing: page everything but sink and window
+        offload = cache_cfg.offload
+        keep_sink_and_window(result.cache, offload.window, offload.first_paged_layer)
+    return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
+
+
+def spill_writer(plan: IngestPlan, lm: LoadedModel, pending: PendingConversation, index: int) -> SpillWriter | None:
+    """Where episode `index`'s evicted entries go with `--offload` (None without): files in the pending
+    conversation's private scratch dir for that episode."""
+    offload = plan.config.cache.offload
+    if not offload.enabled:
+        return None
+    shape = preflight.ModelShape.of(lm.model)
+    return SpillWriter(
+        pending.scratch_dir(index), num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        dtype=PAGE_DTYPES[offload.dtype],
+    )
 
 
 @dataclass(frozen=True)
@@ -325,11 +382,12 @@ class EncodedEpisode:
     budgets: list[int]
     n_tokens: int
 
-    def write(self, pending: PendingConversation) -> EpisodeRecord:
-        """Write and fsync the file in `pending` (not visible until commit)."""
+    def write(self, pending: PendingConversation, pages: PagesRecord | None = None) -> EpisodeRecord:
+        """Write and fsync the file in `pending` (not visible until commit); `pages`, its pages file's
+        record when the episode offloads (written first: the episode's record refers to it)."""
         return pending.write_episode(
             self.index, self.tensors, self.metadata, centroid=self.centroid, medoid_text=self.medoid_text,
-            budgets=self.budgets, n_tokens=self.n_tokens,
+            budgets=self.budgets, n_tokens=self.n_tokens, pages=pages,
         )
 
 
@@ -349,8 +407,15 @@ def encode_episode(plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel) -> En
 def write_episode(
     pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
 ) -> EpisodeRecord:
-    """Encode one episode's cache into its file in the pending conversation (not visible until commit)."""
-    return encode_episode(plan, built, lm).write(pending)
+    """Encode one episode's cache into its file in the pending conversation (not visible until commit), its
+    pages file first when it offloads (IceCache)."""
+    pages = None
+    if built.spill is not None:
+        spill, paging = built.spill, plan.config.cache.offload.paging
+        pages = pending.write_pages(
+            built.episode.index, lambda path: spill.write_pages(path, paging, {"fingerprint": lm.fingerprint})
+        )
+    return encode_episode(plan, built, lm).write(pending, pages)
 
 
 def commit_ingest(
@@ -385,6 +450,9 @@ def commit_ingest(
         prefill=plan.prefill,
         episode_segments=list(plan.episode_segments),
         notes=plan.notes,
+        offload=cache_cfg.offload.mode,
+        offloaded_entries=sum(b.offloaded_entries for b in built),
+        pages_bytes=sum(r.pages.bytes for r in records if r.pages is not None),
     )
     pending.commit(
         model=lm.spec,
@@ -420,7 +488,9 @@ def ingest(
     with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
         for episode in plan.episodes:
             progress.episode(episode.index, len(plan.episodes))
-            built = build_episode(plan, episode, lm, on_block=progress.block, full=full)
+            with pending.disk_full_guard():  # spilled entries are written during the prefill
+                spill = spill_writer(plan, lm, pending, episode.index)
+                built = build_episode(plan, episode, lm, on_block=progress.block, full=full, spill=spill)
             records.append(write_episode(pending, plan, built, lm))
             stats.append(built.stats())  # the cache itself is released before the next episode is built
         return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)

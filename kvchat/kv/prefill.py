@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.cache import EpisodeCache, EvictionObserver
 from kvchat.kv.cascade import BlockWindow, CakeBudgets, block_evicts
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
@@ -49,6 +49,7 @@ def block_prefill(
     on_block: Callable[[int, int], None] | None = None,
     heads: HeadBudgets = HeadBudgets(),
     resume: EpisodeCache | None = None,
+    on_evict: EvictionObserver | None = None,
 ) -> PrefillResult:
     """Build an episode cache: `prefix_ids` (never evicted), then `context_ids` in blocks.
 
@@ -58,7 +59,8 @@ def block_prefill(
     `heads` shares each layer's budget among its KV heads (uniform, or adaptive: heads keep different
     counts and the layer becomes ragged; sizes and the peak then count entries per head averaged over
     the layer's heads). `resume` continues that cache (its prefix is already in; `prefix_ids` must be
-    None) and extends it in place; its peaks keep counting from where they were.
+    None) and extends it in place; its peaks keep counting from where they were. `on_evict` sees every
+    entry an eviction drops (`EpisodeCache.on_evict`; IceCache spills them to disk).
     """
     if resume is None:
         cache = EpisodeCache(model.config.num_hidden_layers)
@@ -68,6 +70,8 @@ def block_prefill(
         raise ValueError("a resumed cache already holds its prefix: pass prefix_ids=None")
     else:
         cache = resume
+    if on_evict is not None:
+        cache.on_evict = on_evict
     blocks = list(context_ids.split(block_size, dim=-1))
     rotary = model.model.rotary_emb
     in_forward = scorer is not None and scores_in_forward(scorer)
@@ -107,15 +111,17 @@ def select_from(
     scorer: Scorer,
     heads: HeadBudgets = HeadBudgets(),
     compact: bool = False,
+    on_evict: EvictionObserver | None = None,
 ) -> EpisodeCache:
     """An episode cache chosen from `full` (everything kept, e.g. `block_prefill(budgets=None)`): `scorer`
     reads it once, as after the history's last block (`last_block`, its ids), and each layer keeps its top
     `budgets[l]` entries, shared among heads by `heads`. `full` is left whole for the next episode; its
-    peaks count the scorer's probe."""
+    peaks count the scorer's probe. `on_evict` sees what the selection drops (`full` itself evicts nothing)."""
     if scores_in_forward(scorer):
         raise ValueError("selecting from a full cache needs a scorer that reads it after the block")
     scores = scorer(model, full, last_block)
     cache = full.copy()
+    cache.on_evict = on_evict
     cache.keep(
         [heads.select(s, b, cache.protected, layer.lengths) for s, b, layer in zip(scores, budgets, cache.layers,
                                                                                     strict=True)]
@@ -124,3 +130,15 @@ def select_from(
     if compact:
         cache.compact(model.model.rotary_emb)
     return cache
+
+
+def keep_sink_and_window(cache: EpisodeCache, window: int, first_layer: int = 0) -> None:
+    """In every layer from `first_layer` on, keep the protected system prompt and the last `window` entries
+    of each head and evict the rest, through `cache.on_evict` (IceCache over a full cache: everything
+    between sink and window is paged)."""
+    for i in range(first_layer, len(cache.layers)):
+        index = []
+        for n in cache.layers[i].lengths:
+            tail = max(cache.protected, n - window)
+            index.append(torch.cat([torch.arange(min(cache.protected, n)), torch.arange(tail, n)]))
+        cache.keep_layer(i, torch.stack(index) if len({len(x) for x in index}) == 1 else index)
