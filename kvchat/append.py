@@ -43,6 +43,7 @@ from kvchat.ingest import (
 )
 from kvchat.kv import codec, pagefile
 from kvchat.kv.heads import HeadBudgets
+from kvchat.kv.methods import method
 from kvchat.kv.prefill import block_prefill
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.settings import from_settings
@@ -71,6 +72,9 @@ def append(
             f"conversation '{name}' pages everything past its last tokens (--method full --offload): new turns "
             "would be prefilled without the paged past; use --append --reingest"
         )
+    if method(config.cache.method).trained:
+        raise UserError(f"conversation '{name}' was built with --method {config.cache.method}, whose caches cannot "
+                        "be continued (the indexer's keys of stored entries are not kept); use --append --reingest")
     from_file = isinstance(history, (str, os.PathLike))
     turns = load_history(history) if from_file else list(history)
     lines = format_turns(turns)

@@ -34,6 +34,7 @@ from kvchat.config import (
     OFFLOAD_MODES,
     POSITION_MODES,
     PREFILL_MODES,
+    TRAIN_STAGES,
     AskConfig,
     BatchConfig,
     CacheConfig,
@@ -44,6 +45,7 @@ from kvchat.config import (
     OffloadConfig,
     PagingConfig,
     ProfileSettings,
+    TrainConfig,
     default_home,
 )
 from kvchat.errors import UserError
@@ -71,6 +73,7 @@ Method = Literal[METHODS]  # type: ignore[valid-type]
 LayerBudgets = Literal[LAYER_BUDGETS]  # type: ignore[valid-type]
 HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
 Offload = Literal[OFFLOAD_MODES]  # type: ignore[valid-type]
+TrainStage = Literal[TRAIN_STAGES]  # type: ignore[valid-type]
 
 
 def _complete_conversation(incomplete: str) -> list[str]:
@@ -268,6 +271,9 @@ def ingest(
         metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
     config: IngestConfig = IngestConfig(),
+    memory: Annotated[bool, typer.Option(
+        "--memory/--no-memory", help="indexmem: fold evicted entries into a latent memory stored with each episode "
+        "and read while answering (IndexMem).")] = CacheConfig.memory,
     max_memory: Annotated[int | None, typer.Option(
         help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
         "pre-flight check.")] = None,
@@ -303,7 +309,7 @@ def ingest(
 
     model = config.model
     offloading = OffloadConfig(mode=offload, retrieve=retrieve, paging=PagingConfig(page_size=page_size))
-    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading))
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading, memory=memory))
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -707,6 +713,100 @@ def profile_layers_command(
             for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True))],
            right=("layer", "key similarity", "sensitivity"))
     _say(f"wrote {target}" + (f" and {plot}" if plot else ""), console=err)
+
+
+class _RichTrainProgress:
+    """Bars for `train-indexer`: the frozen model's pass over the chunks, then each stage's steps."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[str, int] = {}
+
+    def prepare(self, done: int, total: int) -> None:
+        self._update("chunks through the model", done, total)
+
+    def step(self, stage: str, done: int, total: int, loss: float) -> None:
+        self._update(f"{stage} (loss {loss:.4f})", done, total, key=stage)
+
+    def _update(self, description: str, done: int, total: int, key: str | None = None) -> None:
+        key = key or description
+        if key not in self.tasks:
+            self.tasks[key] = self.progress.add_task(description, total=total)
+        self.progress.update(self.tasks[key], completed=done, total=total, description=description)
+
+
+class _LineTrainProgress:
+    """Where stderr is not a terminal: a line when the data is ready and every 25 steps, so a log shows it is alive."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def prepare(self, done: int, total: int) -> None:
+        if done == total:
+            self._say(f"{total} chunks through the model")
+
+    def step(self, stage: str, done: int, total: int, loss: float) -> None:
+        if done % 25 == 0 or done == total:
+            self._say(f"{stage} step {done}/{total}, loss {loss:.4f}")
+
+    def _say(self, text: str) -> None:
+        err.print(f"kvchat: {text} ({time.monotonic() - self.started:.1f} s elapsed)", markup=False, soft_wrap=True)
+
+
+@app.command("train-indexer")
+def train_indexer_command(
+    model: Annotated[str, typer.Option(help="'default', a model dir or a .gguf file.")] = IngestConfig.model,
+    data: Annotated[list[Path] | None, typer.Option(
+        "--data", help="Training text: chat histories (any format ingest reads) or .txt files; repeat for more "
+        "(default: chitchat-dataset, kvchat's synthetic conversations and the calibration text).")] = None,
+    steps: Annotated[int, typer.Option(help="Optimizer steps per stage (one chunk each).")] = TrainConfig.steps,
+    stage: Annotated[TrainStage, typer.Option(
+        help="indexer, memory (on the indexer already at --out) or both.")] = TrainConfig.stage,
+    chunks: Annotated[int, typer.Option(help="Training chunks.")] = TrainConfig.train_chunks,
+    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk.")] = TrainConfig.chunk_tokens,
+    seed: Annotated[int, typer.Option(help="Data order, initial weights and held-out split.")] = TrainConfig.seed,
+    out_file: Annotated[Path | None, typer.Option(
+        "--out", help="Weights file (default: in $KVCHAT_HOME/profiles/, used by ingest before the shipped ones).",
+    )] = None,
+    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    threads: ThreadsOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Train IndexMem's indexer (and latent memory) for a model, by distillation from its own attention.
+
+    Resumable: rerun the same command after an interruption. Deterministic for a seed."""
+    from kvchat.training import default_out, train
+
+    for path in data or []:
+        if not path.is_file():
+            raise UserError(f"{path}: no such file")
+    store = _store()
+    lm = _model(model, store, trust_remote_code, threads)
+    config = TrainConfig(stage=stage, steps=steps, train_chunks=chunks, chunk_tokens=chunk_tokens, seed=seed)
+    target = out_file or default_out(store.home, lm)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=err, transient=True, disable=not err.is_terminal or as_json,
+    ) as bars:
+        progress = _RichTrainProgress(bars) if err.is_terminal else _LineTrainProgress()
+        report = train(lm, target, config, files=data or [], progress=progress)
+    for note in report.notes:
+        _say(f"kvchat: note: {note}", console=err)
+    if as_json:
+        fields = report.to_dict()
+        seconds = fields.pop("seconds")
+        _emit_json(documents.document(**fields, timings_ms={"total": round(seconds * 1000, 1)}))
+        return
+    indexer = report.metrics.get("indexer", {})
+    memory = report.metrics.get("memory", {})
+    _say(f"wrote {report.out} ({report.file_bytes / 2**10:.0f} KiB; {', '.join(report.stages)}; "
+         f"{report.seconds:.0f} s)")
+    if indexer:
+        _say(f"held-out top-{indexer['fraction']:.0%} overlap with the model's attention: {indexer['top_overlap']:.3f} "
+             f"(SnapKV-like {indexer['snapkv_like_top_overlap']:.3f}, random {indexer['random_top_overlap']:.3f})")
+    if memory:
+        parts = ", ".join(f"{v:.3f} at {k}" for k, v in memory["residual_removed"].items() if v is not None)
+        _say(f"held-out share of the eviction residual the memory removes: {parts}")
 
 
 class _RichEvalProgress:

@@ -122,10 +122,49 @@ class CacheConfig:
     cake: CakeConfig = CakeConfig()
     head_budgets: str = "uniform"  # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's
                                    # top M_l x kv_heads (head, token) pairs, floor HEAD_FLOOR_FRACTION x M_l)
+    memory: bool = True    # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
+    recent_window: int = 64  # indexmem: each block's last entries are always kept (IndexMem §4 keeps a recent
+                             # local window besides the budget; its indexer has no positions to see recency by)
     prefill: str = "auto"  # block (evict after every block: peak flat in the history) | full (keep the whole
                            # history, then each episode keeps its top entries: one prefill for all episodes) |
                            # auto (full when the history fits the model's window and its full KV fits memory)
     offload: OffloadConfig = OffloadConfig()
+
+
+@dataclass(frozen=True)
+class IndexMemConfig:
+    """IndexMem (Yang et al. 2026): sizes of the trained indexer and latent memory, relative to the model, and
+    the memory's update rule. The paper's ratios; kvchat.kv.indexer and kvchat.kv.latent say what each is."""
+
+    index_head_ratio: int = 4      # H_index = query heads / 4 (at least 1)
+    index_dim_ratio: int = 8       # d_index = head_dim / 8 (at least 1)
+    memory_dim_ratio: int = 8      # d_mem = hidden size / 8 (the paper's "d/8", d read as d_model)
+    decay: float = 1.0             # lambda: 1 = an old evicted fact weighs as much as a recent one
+    write_strength: float = 1.0    # eta
+    eps: float = 1e-6              # readout denominator floor
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """`kvchat train-indexer`: distilling the indexer (and the memory's slow weights) from the frozen model."""
+
+    stage: str = "both"            # indexer | memory | both (indexer first, then memory with it frozen)
+    steps: int = 300               # optimizer steps per stage, one chunk each
+    chunk_tokens: int = 512        # system prompt + conversation tokens per training chunk
+    train_chunks: int = 40
+    held_out_chunks: int = 8       # never trained on: the overlap and residual figures come from these
+    lr: float = 3e-3               # AdamW, linear warmup then cosine decay to lr / 100
+    warmup: int = 20
+    seed: int = 0
+    memory_queries: int = 64       # memory stage: the chunk's last tokens read the memory of the rest
+    memory_budgets: tuple[int, ...] = (64, 128, 256)  # simulated block-prefill budgets, cycled over chunks
+    memory_block: int = 128        # simulated block size
+    memory_window: int = 64        # simulated recent window (CacheConfig.recent_window)
+    top_fraction: float = 0.25     # held-out metric: overlap of the indexer's and the teacher's top 25%
+    checkpoint_every: int = 25     # steps between resumable checkpoints
+
+
+TRAIN_STAGES = ("indexer", "memory", "both")
 
 
 @dataclass(frozen=True)

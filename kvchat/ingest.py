@@ -49,7 +49,7 @@ from kvchat.kv.prefill import block_prefill, keep_sink_and_window, select_from
 from kvchat.kv.scoring import Scorer
 from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
 from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
-from kvchat.profile import find_profile
+from kvchat.profile import find_indexmem, find_profile
 from kvchat.settings import to_settings
 from kvchat.store import EpisodeRecord, PagesRecord, PendingConversation, Store, validate_name
 
@@ -130,6 +130,8 @@ def validate(config: IngestConfig) -> None:
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
         raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
+    if cache.recent_window < 0:
+        raise UserError(f"recent window must be >= 0 (got {cache.recent_window})")
     if cache.pool_kernel < 1 or cache.pool_kernel % 2 == 0:
         raise UserError(f"pool kernel must be an odd number >= 1 (got {cache.pool_kernel})")
     cake = cache.cake
@@ -183,6 +185,7 @@ class IngestPlan:
     notes: list[str]
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
+    trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
 
 
 @dataclass(frozen=True)
@@ -254,8 +257,14 @@ def plan_ingest(
             "layer keeps; raise --budget"
         )
     notes: list[str] = []
+    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
+    trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
+    memory = cache_cfg.memory and trained is not None
+    if memory and trained.memory is None:
+        notes.append(f"{trained.path} holds no memory weights (trained with --stage indexer): no latent memory")
+        memory = False
     strategy, budgets, alpha = ("full", None, None) if full else resolve_layer_budgets(
-        cache_cfg, lm, [store.home / "profiles"] if profile_dirs is None else list(profile_dirs), protected, notes
+        cache_cfg, lm, dirs, protected, notes
     )
     heads = HeadBudgets(cache_cfg.head_budgets)
     shape = preflight.ModelShape.of(lm.model)
@@ -280,7 +289,7 @@ def plan_ingest(
         config,
         cache=dataclasses.replace(
             cache_cfg, positions=positions, layer_budgets=cache_cfg.layer_budgets if full else strategy, alpha=alpha,
-            prefill=prefill,
+            prefill=prefill, memory=memory,
         ),
     )
     return IngestPlan(
@@ -299,6 +308,7 @@ def plan_ingest(
         episode_segments=[len(e.segments) for e in episodes],
         estimated_peak_bytes=peak_bytes,
         notes=notes,
+        trained=trained,
         appended=tuple(appended),
     )
 
@@ -327,7 +337,7 @@ def build_episode(
     see `spill_writer`), every entry an eviction drops goes to disk; with `--method full`, everything
     between the system prompt and the last `offload.window` history tokens is dropped there."""
     cache_cfg = plan.config.cache
-    scorer = episode_scorer(plan.config, episode, lm, plan.layout)
+    scorer = episode_scorer(plan.config, episode, lm, plan.layout, plan.trained)
     compact = cache_cfg.positions == "compact"
     if plan.prefill == "full":
         if full is None:
@@ -338,6 +348,12 @@ def build_episode(
         if on_block is not None:
             on_block(1, 1)
         return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries, spill)
+    memory = None
+    if cache_cfg.memory and plan.trained is not None:  # IndexMem: what is evicted is written, read when answering
+        from kvchat.kv.latent import LatentMemory
+
+        memory = LatentMemory(plan.trained.memory, plan.trained.config)
+    writer = None if memory is None else memory.writer(lm.model.model.rotary_emb)
     result = block_prefill(
         lm.model,
         plan.prefix_ids,
@@ -348,12 +364,22 @@ def build_episode(
         compact=compact,
         on_block=on_block,
         heads=plan.heads,
-        on_evict=spill,
+        on_evict=_every(spill, writer),
     )
     if spill is not None and scorer is None:  # full KV evicted nothing: page everything but sink and window
         offload = cache_cfg.offload
         keep_sink_and_window(result.cache, offload.window, offload.first_paged_layer)
+    result.cache.on_evict = None
+    result.cache.memory = memory
     return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
+
+
+def _every(*observers):
+    """One eviction observer calling each of `observers` that is set (IceCache's spill, IndexMem's memory)."""
+    chosen = [o for o in observers if o is not None]
+    if len(chosen) <= 1:
+        return chosen[0] if chosen else None
+    return lambda layer, heads: [observe(layer, heads) for observe in chosen]
 
 
 def spill_writer(plan: IngestPlan, lm: LoadedModel, pending: PendingConversation, index: int) -> SpillWriter | None:
@@ -623,13 +649,15 @@ def _episodes(
     )
 
 
-def episode_scorer(config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout) -> Scorer | None:
+def episode_scorer(
+    config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout, trained: object | None = None
+) -> Scorer | None:
     """The eviction scorer of `config.cache.method` for this episode (None for full KV)."""
     entry = method(config.cache.method)
     if entry.scorer is None:
         return None
     prompt = _patched_prompt(config, episode, lm) if entry.episodic else ""
-    return entry.scorer(ScorerInputs(lm.encode, layout, config.cache, prompt))
+    return entry.scorer(ScorerInputs(lm.encode, layout, config.cache, prompt, model=lm.model, trained=trained))
 
 
 def _medoid_cap(config: IngestConfig, lm: LoadedModel) -> int:

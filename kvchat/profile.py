@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -112,6 +113,46 @@ def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile |
         if profile.weights == weights and len(profile.sensitivity) == lm.num_layers:
             return profile
     return None
+
+
+def shipped_indexers() -> list[Path]:
+    """Trained IndexMem weights that ship with kvchat, beside the layer profiles (kvchat.kv.trained)."""
+    from kvchat.kv.trained import SUFFIX
+
+    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(SUFFIX))
+
+
+def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
+    """The IndexMem weights trained on these exact weights: user-trained ones (`extra_dirs`, i.e.
+    `$KVCHAT_HOME/profiles`) first, then shipped. Refuses, naming the command that trains one, when none
+    matches the weights and the model's shape."""
+    from kvchat.kv.indexer import IndexMemShape
+    from kvchat.kv.trained import SUFFIX, TrainedIndexMem, read_metadata
+
+    weights = weights_fingerprint(lm.model)
+    shape = IndexMemShape.of(lm.model.config).to_dict()
+    candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob(f"*{SUFFIX}"))] + shipped_indexers()
+    others = []
+    for path in candidates:
+        try:
+            meta = read_metadata(path)
+        except ValueError:
+            continue
+        if meta["weights"] == weights and all(json.loads(meta["shape"]).get(k) == v for k, v in shape.items()
+                                              if k not in ("index_heads", "index_dim", "memory_dim")):
+            try:
+                return TrainedIndexMem.load(path)
+            except ValueError as exc:
+                raise UserError(f"{exc}; train another with `{train_command(lm.spec)}`") from None
+        others.append(f"{path.name} (weights {meta['weights'][:8]})")
+    found = f"; found only indexers for other weights: {', '.join(others)}" if others else ""
+    raise UserError(f"--method indexmem needs an indexer trained on {lm.spec}'s weights ({weights[:8]}){found}; "
+                    f"train one with `{train_command(lm.spec)}`")
+
+
+def train_command(spec: str) -> str:
+    """The command that trains IndexMem weights for the model `spec`."""
+    return "kvchat train-indexer" + ("" if spec == "default" else f" --model {shlex.quote(spec)}")
 
 
 def calibration_text() -> str:

@@ -49,6 +49,9 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         "instruction": config.instruction,
         "source": source,
     }
+    if cache.method == "indexmem":
+        settings["memory"] = cache.memory
+        settings["recent_window"] = cache.recent_window
     if appended:
         settings["appended"] = list(appended)
     if strategy == "sensitivity" and cache.alpha is not None:
@@ -99,6 +102,8 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
         offload=offload,
+        memory=get("memory", cache_d.memory),
+        recent_window=get("recent_window", cache_d.recent_window),
     )
     episodes = EpisodeConfig(
         episodes=get("episodes", episodes_d.episodes),
@@ -138,6 +143,8 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
                     "page-size": cache.offload.paging.page_size}  # fmt: skip
     for option, value in options.items():
         words += [f"--{option}", str(value)]
+    if cache.method == "indexmem":
+        words.append("--memory" if cache.memory else "--no-memory")
     if replace:
         words.append("--replace")
     appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]

@@ -15,7 +15,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.evaluate", "kvchat.report"),
     ("kvchat.batch",),
     ("kvchat.append",),
-    ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa"),
+    ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training"),
     ("kvchat.llm", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings"),
     ("kvchat.kv", "kvchat.config"),
     ("kvchat.history", "kvchat.encoder", "kvchat.errors", "kvchat.synthetic", "kvchat.__init__"),

@@ -105,8 +105,8 @@ class _HiddenStateScorer(BlockScorer):
     def layer_scores(self, view: LayerView) -> torch.Tensor:
         self.views.append(view)
         attention = self.model.model.layers[view.layer_idx].self_attn
-        rows = view.hidden.shape[1]
-        projected = attention.q_proj(view.hidden).view(1, rows, 4, 16).transpose(1, 2)  # [1, heads, rows, 16]
+        rows = view.queries.shape[2]  # the hidden states cover the whole block; the queries its last rows
+        projected = attention.q_proj(view.hidden[:, -rows:]).view(1, rows, 4, 16).transpose(1, 2)  # [1, 4, rows, 16]
         assert projected.shape == view.queries.shape
         # RoPE rotates each query: the projection of the hidden states matches the queries up to rotation.
         torch.testing.assert_close(projected.norm(dim=-1), view.queries.norm(dim=-1))
@@ -125,8 +125,9 @@ def test_an_in_forward_scorer_sees_queries_and_hidden_states_of_the_block(model)
         for hook in hooks:
             hook.remove()
     assert scorer.views and {v.layer_idx for v in scorer.views} == {0, 1}
-    last = [v for v in scorer.views if v.hidden.shape[1] == 4][-1]
-    torch.testing.assert_close(last.hidden, inputs[last.layer_idx][:, -4:])
+    last = scorer.views[-1]  # the last block: 40 = 16 + 16 + 8 tokens
+    assert last.hidden.shape[1] == 8 and last.queries.shape[2] == 4
+    torch.testing.assert_close(last.hidden, inputs[last.layer_idx])
     for layer in result.cache.layers:  # evicted in the forward by this scorer: the latest entries stay
         assert layer.positions[0].tolist() == [0, 1, 2, *range(43 - 17, 43)]
 
@@ -163,13 +164,22 @@ class _Layout:
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_every_registered_method_builds_the_scorer_its_entry_describes(name):
+def test_every_registered_method_builds_the_scorer_its_entry_describes(name, model):
     entry = REGISTRY[name]
     assert entry.name == name and entry.summary
     if entry.scorer is None:
         return
     encode = lambda text: torch.tensor([[len(text) % 7 + 1] * max(len(text.split()), 1)])  # noqa: E731
-    scorer = entry.scorer(ScorerInputs(encode, _Layout(), CacheConfig(), episode_prompt="about tomatoes"))
+    inputs = ScorerInputs(encode, _Layout(), CacheConfig(), episode_prompt="about tomatoes")
+    if entry.trained:  # built from weights trained for the model (here untrained ones of its shape)
+        from kvchat.kv.indexer import Indexer, IndexMemShape
+        from kvchat.kv.trained import TrainedIndexMem
+
+        with pytest.raises(ValueError, match="trained"):
+            entry.scorer(inputs)
+        shape = IndexMemShape.of(model.config)
+        inputs = dataclasses.replace(inputs, model=model, trained=TrainedIndexMem(shape, Indexer(shape), None, "w"))
+    scorer = entry.scorer(inputs)
     assert bool(getattr(scorer, "in_forward", False)) == entry.in_forward
     assert scorer.transient_tokens >= 0
 

@@ -297,7 +297,7 @@ def test_adaptive_ingest_and_ask_round_trip_through_the_store(tmp_path, history,
     assert record.settings["head_budgets"] == "adaptive"
     for episode in record.episodes:
         tensors, meta = store.load_episode(episode, tiny_lm.fingerprint)
-        assert meta["format_version"] == "2"
+        assert meta["format_version"] == codec.FORMAT_VERSION
         for i in range(LAYERS):
             assert int(tensors[f"len.{i}"].sum()) == tensors[f"k.{i}"].shape[0] == 96 * HEADS
         assert episode.n_tokens == 96 * HEADS * LAYERS

@@ -77,7 +77,8 @@ class LayerView:
     `weights`: softmax attention `[kv_heads, group, rows, kv]` of the forward's last `rows` queries over all
     the layer's keys (the `past` cached entries first, then the forward's own tokens; GQA groups explicit).
     `queries`: those queries `[1, q_heads, rows, head_dim]`, after RoPE. `hidden`: the layer's attention
-    input (after its norm) for those rows, `[1, rows, hidden]`, when the recorder asked (`needs_hidden`).
+    input (after its norm) for every token of the forward, `[1, q, hidden]`, when the recorder asked
+    (`needs_hidden`): a learned scorer computes its own keys and queries from them (kvchat.kv.indexer).
     """
 
     layer_idx: int
@@ -96,6 +97,15 @@ class Recorder(Protocol):
     query_rows: int | None  # the last queries whose weights it needs (None: all)
 
     def record(self, view: LayerView) -> None: ...
+
+
+class MemoryReadout(Protocol):
+    """Passed to a model forward as the `kvchat_memory` keyword (kvchat.kv.latent): what a memory of evicted
+    entries adds to a layer's attention output, per query head, before `o_proj`."""
+
+    def __call__(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+        """`query [1, q_heads, q, head_dim]` (after RoPE) -> the addition, same shape."""
+        ...
 
 
 @dataclass
@@ -146,15 +156,18 @@ def kvchat_attention(
     dropout: float = 0.0,
     kvchat_recorder: Recorder | None = None,
     kvchat_hidden: dict[int, torch.Tensor] | None = None,
+    kvchat_memory: MemoryReadout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with a per-layer causal mask; optionally records attention for scoring."""
+    """SDPA with a per-layer causal mask; optionally records attention for scoring, and adds a latent
+    memory's readout (IndexMem eq. 4: o = o_attn + g(q) m(q)) when one is passed."""
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     if isinstance(key, PagedKeys):
         key, value = with_retrieved(key, value, key.pool.retrieved(query, scaling), query.shape[2])
     if isinstance(key, HeadList):
-        return _ragged_attention(module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden)
+        out, _ = _ragged_attention(module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden)
+        return _with_memory(out, module, query, kvchat_memory), None
     q_len, kv_len = query.shape[2], key.shape[2]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
@@ -171,19 +184,25 @@ def kvchat_attention(
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
         kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden))
-    return out.transpose(1, 2).contiguous(), None
+    return _with_memory(out.transpose(1, 2).contiguous(), module, query, kvchat_memory), None
+
+
+def _with_memory(
+    out: torch.Tensor, module: torch.nn.Module, query: torch.Tensor, memory: MemoryReadout | None
+) -> torch.Tensor:
+    """`out [1, q, q_heads, head_dim]` plus the memory's readout, when there is a memory."""
+    if memory is None:
+        return out
+    return out + memory(module.layer_idx, query).transpose(1, 2).to(out.dtype)
 
 
 def _view(
     layer_idx: int, weights: torch.Tensor, past: int, query: torch.Tensor, hidden: dict[int, torch.Tensor] | None
 ) -> LayerView:
-    """The recorder's view of a layer: the last `rows` queries (those `weights` cover) and hidden states."""
+    """The recorder's view of a layer: the last `rows` queries (those `weights` cover) and the hidden states."""
     rows = weights.shape[-2]
     layer_hidden = hidden.pop(layer_idx, None) if hidden is not None else None
-    return LayerView(
-        layer_idx, weights, past, query[:, :, query.shape[2] - rows :],
-        None if layer_hidden is None else layer_hidden[:, layer_hidden.shape[1] - rows :],
-    )
+    return LayerView(layer_idx, weights, past, query[:, :, query.shape[2] - rows :], layer_hidden)
 
 
 def _ragged_attention(

@@ -46,6 +46,7 @@ class EpisodeCache(Cache):
         self.peak_layer_entries = 0          # most entries one layer has held in attention (probe tokens included)
         self.peak_total_entries = 0          # most entries all layers together have held at once (same counting)
         self.on_evict: EvictionObserver | None = None  # sees every entry an eviction drops
+        self.memory = None  # a latent memory of what was evicted (kvchat.kv.latent), read while answering
         self._probing = False
 
     @classmethod
@@ -64,6 +65,7 @@ class EpisodeCache(Cache):
             [copy.copy(layer) for layer in self.layers], next_position=self.next_position, protected=self.protected
         )
         other.peak_layer_entries, other.peak_total_entries = self.peak_layer_entries, self.peak_total_entries
+        other.memory = self.memory
         return other
 
     # --- the transformers side -------------------------------------------------------------------

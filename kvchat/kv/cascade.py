@@ -50,6 +50,7 @@ import torch
 from kvchat.kv.attention import LayerView
 from kvchat.kv.budgets import Preference, cake_budgets, cascade_budgets
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.scoring import Scorer, select_top
 
 
@@ -98,7 +99,10 @@ class BlockWindow:
 
     `budgets` are a layer's final budgets (fixed) or `CakeBudgets`; `scorer` is set when it scores during
     the forward (`Scorer.layer_scores`); `evict` says whether this block evicts at all (decided before the forward);
-    `caps[l]` is what layer l holds once the block is appended (cake budgets never exceed it).
+    `caps[l]` is what layer l holds once the block is appended (cake budgets never exceed it); `heads` shares a
+    layer's budget among its KV heads (adaptive: scores laid out per head, each head's entries first). A
+    scorer with a `kept(layer, index)` method is told what every eviction kept (kvchat.kv.indexer keeps
+    per-entry state aligned with the cache that way).
     """
 
     cache: EpisodeCache
@@ -106,6 +110,7 @@ class BlockWindow:
     scorer: Scorer | None
     evict: bool
     caps: Sequence[int] | None = None
+    heads: HeadBudgets | None = None
     preferences: list[Preference | float] = field(default_factory=list)
     scores: list[torch.Tensor] = field(default_factory=list)
 
@@ -160,10 +165,24 @@ class BlockWindow:
         return cascade_budgets(self.preferences, layers, cake.budget, cake.floor(self.cache.protected), self.caps)
 
     def _evict(self, layer: int, budget: int) -> None:
-        index = select_top(self.scores[layer], budget, self.cache.protected)
-        if index is not None:
-            self.cache.keep_layer(layer, index)
-            self.scores[layer] = self.scores[layer].gather(-1, index)
+        scores = self.scores[layer]
+        if self.heads is None:
+            index = select_top(scores, budget, self.cache.protected)
+        else:
+            index = self.heads.select(scores, budget, self.cache.protected, self.cache.layers[layer].lengths)
+        if index is None:
+            return
+        self.cache.keep_layer(layer, index)
+        if isinstance(index, torch.Tensor):
+            self.scores[layer] = scores.gather(-1, index)
+        else:  # per head: each head's survivors first, padding after
+            kept = scores.new_full((scores.shape[0], max(len(i) for i in index)), float("-inf"))
+            for h, i in enumerate(index):
+                kept[h, : len(i)] = scores[h, i]
+            self.scores[layer] = kept
+        notify = getattr(self.scorer, "kept", None)
+        if notify is not None:
+            notify(layer, index)
 
 
 def block_evicts(cache: EpisodeCache, block_len: int, budgets: Sequence[int] | CakeBudgets) -> bool:

@@ -7,9 +7,16 @@ An episode file is a safetensors file (never pickle). Per layer l:
   heads' rows concatenated in head order, `pos.{l}` `[total]` int32 and `len.{l}` `[kv_heads]` int32, each
   head's row count. Only kept entries are written.
 
+Latent memory (IndexMem, kvchat.kv.latent), when the cache has one: per layer l, `mem.m.{l}`
+`[kv_heads, d_mem, head_dim]` and `mem.b.{l}` `[kv_heads, d_mem]` float32 (the fast state), `mem.phi.{l}`
+`[d_mem, head_dim]`, `mem.gate_w.{l}` `[1, head_dim]` and `mem.gate_b.{l}` `[1]` (the slow weights that wrote
+it, so the file reads back exactly what was written whatever is retrained later), and metadata `memory`:
+the shape and update rule as JSON.
+
 Format versions (metadata `format_version`):
 - "1": uniform layers only.
 - "2": as "1", plus ragged layers. A "1" file is a "2" file without ragged layers.
+- "3": as "2", plus an optional latent memory.
 kvchat writes `FORMAT_VERSION` and reads `READABLE_FORMAT_VERSIONS`. The store (kvchat.store) stamps the
 version on every file it writes and refuses unreadable versions and foreign model fingerprints before a
 tensor is allocated; everything about the content is decoded here.
@@ -23,6 +30,8 @@ the store and `kvchat list` can use the format versions without it.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -32,8 +41,8 @@ if TYPE_CHECKING:
     from kvchat.kv.cache import EpisodeCache
     from kvchat.kv.layers import CacheLayer
 
-FORMAT_VERSION = "2"  # written
-READABLE_FORMAT_VERSIONS = ("1", "2")
+FORMAT_VERSION = "3"  # written
+READABLE_FORMAT_VERSIONS = ("1", "2", "3")
 
 
 @dataclass(frozen=True)
@@ -83,13 +92,62 @@ def meta_of(cache: EpisodeCache, *, fingerprint: str, method: str, positions: st
 
 def encode(cache: EpisodeCache, meta: EpisodeMeta) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of an episode file (the store adds `format_version`)."""
-    return encode_layers(cache), meta.to_metadata()
+    tensors, metadata = encode_layers(cache), meta.to_metadata()
+    if cache.memory is not None:
+        memory_tensors, metadata["memory"] = _encode_memory(cache.memory)
+        tensors |= memory_tensors
+    return tensors, metadata
 
 
 def decode(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[EpisodeCache, EpisodeMeta]:
     """The cache an episode file holds; raises ValueError when the tensors or metadata do not describe one."""
     meta = EpisodeMeta.from_metadata(metadata)
-    return decode_layers(tensors, next_position=meta.next_position, protected=meta.protected), meta
+    cache = decode_layers({k: v for k, v in tensors.items() if not k.startswith("mem.")},
+                          next_position=meta.next_position, protected=meta.protected)
+    if "memory" in metadata:
+        cache.memory = _decode_memory(tensors, metadata["memory"], len(cache.layers))
+    return cache, meta
+
+
+def _encode_memory(memory) -> tuple[dict[str, torch.Tensor], str]:
+    out: dict[str, torch.Tensor] = {}
+    for i in range(memory.shape.layers):
+        phi, gate = memory.weights.phi[i], memory.weights.gate[i]
+        out |= {
+            f"mem.m.{i}": memory.m[i].float().contiguous(), f"mem.b.{i}": memory.b[i].float().contiguous(),
+            f"mem.phi.{i}": phi.weight.detach().float().contiguous(),
+            f"mem.gate_w.{i}": gate.weight.detach().float().contiguous(),
+            f"mem.gate_b.{i}": gate.bias.detach().float().contiguous(),
+        }
+    described = {"shape": dataclasses.asdict(memory.shape), "config": dataclasses.asdict(memory.config)}
+    return out, json.dumps(described)
+
+
+def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int):
+    from kvchat.config import IndexMemConfig
+    from kvchat.kv.indexer import IndexMemShape
+    from kvchat.kv.latent import LatentMemory, MemoryWeights
+
+    try:
+        info = json.loads(described)
+        shape, config = IndexMemShape(**info["shape"]), IndexMemConfig(**info["config"])
+        if shape.layers != layers:
+            raise ValueError(f"a memory of {shape.layers} layers for a cache of {layers}")
+        weights = MemoryWeights(shape)
+        for i in range(layers):
+            weights.phi[i].weight.data.copy_(tensors[f"mem.phi.{i}"])
+            weights.gate[i].weight.data.copy_(tensors[f"mem.gate_w.{i}"])
+            weights.gate[i].bias.data.copy_(tensors[f"mem.gate_b.{i}"])
+        m = [tensors[f"mem.m.{i}"].float() for i in range(layers)]
+        b = [tensors[f"mem.b.{i}"].float() for i in range(layers)]
+        for i in range(layers):
+            if m[i].shape != (shape.kv_heads, shape.memory_dim, shape.head_dim) or b[i].shape != m[i].shape[:2]:
+                raise ValueError(f"layer {i}: memory state of shapes {list(m[i].shape)}, {list(b[i].shape)}")
+    except KeyError as e:
+        raise ValueError(f"latent memory is incomplete: no {e.args[0]}") from None
+    except (TypeError, RuntimeError, json.JSONDecodeError) as e:
+        raise ValueError(f"latent memory is malformed: {e}") from None
+    return LatentMemory(weights, config, m, b)
 
 
 def encode_layers(cache: EpisodeCache) -> dict[str, torch.Tensor]:

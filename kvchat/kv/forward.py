@@ -25,12 +25,14 @@ def forward(
     Position ids are passed explicitly: after eviction the physical cache is shorter than the logical
     position, and transformers would otherwise infer positions from the physical length. A `recorder`
     sees every layer's attention (kvchat.kv.attention.LayerView); one with `needs_hidden` also gets the
-    layers' attention inputs.
+    layers' attention inputs. A cache with a latent memory has it read by every layer's attention.
     """
     n = ids.shape[-1]
     extra: dict = {}
     if recorder is not None:
         extra["kvchat_recorder"] = recorder
+    if cache.memory is not None:  # a latent memory of evicted entries adds its readout (kvchat.kv.latent)
+        extra["kvchat_memory"] = cache.memory.readout(model.model.rotary_emb, cache.position_ids(n))
     with _hidden_states(model, getattr(recorder, "needs_hidden", False)) as hidden:
         if hidden is not None:
             extra["kvchat_hidden"] = hidden

@@ -42,6 +42,8 @@ class ScorerInputs:
     layout: PromptLayout
     cache: CacheConfig
     episode_prompt: str = ""  # the episode's patched prompt text (instruction + medoid segments)
+    model: torch.nn.Module | None = None  # the frozen model (a trained scorer reads its projections)
+    trained: object | None = None  # a `trained` method's weights (kvchat.kv.trained.TrainedIndexMem)
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,14 @@ def _cake(inputs: ScorerInputs) -> Scorer:
     return CakeScorer(cake.window, cake.gamma, cake.pool_kernel)
 
 
+def _indexmem(inputs: ScorerInputs) -> Scorer:
+    from kvchat.kv.indexer import IndexerScorer
+
+    if inputs.trained is None or inputs.model is None:
+        raise ValueError("indexmem scores with trained weights and the model they were trained on")
+    return IndexerScorer(inputs.trained.indexer, inputs.model, inputs.cache.pool_kernel, inputs.cache.recent_window)
+
+
 REGISTRY: dict[str, Method] = {
     m.name: m
     for m in (
@@ -122,6 +132,9 @@ REGISTRY: dict[str, Method] = {
         Method("keydiff", "distance from the block's mean key (KeyDiff)", _keydiff),
         Method("cake", "mean + 200 x variance of the attention of the block's last 32 tokens, evicting each "
                "layer during the block's forward (CAKE)", _cake, in_forward=True),
+        Method("indexmem", "a trained indexer scores entries inside the block's forward; with --memory, what is "
+               "evicted feeds a latent memory read while answering (IndexMem)", _indexmem, across_heads=True,
+               in_forward=True, trained=True),
     )
 }
 METHODS = tuple(REGISTRY)

@@ -59,19 +59,19 @@ def block_prefill(
     `heads` shares each layer's budget among its KV heads (uniform, or adaptive: heads keep different
     counts and the layer becomes ragged; sizes and the peak then count entries per head averaged over
     the layer's heads). `resume` continues that cache (its prefix is already in; `prefix_ids` must be
-    None) and extends it in place; its peaks keep counting from where they were. `on_evict` sees every
-    entry an eviction drops (`EpisodeCache.on_evict`; IceCache spills them to disk).
+    None) and extends it in place; its peaks keep counting from where they were. `on_evict` becomes the
+    cache's `EpisodeCache.on_evict` (a latent memory's writer, kvchat.kv.latent).
     """
     if resume is None:
         cache = EpisodeCache(model.config.num_hidden_layers)
+        cache.on_evict = on_evict
         forward(model, cache, prefix_ids)
         cache.protected = prefix_ids.shape[-1]
     elif prefix_ids is not None:
         raise ValueError("a resumed cache already holds its prefix: pass prefix_ids=None")
     else:
         cache = resume
-    if on_evict is not None:
-        cache.on_evict = on_evict
+        cache.on_evict = on_evict or cache.on_evict
     blocks = list(context_ids.split(block_size, dim=-1))
     rotary = model.model.rotary_emb
     in_forward = scorer is not None and scores_in_forward(scorer)
@@ -80,7 +80,7 @@ def block_prefill(
         window = None
         if budgets is not None and (in_forward or isinstance(budgets, CakeBudgets)):
             caps = [n + block.shape[-1] for n in cache.sizes]
-            window = BlockWindow(cache, budgets, scorer if in_forward else None, evict, caps)
+            window = BlockWindow(cache, budgets, scorer if in_forward else None, evict, caps, heads=heads)
         forward(model, cache, block, recorder=window)
         if evict and not in_forward:  # the scorer reads the cache after the block: evict every layer once
             assert scorer is not None, "a budget needs a scorer"

@@ -1,0 +1,272 @@
+"""IndexMem: the trained indexer (training, its scorer inside the block's forward, the shipped weights) and
+the latent memory of evicted entries (exact under GQA, stored with the episode, read while answering)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvchat.ask import Session
+from kvchat.config import CacheConfig, EpisodeConfig, IndexMemConfig, IngestConfig, TrainConfig
+from kvchat.errors import UserError
+from kvchat.ingest import ingest
+from kvchat.kv import codec
+from kvchat.kv.indexer import IndexMemShape, LayerIndexer, causal_importance, top_overlap
+from kvchat.kv.latent import LatentMemory, MemoryWeights, read
+from kvchat.kv.trained import TrainedIndexMem
+from kvchat.store import Store
+from kvchat.synthetic import planted_conversation
+from kvchat.training import train
+
+SMALL = TrainConfig(steps=3, chunk_tokens=96, train_chunks=4, held_out_chunks=2, checkpoint_every=2, warmup=1,
+                    memory_queries=16, memory_budgets=(24, 40), memory_block=24)
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "h.json"
+    path.write_text(json.dumps(planted_conversation(seed=4, topics=3, turns_per_topic=16)[0]))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_home(tmp_path_factory, tiny_lm, history) -> Path:
+    """A store home whose profiles/ holds IndexMem weights trained on the tiny model (both stages)."""
+    home = tmp_path_factory.mktemp("home")
+    from kvchat.training import default_out
+
+    train(tiny_lm, default_out(home, tiny_lm), SMALL, files=[history])
+    return home
+
+
+def test_three_steps_write_a_loadable_file_with_provenance(tiny_lm, history, tmp_path):
+    out = tmp_path / "w.indexmem.safetensors"
+    report = train(tiny_lm, out, SMALL, files=[history])
+    trained = TrainedIndexMem.load(out)
+    shape = IndexMemShape.of(tiny_lm.model.config)
+    assert trained.shape == shape and (shape.index_heads, shape.index_dim, shape.memory_dim) == (1, 2, 8)
+    assert trained.memory is not None and report.stages == ["indexer", "memory"]
+    assert trained.data_hash == report.data_hash and trained.recipe["train"]["steps"] == 3
+    assert 0 <= trained.metrics["indexer"]["top_overlap"] <= 1
+    assert set(trained.metrics["memory"]["residual_removed"]) == {"24", "40"}
+    assert all(t.dtype == torch.float16 for t in trained.tensors().values())
+    assert not out.with_name(out.name + ".ckpt").exists()  # a finished run leaves no checkpoint
+
+
+def test_twenty_steps_on_one_chunk_lower_the_loss(tiny_lm, history, tmp_path):
+    losses = []
+
+    class Record:
+        def prepare(self, done, total): ...
+
+        def step(self, stage, done, total, loss):
+            losses.append(loss)
+
+    config = dataclasses.replace(SMALL, stage="indexer", steps=20, train_chunks=1, held_out_chunks=0, warmup=2,
+                                 lr=1e-2)
+    train(tiny_lm, tmp_path / "one.safetensors", config, files=[history], progress=Record())
+    assert len(losses) == 20 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tiny_lm, history, tmp_path):
+    """Same seed, same weights; a run stopped after its checkpoint continues from it (steps 2..4)."""
+    config = dataclasses.replace(SMALL, stage="indexer", steps=4, checkpoint_every=2)
+    straight = tmp_path / "a.safetensors"
+    train(tiny_lm, straight, config, files=[history])
+
+    class Stop(Exception):
+        pass
+
+    class StopAfter3:
+        def prepare(self, done, total): ...
+
+        def step(self, stage, done, total, loss):
+            if done == 3:
+                raise Stop
+
+    resumed = tmp_path / "b.safetensors"
+    with pytest.raises(Stop):
+        train(tiny_lm, resumed, config, files=[history], progress=StopAfter3())
+    assert resumed.with_name(resumed.name + ".ckpt").is_file()
+    report = train(tiny_lm, resumed, config, files=[history])
+    assert report.resumed_from == {"indexer": 2}
+    a, b = TrainedIndexMem.load(straight).tensors(), TrainedIndexMem.load(resumed).tensors()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_importance_is_causal_and_overlap_counts_shared_top_keys():
+    scores = torch.tensor([[[1.0, 9.0, 9.0], [2.0, 3.0, 9.0]]])  # 2 queries over 3 keys
+    assert causal_importance(scores, 1).tolist() == [[2.0, 9.0, 9.0]]  # queries are keys 1 and 2
+    assert causal_importance(scores, 0).tolist() == [[2.0, 3.0, float("-inf")]]  # key 2 is seen by no query
+    teacher, other = torch.tensor([[4.0, 3.0, 2.0, 1.0]]), torch.tensor([[4.0, 0.0, 3.0, 1.0]])
+    valid = torch.ones(4, dtype=torch.bool)
+    assert top_overlap(teacher, other, valid, 0.5).item() == 0.5
+
+
+def test_the_scorer_ranks_by_the_indexer_inside_the_forward(tiny_lm):
+    """One block's scores from `layer_scores` are the indexer's own importance of those tokens, turned into
+    per-head distributions (what adaptive head budgets compare)."""
+    from kvchat.kv.attention import LayerView
+    from kvchat.kv.indexer import Indexer, IndexerScorer
+
+    torch.manual_seed(0)
+    shape = IndexMemShape.of(tiny_lm.model.config)
+    indexer = Indexer(shape)
+    scorer = IndexerScorer(indexer, tiny_lm.model)
+    hidden = torch.randn(1, 6, shape.hidden)
+    view = LayerView(0, torch.zeros(shape.kv_heads, shape.group, 1, 8), past=2, queries=torch.zeros(1), hidden=hidden)
+    scores = scorer.layer_scores(view)
+    layer = indexer.layers[0]
+    with torch.no_grad():
+        query_map = layer.query_map(tiny_lm.model.model.layers[0].self_attn.q_proj)
+        expected = causal_importance(
+            LayerIndexer.scores(layer.queries(hidden[0], query_map), layer.weights(hidden[0]), layer.keys(hidden[0])),
+            0,
+        )
+    assert scores.shape == (shape.kv_heads, 8)
+    assert torch.allclose(scores[:, 2:] / scores[:, 2:].sum(-1, keepdim=True),
+                          expected.softmax(-1), atol=1e-5)  # the 2 protected entries weigh in, not reorder
+    assert torch.allclose(scores.sum(-1), torch.ones(shape.kv_heads))
+    windowed = IndexerScorer(indexer, tiny_lm.model, recent_window=2).layer_scores(view)
+    assert torch.isinf(windowed[:, -2:]).all() and torch.equal(windowed[:, :-2], scores[:, :-2])
+    scorer.kept(0, torch.tensor([[0, 1, 5], [0, 1, 7]]))  # an eviction kept 3 entries per head
+    assert [k.shape[0] for k in scorer.keys[0]] == [3, 3]
+    assert torch.equal(scorer.keys[0][0][2], layer.keys(hidden[0])[3].detach())
+
+
+def test_memory_returns_v_for_q_equal_k_with_identity_features():
+    """phi = identity, lambda = eta = 1, one-hot keys: reading a key gives back exactly its value, per KV head."""
+    shape = IndexMemShape(layers=1, q_heads=4, kv_heads=2, head_dim=8, hidden=32, index_heads=1, index_dim=1,
+                          memory_dim=8)
+    weights = MemoryWeights(shape)
+    with torch.no_grad():
+        weights.phi[0].weight.copy_(torch.eye(8))
+        weights.gate[0].bias.fill_(1e4)  # gate fully open
+    memory = LatentMemory(weights, IndexMemConfig(decay=1.0, write_strength=1.0, eps=0.0))
+    keys = torch.eye(8)[[1, 4, 6]]
+    values = torch.randn(2, 3, 8)
+    positions = torch.tensor([3, 7, 9])
+    rotary = _IdentityRotary()
+    memory.write(0, [(keys, values[0], positions), (keys[:2], values[1, :2], positions[:2])], rotary)
+    queries = torch.stack([keys[0], keys[2], keys[1], keys[0]])[:, None]  # query heads 0,1 -> KV 0; 2,3 -> KV 1
+    out = read(weights.phi[0], weights.gate[0], memory.m[0], memory.b[0], queries, 0.0)
+    assert torch.allclose(out[0, 0], values[0, 0]) and torch.allclose(out[1, 0], values[0, 2])
+    assert torch.allclose(out[2, 0], values[1, 1]) and torch.allclose(out[3, 0], values[1, 0])
+    assert memory.written == 5
+
+
+class _IdentityRotary(torch.nn.Module):
+    def forward(self, x, position_ids):
+        shape = (*position_ids.shape, x.shape[-1])
+        return torch.ones(shape), torch.zeros(shape)
+
+
+def _ingest(home: Path, lm, encoder, history: Path, name: str, **cache) -> Store:
+    store = Store(home)
+    config = IngestConfig(cache=CacheConfig(method="indexmem", budget=48, block_size=32, prefill="block", **cache),
+                          episodes=EpisodeConfig(prompt_tokens=48))
+    ingest(history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True)
+    return store
+
+
+def test_ingest_keeps_its_peak_bound_and_the_memory_round_trips(trained_home, tiny_lm, encoder, history):
+    store = _ingest(trained_home, tiny_lm, encoder, history, "mem")
+    record = store.get("mem")
+    assert record.settings["method"] == "indexmem" and record.settings["memory"] is True
+    assert record.stats["peak_layer_entries"] <= 48 + 32  # budget + block: no probe pass
+    assert record.stats["peak_total_entries"] <= 2 * 48 + 32  # evicted layer by layer inside the forward
+    cache, _ = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
+    trained = TrainedIndexMem.load(next((trained_home / "profiles").glob("*.indexmem.safetensors")))
+    assert cache.memory is not None and cache.memory.m[0].abs().sum() > 0  # evicted entries were written
+    for ours, theirs in zip(cache.memory.weights.parameters(), trained.memory.parameters(), strict=True):
+        assert torch.equal(ours, theirs)  # the slow weights that wrote it are stored with it
+    again, _ = codec.decode(*codec.encode(cache, codec.EpisodeMeta.from_metadata(
+        store.load_episode(record.episodes[0], tiny_lm.fingerprint)[1])))
+    assert all(torch.equal(a, b) for a, b in zip(cache.memory.m + cache.memory.b, again.memory.m + again.memory.b,
+                                                 strict=True))
+    assert Session(store, record, tiny_lm, encoder).ask("Which gate?").conversation == "mem"
+
+
+def test_a_zero_gate_makes_the_memory_a_no_op(trained_home, tiny_lm, encoder, history):
+    """With the gate shut, answering from a cache with a memory gives exactly the logits without one."""
+    from kvchat.kv.forward import forward
+
+    store = _ingest(trained_home, tiny_lm, encoder, history, "gate")
+    cache, _ = codec.decode(*store.load_episode(store.get("gate").episodes[0], tiny_lm.fingerprint))
+    question = torch.tensor([[5, 9, 11, 3]])
+    mark = cache.checkpoint()
+    with_memory = forward(tiny_lm.model, cache, question)
+    cache.rollback(mark)
+    for gate in cache.memory.weights.gate:
+        gate.bias.data.fill_(-1e4)
+    shut = forward(tiny_lm.model, cache, question)
+    cache.rollback(mark)
+    cache.memory = None
+    plain = forward(tiny_lm.model, cache, question)
+    assert torch.equal(shut, plain)
+    assert not torch.equal(with_memory, plain)  # an open gate does change the answer's logits
+
+
+def test_no_memory_and_adaptive_heads(trained_home, tiny_lm, encoder, history):
+    store = _ingest(trained_home, tiny_lm, encoder, history, "plain", memory=False, head_budgets="adaptive")
+    record = store.get("plain")
+    assert record.settings["memory"] is False and "--no-memory" in _rebuild(record)
+    cache, _ = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
+    assert cache.memory is None
+    assert any(layer.ragged for layer in cache.layers)  # heads kept different counts
+    assert all(sum(layer.lengths) == 48 * len(layer.lengths) for layer in cache.layers)
+
+
+def _rebuild(record) -> str:
+    from kvchat.settings import rebuild_command
+
+    return rebuild_command(record.name, record.model, record.settings)
+
+
+def test_weights_of_other_model_weights_are_refused_naming_the_train_command(trained_home, tiny_lm, encoder,
+                                                                            history, tmp_path):
+    path = next((trained_home / "profiles").glob("*.indexmem.safetensors"))
+    other = TrainedIndexMem.load(path)
+    other.weights = "0123456789abcdef"
+    home = tmp_path / "home"
+    other.save(home / "profiles" / path.name)
+    with pytest.raises(UserError, match="train-indexer") as err:
+        _ingest(home, tiny_lm, encoder, history, "x")
+    assert "01234567" in str(err.value)
+
+
+def test_train_indexer_command_writes_where_ingest_looks_and_refuses_a_model_it_cannot_load(
+    tmp_path, tiny_model_dir, history
+):
+    from cli_helpers import run_main
+
+    args = ("--data", str(history), "--steps", "2", "--chunks", "4", "--chunk-tokens", "96", "--json")
+    done = run_main(tmp_path, "train-indexer", "--model", str(tiny_model_dir), *args)
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert Path(document["out"]).parent == tmp_path / "profiles" and Path(document["out"]).is_file()
+    assert document["stages"] == ["indexer", "memory"] and document["timings_ms"]["total"] > 0
+    missing = run_main(tmp_path, "train-indexer", "--model", str(tmp_path / "nowhere"), *args)
+    assert missing.returncode == 2 and "model not found" in missing.stderr
+
+
+def test_an_indexmem_conversation_is_not_appended_to_but_reingested(trained_home, tiny_lm, encoder, history):
+    from kvchat.append import append
+
+    store = _ingest(trained_home, tiny_lm, encoder, history, "grow")
+    with pytest.raises(UserError, match="--append --reingest"):
+        append(history, name="grow", store=store, lm=tiny_lm, encoder=encoder)
+
+
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_cake_layer_budgets_cascade_with_the_indexer(trained_home, tiny_lm, encoder, history, heads):
+    """Cascading eviction evicts a layer several times per block: the indexer's keys follow every one."""
+    store = _ingest(trained_home, tiny_lm, encoder, history, "cake", layer_budgets="cake", head_budgets=heads)
+    record = store.get("cake")
+    cache, _ = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
+    assert sum(layer.entries for layer in cache.layers) == 2 * 48 * 2  # layers x budget x KV heads, moved around
+    assert record.stats["layer_budgets"] == "cake" and cache.memory is not None
