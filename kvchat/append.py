@@ -9,7 +9,8 @@ version is committed atomically: until then questions are answered from the old 
 
 The caches equal those of ingesting the whole history at once with the same episodes when the stored
 history ended on a block boundary; otherwise its last, shorter block was evicted at its own length before
-the new turns came (kvchat.kv.prefill).
+the new turns came (kvchat.kv.prefill). With `--offload icecache`, each episode's stored pages and what
+the new turns evict are paged again together into its new pages file.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from kvchat.ingest import (
     estimate_bytes,
     ingest,
     resolve_layer_budgets,
+    spill_writer,
     write_episode,
 )
-from kvchat.kv import codec
+from kvchat.kv import codec, pagefile
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.methods import method
 from kvchat.kv.prefill import block_prefill
@@ -65,6 +67,11 @@ def append(
     progress = progress or IngestProgress()
     record = _record(store, name, lm)
     config = from_settings(record.settings, record.model)
+    if config.cache.offload.enabled and config.cache.method == "full":
+        raise UserError(
+            f"conversation '{name}' pages everything past its last tokens (--method full --offload): new turns "
+            "would be prefilled without the paged past; use --append --reingest"
+        )
     if method(config.cache.method).trained:
         raise UserError(f"conversation '{name}' was built with --method {config.cache.method}, whose caches cannot "
                         "be continued (the indexer's keys of stored entries are not kept); use --append --reingest")
@@ -113,12 +120,16 @@ def append(
         for episode, stored in zip(episodes, record.episodes, strict=True):
             progress.episode(episode.index, len(episodes))
             cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint))
-            result = block_prefill(
-                lm.model, None, new_ids, block_size=config.cache.block_size, budgets=budgets,
-                scorer=episode_scorer(config, episode, lm, layout), compact=config.cache.positions == "compact",
-                on_block=progress.block, heads=heads, resume=cache,
-            )  # fmt: skip
-            built = BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries)
+            with pending.disk_full_guard():  # with --offload: the stored pages and the new evictions, spilled
+                spill = spill_writer(plan, lm, pending, episode.index)
+                if spill is not None:
+                    spill.spill_pages(pagefile.decode(*store.load_pages(stored, lm.fingerprint)))
+                result = block_prefill(
+                    lm.model, None, new_ids, block_size=config.cache.block_size, budgets=budgets,
+                    scorer=episode_scorer(config, episode, lm, layout), compact=config.cache.positions == "compact",
+                    on_block=progress.block, heads=heads, resume=cache, on_evict=spill,
+                )  # fmt: skip
+            built = BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
             records.append(write_episode(pending, plan, built, lm))
             stats.append(built.stats())
         return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)

@@ -19,10 +19,11 @@ from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.kv import codec
+from kvchat.kv import codec, pagefile
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.retrieval import PAGE_SCORERS, attach_pages
 from kvchat.llm import ChatLayout, LoadedModel, generate
-from kvchat.settings import rebuild_command
+from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store
 
 
@@ -189,13 +190,27 @@ class Session:
         try:
             cache, _ = codec.decode(tensors, metadata)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
-            c = self.conversation
-            raise CacheIntegrityError(
-                f"cache of conversation '{c.name}' episode {index} does not hold a KV cache kvchat can read "
-                f"({e}); rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
-            ) from None
+            raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
+        offload = from_settings(self.conversation.settings).cache.offload
+        if offload.enabled:  # the pages file is memory-mapped: only page tables and centroids are read now
+            tensors, metadata = self.store.load_pages(record, self.lm.fingerprint)
+            try:
+                attach_pages(
+                    cache, pagefile.decode(tensors, metadata),
+                    budget=self.config.retrieve if self.config.retrieve is not None else offload.retrieve,
+                    scorer=PAGE_SCORERS[offload.scorer], refresh=offload.refresh, pinned_share=offload.pinned_share,
+                )
+            except ValueError as e:
+                raise self._unreadable(index, "pages file", f"does not hold pages of this cache ({e})") from None
         self._resident = (index, cache)
         return cache
+
+    def _unreadable(self, index: int, what: str, problem: str) -> CacheIntegrityError:
+        c = self.conversation
+        return CacheIntegrityError(
+            f"{what} of conversation '{c.name}' episode {index} {problem}; "
+            f"rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
+        )
 
 
 class Detokenizer:

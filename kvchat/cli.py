@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import signal
 import sys
@@ -17,6 +19,7 @@ from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -28,15 +31,19 @@ from kvchat import documents
 from kvchat.config import (
     HEAD_BUDGETS,
     LAYER_BUDGETS,
+    OFFLOAD_MODES,
     POSITION_MODES,
     PREFILL_MODES,
     TRAIN_STAGES,
     AskConfig,
+    BatchConfig,
     CacheConfig,
     CakeConfig,
     EpisodeConfig,
     EvalConfig,
     IngestConfig,
+    OffloadConfig,
+    PagingConfig,
     ProfileSettings,
     TrainConfig,
     default_home,
@@ -65,6 +72,7 @@ Prefill = Literal[PREFILL_MODES]  # type: ignore[valid-type]
 Method = Literal[METHODS]  # type: ignore[valid-type]
 LayerBudgets = Literal[LAYER_BUDGETS]  # type: ignore[valid-type]
 HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
+Offload = Literal[OFFLOAD_MODES]  # type: ignore[valid-type]
 TrainStage = Literal[TRAIN_STAGES]  # type: ignore[valid-type]
 
 
@@ -193,48 +201,93 @@ class _RichIngestProgress:
             self.progress.advance(self.episodes)
 
 
+def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
+
+
+# The cache options of `ingest` and `ingest-batch`, which `_cache_options` gives a command.
+_CACHE_OPTIONS = [
+    _option("model", Annotated[str, typer.Option(
+        help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")], IngestConfig.model),
+    _option("budget", Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")], CacheConfig.budget),
+    _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).")], CacheConfig.block_size),
+    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).")], EpisodeConfig.episodes),
+    _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).")], EpisodeConfig.window),
+    _option("method", Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)], CacheConfig.method),
+    _option("positions", Annotated[Positions, typer.Option(
+        help="original, compact (re-rotate kept keys) or auto.")], CacheConfig.positions),
+    _option("layer_budgets", Annotated[LayerBudgets, typer.Option(
+        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
+        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
+        "attention; with --method cake, layers are evicted one by one in the forward).")], CacheConfig.layer_budgets),
+    _option("alpha", Annotated[float | None, typer.Option(
+        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")], CacheConfig.alpha),
+    _option("tau1", Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")], CakeConfig.tau1),
+    _option("tau2", Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention shift (smaller = weighs it more).")], CakeConfig.tau2),
+    _option("head_budgets", Annotated[HeadBudgets, typer.Option(
+        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
+        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
+        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")],
+        CacheConfig.head_budgets),
+    _option("prefill", Annotated[Prefill, typer.Option(
+        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
+        "(full when the history fits the model's window and its full KV fits memory).")], CacheConfig.prefill),
+]
+TrustOpt = Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")]
+ForceOpt = Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")]
+
+
+def _cache_options(command):
+    """Give `command`, in place of its parameter `config: IngestConfig`, the cache options (`_CACHE_OPTIONS`),
+    and call it with the IngestConfig they describe: one list of options for every command that ingests."""
+    signature = inspect.signature(command, eval_str=True)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("config")
+
+    @functools.wraps(command)
+    def with_config(**options):
+        o = {p.name: options.pop(p.name) for p in _CACHE_OPTIONS}
+        config = IngestConfig(
+            model=o["model"],
+            episodes=EpisodeConfig(episodes=o["episodes"], window=o["window"]),
+            cache=CacheConfig(method=o["method"], budget=o["budget"], block_size=o["block_size"],
+                              positions=o["positions"], layer_budgets=o["layer_budgets"], alpha=o["alpha"],
+                              cake=CakeConfig(tau1=o["tau1"], tau2=o["tau2"]), head_budgets=o["head_budgets"],
+                              prefill=o["prefill"]),
+        )  # fmt: skip
+        return command(config=config, **options)
+
+    with_config.__signature__ = signature.replace(parameters=[*params[:at], *_CACHE_OPTIONS, *params[at + 1 :]])
+    return with_config
+
+
 @app.command()
+@_cache_options
 def ingest(
     history: Annotated[Path, typer.Argument(
         metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
-    model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
-        IngestConfig.model
-    ),
-    budget: Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")] = CacheConfig.budget,
-    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
-    episodes: Annotated[int, typer.Option(help="Number of topical episodes (E).")] = EpisodeConfig.episodes,
-    window: Annotated[int, typer.Option(help="Turns per segment for clustering (w).")] = EpisodeConfig.window,
-    method: Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)] = CacheConfig.method,
-    positions: Annotated[Positions, typer.Option(help="original, compact (re-rotate kept keys) or auto.")] = (
-        CacheConfig.positions
-    ),
-    layer_budgets: Annotated[LayerBudgets, typer.Option(
-        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
-        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
-        "attention; with --method cake, layers are evicted one by one in the forward).")] = CacheConfig.layer_budgets,
-    alpha: Annotated[float | None, typer.Option(
-        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")] = CacheConfig.alpha,
-    tau1: Annotated[float, typer.Option(
-        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")] = CakeConfig.tau1,
-    tau2: Annotated[float, typer.Option(
-        help="cake budgets: temperature of attention shift (smaller = weighs it more).")] = CakeConfig.tau2,
-    head_budgets: Annotated[HeadBudgets, typer.Option(
-        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
-        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
-        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")] = (
-        CacheConfig.head_budgets
-    ),
-    prefill: Annotated[Prefill, typer.Option(
-        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
-        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
-        "(full when the history fits the model's window and its full KV fits memory).")] = CacheConfig.prefill,
+    config: IngestConfig = IngestConfig(),
     memory: Annotated[bool, typer.Option(
         "--memory/--no-memory", help="indexmem: fold evicted entries into a latent memory stored with each episode "
         "and read while answering (IndexMem).")] = CacheConfig.memory,
     max_memory: Annotated[int | None, typer.Option(
         help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
         "pre-flight check.")] = None,
+    offload: Annotated[Offload, typer.Option(
+        help="icecache: keep what eviction drops on disk, in pages of similar keys, and answer with the pages "
+        "that match the question beside the kept cache (IceCache); with --method full, everything but the "
+        "system prompt and the last tokens is paged. none: drop it.")] = OffloadConfig.mode,
+    retrieve: Annotated[int, typer.Option(
+        help="--offload icecache: entries per layer and KV head read from the pages while answering (R).")] = (
+        OffloadConfig.retrieve
+    ),
+    page_size: Annotated[int, typer.Option(help="--offload icecache: entries per page at most.")] = (
+        PagingConfig.page_size
+    ),
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     append: Annotated[bool, typer.Option(
         help="Add the history's turns to conversation --name: every episode cache continues from where it "
@@ -243,10 +296,8 @@ def ingest(
     reingest: Annotated[bool, typer.Option(
         help="With --append: ingest the stored histories and this one again from the start, episodes clustered "
         "anew.")] = False,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
-    force: Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")] = (
-        False
-    ),
+    trust_remote_code: TrustOpt = False,
+    force: ForceOpt = False,
     threads: ThreadsOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -256,13 +307,9 @@ def ingest(
     from kvchat.ingest import validate
     from kvchat.store import validate_name
 
-    config = IngestConfig(
-        model=model,
-        episodes=EpisodeConfig(episodes=episodes, window=window),
-        cache=CacheConfig(method=method, budget=budget, block_size=block_size, positions=positions,
-                          layer_budgets=layer_budgets, alpha=alpha, cake=CakeConfig(tau1=tau1, tau2=tau2),
-                          head_budgets=head_budgets, prefill=prefill, memory=memory),
-    )
+    model = config.model
+    offloading = OffloadConfig(mode=offload, retrieve=retrieve, paging=PagingConfig(page_size=page_size))
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading, memory=memory))
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -314,8 +361,17 @@ def ingest(
             f"{report.layer_budgets} layer budgets, "
             f"{_head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
-            f"{report.cache_bytes / 2**20:.1f} MiB, {report.seconds:.1f}s",
+            f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}, {report.seconds:.1f}s",
         )
+
+
+def _offload_text(report) -> str:
+    """What `--offload` added: entries paged and their disk use, per history token too."""
+    if report.offload == "none":
+        return ""
+    per_token = report.pages_bytes / max(report.history_tokens, 1)
+    return (f" + {report.pages_bytes / 2**20:.1f} MiB of pages ({report.offloaded_entries} offloaded entries, "
+            f"{per_token / 1024:.1f} KiB per history token)")
 
 
 def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str) -> None:
@@ -331,6 +387,157 @@ def _check_append(append: bool, reingest: bool, replace: bool, config: IngestCon
         raise UserError("--append uses the model the conversation was built with; drop --model")
 
 
+class _LineBatchProgress:
+    """Where stderr is not a terminal: a line per history done (with the tally and an ETA) or retried."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # when the first history went to a worker: the ETA leaves out loading
+        self.total = 0
+        self.done = 0
+
+    def start(self, total: int, workers: int) -> None:
+        self.total = total
+        _say(f"kvchat: {total} histories on {workers} worker{'s' * (workers != 1)} (each loads the model once)",
+             console=err)  # fmt: skip
+
+    def running(self, name: str, attempt: int, worker) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        pass
+
+    def retrying(self, name: str, why: str) -> None:
+        _say(f"kvchat: retrying {name} on another worker: {why}", console=err)
+
+    def finished(self, result) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - (self.started or time.monotonic())
+        eta = elapsed / self.done * (self.total - self.done)
+        _say(f"kvchat: [{self.done}/{self.total}] {result.status} {result.name}: {_batch_outcome(result)} "
+             f"({elapsed:.0f} s elapsed, ETA {eta:.0f} s)", console=err)  # fmt: skip
+
+
+class _RichBatchProgress:
+    """On a TTY: a bar over all histories (done, failed, running, ETA) and one per running history."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.overall = progress.add_task("histories", total=None)
+        self.running_tasks: dict[str, TaskID] = {}
+        self.tally = {"committed": 0, "skipped": 0, "failed": 0}
+
+    def start(self, total: int, workers: int) -> None:
+        self.progress.update(self.overall, total=total, description=f"starting {workers} workers")
+
+    def running(self, name: str, attempt: int, worker) -> None:
+        label = f"  {clean(name)}" + (f" (try {attempt})" if attempt > 1 else "")
+        self.running_tasks[name] = self.progress.add_task(label, total=None)
+        self._describe()
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        if name in self.running_tasks:
+            self.progress.update(self.running_tasks[name], completed=done, total=total)
+
+    def retrying(self, name: str, why: str) -> None:
+        self._stop(name)
+        _say(f"kvchat: retrying {name} on another worker: {why}", console=self.progress.console)
+
+    def finished(self, result) -> None:
+        self._stop(result.name)
+        self.tally[result.status] += 1
+        self.progress.advance(self.overall)
+        self._describe()
+        if result.status == "failed":
+            _say(f"kvchat: failed {result.name}: {result.error}", console=self.progress.console)
+
+    def _stop(self, name: str) -> None:
+        task = self.running_tasks.pop(name, None)
+        if task is not None:
+            self.progress.remove_task(task)
+
+    def _describe(self) -> None:
+        t = self.tally
+        done = f"{t['committed']} done" + (f", {t['skipped']} skipped" if t["skipped"] else "")
+        self.progress.update(self.overall, description=f"{done}, {t['failed']} failed, "
+                                                       f"{len(self.running_tasks)} running")  # fmt: skip
+
+
+def _batch_outcome(result) -> str:
+    """What became of one history, in a few words."""
+    if result.status == "committed":
+        report = result.report
+        return f"{report.episodes} episodes, {report.cache_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s"
+    if result.status == "skipped":
+        return "stored with the same settings"
+    return result.error or "failed"
+
+
+@app.command("ingest-batch")
+@_cache_options
+def ingest_batch(
+    files: Annotated[list[Path] | None, typer.Argument(
+        metavar="HISTORY", help="History files; each becomes the conversation named after its stem.")] = None,
+    manifest: Annotated[list[Path] | None, typer.Option(
+        help="A file of NAME PATH lines (a relative PATH is relative to the manifest; # comments). Repeatable."
+    )] = None,
+    workers: Annotated[int | None, typer.Option(
+        help="Ray workers, each ingesting one history at a time (default: the CPUs Ray has / --threads; a local "
+        "Ray has this machine's usable cores).")] = BatchConfig.workers,
+    threads: Annotated[int, typer.Option(
+        help="Torch threads per worker; workers x threads may not exceed the CPUs.")] = BatchConfig.threads,
+    address: Annotated[str | None, typer.Option(
+        help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
+        "cluster needs: see the README).")] = BatchConfig.address,
+    config: IngestConfig = IngestConfig(),
+    max_memory: Annotated[int | None, typer.Option(
+        help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "
+        "workers there); decides auto prefill and the pre-flight check.")] = None,
+    replace: Annotated[bool, typer.Option(
+        help="Replace conversations stored with other settings (without it such a history fails; one stored "
+        "with the same settings is skipped either way).")] = False,
+    trust_remote_code: TrustOpt = False,
+    force: ForceOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Ingest many histories on Ray workers (the optional extra 'batch'); a re-run skips what is already stored.
+
+    Exit status 2 when any history failed (each is reported; the others go on).
+    """
+    from kvchat import batch as batching
+
+    sources = batching.histories(files or [], manifest or [])
+    store = _store()
+    with Progress(
+        TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=err, transient=True, disable=not err.is_terminal,
+    ) as bars:
+        progress = _RichBatchProgress(bars) if err.is_terminal else _LineBatchProgress()
+        report = batching.ingest_batch(
+            sources, store=store, config=config, batch=BatchConfig(workers=workers, threads=threads, address=address),
+            replace=replace, force=force, max_memory=None if max_memory is None else max_memory * 2**20,
+            trust_remote_code=trust_remote_code, progress=progress,
+        )
+    notes = dict.fromkeys(n for h in report.histories if h.report is not None for n in h.report.notes)
+    for note in notes:
+        _say(f"kvchat: note: {note}", console=err)
+    if as_json:
+        _emit_json(documents.batch(report))
+    else:
+        _table(("conversation", "status", "episodes", "MiB", "seconds", "tries", "error"),
+               [(h.name, h.status, h.report.episodes if h.report else "",
+                 f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
+                 h.error or "") for h in report.histories],
+               right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
+        _say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
+             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
+             f"{report.threads} thread{'s' * (report.threads != 1)} "
+             f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
+    failed = report.count("failed")
+    if failed:
+        raise UserError(f"{failed} of {len(report.histories)} histories failed")
+
+
 @app.command()
 def ask(
     question: Annotated[str | None, typer.Argument(
@@ -340,6 +547,9 @@ def ask(
         help="Conversation name (default: the latest).", autocompletion=_complete_conversation)] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
+    retrieve: Annotated[int | None, typer.Option(
+        help="Conversations ingested with --offload: entries per layer and KV head read from the pages (R; "
+        "default: the conversation's).")] = None,
     threads: ThreadsOpt = None,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per question (JSON Lines).")] = False,
@@ -353,12 +563,14 @@ def ask(
         raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
     if question is None and (sys.stdin is None or sys.stdin.closed):
         raise UserError("no question: give one as an argument, or one per line on stdin")
+    if retrieve is not None and retrieve < 0:
+        raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
     store = _store()
     if store.read_only and not no_log:
         _say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
              console=err)
-    asker = _Asker(store, conversation, AskConfig(max_new_tokens), log=not no_log and not store.read_only,
-                   threads=threads)
+    asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve),
+                   log=not no_log and not store.read_only, threads=threads)
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -646,6 +858,12 @@ def eval_command(
         IngestConfig.model
     ),
     block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    offload: Annotated[str, typer.Option(
+        help="Comma-separated offload modes, each run with every method and budget: none, icecache (with "
+        "icecache, full KV runs once more, paged past the system prompt and the last tokens).")] = "none",
+    retrieve: Annotated[int, typer.Option(help="--offload icecache: entries per layer and KV head read (R).")] = (
+        OffloadConfig.retrieve
+    ),
     prefill: Annotated[Prefill, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
         CacheConfig.prefill
     ),
@@ -678,7 +896,14 @@ def eval_command(
     if max_context is not None and max_context < 64:
         raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
     base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
-    variant_list = evaluate.variants(config.methods, config.budgets, base.cache)
+    modes = tuple(m.strip() for m in offload.split(",") if m.strip())
+    for mode in modes:
+        if mode not in OFFLOAD_MODES:
+            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
+    variant_list = [
+        v for mode in modes or ("none",) for v in evaluate.variants(config.methods, config.budgets, dataclasses.replace(
+            base.cache, offload=OffloadConfig(mode=mode, retrieve=retrieve)))
+    ]  # fmt: skip
     for v in variant_list:
         validate(dataclasses.replace(base, cache=v.cache))
     for path in data or []:

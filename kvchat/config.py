@@ -15,6 +15,8 @@ POSITION_MODES = ("original", "compact", "auto")
 PREFILL_MODES = ("auto", "block", "full")
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 HEAD_BUDGETS = ("uniform", "adaptive")
+OFFLOAD_MODES = ("none", "icecache")
+OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 # `ingest --append`: below this mean cosine similarity between the new segments and their nearest episode
 # centroid, the new turns are about something no episode covers, and re-clustering (--reingest) is offered.
 # MiniLM puts unrelated sentences around 0-0.2 and sentences on one topic above 0.4.
@@ -70,6 +72,42 @@ class CakeConfig:
 
 
 @dataclass(frozen=True)
+class PagingConfig:
+    """How one KV head's offloaded entries become pages (kvchat.kv.pages)."""
+
+    page_size: int = 16     # entries per page at most (IceCache's official page: a 16-entry tree leaf)
+    cluster_size: int = 16  # target entries per k-means cluster; clusters over page_size are cut into pages.
+                            # 16 beat 64 (KL 0.048 vs 0.059 at R=192, benchmarks/icecache_pages.py)
+    iterations: int = 8     # Lloyd iterations of k-means (random init: k-means++ cost 6x for no gain)
+    seed: int = 0           # k-means initialisation and the projection that orders entries in a cluster
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """IceCache (`--offload icecache`, kvchat.kv.pages): the entries eviction drops are kept on disk, grouped
+    into pages of similar keys; while answering, each layer and KV head reads the pages that match the
+    question and attends to them beside the resident cache. Defaults measured in benchmarks/icecache_pages.py."""
+
+    mode: str = "none"          # none | icecache
+    retrieve: int = 192         # R: entries per layer and KV head read from the pages while answering
+    scorer: str = "two-stage"   # how pages are chosen (kvchat.kv.retrieval): centroid | top-keys | two-stage.
+                                # two-stage: KL to full KV near top-keys' (0.053 vs 0.048 at R=192) reading
+                                # 4R keys instead of all; centroid alone 0.083
+    refresh: int = 8            # decoded tokens between re-choosing the pages beyond the question's pinned ones
+    pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
+    window: int = 32            # --method full: recent history tokens resident beside the system prompt;
+                                # everything between is paged (IceCache's 2 sink + 2 window pages of 16)
+    first_paged_layer: int = 0  # --method full: layers below keep everything. IceCache keeps layers 0-1; on
+                                # the embedded model paging them too changed KL by <= 0.005 at R=64/192
+    paging: PagingConfig = PagingConfig()
+    dtype: str = "float16"      # pages on disk: float16 | float32
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """How one episode's compressed cache is built by block prefill."""
 
@@ -90,6 +128,7 @@ class CacheConfig:
     prefill: str = "auto"  # block (evict after every block: peak flat in the history) | full (keep the whole
                            # history, then each episode keeps its top entries: one prefill for all episodes) |
                            # auto (full when the history fits the model's window and its full KV fits memory)
+    offload: OffloadConfig = OffloadConfig()
 
 
 @dataclass(frozen=True)
@@ -138,9 +177,22 @@ class IngestConfig:
 
 
 @dataclass(frozen=True)
+class BatchConfig:
+    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.batch)."""
+
+    workers: int | None = None  # None: the CPUs Ray has (a local Ray: this machine's usable cores) / threads
+    threads: int = 1            # torch threads per worker; workers x threads never exceed the CPUs
+    attempts: int = 2           # a history whose worker dies is given to another worker once more
+    address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster
+    start_timeout_s: float = 600.0  # workers not loaded by then are given up (Ray cannot start them: memory?)
+
+
+@dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
+    retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
+                                 # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
 
 
 # LoCoMo's own QA prompt (task_eval), "context" read as the conversation the cache holds.

@@ -4,8 +4,9 @@ Every document is a JSON object with `"schema": SCHEMA`; `kvchat ask --json` pri
 question (JSON Lines). One vocabulary (the README's "JSON output" section lists every shape):
 
 - `episodes` is always a list of episode objects; a number of episodes is `episode_count`.
-- sizes on disk are `cache_bytes`; durations are milliseconds in `timings_ms` (a dict of phases; ingest's
-  one phase is `total`) or in a key ending in `_ms`.
+- sizes on disk are `cache_bytes` (an `--offload` conversation's pages files: `pages_bytes`); durations
+  are milliseconds in `timings_ms` (a dict of phases; ingest's one phase is `total`) or in a key ending
+  in `_ms`.
 - an answer's text is `answer`, next to the `question` it answers.
 
 SCHEMA changes when a key is removed or changes meaning; new keys may appear within a version.
@@ -31,6 +32,31 @@ def ingest(report) -> dict[str, Any]:
     return document(**fields, timings_ms={"total": round(seconds * 1000, 1)})
 
 
+def batch(report) -> dict[str, Any]:
+    """`kvchat ingest-batch --json`, from a `BatchReport`: per history its outcome and, once committed, its
+    `ingest` document's fields."""
+    histories = []
+    for result in report.histories:
+        entry: dict[str, Any] = {"name": result.name, "path": str(result.path), "status": result.status,
+                                 "attempts": result.attempts, "error": result.error}  # fmt: skip
+        if result.report is not None:
+            entry |= {key: value for key, value in ingest(result.report).items() if key != "schema"}
+        else:
+            entry["timings_ms"] = {"total": round(result.seconds * 1000, 1)}
+        histories.append(entry)
+    return document(
+        histories=histories,
+        committed=report.count("committed"),
+        skipped=report.count("skipped"),
+        failed=report.count("failed"),
+        workers=report.workers,
+        threads=report.threads,
+        cache_bytes=report.cache_bytes,
+        histories_per_hour=round(report.histories_per_hour, 1),
+        timings_ms={"total": round(report.seconds * 1000, 1)},
+    )
+
+
 def answer(question: str, result) -> dict[str, Any]:
     """One line of `kvchat ask --json`, from an `Answer`."""
     fields = dataclasses.asdict(result)
@@ -44,9 +70,11 @@ def conversation(record) -> dict[str, Any]:
         "created_at": record.created_at,
         "model": record.model,
         "method": record.settings.get("method"),
+        "offload": record.settings.get("offload", "none"),
         "episode_count": len(record.episodes),
         "turns": record.stats.get("turns"),
         "cache_bytes": sum(e.bytes for e in record.episodes),
+        "pages_bytes": sum(e.pages.bytes for e in record.episodes if e.pages is not None),
     }
 
 
@@ -63,7 +91,7 @@ def show(record) -> dict[str, Any]:
         stats=record.stats,
         episodes=[
             {"index": e.index, "budgets": e.budgets, "cache_bytes": e.bytes, "entries": e.n_tokens,
-             "medoid_text": e.medoid_text}
+             "pages_bytes": e.pages.bytes if e.pages is not None else 0, "medoid_text": e.medoid_text}
             for e in record.episodes
         ],
     )

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvchat.ask import Session
-from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EvalConfig, IngestConfig
+from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EvalConfig, IngestConfig, OffloadConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
@@ -60,21 +60,26 @@ class Variant:
 
     @property
     def key(self) -> str:
+        offload = self.cache.offload
+        paged = [f"offload={offload.mode}:R{offload.retrieve}"] if offload.enabled else []
         if self.cache.method == REFERENCE:
-            return REFERENCE
+            return "/".join([REFERENCE, *paged])
         extra = [
             f"{f.name}={getattr(self.cache, f.name)}"
             for f in dataclasses.fields(self.cache)
-            if f.name not in ("method", "budget") and getattr(self.cache, f.name) != getattr(_CACHE_DEFAULTS, f.name)
+            if f.name not in ("method", "budget", "offload")
+            and getattr(self.cache, f.name) != getattr(_CACHE_DEFAULTS, f.name)
         ]
-        return "/".join([f"{self.cache.method}@{self.cache.budget}", *extra])
+        return "/".join([f"{self.cache.method}@{self.cache.budget}", *extra, *paged])
 
 
 def variants(methods: Sequence[str], budgets: Sequence[int], base: CacheConfig = _CACHE_DEFAULTS) -> list[Variant]:
-    """Every method at every budget (full KV once: it has no budget)."""
+    """Every method at every budget, with `base`'s offload. Full KV has no budget: without offload it is the
+    reference (run anyway), with offload one variant (IceCache over the whole history)."""
     out: list[Variant] = []
     for method in methods:
         if method == REFERENCE:
+            out += [Variant(dataclasses.replace(base, method=method))] if base.offload.enabled else []
             continue
         out += [Variant(dataclasses.replace(base, method=method, budget=b)) for b in budgets]
     return out
@@ -151,7 +156,8 @@ def evaluate(
     results = results or ResultsFile(None)
     progress = progress or EvalProgress()
     ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template)
-    everything = [Variant(dataclasses.replace(base.cache, method=REFERENCE)), *variant_list]
+    full_kv = Variant(dataclasses.replace(base.cache, method=REFERENCE, offload=OffloadConfig()))
+    everything = [full_kv, *(v for v in variant_list if v.key != REFERENCE)]
     for qa_set in qa_sets:
         questions = sample_questions(qa_set.questions, config.questions)
         skips = skipped(results.records)
@@ -229,7 +235,7 @@ class _SetRunner:
                     "set": self.qa_set.name,
                     "variant": variant.key,
                     "method": variant.cache.method,
-                    "budget": None if variant.key == REFERENCE else variant.cache.budget,
+                    "budget": None if variant.cache.method == REFERENCE else variant.cache.budget,
                     "history_tokens": report.history_tokens,
                     "episodes": report.episodes,
                     "layer_budgets": report.layer_budgets,
@@ -261,7 +267,7 @@ class _SetRunner:
                         "set": self.qa_set.name,
                         "variant": variant.key,
                         "method": variant.cache.method,
-                        "budget": None if variant.key == REFERENCE else variant.cache.budget,
+                        "budget": None if variant.cache.method == REFERENCE else variant.cache.budget,
                         "qid": question.qid,
                         "category": question.category,
                         "question": question.text,

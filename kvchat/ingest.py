@@ -5,7 +5,8 @@
 - `build_episode`: one episode's block prefill, the expensive step (a batch runner can run it elsewhere;
   an append can resume a stored cache through `block_prefill(resume=...)`).
 - `write_episode` and `commit_ingest`: encode each cache to its file (kvchat.kv.codec) in the store's
-  pending conversation, then make the conversation visible at once with its resolved settings.
+  pending conversation, then make the conversation visible at once with its resolved settings. A batch
+  worker (kvchat.batch) encodes where it builds (`encode_episode`) and its driver writes and commits.
 One episode cache is held at a time, so peak memory stays at one prefill's bound.
 """
 
@@ -26,10 +27,13 @@ from kvchat.config import (
     ANSWER_ROOM,
     HEAD_BUDGETS,
     LAYER_BUDGETS,
+    OFFLOAD_MODES,
+    OFFLOAD_SCORERS,
     POSITION_MODES,
     PREFILL_MODES,
     CacheConfig,
     IngestConfig,
+    OffloadConfig,
 )
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
@@ -41,12 +45,13 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
-from kvchat.kv.prefill import block_prefill, select_from
+from kvchat.kv.prefill import block_prefill, keep_sink_and_window, select_from
 from kvchat.kv.scoring import Scorer
-from kvchat.llm import ChatLayout, LoadedModel
+from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
+from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
 from kvchat.profile import find_indexmem, find_profile
 from kvchat.settings import to_settings
-from kvchat.store import EpisodeRecord, PendingConversation, Store, validate_name
+from kvchat.store import EpisodeRecord, PagesRecord, PendingConversation, Store, validate_name
 
 
 class IngestProgress:
@@ -80,6 +85,9 @@ class IngestReport:
     prefill: str = "block"  # how the caches were built: block by block, or selected from the full history
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments in each episode
     notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
+    offload: str = "none"       # none | icecache (evicted entries kept in each episode's pages file)
+    offloaded_entries: int = 0  # entries written to the pages files, over episodes, layers and KV heads
+    pages_bytes: int = 0        # the pages files' size on disk, over episodes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -134,6 +142,27 @@ def validate(config: IngestConfig) -> None:
         raise UserError("CAKE settings: window must be >= 1, gamma finite and >= 0, floor_fraction in [0, 1]")
     if cake.pool_kernel < 1 or cake.pool_kernel % 2 == 0:
         raise UserError(f"CAKE pool kernel must be an odd number >= 1 (got {cake.pool_kernel})")
+    _validate_offload(cache.offload)
+
+
+def _validate_offload(offload: OffloadConfig) -> None:
+    """IceCache's settings (`--offload`, `--retrieve`, `--page-size` and the library-only ones)."""
+    for what, value, choices in (
+        ("--offload", offload.mode, OFFLOAD_MODES), ("page scorer", offload.scorer, OFFLOAD_SCORERS),
+        ("pages dtype", offload.dtype, tuple(PAGE_DTYPES)),
+    ):
+        if value not in choices:
+            raise UserError(f"unknown {what} {value!r} (choose from {', '.join(choices)})")
+    if offload.retrieve < 0:
+        raise UserError(f"--retrieve must be >= 0 (got {offload.retrieve})")
+    paging = offload.paging
+    if paging.page_size < 1 or paging.cluster_size < 1 or paging.iterations < 1:
+        raise UserError(f"--page-size must be >= 1 (got {paging.page_size}), and so must the cluster size and "
+                        "k-means iterations")
+    if offload.window < 0 or offload.refresh < 0 or offload.first_paged_layer < 0:
+        raise UserError("offload window, refresh and first paged layer must be >= 0")
+    if not 0 <= offload.pinned_share <= 1:
+        raise UserError(f"pinned share must be in [0, 1] (got {offload.pinned_share})")
 
 
 @dataclass(frozen=True)
@@ -167,6 +196,7 @@ class EpisodeStats:
     head_entries: list[int]   # kept entries of every (layer, KV head)
     peak_layer_entries: int
     peak_total_entries: int
+    offloaded_entries: int = 0  # entries its pages file holds
 
 
 @dataclass(frozen=True)
@@ -175,10 +205,12 @@ class BuiltEpisode:
     cache: EpisodeCache
     peak_layer_entries: int
     peak_total_entries: int
+    spill: SpillWriter | None = None  # what eviction dropped, on disk (`--offload icecache`)
 
     def stats(self) -> EpisodeStats:
         heads = [n for layer in self.cache.layers for n in layer.lengths]
-        return EpisodeStats(self.cache.sizes, heads, self.peak_layer_entries, self.peak_total_entries)
+        offloaded = self.spill.entries if self.spill is not None else 0
+        return EpisodeStats(self.cache.sizes, heads, self.peak_layer_entries, self.peak_total_entries, offloaded)
 
 
 def plan_ingest(
@@ -186,7 +218,7 @@ def plan_ingest(
     *,
     name: str | None,
     config: IngestConfig,
-    store: Store,
+    store: Store | None,
     lm: LoadedModel,
     encoder: SentenceEncoder,
     replace: bool = False,
@@ -197,13 +229,17 @@ def plan_ingest(
     appended: Sequence[str] = (),
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`ingest` describes
-    the arguments)."""
+    the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker plans
+    without the store, which only its driver opens (kvchat.batch)."""
+    if store is None and (not replace or profile_dirs is None):
+        raise ValueError("plan_ingest without a store needs replace=True and profile_dirs")
     validate(config)
     from_file = isinstance(history, (str, os.PathLike))
     if not from_file and not name:
         raise ValueError("name is required when ingesting turns rather than a file")
     name = validate_name(name or Path(history).stem)
-    store.check_writable()
+    if store is not None:  # a batch worker's driver checks its own store
+        store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
     turns = load_history(history) if from_file else list(history)
@@ -242,6 +278,12 @@ def plan_ingest(
     if not force:
         preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=available)
     positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
+    if cache_cfg.offload.enabled and positions == "compact":
+        raise UserError(
+            f"--offload {cache_cfg.offload.mode} keeps evicted entries at their original positions, so the history "
+            f"({total} tokens with the system prompt) must fit the model's window ({lm.context_window}) with "
+            "--positions original"
+        )
     episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
     resolved = dataclasses.replace(
         config,
@@ -288,9 +330,12 @@ def build_episode(
     *,
     on_block: Callable[[int, int], None] | None = None,
     full: EpisodeCache | None = None,
+    spill: SpillWriter | None = None,
 ) -> BuiltEpisode:
     """`episode`'s cache: block prefill of the history, or with `plan.prefill == "full"` a selection from
-    `full` (`prefill_history`), scored once by the episode's patched prompt."""
+    `full` (`prefill_history`), scored once by the episode's patched prompt. With `spill` (`--offload`,
+    see `spill_writer`), every entry an eviction drops goes to disk; with `--method full`, everything
+    between the system prompt and the last `offload.window` history tokens is dropped there."""
     cache_cfg = plan.config.cache
     scorer = episode_scorer(plan.config, episode, lm, plan.layout, plan.trained)
     compact = cache_cfg.positions == "compact"
@@ -299,15 +344,16 @@ def build_episode(
             raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
         last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
         cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
-                            compact=compact)  # fmt: skip
+                            compact=compact, on_evict=spill)  # fmt: skip
         if on_block is not None:
             on_block(1, 1)
-        return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries)
+        return BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries, spill)
     memory = None
     if cache_cfg.memory and plan.trained is not None:  # IndexMem: what is evicted is written, read when answering
         from kvchat.kv.latent import LatentMemory
 
         memory = LatentMemory(plan.trained.memory, plan.trained.config)
+    writer = None if memory is None else memory.writer(lm.model.model.rotary_emb)
     result = block_prefill(
         lm.model,
         plan.prefix_ids,
@@ -318,31 +364,84 @@ def build_episode(
         compact=compact,
         on_block=on_block,
         heads=plan.heads,
-        on_evict=None if memory is None else memory.writer(lm.model.model.rotary_emb),
+        on_evict=_every(spill, writer),
     )
+    if spill is not None and scorer is None:  # full KV evicted nothing: page everything but sink and window
+        offload = cache_cfg.offload
+        keep_sink_and_window(result.cache, offload.window, offload.first_paged_layer)
     result.cache.on_evict = None
     result.cache.memory = memory
-    return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries)
+    return BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
 
 
-def write_episode(
-    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
-) -> EpisodeRecord:
-    """Encode one episode's cache into its file in the pending conversation (not visible until commit)."""
+def _every(*observers):
+    """One eviction observer calling each of `observers` that is set (IceCache's spill, IndexMem's memory)."""
+    chosen = [o for o in observers if o is not None]
+    if len(chosen) <= 1:
+        return chosen[0] if chosen else None
+    return lambda layer, heads: [observe(layer, heads) for observe in chosen]
+
+
+def spill_writer(plan: IngestPlan, lm: LoadedModel, pending: PendingConversation, index: int) -> SpillWriter | None:
+    """Where episode `index`'s evicted entries go with `--offload` (None without): files in the pending
+    conversation's private scratch dir for that episode."""
+    offload = plan.config.cache.offload
+    if not offload.enabled:
+        return None
+    shape = preflight.ModelShape.of(lm.model)
+    return SpillWriter(
+        pending.scratch_dir(index), num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+        dtype=PAGE_DTYPES[offload.dtype],
+    )
+
+
+@dataclass(frozen=True)
+class EncodedEpisode:
+    """One built episode as its file's tensors and metadata plus its index row: what a batch worker sends
+    its driver, which writes it into the pending conversation."""
+
+    index: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    centroid: list[float]
+    medoid_text: str
+    budgets: list[int]
+    n_tokens: int
+
+    def write(self, pending: PendingConversation, pages: PagesRecord | None = None) -> EpisodeRecord:
+        """Write and fsync the file in `pending` (not visible until commit); `pages`, its pages file's
+        record when the episode offloads (written first: the episode's record refers to it)."""
+        return pending.write_episode(
+            self.index, self.tensors, self.metadata, centroid=self.centroid, medoid_text=self.medoid_text,
+            budgets=self.budgets, n_tokens=self.n_tokens, pages=pages,
+        )
+
+
+def encode_episode(plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel) -> EncodedEpisode:
+    """Encode one episode's cache (kvchat.kv.codec) with its routing data."""
     cache = built.cache
     meta = codec.meta_of(
         cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
     )
     tensors, metadata = codec.encode(cache, meta)
-    return pending.write_episode(
-        built.episode.index,
-        tensors,
-        metadata,
-        centroid=built.episode.centroid.tolist(),
-        medoid_text=built.episode.medoid_text,
-        budgets=list(meta.budgets),
-        n_tokens=cache.entries,
+    return EncodedEpisode(
+        built.episode.index, tensors, metadata, centroid=built.episode.centroid.tolist(),
+        medoid_text=built.episode.medoid_text, budgets=list(meta.budgets), n_tokens=cache.entries,
     )
+
+
+def write_episode(
+    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
+) -> EpisodeRecord:
+    """Encode one episode's cache into its file in the pending conversation (not visible until commit), its
+    pages file first when it offloads (IceCache)."""
+    pages = None
+    if built.spill is not None:
+        spill, paging = built.spill, plan.config.cache.offload.paging
+        pages = pending.write_pages(
+            built.episode.index, lambda path: spill.write_pages(path, paging, {"fingerprint": lm.fingerprint})
+        )
+    return encode_episode(plan, built, lm).write(pending, pages)
 
 
 def commit_ingest(
@@ -350,10 +449,11 @@ def commit_ingest(
     plan: IngestPlan,
     built: Sequence[EpisodeStats],
     records: Sequence[EpisodeRecord],
-    lm: LoadedModel,
+    lm: LoadedModel | ModelIdentity,
     seconds: float,
 ) -> IngestReport:
-    """Make the conversation visible with its resolved settings; returns what the ingest did."""
+    """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
+    model that built the caches, or its identity where it was loaded elsewhere (a batch worker)."""
     cache_cfg = plan.config.cache
     settings = to_settings(plan.config, source=plan.source, appended=plan.appended)
     head_entries = [n for b in built for n in b.head_entries]
@@ -376,6 +476,9 @@ def commit_ingest(
         prefill=plan.prefill,
         episode_segments=list(plan.episode_segments),
         notes=plan.notes,
+        offload=cache_cfg.offload.mode,
+        offloaded_entries=sum(b.offloaded_entries for b in built),
+        pages_bytes=sum(r.pages.bytes for r in records if r.pages is not None),
     )
     pending.commit(
         model=lm.spec,
@@ -411,7 +514,9 @@ def ingest(
     with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
         for episode in plan.episodes:
             progress.episode(episode.index, len(plan.episodes))
-            built = build_episode(plan, episode, lm, on_block=progress.block, full=full)
+            with pending.disk_full_guard():  # spilled entries are written during the prefill
+                spill = spill_writer(plan, lm, pending, episode.index)
+                built = build_episode(plan, episode, lm, on_block=progress.block, full=full, spill=spill)
             records.append(write_episode(pending, plan, built, lm))
             stats.append(built.stats())  # the cache itself is released before the next episode is built
         return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)

@@ -68,6 +68,15 @@ class ChatLayout:
         return self.before_question + text + self.after_question
 
 
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What the store records of the model that built a cache: what a batch worker, which holds the model,
+    tells the driver that commits (kvchat.batch)."""
+
+    spec: str
+    fingerprint: str
+
+
 @dataclass
 class LoadedModel:
     """A model ready for kvchat: attention attached, tokenizer, identity."""
@@ -76,6 +85,10 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity(self.spec, self.fingerprint)
 
     @property
     def num_layers(self) -> int:

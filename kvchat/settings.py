@@ -12,12 +12,19 @@ import dataclasses
 import shlex
 from collections.abc import Sequence
 
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 
 # Settings keys of CAKE's knobs: with `cake` layer budgets, and with the `cake` method's scorer.
 _CAKE_BUDGET_KEYS = {"tau1": "tau1", "tau2": "tau2", "cake_floor_fraction": "floor_fraction", "cake_cascade": "cascade"}
 _CAKE_SCORER_KEYS = {"cake_gamma": "gamma", "cake_pool_kernel": "pool_kernel"}
 _FULL = "full"  # what `layer_budgets` records for full KV, which has none
+# Settings keys of IceCache's knobs (`--offload icecache`): OffloadConfig's fields, then PagingConfig's.
+_OFFLOAD_KEYS = {
+    "retrieve": "retrieve", "page_scorer": "scorer", "refresh": "refresh", "pinned_share": "pinned_share",
+    "offload_window": "window", "first_paged_layer": "first_paged_layer", "pages_dtype": "dtype",
+}  # fmt: skip
+_PAGING_KEYS = {"page_size": "page_size", "cluster_size": "cluster_size", "kmeans_iterations": "iterations",
+                "paging_seed": "seed"}  # fmt: skip
 
 
 def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
@@ -56,6 +63,10 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_BUDGET_KEYS.items()}
     if cache.method == "cake":
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
+    settings["offload"] = cache.offload.mode
+    if cache.offload.enabled:
+        settings |= {key: getattr(cache.offload, field) for key, field in _OFFLOAD_KEYS.items()}
+        settings |= {key: getattr(cache.offload.paging, field) for key, field in _PAGING_KEYS.items()}
     return settings
 
 
@@ -71,6 +82,13 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         window=get("cake_window", cake_d.window),
         **{field: get(key, getattr(cake_d, field)) for key, field in (_CAKE_BUDGET_KEYS | _CAKE_SCORER_KEYS).items()},
     )
+    offload_d = cache_d.offload
+    paging = {field: get(key, getattr(offload_d.paging, field)) for key, field in _PAGING_KEYS.items()}
+    offload = OffloadConfig(
+        mode=get("offload", offload_d.mode),  # stores written before --offload existed offload nothing
+        paging=PagingConfig(**paging),
+        **{field: get(key, getattr(offload_d, field)) for key, field in _OFFLOAD_KEYS.items()},
+    )
     strategy = get("layer_budgets", cache_d.layer_budgets)
     cache = CacheConfig(
         method=get("method", cache_d.method),
@@ -83,6 +101,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         cake=cake,
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
+        offload=offload,
         memory=get("memory", cache_d.memory),
         recent_window=get("recent_window", cache_d.recent_window),
     )
@@ -119,6 +138,9 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         options |= {"tau1": cache.cake.tau1, "tau2": cache.cake.tau2}
     options["head-budgets"] = cache.head_budgets
     options["prefill"] = cache.prefill
+    if cache.offload.enabled:
+        options |= {"offload": cache.offload.mode, "retrieve": cache.offload.retrieve,
+                    "page-size": cache.offload.paging.page_size}  # fmt: skip
     for option, value in options.items():
         words += [f"--{option}", str(value)]
     if cache.method == "indexmem":

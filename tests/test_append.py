@@ -16,6 +16,7 @@ from kvchat import store as store_module
 from kvchat.append import append, reingest
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.episodes import Episode
+from kvchat.errors import UserError
 from kvchat.history import format_turns, load_history
 from kvchat.ingest import episode_scorer, ingest
 from kvchat.kv import codec
@@ -148,3 +149,55 @@ def test_append_refuses_a_conversation_of_another_model(tmp_path, halves, tiny_l
     other = replace(tiny_lm, fingerprint="another model")
     with pytest.raises(Exception, match="append with --model"):
         append(second, name="chat", store=store, lm=other, encoder=encoder)
+
+
+def test_appending_to_an_offload_conversation_pages_the_stored_and_the_new_evictions(tmp_path, halves, tiny_lm,
+                                                                                      encoder):  # fmt: skip
+    """The new pages file of every episode holds what ingesting A and B at once would have evicted."""
+    from kvchat.config import OffloadConfig
+    from kvchat.kv.pagefile import decode as decode_pages
+    from kvchat.kv.spill import SpillWriter
+
+    first, second = halves
+    a = _tokens(tiny_lm, first)
+    block = a.shape[-1]
+    offload = OffloadConfig(mode="icecache", dtype="float32")
+    config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block",
+                                            offload=offload), episodes=EpisodeConfig(episodes=2, prompt_tokens=48))
+    store = Store(tmp_path)
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    record = store.get("chat")
+    both = tiny_lm.encode("\n".join(format_turns(load_history(first) + load_history(second))))
+    layout = ChatLayout.from_tokenizer(tiny_lm.tokenizer, config.system_prompt)
+    cfg = tiny_lm.model.config
+    for stored in record.episodes:
+        episode = Episode(stored.index, np.asarray(stored.centroid), (), stored.medoid_text)
+        spill_dir = tmp_path / f"spill-{stored.index}"
+        spill_dir.mkdir()
+        spill = SpillWriter(spill_dir, num_layers=2, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                            dtype=torch.float32)  # fmt: skip
+        block_prefill(
+            tiny_lm.model, tiny_lm.encode(layout.before_conversation), both, block_size=block,
+            budgets=[config.cache.budget] * 2, scorer=episode_scorer(config, episode, tiny_lm, layout), on_evict=spill,
+        )  # fmt: skip
+        pages = decode_pages(*store.load_pages(stored, tiny_lm.fingerprint))
+        for layer in range(2):
+            for head in range(cfg.num_key_value_heads):
+                keys, _, positions = spill.head_entries(layer, head)
+                got = pages[layer][head]
+                order, got_order = positions.argsort(), got.positions.argsort()
+                assert torch.equal(positions[order], got.positions[got_order])
+                assert torch.equal(keys[order], got.keys[got_order])
+
+
+def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm, encoder):
+    from kvchat.config import OffloadConfig
+
+    first, second = halves
+    config = IngestConfig(cache=CacheConfig(method="full", offload=OffloadConfig(mode="icecache")),
+                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+    store = Store(tmp_path)
+    ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    with pytest.raises(UserError, match="--append --reingest"):
+        append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)

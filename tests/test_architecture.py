@@ -13,6 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 LAYERS: list[tuple[str, ...]] = [
     ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal"),
     ("kvchat.evaluate", "kvchat.report"),
+    ("kvchat.batch",),
     ("kvchat.append",),
     ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training"),
     ("kvchat.llm", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings"),

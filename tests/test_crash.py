@@ -40,7 +40,28 @@ def _whole(store: Store, fingerprint: str) -> dict[str, ConversationRecord]:
         assert record.fingerprint == fingerprint and len(record.episodes) == EPISODES, record.name
         for episode in record.episodes:
             store.load_episode(episode, fingerprint)  # size, header, sha256 and fingerprint checks
+            if record.settings.get("offload", "none") != "none":
+                store.load_pages(episode, fingerprint)  # the same checks on its pages file
     return listed
+
+
+def _run_killed_at(command: list[str], home: Path, stage: int) -> int:
+    """Run an ingest and SIGKILL it at `stage`: 0 at once, k in 1..EPISODES as it says "episode k/N", later
+    never. Kills are timed by what the ingest says it is doing (one line per episode on stderr), never by
+    the clock (from the second episode on, its temp dir holds files). Returns its exit status."""
+    proc = subprocess.Popen(command, env=_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if stage == 0:
+        proc.kill()
+    elif stage <= EPISODES:
+        for line in proc.stderr:
+            if line.startswith(f"kvchat: episode {stage}/"):
+                proc.kill()
+                break
+    proc.stderr.read()
+    proc.stderr.close()
+    proc.wait()
+    assert proc.returncode in (0, -9)
+    return proc.returncode
 
 
 def test_kill_9_at_any_moment_of_an_ingest_leaves_all_or_nothing(tmp_path, tiny_model_dir):
@@ -58,26 +79,9 @@ def test_kill_9_at_any_moment_of_an_ingest_leaves_all_or_nothing(tmp_path, tiny_
         # with --replace (the old version must survive a kill).
         replace = trial % 2 == 1
         name = "kept" if replace else f"new{trial}"
-        proc = subprocess.Popen(
-            [*ingest_cmd, "--name", name, *(["--replace"] if replace else [])],
-            env=_env(home), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        # Kills are timed by what the ingest says it is doing (one line per episode on stderr), never by
-        # the clock: at start-up, as each episode starts (from the second on, the temp dir holds files),
-        # or not at all.
         stage = (trial // 2) % (EPISODES + 2)  # 0: at once; 1..EPISODES: at "episode k/N"; last: let it finish
-        if stage == 0:
-            proc.kill()
-        elif stage <= EPISODES:
-            for line in proc.stderr:
-                if line.startswith(f"kvchat: episode {stage}/"):
-                    proc.kill()
-                    break
-        proc.stderr.read()
-        proc.stderr.close()
-        proc.wait()
-        killed += proc.returncode == -9
-        assert proc.returncode in (0, -9)
+        returncode = _run_killed_at([*ingest_cmd, "--name", name, *(["--replace"] if replace else [])], home, stage)
+        killed += returncode == -9
         interrupted_writes += any((home / "caches").glob(".tmp-*"))  # died with files half-way
         store = Store(home)  # the next start cleans up after the dead process
         assert sorted(store.caches_dir.glob(".tmp-*")) == []
@@ -114,6 +118,32 @@ def test_kill_9_at_any_moment_of_an_ingest_leaves_all_or_nothing(tmp_path, tiny_
     assert all(p.conversation is None and p.kind == "orphan" for p in problems), problems
     store.fix(problems)
     assert store.check() == []
+
+
+def test_kill_9_during_an_offload_ingest_leaves_all_or_nothing(tmp_path, tiny_model_dir):
+    """As above with `--offload icecache`: killed while spilling evicted entries or writing pages files, an
+    ingest leaves no conversation, no temp dir and no spill file; a listed one has every pages file."""
+    home = tmp_path / "home"
+    history = _history(tmp_path / "long.json", seed=5, topics=6, turns=40)
+    ingest_cmd = [*KVCHAT, "ingest", str(history), "--model", str(tiny_model_dir), *SMALL, "--offload", "icecache"]
+    first = subprocess.run([*ingest_cmd, "--name", "kept"], env=_env(home), capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    fingerprint = Store(home).get("kept").fingerprint
+    killed = 0
+    for stage in range(1, EPISODES + 2):  # at "episode k/N" (spill files and pages files in flight), or never
+        name = f"new{stage}"
+        returncode = _run_killed_at([*ingest_cmd, "--name", name], home, stage)
+        killed += returncode == -9
+        store = Store(home)
+        assert sorted(store.caches_dir.glob(".tmp-*")) == []
+        listed = _whole(store, fingerprint)
+        assert "kept" in listed and (returncode != 0 or name in listed)
+        assert not list(store.caches_dir.rglob("scratch-*"))
+        store.close()
+    assert killed >= EPISODES - 1
+    store = Store(home, clean_stale=False)
+    problems = store.check()
+    assert all(p.conversation is None and p.kind == "orphan" for p in problems), problems
 
 
 def test_parallel_ingests_and_asks(tmp_path, tiny_model_dir, tiny_lm, encoder):

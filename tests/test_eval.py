@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_main
 
-from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig
+from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig
 from kvchat.errors import UserError
 from kvchat.evaluate import REFERENCE, ResultsFile, Variant, evaluate, summarize, variants
 from kvchat.history import format_turns
@@ -154,6 +154,25 @@ def test_variant_keys_name_what_differs_from_the_defaults():
     assert Variant(CacheConfig(method="full")).key == REFERENCE
     assert Variant(CacheConfig(budget=512, layer_budgets="pyramid")).key == "epicache@512/layer_budgets=pyramid"
     assert [v.key for v in variants(["full", "keydiff"], [1, 2])] == ["keydiff@1", "keydiff@2"]
+
+
+def test_offload_variants_are_named_apart_and_full_kv_paged_runs_as_a_variant():
+    base = CacheConfig(offload=OffloadConfig(mode="icecache", retrieve=64))
+    assert [v.key for v in variants(["full", "keydiff"], [8], base)] == [
+        "full/offload=icecache:R64", "keydiff@8/offload=icecache:R64"
+    ]
+
+
+def test_eval_of_full_kv_paged_with_every_page_read_matches_the_reference(tmp_path, tiny_lm, encoder):
+    qa_set = _tiny_set()
+    everything = OffloadConfig(mode="icecache", retrieve=10**6, window=4, dtype="float32")
+    paged = Variant(dataclasses.replace(SMALL.cache, method="full", offload=everything))
+    records = evaluate([qa_set], [paged], lm=tiny_lm, encoder=encoder, config=EvalConfig(max_new_tokens=6),
+                       base=SMALL, results=ResultsFile(None))  # fmt: skip
+    by = {(r["variant"], r["qid"]): r for r in records if r["kind"] == "answer"}
+    for q in qa_set.questions:
+        assert by[(paged.key, q.qid)]["prediction"] == by[(REFERENCE, q.qid)]["prediction"]
+        assert by[(paged.key, q.qid)]["kl"] == pytest.approx(0.0, abs=1e-4)
 
 
 def test_eval_compares_with_full_kv_and_resumes(tmp_path, tiny_lm, encoder):

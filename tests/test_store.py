@@ -130,8 +130,42 @@ def test_records_survive_reopening(store: Store) -> None:
     reopened = Store(store.home)
     assert reopened.get("chat") == committed
     with sqlite3.connect(store.db_path) as conn:
-        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,)]
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,)]
         assert conn.execute("pragma journal_mode").fetchone()[0] == "wal"
+
+
+@pytest.mark.parametrize("versions", [1, 2])
+def test_a_home_from_before_pages_files_is_upgraded_in_place(tmp_path: Path, monkeypatch, versions: int) -> None:
+    """A kvchat.db written by an older schema (no pages columns) gains them; its episodes have no pages and
+    its rows still match their digest."""
+    from kvchat.store import schema
+
+    monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS[:versions])
+    Store(tmp_path).close()
+    monkeypatch.undo()
+    data = b"an episode file"
+    path = tmp_path / "caches" / "chat" / "old" / "0.safetensors"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    with sqlite3.connect(tmp_path / "kvchat.db") as conn:
+        conn.execute("insert into conversations (name, created_at, model, fingerprint, settings, stats, ingest_id) "
+                     "values ('chat', '2026-01-01', 'default', ?, '{}', '{}', 'old')", [FP])  # fmt: skip
+        conn.execute(
+            "insert into episodes values ('chat', 0, '[1.0]', 'm', '[4]', 8, ?, ?, 'caches/chat/old/0.safetensors')",
+            [len(data), hashlib.sha256(data).hexdigest()],
+        )
+        if versions >= 2:  # that schema's rows carry their digest
+            from kvchat.store.manifest import digest, document_from_rows
+
+            conn.row_factory = sqlite3.Row
+            row = dict(conn.execute("select * from conversations").fetchone())
+            episodes = [dict(r) for r in conn.execute("select * from episodes")]
+            conn.execute("update conversations set digest = ?", [digest(document_from_rows(row, episodes))])
+    store = Store(tmp_path)
+    assert [e.pages for e in store.get("chat").episodes] == [None]
+    assert store.check() == [] and store.database_damage() is None
+    with sqlite3.connect(store.db_path) as conn:
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,)]
 
 
 def test_newer_schema_is_refused(store: Store) -> None:

@@ -12,17 +12,28 @@ Ragged layers (head-wise budgets, see kvchat.kv.heads): `cache.update` then retu
 keys and values, one tensor per KV head holding only that head's entries. Attention runs per KV head
 over that head's own length (one SDPA call per KV head, its GQA group of query heads together), so no
 head is padded to the longest. Models have few KV heads (3 on SmolLM2-135M), so the loop is short.
+
+Paged layers (IceCache, kvchat.kv.retrieval): `cache.update` returns `PagedKeys`, the resident entries per
+KV head plus a pool that retrieves each head's offloaded pages for the current queries. Softmax attention
+does not depend on the order of its keys, so the retrieved entries are placed between each head's cached
+entries and the forward's own tokens and the ragged path attends over them: cached and retrieved entries
+visible to every new token, new tokens causal. Retrieved keys carry the RoPE rotation of their original
+positions, like resident ones, so nothing is re-rotated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+if TYPE_CHECKING:
+    from kvchat.kv.retrieval import Retrieved
 
 ATTENTION_NAME = "kvchat"
 
@@ -35,6 +46,28 @@ class HeadList(tuple):
     """
 
     __slots__ = ()
+
+
+class PageSource(Protocol):
+    """What a paged layer's keys carry: each KV head's retrieved entries for a forward's queries, until
+    `clear` (kvchat.kv.retrieval.PagePool)."""
+
+    def retrieved(self, query: torch.Tensor, scale: float | None = None) -> Sequence[Retrieved]: ...
+
+    def clear(self) -> None: ...
+
+
+class PagedKeys(HeadList):
+    """Keys of a paged layer: the resident entries, one tensor per KV head as in a `HeadList`, and `pool`,
+    the `PageSource` that gives each head's retrieved entries for the current queries."""
+
+    pool: PageSource  # set on every instance (no __slots__: a tuple subclass carries attributes this way)
+
+    @classmethod
+    def of(cls, heads: Sequence[torch.Tensor], pool: PageSource) -> PagedKeys:
+        keys = cls(heads)
+        keys.pool = pool
+        return keys
 
 
 @dataclass(frozen=True)
@@ -130,6 +163,8 @@ def kvchat_attention(
     memory's readout (IndexMem eq. 4: o = o_attn + g(q) m(q)) when one is passed."""
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
+    if isinstance(key, PagedKeys):
+        key, value = with_retrieved(key, value, key.pool.retrieved(query, scaling), query.shape[2])
     if isinstance(key, HeadList):
         out, _ = _ragged_attention(module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden)
         return _with_memory(out, module, query, kvchat_memory), None
@@ -212,6 +247,50 @@ def _ragged_attention(
             padded[h, ..., past:] = w[..., own:]
         recorder.record(_view(module.layer_idx, padded, past, query, hidden))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
+
+
+def with_retrieved(
+    keys: torch.Tensor | Sequence[torch.Tensor],
+    values: torch.Tensor | Sequence[torch.Tensor],
+    retrieved: Sequence[Retrieved],
+    new_tokens: int,
+) -> tuple[HeadList, HeadList]:
+    """Per KV head: cached entries, then that head's retrieved entries, then the `new_tokens` last ones.
+
+    `keys`/`values` are what a cache layer returns to attention: `[1, kv_heads, n, D]` or one `[1, 1, n_h, D]`
+    per head, the current forward's tokens last. Retrieved entries are cast to the cache's dtype.
+    """
+    heads, vheads = _per_head(keys), _per_head(values)
+    if not len(heads) == len(vheads) == len(retrieved):
+        raise ValueError(f"{len(heads)} KV heads but entries retrieved for {len(retrieved)}")
+    out_k, out_v = [], []
+    for k, v, got in zip(heads, vheads, retrieved, strict=True):
+        past = k.shape[2] - new_tokens
+        extra_k = got.keys.to(k.dtype).view(1, 1, -1, k.shape[-1])
+        extra_v = got.values.to(v.dtype).view(1, 1, -1, v.shape[-1])
+        out_k.append(torch.cat([k[:, :, :past], extra_k, k[:, :, past:]], dim=2))
+        out_v.append(torch.cat([v[:, :, :past], extra_v, v[:, :, past:]], dim=2))
+    return HeadList(out_k), HeadList(out_v)
+
+
+def attention_with_retrieved(
+    query: torch.Tensor,
+    keys: torch.Tensor | Sequence[torch.Tensor],
+    values: torch.Tensor | Sequence[torch.Tensor],
+    retrieved: Sequence[Retrieved],
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Attention output `[1, q, q_heads, D]` of `query` `[1, q_heads, q, D]` over each KV head's cached
+    entries, its `retrieved` ones and the current tokens (the last `q` entries of `keys`)."""
+    all_k, all_v = with_retrieved(keys, values, retrieved, query.shape[2])
+    out, _ = kvchat_attention(None, query, all_k, all_v, None, scaling)
+    return out
+
+
+def _per_head(entries: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(entries, torch.Tensor):
+        return [entries[:, h : h + 1] for h in range(entries.shape[1])]
+    return list(entries)
 
 
 def _as_bool(attention_mask: torch.Tensor) -> torch.Tensor:

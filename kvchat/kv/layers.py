@@ -9,7 +9,11 @@ position of each entry. They differ in layout:
   separate tensors `[1, 1, n_h, head_dim]` (a `HeadList`) with positions `[n_h]`: memory holds exactly the
   kept entries. A uniform layer becomes ragged when it is asked to keep a different count per head.
 
-A new layout (paged offload, quantized) is one more class implementing `CacheLayer`, plus its encoding in
+- `PagedLayer` (IceCache, answering only): a ragged layer whose keys carry a pool of the layer's offloaded
+  pages, so kvchat's attention adds each head's retrieved entries (kvchat.kv.retrieval). Never evicted
+  from nor written to an episode file: its pages live in the pages file (kvchat.kv.pagefile).
+
+A new layout (quantized) is one more class implementing `CacheLayer`, plus its encoding in
 kvchat.kv.codec (see ARCHITECTURE.md, "Adding a layer type").
 """
 
@@ -21,7 +25,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvchat.kv.attention import HeadList
+from kvchat.kv.attention import HeadList, PagedKeys, PageSource
 from kvchat.kv.rope import reposition_keys
 
 # One index per head (1-D, sorted) selects a different number of entries in each head.
@@ -253,3 +257,39 @@ class RaggedLayer(DynamicLayer):
             keys.append(k)
             positions.append(p)
         self.keys, self.positions = HeadList(keys), tuple(positions)
+
+
+class PagedLayer(RaggedLayer):
+    """The resident entries of a layer (one tensor per KV head) and `pool`, which retrieves each head's
+    offloaded pages for every forward's queries: `keys` is a `PagedKeys`, which kvchat's attention extends
+    with them. Rolling back (`truncate_heads`, after an answer) empties the pool. For answering only."""
+
+    def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+                 positions: Sequence[torch.Tensor], pool: PageSource):  # fmt: skip
+        super().__init__(keys, values, positions)
+        self.pool = pool
+        self.keys = PagedKeys.of(self.keys, pool)
+
+    @classmethod
+    def over(cls, layer: CacheLayer, pool: PageSource) -> PagedLayer:
+        """`layer`'s entries (views, nothing copied) answering with `pool`."""
+        ragged = layer if isinstance(layer, RaggedLayer) else RaggedLayer.from_uniform(layer)
+        return cls(ragged.keys, ragged.values, ragged.positions, pool)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        super().append(keys, values, positions)
+        self.keys = PagedKeys.of(self.keys, self.pool)
+
+    def truncate_heads(self, lengths: Sequence[int]) -> None:
+        super().truncate_heads(lengths)
+        self.keys = PagedKeys.of(self.keys, self.pool)
+        self.pool.clear()
+
+    def keep(self, index: HeadIndex | torch.Tensor) -> None:
+        raise TypeError("a paged layer answers questions; it is not evicted from")
+
+    def evicted(self, index: HeadIndex | torch.Tensor) -> list[EvictedHead]:
+        raise TypeError("a paged layer answers questions; it is not evicted from")
+
+    def compact(self, rotary_emb: torch.nn.Module) -> None:
+        raise TypeError("a paged layer keeps original positions: its pages' keys are rotated for them")

@@ -111,15 +111,17 @@ def select_from(
     scorer: Scorer,
     heads: HeadBudgets = HeadBudgets(),
     compact: bool = False,
+    on_evict: EvictionObserver | None = None,
 ) -> EpisodeCache:
     """An episode cache chosen from `full` (everything kept, e.g. `block_prefill(budgets=None)`): `scorer`
     reads it once, as after the history's last block (`last_block`, its ids), and each layer keeps its top
     `budgets[l]` entries, shared among heads by `heads`. `full` is left whole for the next episode; its
-    peaks count the scorer's probe."""
+    peaks count the scorer's probe. `on_evict` sees what the selection drops (`full` itself evicts nothing)."""
     if scores_in_forward(scorer):
         raise ValueError("selecting from a full cache needs a scorer that reads it after the block")
     scores = scorer(model, full, last_block)
     cache = full.copy()
+    cache.on_evict = on_evict
     cache.keep(
         [heads.select(s, b, cache.protected, layer.lengths) for s, b, layer in zip(scores, budgets, cache.layers,
                                                                                     strict=True)]
@@ -128,3 +130,15 @@ def select_from(
     if compact:
         cache.compact(model.model.rotary_emb)
     return cache
+
+
+def keep_sink_and_window(cache: EpisodeCache, window: int, first_layer: int = 0) -> None:
+    """In every layer from `first_layer` on, keep the protected system prompt and the last `window` entries
+    of each head and evict the rest, through `cache.on_evict` (IceCache over a full cache: everything
+    between sink and window is paged)."""
+    for i in range(first_layer, len(cache.layers)):
+        index = []
+        for n in cache.layers[i].lengths:
+            tail = max(cache.protected, n - window)
+            index.append(torch.cat([torch.arange(min(cache.protected, n)), torch.arange(tail, n)]))
+        cache.keep_layer(i, torch.stack(index) if len({len(x) for x in index}) == 1 else index)

@@ -1,4 +1,5 @@
-"""Where ingested conversations live: a SQLite index plus one safetensors file per episode.
+"""Where ingested conversations live: a SQLite index plus one safetensors file per episode (and, for a
+conversation ingested with `--offload icecache`, each episode's pages file beside it).
 
 Nothing half-written is ever visible. An ingest writes its files and its manifest (`manifest`: the
 conversation as one document) into a private temp dir (`caches/.tmp-<pid>-<uuid>`), fsyncs them, renames
@@ -29,6 +30,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import mmap
 import os
 import re
 import shlex
@@ -48,6 +50,7 @@ import torch
 
 from kvchat.errors import CacheIntegrityError, KvchatError, UserError
 from kvchat.kv.codec import FORMAT_VERSION, READABLE_FORMAT_VERSIONS  # stamped and checked here
+from kvchat.kv.tensorfile import map_tensors
 from kvchat.settings import rebuild_command
 from kvchat.store import recovery
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
@@ -61,6 +64,7 @@ from kvchat.store.files import (
     new_temp_path,
     read_verified,
     try_rmdir,
+    verify_file,
 )
 from kvchat.store.files import write_file as _write_file  # looked up here at call time: tests replace it
 from kvchat.store.leftovers import (
@@ -87,7 +91,17 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 # Names Windows reserves for devices, with or without an extension: not portable as directory names.
 _RESERVED_RE = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])(\..*)?", re.IGNORECASE)
 _SUFFIX = ".safetensors"
+_PAGES_SUFFIX = ".pages.safetensors"
 _DECODE_RE = re.compile(r"Could not decode to UTF-8 column '([^']*)'")
+
+
+@dataclass(frozen=True)
+class PagesRecord:
+    """An episode's pages file (`--offload icecache`, kvchat.kv.pagefile): what eviction dropped, paged."""
+
+    bytes: int
+    sha256: str
+    path: Path  # absolute path
 
 
 @dataclass(frozen=True)
@@ -100,6 +114,14 @@ class EpisodeRecord:
     bytes: int  # file size
     sha256: str
     path: Path  # absolute path of the safetensors file
+    pages: PagesRecord | None = None  # its pages file, when the conversation offloads
+
+    def files(self) -> list[tuple[Path, int, str, str]]:
+        """(path, bytes, sha256, what) of every file of this episode."""
+        out = [(self.path, self.bytes, self.sha256, "cache")]
+        if self.pages is not None:
+            out.append((self.pages.path, self.pages.bytes, self.pages.sha256, "pages file"))
+        return out
 
 
 @dataclass(frozen=True)
@@ -447,14 +469,7 @@ class Store:
         matches. The bytes are read once, so the file that was checked is the file that is loaded.
         """
         name = record.path.parent.parent.name
-        rebuild = self._rebuild_hint(name, replace=True)
-
-        def refuse(problem: str) -> CacheIntegrityError:
-            return CacheIntegrityError(
-                f"cache of conversation {_show(name)} episode {record.index} {' '.join(problem.split())}; "
-                f"rebuild with `{rebuild}`"
-            )
-
+        refuse = self._refuser(record, "cache")
         try:
             data = read_verified(record.path, record.bytes, record.sha256, within=self.caches_dir)
         except FileMismatch as e:
@@ -471,16 +486,56 @@ class Store:
         metadata: dict[str, str] = header.get("__metadata__", {})
         if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
             raise refuse(f"has unsupported format version {metadata.get('format_version')!r}")
-        if metadata.get("fingerprint") != fingerprint:
-            raise refuse(
-                f"was built by a different model (cache {str(metadata.get('fingerprint'))[:24]!r}, "
-                f"current {fingerprint[:24]!r})"
-            )
+        _check_fingerprint(metadata, fingerprint, refuse)
         try:
             tensors = safetensors.torch.load(data)
         except Exception as e:  # the header passed our checks, so this is unexpected
             raise refuse(f"could not be decoded: {e}") from None
         return tensors, dict(metadata)
+
+    @_index_errors
+    def load_pages(
+        self, record: EpisodeRecord, fingerprint: str
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """An episode's pages file (kvchat.kv.pagefile) as memory-mapped tensors and its metadata.
+
+        The same checks as `load_episode`, the file hashed in chunks rather than read into memory; then the
+        header is checked on the mapped file and the tensors are views of the map: nothing is allocated,
+        and keys and values are read from disk only where retrieval gathers them.
+        """
+        refuse = self._refuser(record, "pages file")
+        pages = record.pages
+        if pages is None:
+            raise refuse("does not exist: the conversation was ingested without --offload")
+        try:
+            verify_file(pages.path, pages.bytes, pages.sha256, within=self.caches_dir)
+            with open(pages.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                header = check_safetensors_header(mapped)
+        except FileMismatch as e:
+            raise refuse(str(e)) from None
+        except ValueError as e:  # a bad header, or an empty file mmap refuses
+            raise refuse(f"is not a valid safetensors file: {e}") from None
+        except OSError as e:  # no permission, an I/O error: the environment's, not the file's content
+            raise UserError(f"cannot read the pages file {pages.path}: {e.strerror or e}") from None
+        metadata: dict[str, str] = header.get("__metadata__", {})
+        _check_fingerprint(metadata, fingerprint, refuse)
+        try:
+            return map_tensors(pages.path, header)
+        except ValueError as e:  # the header passed our checks, so this is unexpected
+            raise refuse(f"could not be mapped: {e}") from None
+
+    def _refuser(self, record: EpisodeRecord, what: str) -> Callable[[str], CacheIntegrityError]:
+        """The error for a damaged file of `record`: what is wrong, and the command that rebuilds it."""
+        name = record.path.parent.parent.name
+        rebuild = self._rebuild_hint(name, replace=True)
+
+        def refuse(problem: str) -> CacheIntegrityError:
+            return CacheIntegrityError(
+                f"{what} of conversation {_show(name)} episode {record.index} {' '.join(problem.split())}; "
+                f"rebuild with `{rebuild}`"
+            )
+
+        return refuse
 
     # ----- doctor
 
@@ -514,17 +569,21 @@ class Store:
         problems: list[Problem] = []
         for conversation in self.conversations():
             for episode in conversation.episodes:
-                found = self._file_problem(episode)
-                if found is not None:
-                    kind, what = found
-                    problems.append(Problem(
-                        kind, conversation.name, episode.index, episode.path,
-                        f"conversation {_show(conversation.name)} episode {episode.index} {what}; "
-                        "--fix removes the conversation",
-                    ))  # fmt: skip
+                for path, size, sha256, what in episode.files():
+                    found = self._file_problem(path, size, sha256)
+                    if found is not None:
+                        kind, wrong = found
+                        shown = "" if what == "cache" else f" {what}"
+                        problems.append(Problem(
+                            kind, conversation.name, episode.index, path,
+                            f"conversation {_show(conversation.name)} episode {episode.index}{shown} {wrong}; "
+                            "--fix removes the conversation",
+                        ))  # fmt: skip
         if problems:  # an `rm` or `--replace` may have retired those files while we hashed them
-            current = {(c.name, e.index): e.path for c in self.conversations() for e in c.episodes}
-            problems = [p for p in problems if current.get((p.conversation, p.episode)) == p.path]
+            current = {
+                (c.name, e.index, path) for c in self.conversations() for e in c.episodes for path, *_ in e.files()
+            }
+            problems = [p for p in problems if (p.conversation, p.episode, p.path) in current]
         return problems + self._leftovers(grace_s=ORPHAN_GRACE_S)
 
     @_index_errors
@@ -540,7 +599,8 @@ class Store:
         for name in sorted({p.conversation for p in problems if p.conversation is not None}):
             with self._db.atomic():
                 row = self._row(name)
-                paths = {self._home / r["path"] for r in self._episode_rows(name)}
+                rows = self._episode_rows(name)
+                paths = {self._home / p for r in rows for p in (r["path"], r.get("pages_path")) if p}
             damaged = {p.path for p in problems if p.conversation == name}
             if row is None or not paths & damaged:
                 continue  # removed, or replaced by a new version, since `check`
@@ -559,10 +619,10 @@ class Store:
         delete_trees(moved)
         return done
 
-    def _file_problem(self, record: EpisodeRecord) -> tuple[str, str] | None:
+    def _file_problem(self, path: Path, size: int, sha256: str) -> tuple[str, str] | None:
         """(kind, what is wrong) for one episode file, or None if it is the file that was committed."""
         try:
-            read_verified(record.path, record.bytes, record.sha256, within=self.caches_dir)
+            verify_file(path, size, sha256, within=self.caches_dir)
         except FileMismatch as e:
             return e.kind, str(e)
         except OSError as e:
@@ -574,7 +634,11 @@ class Store:
         dirs. Exact under the write lock; without it, `grace_s` spares dirs an ingest may be committing."""
         with self._db.atomic():
             rows = list(self._db.query("select name, ingest_id from conversations"))
-            live_files = {self._home / row["path"] for row in self._db.query("select path from episodes")}
+            live_files = {
+                self._home / path
+                for row in self._db.query("select path, pages_path from episodes")
+                for path in (row["path"], row["pages_path"]) if path is not None
+            }
         live_dirs = {self.caches_dir / row["name"] / row["ingest_id"] for row in rows}
         live_files |= {d / MANIFEST_NAME for d in live_dirs}
         found = leftovers(self.caches_dir, live_dirs, live_files, grace_s=grace_s) if self.caches_dir.is_dir() else []
@@ -623,10 +687,31 @@ def _record_of(doc: dict, home: Path) -> ConversationRecord:
             EpisodeRecord(
                 index=e["index"], centroid=e["centroid"], medoid_text=e["medoid_text"], budgets=e["budgets"],
                 n_tokens=e["n_tokens"], bytes=e["bytes"], sha256=e["sha256"], path=home / e["path"],
+                pages=PagesRecord(e["pages"]["bytes"], e["pages"]["sha256"], home / e["pages"]["path"])
+                if e.get("pages") else None,
             )  # fmt: skip
             for e in doc["episodes"]
         ],
     )
+
+
+def _check_fingerprint(
+    metadata: dict[str, str], fingerprint: str, refuse: Callable[[str], CacheIntegrityError]
+) -> None:
+    if metadata.get("fingerprint") != fingerprint:
+        raise refuse(
+            f"was built by a different model (cache {str(metadata.get('fingerprint'))[:24]!r}, "
+            f"current {fingerprint[:24]!r})"
+        )
+
+
+def _episode_entry(record: EpisodeRecord, home: Path) -> dict:
+    """An episode of a conversation document (`manifest.document`): paths relative to the home."""
+    entry = {**asdict(record), "path": record.path.relative_to(home).as_posix(), "pages": None}
+    if record.pages is not None:
+        entry["pages"] = {"path": record.pages.path.relative_to(home).as_posix(), "bytes": record.pages.bytes,
+                          "sha256": record.pages.sha256}  # fmt: skip
+    return entry
 
 
 def _reingest_command(record: ConversationRecord, *, replace: bool = False) -> str:
@@ -671,6 +756,36 @@ class PendingConversation:
         if self._state != "open":
             raise RuntimeError(f"pending conversation {self.name!r} is already {self._state}")
 
+    def scratch_dir(self, index: int) -> Path:
+        """A private dir for episode `index`'s intermediate files (IceCache's spilled entries), inside the
+        temp dir: an abort or a crash takes it along, `write_pages` removes it, and it is never committed."""
+        self._check_open()
+        path = self._tmp / f"scratch-{index}"
+        path.mkdir(exist_ok=True)
+        return path
+
+    @contextmanager
+    def disk_full_guard(self) -> Iterator[None]:
+        """A full disk inside: the pending conversation is aborted at once (giving the space back) and the
+        user is told in one line (exit 2). Other errors pass through."""
+        try:
+            yield
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            self.abort()
+            raise disk_full(self._store.caches_dir) from None
+
+    def write_pages(self, index: int, write: Callable[[Path], tuple[int, str]]) -> PagesRecord:
+        """Episode `index`'s pages file: `write(path)` writes and fsyncs it at `path` in the temp dir and
+        returns (bytes, sha256). Its scratch dir is removed. Pass the record to `write_episode`."""
+        self._check_open()
+        path = self._tmp / f"{index}{_PAGES_SUFFIX}"
+        with self.disk_full_guard():
+            size, sha256 = write(path)
+        shutil.rmtree(self._tmp / f"scratch-{index}", ignore_errors=True)
+        return PagesRecord(int(size), str(sha256), self._final / path.name)
+
     def write_episode(
         self,
         index: int,
@@ -681,6 +796,7 @@ class PendingConversation:
         medoid_text: str,
         budgets: list[int],
         n_tokens: int,
+        pages: PagesRecord | None = None,
     ) -> EpisodeRecord:
         """Write and fsync one episode file. The record's `path` is where it will live once committed.
 
@@ -700,13 +816,8 @@ class PendingConversation:
         path = self._tmp / f"{index}{_SUFFIX}"
         cpu = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
         data = safetensors.torch.save(cpu, metadata=meta)
-        try:
+        with self.disk_full_guard():
             _write_file(path, data)
-        except OSError as e:
-            if not is_disk_full(e):
-                raise
-            self.abort()  # give the space back at once
-            raise disk_full(self._store.caches_dir) from None
         size, digest = len(data), hashlib.sha256(data).hexdigest()
         record = EpisodeRecord(
             index=index,
@@ -717,6 +828,7 @@ class PendingConversation:
             bytes=size,
             sha256=digest,
             path=self._final / path.name,
+            pages=pages,
         )
         self._episodes[index] = (record, metadata["fingerprint"])
         return record
@@ -741,10 +853,12 @@ class PendingConversation:
         doc = document(
             name=self.name, ingest_id=self.ingest_id, created_at=created_at, model=model, fingerprint=fingerprint,
             settings=json.loads(settings_json), stats=json.loads(stats_json),
-            episodes=[{**asdict(r), "path": r.path.relative_to(store.home).as_posix()} for r in records],
+            episodes=[_episode_entry(r, store.home) for r in records],
         )  # fmt: skip
         old_ingest: str | None = None
         renamed = False
+        for scratch in self._tmp.glob("scratch-*"):  # an episode's intermediate files never become visible
+            shutil.rmtree(scratch, ignore_errors=True)
         try:
             _write_manifest(self._tmp, doc)
             fsync_dir(self._tmp)

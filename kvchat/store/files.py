@@ -19,6 +19,7 @@ import sqlite3
 import stat
 import struct
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -154,23 +155,45 @@ def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
     Raises FileMismatch otherwise. Other OSErrors (no permission) propagate: the caller says what they
     mean. Reading once means the bytes that were checked are the bytes the caller gets.
     """
+    chunks: list[bytes] = []
+    _read_checked(path, size, sha256, within, chunks.append, size + 1)
+    return b"".join(chunks)
+
+
+def verify_file(path: Path, size: int, sha256: str, *, within: Path) -> None:
+    """`read_verified` for files too large to hold: hashed in chunks, nothing kept. A pages file is checked
+    this way and then memory-mapped (its ingest dir is never written again, so the bytes stay the ones
+    that were hashed unless someone edits the store by hand)."""
+    _read_checked(path, size, sha256, within, lambda chunk: None, _HASH_CHUNK)
+
+
+_HASH_CHUNK = 1 << 22
+
+
+def _read_checked(
+    path: Path, size: int, sha256: str, within: Path, consume: Callable[[bytes], None], chunk_size: int
+) -> None:
+    """Read `path` in chunks of `chunk_size`, handing each to `consume`, checking place, kind, size and hash."""
     if not is_inside(path, within):
         raise FileMismatch("outside", f"points outside the store ({path})")
+    digest, read = hashlib.sha256(), 0
     try:
         with open_regular(path) as f:
             actual = os.fstat(f.fileno()).st_size
             if actual != size:
                 raise FileMismatch("size", f"is {actual} bytes, expected {size} (truncated or replaced)")
-            data = f.read(size + 1)
+            while read <= size and (chunk := f.read(chunk_size)):
+                digest.update(chunk)
+                consume(chunk)
+                read += len(chunk)
     except FileNotFoundError:
         raise FileMismatch("missing", f"is missing ({path})") from None
     except IsADirectoryError:  # where a directory cannot be opened at all
         raise FileMismatch("not-a-file", f"is not a regular file but a directory ({path})") from None
-    if len(data) != size:
+    if read != size:
         raise FileMismatch("size", "changed size while being read")
-    if hashlib.sha256(data).hexdigest() != sha256:
+    if digest.hexdigest() != sha256:
         raise FileMismatch("checksum", "failed its checksum (the file changed on disk)")
-    return data
 
 
 def check_safetensors_header(data: bytes) -> dict[str, Any]:

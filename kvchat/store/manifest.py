@@ -25,17 +25,25 @@ MAX_MANIFEST_BYTES = 64 * 2**20  # far above any real one (centroids of every ep
 _JSON_COLUMNS = {"settings", "stats"}
 _EPISODE_JSON_COLUMNS = {"centroid", "budgets"}
 _EPISODE_FIELDS = ("centroid", "medoid_text", "budgets", "n_tokens", "bytes", "sha256", "path")
+# An episode's pages file (`--offload icecache`), in the document as `pages` {path, bytes, sha256} only when
+# it has one, so documents of episodes without one (and their digests) are as before pages files existed.
+_PAGES_COLUMNS = {"path": "pages_path", "bytes": "pages_bytes", "sha256": "pages_sha256"}
 
 
 def document(
     *, name: str, ingest_id: str, created_at: str, model: str, fingerprint: str, settings: dict, stats: dict,
     episodes: list[dict],
 ) -> dict:  # fmt: skip
-    """A conversation's document; `episodes` hold `index` and the episode row's fields, parsed."""
+    """A conversation's document; `episodes` hold `index`, the episode row's fields, parsed, and `pages` (a
+    dict of path, bytes and sha256) when the episode has a pages file."""
     return {
         "name": name, "ingest_id": ingest_id, "created_at": created_at, "model": model,
         "fingerprint": fingerprint, "settings": settings, "stats": stats,
-        "episodes": [{"index": e["index"], **{f: e[f] for f in _EPISODE_FIELDS}} for e in episodes],
+        "episodes": [
+            {"index": e["index"], **{f: e[f] for f in _EPISODE_FIELDS},
+             **({"pages": e["pages"]} if e.get("pages") else {})}
+            for e in episodes
+        ],
     }  # fmt: skip
 
 
@@ -55,7 +63,8 @@ def document_from_rows(conversation: dict, episodes: list[dict]) -> dict:
         **parsed,
         episodes=[
             {"index": row["idx"],
-             **{f: json.loads(row[f]) if f in _EPISODE_JSON_COLUMNS else row[f] for f in _EPISODE_FIELDS}}
+             **{f: json.loads(row[f]) if f in _EPISODE_JSON_COLUMNS else row[f] for f in _EPISODE_FIELDS},
+             "pages": None if row.get("pages_path") is None else {k: row[c] for k, c in _PAGES_COLUMNS.items()}}
             for row in episodes
         ],
     )  # fmt: skip
@@ -70,7 +79,8 @@ def rows_from_document(doc: dict) -> tuple[dict, list[dict]]:
     }  # fmt: skip
     episodes = [
         {"conversation": doc["name"], "idx": e["index"],
-         **{f: json.dumps(e[f]) if f in _EPISODE_JSON_COLUMNS else e[f] for f in _EPISODE_FIELDS}}
+         **{f: json.dumps(e[f]) if f in _EPISODE_JSON_COLUMNS else e[f] for f in _EPISODE_FIELDS},
+         **{c: (e.get("pages") or {}).get(k) for k, c in _PAGES_COLUMNS.items()}}
         for e in doc["episodes"]
     ]  # fmt: skip
     return conversation, episodes
@@ -119,5 +129,11 @@ def _well_formed(doc: dict) -> bool:
         and all(isinstance(e, dict) and isinstance(e.get("index"), int) and isinstance(e.get("path"), str)
                 and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
                 and isinstance(e.get("centroid"), list) and isinstance(e.get("budgets"), list)
+                and _pages_well_formed(e.get("pages", {"path": "", "bytes": 0, "sha256": ""}))
                 for e in episodes)
     )  # fmt: skip
+
+
+def _pages_well_formed(pages: object) -> bool:
+    return (isinstance(pages, dict) and isinstance(pages.get("path"), str) and isinstance(pages.get("bytes"), int)
+            and isinstance(pages.get("sha256"), str))

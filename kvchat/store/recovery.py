@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvchat.settings import rebuild_command
-from kvchat.store.files import FileMismatch, fsync_dir, read_verified, try_rmdir
+from kvchat.store.files import FileMismatch, fsync_dir, try_rmdir, verify_file
 from kvchat.store.manifest import digest, document_from_rows, read_manifest
 from kvchat.store.schema import connect_read_only
 
@@ -255,20 +255,22 @@ def _manifest(ingest_dir: Path) -> tuple[dict | None, str, str]:
 def _files_problem(home: Path, caches_dir: Path, ingest_dir: Path, doc: dict) -> str | None:
     """What is wrong with the episode files `doc` lists, or None when each is the file it committed."""
     for episode in doc["episodes"]:
-        path = home / episode["path"]
-        if path.parent != ingest_dir:
-            return f"episode {episode['index']} lies outside its ingest dir"
-        try:
-            read_verified(path, episode["bytes"], episode["sha256"], within=caches_dir)
-        except FileMismatch as e:
-            return f"episode {episode['index']} {e}"
-        except OSError as e:
-            return f"episode {episode['index']} cannot be read ({e.strerror or e})"
+        files = [("", episode), *([(" pages file", episode["pages"])] if episode.get("pages") else [])]
+        for what, file in files:
+            path = home / file["path"]
+            if path.parent != ingest_dir:
+                return f"episode {episode['index']}{what} lies outside its ingest dir"
+            try:
+                verify_file(path, file["bytes"], file["sha256"], within=caches_dir)
+            except FileMismatch as e:
+                return f"episode {episode['index']}{what} {e}"
+            except OSError as e:
+                return f"episode {episode['index']}{what} cannot be read ({e.strerror or e})"
     return None
 
 
 def _episode_files(ingest_dir: Path) -> int:
     try:
-        return sum(1 for p in ingest_dir.iterdir() if p.suffix == ".safetensors")
+        return sum(1 for p in ingest_dir.iterdir() if p.suffix == ".safetensors" and ".pages." not in p.name)
     except OSError:
         return 0

@@ -94,10 +94,18 @@ def _migration_2(db: sqlite_utils.Database) -> None:
         db["conversations"].update(row["name"], {"digest": value})
 
 
+def _migration_3(db: sqlite_utils.Database) -> None:
+    """An episode's pages file (`--offload icecache`): its path, size and sha256; NULL when it has none (so
+    existing rows and their digests are unchanged)."""
+    for column, kind in (("pages_path", str), ("pages_bytes", int), ("pages_sha256", str)):
+        db["episodes"].add_column(column, kind)
+
+
 # Append only: (version, fn). Each runs once per database, in order, inside the write lock.
 MIGRATIONS: list[tuple[int, Callable[[sqlite_utils.Database], None]]] = [
     (1, _migration_1),
     (2, _migration_2),
+    (3, _migration_3),
 ]
 
 

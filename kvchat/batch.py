@@ -1,0 +1,640 @@
+"""Batch ingest of many histories on Ray (`kvchat ingest-batch`; the optional extra `kvchat[batch]`).
+
+One kvchat process per history stops scaling when an assistant has many users; Ray spreads the histories
+over workers, on this machine or on a cluster, and kvchat does no scheduling of its own:
+
+- Each worker is a Ray actor (`HistoryWorker`) that loads the model and the encoder once, with its own
+  torch threads (workers x threads never exceed the CPUs Ray has), and then ingests one history after
+  another with the pipeline's own steps: `plan_ingest`, `build_episode`, `encode_episode`.
+- The driver (the process that calls `ingest_batch`) alone touches the store. It reads each history file
+  and sends the worker its turns; the worker sends back each episode as soon as it is built, which the
+  driver writes into a `PendingConversation` (fsync'd files in the store's private temp dir) and commits
+  after the last one (`commit_ingest`): the all-or-nothing guarantee of `kvchat ingest`, unchanged. So a
+  cluster needs no shared file system, the SQLite index is written by one process, and every temp dir in
+  the store names a live pid of the store's own host (kvchat.store.leftovers relies on that).
+- A worker that dies (`ray.kill`, a lost node, the OOM killer) breaks its history's stream: the driver
+  aborts that pending conversation, so the history stays absent and nothing of it is left in the store,
+  and gives the history once more to another worker. A dead worker is not replaced.
+- Ctrl-C, or any exception, unwinds: pending conversations are aborted, workers are killed, and a Ray
+  that `ingest_batch` started is shut down.
+- A history whose conversation is already stored with the same resolved settings (kvchat.settings), the
+  same model and the same number of turns and tokens is skipped; `--prefill auto` accepts either prefill
+  it resolved to (the choice depends on the memory free at the time). Stored with other settings, it
+  fails unless `replace`.
+
+Ray is imported here only, and only when a batch runs: a plain `pip install kvchat` has no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvchat import preflight
+from kvchat.config import BatchConfig, IngestConfig
+from kvchat.encoder import SentenceEncoder
+from kvchat.errors import UserError
+from kvchat.history import Turn, load_history
+from kvchat.ingest import (
+    EncodedEpisode,
+    EpisodeStats,
+    IngestPlan,
+    IngestReport,
+    build_episode,
+    commit_ingest,
+    encode_episode,
+    plan_ingest,
+    prefill_history,
+    validate,
+)
+from kvchat.llm import LoadedModel, ModelIdentity, load_model, use_threads
+from kvchat.settings import to_settings
+from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
+
+INSTALL_HINT = "pip install 'kvchat[batch]'"
+WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again
+# Set in every worker on a cluster: no network (kvchat's guarantee) and no library chatter.
+WORKER_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "TQDM_DISABLE": "1",
+}
+
+
+def import_ray() -> Any:
+    """Ray, or a one-line UserError saying how to install it. Ray's usage statistics, which would be
+    sent over the network, are switched off first."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"batch ingest needs Ray: {INSTALL_HINT}") from None
+    return ray
+
+
+# --------------------------------------------------------------------------- what to ingest
+
+
+@dataclass(frozen=True)
+class HistorySource:
+    """One history of a batch and the conversation it becomes."""
+
+    name: str
+    path: Path
+
+
+def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = ()) -> list[HistorySource]:
+    """The batch's histories: each file named after its stem, then each manifest's pairs. Names are
+    checked and must be unique, before anything runs."""
+    found: list[HistorySource] = []
+    for path in files:
+        try:
+            found.append(HistorySource(validate_name(path.stem), path))
+        except UserError as exc:
+            raise UserError(f"{exc} (from {path}); name it in a --manifest") from None
+    for manifest in manifests:
+        found += read_manifest(manifest)
+    if not found:
+        raise UserError("no histories: give history files or --manifest FILE")
+    paths: dict[str, Path] = {}
+    for source in found:
+        if source.name in paths:
+            raise UserError(f"two histories would be conversation {source.name!r} ({paths[source.name]} and "
+                            f"{source.path}); name them in a --manifest")  # fmt: skip
+        paths[source.name] = source.path
+    return found
+
+
+def read_manifest(path: Path) -> list[HistorySource]:
+    """`NAME PATH` per line (separated by whitespace; the path may contain spaces, and a relative one is
+    relative to the manifest's directory); blank lines and lines starting with `#` are skipped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read manifest {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split(None, 1)
+        if len(parts) != 2:
+            raise UserError(f"{path}:{number}: expected NAME PATH, got {line[:60]!r}")
+        name, file = parts
+        try:
+            validate_name(name)
+        except UserError as exc:
+            raise UserError(f"{path}:{number}: {exc}") from None
+        found.append(HistorySource(name, path.parent / Path(file).expanduser()))
+    return found
+
+
+# --------------------------------------------------------------------------- the worker's side
+
+
+@dataclass(frozen=True)
+class StoredIngest:
+    """What the store holds of a conversation, to tell whether a re-run may skip its history."""
+
+    settings: dict
+    fingerprint: str
+    turns: int | None
+    history_tokens: int | None
+
+
+@dataclass(frozen=True)
+class HistoryJob:
+    """One history as the driver hands it to a worker."""
+
+    name: str
+    source: str  # the history's path, recorded for rebuild commands
+    turns: list[Turn]
+    config: IngestConfig
+    stored: StoredIngest | None
+    replace: bool
+    force: bool
+    max_memory: int | None  # bytes this ingest may use; None: the memory available / workers on the node
+    workers_on_node: int
+
+
+# A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, then Finished.
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The history will be ingested: the driver opens its pending conversation."""
+
+    episodes: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Stored already with the same settings, model and history."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every episode was sent: what the driver needs to commit."""
+
+    plan: IngestPlan
+    stats: list[EpisodeStats]
+    model: ModelIdentity
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the driver once loaded."""
+
+    fingerprint: str
+    node: str  # Ray node id: workers on one node share its memory
+
+
+class HistoryWorker:
+    """The state of one Ray actor: the model and encoder, loaded once, and the history in progress.
+
+    The driver calls `start(job)` and then `advance()` until it returns `Finished` (or `Skipped`); each
+    call returns one step (`Planned`, an `EncodedEpisode`, ...), so an episode reaches the driver as soon
+    as it is built and a worker holds one episode cache at a time, as `kvchat ingest` does.
+    """
+
+    def __init__(self) -> None:
+        self._lm: LoadedModel | None = None
+        self._encoder: SentenceEncoder | None = None
+        self._profiles: tempfile.TemporaryDirectory | None = None
+        self._steps: Iterator[Any] = iter(())
+
+    def load(
+        self, spec: str, models_dir: str, threads: int, trust_remote_code: bool, profiles: dict[str, str]
+    ) -> WorkerInfo:
+        """Load the model and encoder with `threads` torch threads. `profiles` are the driver's own layer
+        profiles (file name -> JSON), so a worker on another machine resolves budgets as the driver would."""
+        import ray
+
+        use_threads(threads)
+        self._lm = load_model(spec, Path(models_dir), trust_remote_code=trust_remote_code)
+        self._encoder = SentenceEncoder()
+        self._profiles = tempfile.TemporaryDirectory(prefix="kvchat-profiles-")
+        for file_name, text in profiles.items():
+            (Path(self._profiles.name) / Path(file_name).name).write_text(text)
+        return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id())
+
+    def start(self, job: HistoryJob) -> Any:
+        """Begin `job` (dropping any unfinished one) and return its first step."""
+        self._steps = self._ingest(job)
+        return self.advance()
+
+    def advance(self) -> Any:
+        step = next(self._steps)
+        if isinstance(step, (Finished, Skipped)):
+            self._steps = iter(())  # release the history's tensors now, not at the next start
+        return step
+
+    def _ingest(self, job: HistoryJob) -> Iterator[Any]:
+        lm, encoder = self._lm, self._encoder
+        if lm is None or encoder is None or self._profiles is None:
+            raise RuntimeError("HistoryWorker.load must run first")
+        available = job.max_memory
+        if available is None:
+            free = preflight.available_bytes()
+            available = None if free is None else free // job.workers_on_node
+        plan = plan_ingest(
+            job.turns, name=job.name, config=job.config, store=None, lm=lm, encoder=encoder, replace=True,
+            source=job.source, force=True, profile_dirs=[Path(self._profiles.name)], max_memory=available,
+        )  # fmt: skip
+        if job.stored is not None:
+            differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
+            if not differences:
+                yield Skipped()
+                return
+            if not job.replace:
+                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use --replace")
+        if not job.force:
+            shape = preflight.ModelShape.of(lm.model)
+            preflight.check_fits(plan.estimated_peak_bytes, resident=shape.weight_bytes, available=available)
+        yield Planned(len(plan.episodes))
+        full = prefill_history(plan, lm) if plan.prefill == "full" else None
+        stats: list[EpisodeStats] = []
+        for episode in plan.episodes:
+            built = build_episode(plan, episode, lm, full=full)
+            stats.append(built.stats())
+            encoded = encode_episode(plan, built, lm)
+            del built  # one episode cache at a time
+            yield encoded
+        yield Finished(plan, stats, lm.identity)
+
+
+def stored_differences(stored: StoredIngest, plan: IngestPlan, fingerprint: str, requested: IngestConfig) -> list[str]:
+    """What differs between a stored conversation and `plan` (empty: the same ingest), in words."""
+    settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source)))  # as the store returns them
+    if requested.cache.prefill == "auto" and stored.settings.get("prefill") in ("block", "full"):
+        settings["prefill"] = stored.settings["prefill"]
+    keys = sorted(k for k in set(settings) | set(stored.settings) if settings.get(k) != stored.settings.get(k))
+    differences = [f"settings ({', '.join(keys)})"] if keys else []
+    if stored.fingerprint != fingerprint:
+        differences.append("model")
+    if (stored.turns, stored.history_tokens) != (plan.turns, plan.history_tokens):
+        differences.append(f"history ({stored.turns} turns stored, {plan.turns} now)")
+    return differences
+
+
+# --------------------------------------------------------------------------- the driver's side
+
+
+@dataclass(frozen=True)
+class HistoryResult:
+    """What became of one history of a batch."""
+
+    name: str
+    path: Path
+    status: str  # committed | skipped | failed
+    attempts: int  # times given to a worker (0: failed before, e.g. an unreadable file)
+    seconds: float
+    error: str | None = None
+    report: IngestReport | None = None
+
+
+@dataclass(frozen=True)
+class BatchReport:
+    """What `ingest_batch` did: every history's result, in the order given."""
+
+    histories: list[HistoryResult]
+    workers: int
+    threads: int
+    seconds: float
+
+    def count(self, status: str) -> int:
+        return sum(h.status == status for h in self.histories)
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(h.report.cache_bytes for h in self.histories if h.report is not None)
+
+    @property
+    def histories_per_hour(self) -> float:
+        return self.count("committed") * 3600 / self.seconds if self.seconds > 0 else 0.0
+
+
+class BatchProgress:
+    """Hooks for a progress display; the default does nothing."""
+
+    def start(self, total: int, workers: int) -> None:
+        """Before the workers load their models."""
+
+    def running(self, name: str, attempt: int, worker: Any) -> None:
+        """`name` was given to `worker` (a Ray actor handle: `ray.kill(worker)` is what a lost node does)."""
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        """`done` of `name`'s `total` episodes are written to the store's temp dir (0: planned)."""
+
+    def retrying(self, name: str, why: str) -> None: ...
+
+    def finished(self, result: HistoryResult) -> None: ...
+
+
+def ingest_batch(
+    sources: Sequence[HistorySource],
+    *,
+    store: Store,
+    config: IngestConfig,
+    batch: BatchConfig = BatchConfig(),
+    replace: bool = False,
+    force: bool = False,
+    max_memory: int | None = None,
+    trust_remote_code: bool = False,
+    progress: BatchProgress | None = None,
+) -> BatchReport:
+    """Ingest `sources` on Ray workers into `store` (see the module docstring). A history that fails is
+    reported in its `HistoryResult` and the others go on; mistakes in the options raise UserError.
+
+    With `batch.address` None a local Ray is started with this machine's usable cores (unless this process
+    already runs one, which is used as it is); otherwise that cluster is joined. `max_memory`: bytes each
+    worker's ingest may use (default: the memory available on its node shared among the workers there)."""
+    validate(config)
+    if batch.threads < 1 or (batch.workers is not None and batch.workers < 1) or batch.attempts < 1:
+        raise UserError("--workers and --threads must be >= 1")
+    if max_memory is not None and max_memory < 1:
+        raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
+    progress = progress or BatchProgress()
+    if not sources:
+        return BatchReport([], 0, batch.threads, 0.0)
+    store.check_writable()
+    ray = import_ray()
+    if batch.address is None and not ray.is_initialized():
+        workers_for(batch, preflight.usable_cores())  # before a local Ray is started for nothing
+    started = time.perf_counter()
+    with _ray_session(ray, batch.address):
+        workers = _Workers(ray, batch, len(sources))
+        try:
+            progress.start(len(sources), workers.count)
+            workers.start(config.model, store, trust_remote_code)
+            driver = _Driver(ray, store, config, batch, workers, progress, replace=replace, force=force,
+                             max_memory=max_memory)  # fmt: skip
+            results = driver.run(sources)
+        finally:
+            workers.stop()
+    return BatchReport(results, workers.count, batch.threads, time.perf_counter() - started)
+
+
+def workers_for(batch: BatchConfig, cpus: int) -> int:
+    """How many workers `batch` asks for on `cpus` CPUs; more threads than CPUs are refused, since every worker
+    would then wait on the others."""
+    wanted = batch.workers or max(1, cpus // batch.threads)
+    if wanted * batch.threads > cpus:
+        raise UserError(f"--workers {wanted} x --threads {batch.threads} needs {wanted * batch.threads} CPUs but "
+                        f"{'Ray has' if batch.address else 'this machine has'} {cpus}: more threads than cores make "
+                        "every worker wait on the others")  # fmt: skip
+    return wanted
+
+
+@contextmanager
+def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
+    """Ray for the batch: the one this process already runs, else a new one it shuts down afterwards."""
+    if ray.is_initialized():
+        yield
+        return
+    options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    try:
+        if address is None:  # "local": a new instance, never a cluster someone else started on this machine
+            ray.init(address="local", num_cpus=preflight.usable_cores(), **options)
+        else:
+            ray.init(address=address, **options)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        where = f"the Ray cluster at {address}" if address else "a local Ray"
+        raise UserError(f"cannot start {where}: {_first_line(exc)}") from None
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+class _Workers:
+    """The batch's Ray actors: created with one CPU per torch thread, loaded once, killed at the end."""
+
+    def __init__(self, ray: Any, batch: BatchConfig, histories: int) -> None:
+        self.ray = ray
+        self.threads = batch.threads
+        self.start_timeout_s = batch.start_timeout_s
+        self.count = max(1, min(workers_for(batch, int(ray.cluster_resources().get("CPU", 0))), histories))
+        # A local Ray's workers inherit this process's environment; a cluster's get WORKER_ENV set (which costs
+        # each worker a fresh process, a few seconds once per batch).
+        env = {} if batch.address is None else {"runtime_env": {"env_vars": WORKER_ENV}}
+        self.actor = ray.remote(HistoryWorker).options(num_cpus=batch.threads, **env)
+        self.handles: list[Any] = []
+        self.shares: dict[Any, int] = {}  # handle -> workers on its node
+
+    def start(self, spec: str, store: Store, trust_remote_code: bool) -> None:
+        """Start the workers and load the model in each; refuse workers that would build different caches."""
+        self.handles = [self.actor.remote() for _ in range(self.count)]
+        profile_dir = store.home / "profiles"
+        profiles = {p.name: p.read_text() for p in sorted(profile_dir.glob("*.json"))} if profile_dir.is_dir() else {}
+        calls = [h.load.remote(spec, str(store.models_dir), self.threads, trust_remote_code, profiles)
+                 for h in self.handles]  # fmt: skip
+        try:
+            infos: list[WorkerInfo] = self.ray.get(calls, timeout=self.start_timeout_s)
+        except self.ray.exceptions.GetTimeoutError:
+            raise UserError(f"the workers did not start within {self.start_timeout_s:.0f} s: Ray could not start "
+                            "their processes (too little memory, or CPUs taken by other jobs?)") from None
+        except self.ray.exceptions.RayTaskError as exc:
+            raise _as_user_error(exc) from None
+        except self.ray.exceptions.RayError as exc:
+            raise UserError(f"a worker died while loading the model ({_first_line(exc)})") from None
+        fingerprints = sorted({info.fingerprint for info in infos})
+        if len(fingerprints) > 1:
+            raise UserError(f"workers loaded different models for --model {spec} ({', '.join(fingerprints)}): "
+                            "install the same kvchat, transformers and model on every node")  # fmt: skip
+        per_node = Counter(info.node for info in infos)
+        self.shares = {h: per_node[info.node] for h, info in zip(self.handles, infos, strict=True)}
+
+    def lost(self, handle: Any) -> None:
+        """A worker that failed a call: make sure it is gone, and give it nothing more."""
+        self._kill(handle)
+        self.handles.remove(handle)
+
+    def stop(self) -> None:
+        for handle in self.handles:
+            self._kill(handle)
+        self.handles = []
+
+    def _kill(self, handle: Any) -> None:
+        try:
+            self.ray.kill(handle)
+        except Exception:  # already gone, or Ray itself is going down: nothing left to stop
+            pass
+
+
+@dataclass
+class _Running:
+    """A history on a worker: the pending conversation its episodes go to, and the call awaited."""
+
+    index: int
+    source: HistorySource
+    attempt: int
+    worker: Any
+    started: float
+    call: Any = None  # the ObjectRef of the step awaited
+    pending: PendingConversation | None = None
+    episodes: int = 0
+    records: list[EpisodeRecord] = field(default_factory=list)
+
+
+class _Driver:
+    """Hands histories to idle workers and turns what they send into store writes, one step at a time."""
+
+    def __init__(self, ray: Any, store: Store, config: IngestConfig, batch: BatchConfig, workers: _Workers,
+                 progress: BatchProgress, *, replace: bool, force: bool, max_memory: int | None) -> None:
+        self.ray, self.store, self.config, self.batch, self.workers = ray, store, config, batch, workers
+        self.progress = progress
+        self.replace, self.force, self.max_memory = replace, force, max_memory
+        self.idle = list(workers.handles)
+        self.waiting: dict[Any, _Running] = {}  # ObjectRef -> its history
+        self.results: dict[int, HistoryResult] = {}
+
+    def run(self, sources: Sequence[HistorySource]) -> list[HistoryResult]:
+        queue: deque[tuple[int, HistorySource, int]] = deque((i, s, 1) for i, s in enumerate(sources))
+        try:
+            while queue or self.waiting:
+                while queue and self.idle:
+                    self._dispatch(*queue.popleft())
+                if queue and not self.workers.handles:
+                    while queue:
+                        index, source, attempt = queue.popleft()
+                        self._finish(index, source, "failed", attempt - 1, time.perf_counter(),
+                                     error="no worker left: every worker died")  # fmt: skip
+                if not self.waiting:
+                    continue
+                ready, _ = self.ray.wait(list(self.waiting), num_returns=1, timeout=WAIT_S)
+                for call in ready:
+                    running = self.waiting.pop(call)
+                    try:
+                        retry = self._receive(running, call)
+                    except BaseException:  # Ctrl-C or a bug mid-write: no temp dir outlives the batch
+                        self._abort(running)
+                        raise
+                    if retry is not None:
+                        queue.appendleft(retry)
+        finally:
+            for running in self.waiting.values():
+                if running.pending is not None:
+                    running.pending.abort()
+        return [self.results[i] for i in sorted(self.results)]
+
+    def _dispatch(self, index: int, source: HistorySource, attempt: int) -> None:
+        started = time.perf_counter()
+        try:
+            turns = load_history(source.path)
+        except UserError as exc:
+            self._finish(index, source, "failed", 0, started, error=str(exc))
+            return
+        worker = self.idle.pop(0)
+        job = HistoryJob(
+            source.name, str(source.path.resolve()), turns, self.config, self._stored(source.name), self.replace,
+            self.force, self.max_memory, self.workers.shares.get(worker, 1),
+        )  # fmt: skip
+        running = _Running(index, source, attempt, worker, started)
+        self._await(running, worker.start.remote(job))
+        self.progress.running(source.name, attempt, worker)
+
+    def _stored(self, name: str) -> StoredIngest | None:
+        try:
+            record = self.store.get(name)
+        except DamagedDatabase:  # the whole batch's problem: stop (`kvchat doctor` says what to do)
+            raise
+        except UserError:  # not stored
+            return None
+        return StoredIngest(record.settings, record.fingerprint, record.stats.get("turns"),
+                            record.stats.get("history_tokens"))  # fmt: skip
+
+    def _await(self, running: _Running, call: Any) -> None:
+        running.call = call
+        self.waiting[call] = running
+
+    def _receive(self, running: _Running, call: Any) -> tuple[int, HistorySource, int] | None:
+        """Handle one step of `running`; returns the history to queue again when its worker died."""
+        errors = self.ray.exceptions
+        try:
+            step = self.ray.get(call)
+        except errors.RayTaskError as exc:  # the ingest raised: the history's own failure
+            self._fail(running, str(_as_user_error(exc)))
+            return None
+        except errors.RayError as exc:  # the worker died, or its node, or what it sent was lost
+            self._abort(running)
+            self.workers.lost(running.worker)
+            why = f"its worker died ({_first_line(exc)})"
+            if running.attempt < self.batch.attempts and self.workers.handles:
+                self.progress.retrying(running.source.name, why)
+                return running.index, running.source, running.attempt + 1
+            self._finish(running.index, running.source, "failed", running.attempt, running.started,
+                         error=why if running.attempt == 1 else f"{why}, on each of {running.attempt} tries")
+            return None
+        try:
+            self._step(running, step)
+        except UserError as exc:  # the store refused: a name taken meanwhile, a full disk
+            self._fail(running, str(exc))
+        return None
+
+    def _step(self, running: _Running, step: Any) -> None:
+        name = running.source.name
+        if isinstance(step, Skipped):
+            self._finish(running.index, running.source, "skipped", running.attempt, running.started, error=None)
+            self.idle.append(running.worker)
+        elif isinstance(step, Planned):
+            running.pending = self.store.begin(name, replace=self.replace)
+            running.episodes = step.episodes
+            self._await(running, running.worker.advance.remote())
+            self.progress.episode(name, 0, step.episodes)
+        elif isinstance(step, EncodedEpisode):
+            self._await(running, running.worker.advance.remote())  # the worker builds the next one meanwhile
+            assert running.pending is not None
+            running.records.append(step.write(running.pending))
+            self.progress.episode(name, len(running.records), running.episodes)
+        elif isinstance(step, Finished):
+            assert running.pending is not None
+            report = commit_ingest(running.pending, step.plan, step.stats, running.records, step.model,
+                                   time.perf_counter() - running.started)  # fmt: skip
+            self._finish(running.index, running.source, "committed", running.attempt, running.started,
+                         report=report)  # fmt: skip
+            self.idle.append(running.worker)
+        else:
+            raise TypeError(f"unexpected step from a worker: {step!r}")
+
+    def _fail(self, running: _Running, error: str) -> None:
+        """`running` failed but its worker lives: drop what it may still send, and give it the next one."""
+        self._abort(running)
+        self.waiting.pop(running.call, None)
+        self._finish(running.index, running.source, "failed", running.attempt, running.started, error=error)
+        self.idle.append(running.worker)
+
+    @staticmethod
+    def _abort(running: _Running) -> None:
+        if running.pending is not None:
+            running.pending.abort()
+
+    def _finish(self, index: int, source: HistorySource, status: str, attempts: int, started: float, *,
+                error: str | None = None, report: IngestReport | None = None) -> None:
+        result = HistoryResult(source.name, source.path, status, attempts, time.perf_counter() - started, error,
+                               report)  # fmt: skip
+        self.results[index] = result
+        self.progress.finished(result)
+
+
+def _as_user_error(exc: BaseException) -> UserError:
+    """A worker's exception as one line: its own message for a user mistake, else named as internal."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, UserError):
+        return UserError(str(cause))
+    return UserError(f"internal error: {type(cause).__name__}: {_first_line(cause)}")
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -1,0 +1,180 @@
+"""Which offloaded pages each KV head loads for the current queries (IceCache §4.2, App. B.2).
+
+Per KV head, the queries of its GQA group (every query head of the group, every query token) score
+the head's pages; the best pages are loaded until R entries. Different heads load different pages.
+Page scorers (the issue's table compares the first two):
+
+- `centroid`: a page's estimated share of the attention, from its mean key: per query row,
+  softmax over pages of `scale * q.centroid + log(entries)`. One `[rows, P]` matmul on the centroids
+  held in memory; no key is read until the chosen pages are.
+- `top-keys`: the exact attention of every offloaded key (softmax over the head's entries per row),
+  a page scoring as its best key, so pages are taken in the order of their top keys (IceCache's
+  "top-k keys, then their pages" with an exact search). Reads every offloaded key of the head.
+- `two-stage`: centroids pick candidate pages holding `candidates x R` entries, whose keys are then
+  scored as `top-keys` does. Reads only the candidates' keys: an exact re-ranking of a coarse search,
+  the role IceCache's tree search plays.
+
+All three are softmax weights per query row, so rows with different query norms are comparable and the
+max over rows and the group's heads is EpiCache eq. 3's aggregation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.layers import PagedLayer
+from kvchat.kv.pages import HeadPages
+
+# (queries [rows, D], one head's pages, softmax scale, entries to retrieve R) -> one score per page [P];
+# higher = load first.
+PageScorer = Callable[[torch.Tensor, HeadPages, float, int], torch.Tensor]
+
+
+def centroid_scores(queries: torch.Tensor, pages: HeadPages, scale: float, budget: int = 0) -> torch.Tensor:
+    """Max over query rows of each page's estimated attention share (mean-key logit, page size)."""
+    logits = queries.float() @ pages.centroids.float().T * scale + pages.lengths.float().log()
+    return logits.softmax(dim=-1).amax(dim=0)
+
+
+def top_key_scores(queries: torch.Tensor, pages: HeadPages, scale: float, budget: int = 0) -> torch.Tensor:
+    """Max over query rows and the page's entries of the exact attention weight over the head's entries."""
+    return _best_key_scores(queries, pages, torch.arange(pages.num_pages), scale)
+
+
+@dataclass(frozen=True)
+class TwoStageScorer:
+    """Centroid scores choose candidate pages of up to `candidates x R` entries; those score by their keys
+    (as `top_key_scores`, the softmax over the candidates' entries), the other pages below them all."""
+
+    candidates: int = 4
+
+    def __call__(self, queries: torch.Tensor, pages: HeadPages, scale: float, budget: int) -> torch.Tensor:
+        coarse = centroid_scores(queries, pages, scale)
+        return _best_key_scores(queries, pages, select_pages(coarse, pages.lengths, self.candidates * budget), scale)
+
+
+def _best_key_scores(queries: torch.Tensor, pages: HeadPages, chosen: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pages `chosen` score as their best key (max over query rows of the softmax over the chosen pages'
+    entries); the others score -1."""
+    keys = pages.keys.index_select(0, pages.rows(chosen))
+    weights = (queries.float() @ keys.float().T * scale).softmax(dim=-1).amax(dim=0)
+    page = torch.repeat_interleave(chosen, pages.lengths[chosen].to(torch.long))
+    return torch.full((pages.num_pages,), -1.0).scatter_reduce(0, page, weights, "amax")
+
+
+PAGE_SCORERS: dict[str, PageScorer] = {
+    "centroid": centroid_scores, "top-keys": top_key_scores, "two-stage": TwoStageScorer(),
+}
+
+
+def select_pages(scores: torch.Tensor, lengths: torch.Tensor, budget: int) -> torch.Tensor:
+    """Page ids, best first, of the longest run of best pages that holds at most `budget` entries
+    (ties: the lower page id first)."""
+    order = torch.sort(scores, descending=True, stable=True).indices
+    return order[torch.cumsum(lengths[order], 0) <= budget]
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """The entries one KV head loaded: keys/values `[r, D]`, original positions `[r]`, and the pages."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    pages: torch.Tensor
+
+
+def retrieve(
+    query: torch.Tensor,
+    layer: Sequence[HeadPages],
+    budget: int,
+    scorer: PageScorer = centroid_scores,
+    scale: float | None = None,
+    pinned: Sequence[torch.Tensor] | None = None,
+) -> list[Retrieved]:
+    """For one layer: per KV head, the best pages for `query` `[1, q_heads, q, D]` (post-RoPE, as the
+    attention sees it) up to `budget` entries; `pinned[h]` (page ids, at most `budget` entries) are taken
+    first whatever they score. Query heads are grouped as GQA groups them: KV head h serves query heads
+    `h*group .. (h+1)*group-1`."""
+    _, q_heads, _, dim = query.shape
+    if q_heads % len(layer):
+        raise ValueError(f"{q_heads} query heads do not group over {len(layer)} KV heads")
+    group = q_heads // len(layer)
+    scale = scale if scale is not None else dim**-0.5
+    out = []
+    for h, pages in enumerate(layer):
+        if pages.num_pages == 0 or budget <= 0:
+            chosen = torch.zeros(0, dtype=torch.long)
+        else:
+            rows = query[0, h * group : (h + 1) * group].reshape(-1, dim)
+            scores = scorer(rows, pages, scale, budget)
+            if pinned is not None:
+                scores = scores.index_fill(0, pinned[h], float("inf"))
+            chosen = select_pages(scores, pages.lengths, budget)
+        out.append(Retrieved(*pages.gather(chosen), chosen))
+    return out
+
+
+@dataclass
+class PagePool:
+    """The offloaded entries one layer attends to while a question is answered.
+
+    The question's forward (the first after `clear`) chooses each head's best pages up to `budget`
+    entries; the best of them, up to `pinned_share x budget` entries, stay for the whole answer. Every
+    `refresh` decoded tokens the current token's queries choose the rest again (0: never). `clear`
+    (rollback after the answer) empties the pool.
+    """
+
+    layer: Sequence[HeadPages]
+    budget: int
+    scorer: PageScorer = centroid_scores
+    refresh: int = 8
+    pinned_share: float = 0.5
+    _current: list[Retrieved] | None = field(default=None, init=False, repr=False)
+    _pinned: list[torch.Tensor] | None = field(default=None, init=False, repr=False)
+    _steps: int = field(default=0, init=False, repr=False)
+
+    def retrieved(self, query: torch.Tensor, scale: float | None = None) -> list[Retrieved]:
+        """Each head's entries for this forward's `query` `[1, q_heads, q, D]`."""
+        if self._current is None:
+            self._current = retrieve(query, self.layer, self.budget, self.scorer, scale)
+            keep = int(self.pinned_share * self.budget)
+            self._pinned = [
+                got.pages[torch.cumsum(pages.lengths[got.pages], 0) <= keep]
+                for got, pages in zip(self._current, self.layer, strict=True)
+            ]
+            self._steps = 0
+        else:
+            self._steps += 1
+            if self.refresh and self._steps % self.refresh == 0:
+                self._current = retrieve(query, self.layer, self.budget, self.scorer, scale, self._pinned)
+        return self._current
+
+    def clear(self) -> None:
+        self._current, self._pinned, self._steps = None, None, 0
+
+
+def attach_pages(
+    cache: EpisodeCache,
+    pages: Sequence[Sequence[HeadPages]],
+    *,
+    budget: int,
+    scorer: PageScorer = centroid_scores,
+    refresh: int = 8,
+    pinned_share: float = 0.5,
+) -> None:
+    """Make `cache` answer with its offloaded `pages` (per layer, per KV head, e.g. kvchat.kv.pagefile's
+    `decode`): every layer with pages becomes a `PagedLayer` over its own `PagePool`."""
+    if len(pages) != len(cache.layers):
+        raise ValueError(f"pages for {len(pages)} layers, the cache has {len(cache.layers)}")
+    for i, layer_pages in enumerate(pages):
+        if len(layer_pages) != len(cache.layers[i].lengths):
+            heads = len(cache.layers[i].lengths)
+            raise ValueError(f"layer {i}: pages for {len(layer_pages)} KV heads, the cache has {heads}")
+        if any(head.num_pages for head in layer_pages):
+            pool = PagePool(layer_pages, budget, scorer, refresh, pinned_share)
+            cache.layers[i] = PagedLayer.over(cache.layers[i], pool)
