@@ -126,7 +126,6 @@ def select_from(
         [heads.select(s, b, cache.protected, layer.lengths) for s, b, layer in zip(scores, budgets, cache.layers,
                                                                                     strict=True)]
     )
-    cache.peak_layer_entries, cache.peak_total_entries = full.peak_layer_entries, full.peak_total_entries
     if compact:
         cache.compact(model.model.rotary_emb)
     return cache
