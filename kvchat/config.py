@@ -191,11 +191,19 @@ class TrainConfig:
     seed: int = 0
     memory_queries: int = 64       # memory stage: the chunk's last tokens read the memory of the rest
     memory_budgets: tuple[int, ...] = (64, 128, 256)  # simulated block-prefill budgets, cycled over chunks
-    memory_block: int = 128        # simulated block size
-    memory_window: int = 16        # simulated recent window (CacheConfig.recent_window)
+    memory_block: int = 128        # simulated block size (chunks are shorter than ingest's blocks of 512)
+    # The simulated eviction is ingest's (kvchat.kv.indexer.IndexerScorer.for_cache) with ingest's settings:
+    memory_window: int = CacheConfig.recent_window              # each block's last entries always kept
+    memory_attention_mix: float = CacheConfig.attention_mix     # share of the block's last queries' attention
+    memory_pool_kernel: int = CacheConfig.indexer_pool_kernel   # max-pool of the blended scores; 1 = off
     memory_min_gain: float = 0.0   # a layer whose memory removes less of the held-out residual is shut (g = 0)
     top_fraction: float = 0.25     # held-out metric: overlap of the indexer's and the teacher's top 25%
     checkpoint_every: int = 25     # steps between resumable checkpoints
+
+    def simulated_cache(self) -> CacheConfig:
+        """The indexmem settings the memory stage's simulated block prefill evicts with."""
+        return CacheConfig(method="indexmem", block_size=self.memory_block, recent_window=self.memory_window,
+                           attention_mix=self.memory_attention_mix, indexer_pool_kernel=self.memory_pool_kernel)
 
 
 TRAIN_STAGES = ("indexer", "memory", "both")

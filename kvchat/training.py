@@ -12,8 +12,11 @@ X; everything else is recomputed from X with the model's own projections:
   group of query heads of the attention logits `q . k / sqrt(d_head)` (causal); the loss is
   `KL(softmax(teacher) || softmax(indexer))` over every key but the system prompt's (the sinks, which
   ingest never evicts), per layer and KV head (kvchat.kv.indexer);
-- memory (stage 2, the indexer frozen): the chunk's context is evicted by simulated block prefill with the
-  trained indexer at several budgets; the chunk's last `memory_queries` tokens are the readers. Target:
+- memory (stage 2, the indexer frozen): the chunk's context is evicted by simulated block prefill at several
+  budgets, scored by ingest's own `--method indexmem` scorer (`IndexerScorer.for_cache`: the indexer blended
+  with the block's last queries' attention, the recent window) and evicted by ingest's `select_top`, so the
+  memory learns the residual of the evictions it makes up for; the chunk's last `memory_queries` tokens are
+  the readers. Target:
   the residual `o_full - o_kept` of their attention outputs (eq. 8); the memory is written with the
   evicted entries and trained by MSE relative to the residual's own size (kvchat.kv.latent).
 Layers are trained side by side and independently (teacher forcing: each layer's inputs come from the full
@@ -46,8 +49,11 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvchat.config import SYSTEM_PROMPT, TRAIN_STAGES, IndexMemConfig, TrainConfig
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
-from kvchat.kv.indexer import Indexer, IndexMemShape, LayerIndexer, distill_loss, top_overlap
+from kvchat.kv.attention import LayerView, grouped_attention_weights
+from kvchat.kv.indexer import Indexer, IndexerScorer, IndexMemShape, distill_loss, top_overlap
 from kvchat.kv.latent import CLOSED_GATE, MemoryWeights, gate_closed, read, write_terms
+from kvchat.kv.methods import SNAPKV_WINDOW
+from kvchat.kv.scoring import select_top
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
 from kvchat.llm import ChatLayout, LoadedModel, weights_fingerprint
 from kvchat.profile import calibration_text
@@ -55,7 +61,6 @@ from kvchat.synthetic import planted_conversation
 
 DEFAULT_SOURCES = ("chitchat", "synthetic", "calibration")
 SHARES = {"chitchat": 0.6, "synthetic": 0.25, "calibration": 0.15}  # of the chunks, when all are there
-SNAPKV_WINDOW = 64
 _NAMES = ("Alex", "Sam", "Jordan", "Riley", "Casey", "Morgan", "Jamie", "Taylor")
 
 
@@ -294,6 +299,8 @@ def train(
     if stages == ["memory"]:
         previous = _previous(out, weights)
     train_chunks, held_chunks, sources = make_chunks(lm, config, files, notes)
+    if "memory" in stages:
+        _check_memory_budgets(config, train_chunks[0].sink)
     digest = data_hash(train_chunks + held_chunks)
     everything = train_chunks + held_chunks
     data = []
@@ -344,6 +351,14 @@ def train(
         params["memory"] = sum(p.numel() for p in memory.parameters())
     return TrainReport(str(out), stages, steps, resumed, round(time.perf_counter() - started, 1), metrics, params,
                        out.stat().st_size, digest, notes)
+
+
+def _check_memory_budgets(config: TrainConfig, sink: int) -> None:
+    """Every simulated budget must leave room beside the system prompt, which eviction never drops."""
+    small = [b for b in config.memory_budgets if b <= sink]
+    if small:
+        raise UserError(f"memory budgets {', '.join(map(str, small))} must exceed the system prompt's {sink} tokens, "
+                        "which every layer keeps; raise them")
 
 
 def _previous(out: Path, weights: str) -> TrainedIndexMem:
@@ -448,17 +463,19 @@ class MemoryTargets:
 @torch.no_grad()
 def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: int, config: TrainConfig,
                    indexmem: IndexMemConfig) -> MemoryTargets:
-    """Evict the chunk's context (all but its last `memory_queries` tokens) by simulated block prefill with the
-    indexer at `budget`, and derive what the memory must make up for the readers (the last tokens)."""
+    """Evict the chunk's context (all but its last `memory_queries` tokens) by simulated block prefill with
+    ingest's indexmem scorer at `budget`, and derive what the memory must make up for the readers (the last
+    tokens)."""
     model = lm.model
     n = item.teacher.shape[-1]
     readers = min(config.memory_queries, n // 4)
     context = n - readers
+    scorer = IndexerScorer.for_cache(indexer, model, config.simulated_cache())
     out = MemoryTargets([], [], [], [], [])
-    for layer, ind, x16 in zip(model.model.layers, indexer.layers, item.hidden, strict=True):
+    for index, (layer, x16) in enumerate(zip(model.model.layers, item.hidden, strict=True)):
         attn, x = layer.self_attn, x16.float()
-        kept = simulate_eviction(ind, ind.query_map(attn.q_proj), x[:context], item.chunk.sink, budget,
-                                 config.memory_block, config.memory_window)           # [kv, context] bool
+        kept = simulate_eviction(scorer, model, index, x[:context], item.chunk.sink, budget,
+                                 config.memory_block)                                   # [kv, context] bool
         q_rot, k_rot, v = _rotated(model, attn, x, slice(context, n))
         kv, d = k_rot.shape[0], k_rot.shape[-1]
         logits = (q_rot.unflatten(0, (kv, -1)) @ k_rot[:, None].transpose(-1, -2)) * attn.scaling
@@ -477,32 +494,37 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
     return out
 
 
-def simulate_eviction(ind: LayerIndexer, query_map, x: torch.Tensor, sink: int, budget: int, block: int,
-                      window: int = 0) -> torch.Tensor:
-    """Which of `x`'s tokens block prefill with this layer's indexer keeps per KV head at `budget` (the first
-    `sink` and each block's last `window` always), as ingest would: each block's queries score the kept
-    entries and the block."""
+def simulate_eviction(scorer: IndexerScorer, model, layer_idx: int, x: torch.Tensor, sink: int, budget: int,
+                      block: int) -> torch.Tensor:
+    """Which of `x`'s tokens (layer `layer_idx`'s attention inputs, positions 0..n-1) block prefill keeps per KV
+    head at `budget` (uniform layer and head budgets), as ingest's loop does it (kvchat.kv.prefill, cascade's
+    `BlockWindow`): the first `sink` tokens come first and are never evicted; then, block by block, ingest's
+    own `scorer` reads the block's hidden states and its last queries' attention over the kept entries and
+    the block (`LayerView`, computed as kvchat's attention computes it), `select_top` evicts, and the scorer
+    is told what stayed. Returns a `[kv_heads, n]` mask. `scorer` is fresh per chunk (it holds every layer's
+    indexer keys). Above layer 0 `x` is the full pass's (teacher forcing), so the inputs differ from an
+    ingest's, whose earlier layers attended to evicted caches."""
     n = x.shape[0]
-    keys, queries, alpha = ind.keys(x), ind.queries(x, query_map), ind.weights(x)
-    heads = queries.shape[0]
-    kept = [torch.arange(min(sink, n)) for _ in range(heads)]
+    attn = model.model.layers[layer_idx].self_attn
+    queries, keys, _ = _rotated(model, attn, x)                    # [q_heads, n, d], [kv, n, d]
+    heads, d = keys.shape[0], keys.shape[-1]
+    kept = torch.arange(min(sink, n)).expand(heads, -1)             # [kv, c]: what each head holds
     for start in range(min(sink, n), n, block):
         new = torch.arange(start, min(start + block, n))
-        for h in range(heads):
-            candidates = torch.cat([kept[h], new])
-            scores = LayerIndexer.scores(queries[h : h + 1, new], alpha[new], keys[candidates])[0]   # [b, c]
-            visible = candidates[None, :] <= new[:, None]
-            importance = scores.masked_fill(~visible, float("-inf")).amax(0)
-            if candidates.shape[0] > budget:
-                importance[: min(sink, n)] = float("inf")
-                importance[importance.shape[0] - min(window, new.shape[0]):] = float("inf")
-                top = torch.sort(importance, descending=True, stable=True).indices[:budget]
-                candidates = candidates[top.sort().values]
-            kept[h] = candidates
-    mask = torch.zeros(heads, n, dtype=torch.bool)
-    for h in range(heads):
-        mask[h, kept[h]] = True
-    return mask
+        entries = torch.cat([kept, new.expand(heads, -1)], dim=1)
+        past, rows = kept.shape[1], min(scorer.query_rows, new.shape[0])
+        last = new[-rows:]                                           # the block's last queries: their attention
+        visible = torch.arange(entries.shape[1])[None, :] <= (past + last - start)[:, None]
+        weights = grouped_attention_weights(queries[None, :, last],
+                                            keys.gather(1, entries[..., None].expand(-1, -1, d))[None],
+                                            attn.scaling, visible)
+        view = LayerView(layer_idx, weights, past, queries[None, :, last], x[new][None])
+        index = select_top(scorer.layer_scores(view), budget, sink)
+        if index is not None:
+            scorer.kept(layer_idx, index)
+            entries = entries.gather(1, index)
+        kept = entries
+    return torch.zeros(heads, n, dtype=torch.bool).scatter_(1, kept, True)
 
 
 def memory_prediction(memory: MemoryWeights, layer: int, t: MemoryTargets, indexmem: IndexMemConfig) -> torch.Tensor:

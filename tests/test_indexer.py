@@ -23,7 +23,7 @@ from kvchat.synthetic import planted_conversation
 from kvchat.training import train
 
 SMALL = TrainConfig(steps=3, chunk_tokens=96, train_chunks=4, held_out_chunks=2, checkpoint_every=2, warmup=1,
-                    memory_queries=16, memory_budgets=(24, 40), memory_block=24,
+                    memory_queries=16, memory_budgets=(40, 56), memory_block=24,
                     memory_min_gain=float("-inf"))  # 3 steps help no layer: keep them all open for these tests
 
 
@@ -53,7 +53,7 @@ def test_three_steps_write_a_loadable_file_with_provenance(tiny_lm, history, tmp
     assert trained.memory is not None and report.stages == ["indexer", "memory"]
     assert trained.data_hash == report.data_hash and trained.recipe["train"]["steps"] == 3
     assert 0 <= trained.metrics["indexer"]["top_overlap"] <= 1
-    assert set(trained.metrics["memory"]["residual_removed"]) == {"24", "40"}
+    assert set(trained.metrics["memory"]["residual_removed"]) == {"40", "56"}
     assert all(t.dtype == torch.float16 for t in trained.tensors().values())
     assert not out.with_name(out.name + ".ckpt").exists()  # a finished run leaves no checkpoint
 
@@ -110,6 +110,45 @@ def test_a_resumed_run_equals_an_uninterrupted_one(tiny_lm, history, tmp_path):
     assert report.resumed_from == {"indexer": 2}
     a, b = TrainedIndexMem.load(straight).tensors(), TrainedIndexMem.load(resumed).tensors()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_memory_stage_evicts_what_ingest_evicts(trained_home, tiny_lm, history):
+    """The memory is trained on the residual of the evictions it makes up for: on the same input, layer 0 of the
+    memory stage's simulated block prefill keeps exactly what `block_prefill` with `--method indexmem`'s scorer
+    keeps (the indexer blended with the block's last queries' attention, the recent window), at small budgets
+    too, and not what the indexer alone would keep."""
+    from kvchat.kv.indexer import IndexerScorer
+    from kvchat.kv.prefill import block_prefill
+    from kvchat.training import capture, make_chunks, simulate_eviction
+
+    trained = TrainedIndexMem.load(next((trained_home / "profiles").glob("*.indexmem.safetensors")))
+    config = dataclasses.replace(SMALL, chunk_tokens=160, memory_block=32)
+    chunk = make_chunks(tiny_lm, config, [history])[0][0]
+    x0 = capture(tiny_lm, chunk).hidden[0].float()
+    model, sink, differs = tiny_lm.model, chunk.sink, []
+    for budget in (40, 56, 80):
+        ingest = block_prefill(model, chunk.ids[None, :sink], chunk.ids[None, sink:], block_size=config.memory_block,
+                               budgets=[budget] * tiny_lm.num_layers,
+                               scorer=IndexerScorer.for_cache(trained.indexer, model, config.simulated_cache()))
+        kept = ingest.cache.layers[0].positions
+        scorer = IndexerScorer.for_cache(trained.indexer, model, config.simulated_cache())
+        simulated = simulate_eviction(scorer, model, 0, x0, sink, budget, config.memory_block)
+        assert kept.shape == (tiny_lm.model.config.num_key_value_heads, budget)
+        assert [simulated[h].nonzero()[:, 0].tolist() for h in range(kept.shape[0])] == kept.tolist()
+        alone = dataclasses.replace(config, memory_attention_mix=0.0).simulated_cache()
+        differs.append(not torch.equal(simulated, simulate_eviction(
+            IndexerScorer.for_cache(trained.indexer, model, alone), model, 0, x0, sink, budget, config.memory_block)))
+    assert differs[0] is False and differs[-1] is True  # at 40 only the sink and the window fit
+
+
+def test_memory_budgets_within_the_system_prompt_are_refused_in_one_line(tiny_lm, history, tmp_path):
+    from kvchat.training import make_chunks
+
+    sink = make_chunks(tiny_lm, SMALL, [history])[0][0].sink
+    with pytest.raises(UserError, match=f"memory budgets {sink} must exceed the system prompt's {sink} tokens") as e:
+        train(tiny_lm, tmp_path / "w.indexmem.safetensors", dataclasses.replace(SMALL, memory_budgets=(sink, 48)),
+              files=[history])
+    assert "\n" not in str(e.value) and not (tmp_path / "w.indexmem.safetensors").exists()
 
 
 def test_importance_is_causal_and_overlap_counts_shared_top_keys():

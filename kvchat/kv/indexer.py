@@ -48,8 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.config import IndexMemConfig
+from kvchat.config import CacheConfig, IndexMemConfig
 from kvchat.kv.attention import LayerView
+from kvchat.kv.methods import SNAPKV_WINDOW
 from kvchat.kv.scoring import BlockScorer, pool_scores
 
 
@@ -204,6 +205,14 @@ class IndexerScorer(BlockScorer):
             self.query_maps = [ind.query_map(layer.self_attn.q_proj) for layer, ind in
                                zip(model.model.layers, indexer.layers, strict=True)]
         self.keys: list[list[torch.Tensor] | None] = [None] * self.shape.layers  # per layer, per KV head
+
+    @classmethod
+    def for_cache(cls, indexer: Indexer, model: nn.Module, cache: CacheConfig) -> IndexerScorer:
+        """The scorer `--method indexmem` evicts with under `cache`'s settings (recent window, attention mix
+        over SnapKV's last-64-query window, pooling). Ingest and the memory stage's simulated eviction
+        (kvchat.training) both build it here, so the memory is trained on the evictions it makes up for."""
+        return cls(indexer, model, cache.indexer_pool_kernel, cache.recent_window,
+                   attention_mix=cache.attention_mix, attention_window=SNAPKV_WINDOW)
 
     @property
     def query_rows(self) -> int:

@@ -116,9 +116,7 @@ def _indexmem(inputs: ScorerInputs) -> Scorer:
 
     if inputs.trained is None or inputs.model is None:
         raise ValueError("indexmem scores with trained weights and the model they were trained on")
-    cache = inputs.cache
-    return IndexerScorer(inputs.trained.indexer, inputs.model, cache.indexer_pool_kernel, cache.recent_window,
-                         attention_mix=cache.attention_mix, attention_window=SNAPKV_WINDOW)
+    return IndexerScorer.for_cache(inputs.trained.indexer, inputs.model, inputs.cache)
 
 
 REGISTRY: dict[str, Method] = {
