@@ -808,6 +808,9 @@ def train_indexer_command(
     chunks: Annotated[int, typer.Option(help="Training chunks.")] = TrainConfig.train_chunks,
     chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk.")] = TrainConfig.chunk_tokens,
     seed: Annotated[int, typer.Option(help="Data order, initial weights and held-out split.")] = TrainConfig.seed,
+    memory_budgets: Annotated[str, typer.Option(
+        help="Memory stage: the budgets its simulated block prefill evicts to, cycled over the chunks; each must "
+        "exceed the system prompt's tokens.")] = ",".join(map(str, TrainConfig.memory_budgets)),
     out_file: Annotated[Path | None, typer.Option(
         "--out", help="Weights file (default: in $KVCHAT_HOME/profiles/, used by ingest before the shipped ones).",
     )] = None,
@@ -827,7 +830,12 @@ def train_indexer_command(
             raise UserError(f"{path}: no such file")
     store = _store()
     lm = _model(model, store, trust_remote_code, threads, DeviceConfig(device, dtype))
-    config = TrainConfig(stage=stage, steps=steps, train_chunks=chunks, chunk_tokens=chunk_tokens, seed=seed)
+    try:
+        budgets = tuple(int(b) for b in memory_budgets.split(","))
+    except ValueError:
+        raise UserError(f"--memory-budgets takes integers separated by commas (got {memory_budgets!r})") from None
+    config = TrainConfig(stage=stage, steps=steps, train_chunks=chunks, chunk_tokens=chunk_tokens, seed=seed,
+                         memory_budgets=budgets)
     target = out_file or default_out(store.home, lm)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),

@@ -358,7 +358,7 @@ def _check_memory_budgets(config: TrainConfig, sink: int) -> None:
     small = [b for b in config.memory_budgets if b <= sink]
     if small:
         raise UserError(f"memory budgets {', '.join(map(str, small))} must exceed the system prompt's {sink} tokens, "
-                        "which every layer keeps; raise them")
+                        "which every layer keeps; raise them (--memory-budgets)")
 
 
 def _previous(out: Path, weights: str) -> TrainedIndexMem:

@@ -311,6 +311,9 @@ def test_train_indexer_command_writes_where_ingest_looks_and_refuses_a_model_it_
     assert document["stages"] == ["indexer", "memory"] and document["timings_ms"]["total"] > 0
     missing = run_main(tmp_path, "train-indexer", "--model", str(tmp_path / "nowhere"), *args)
     assert missing.returncode == 2 and "model not found" in missing.stderr
+    small = run_main(tmp_path, "train-indexer", "--model", str(tiny_model_dir), *args, "--memory-budgets", "20,48")
+    assert small.returncode == 2 and "memory budgets 20 must exceed the system prompt's" in small.stderr
+    assert len(small.stderr.strip().splitlines()) == 1
 
 
 def test_an_indexmem_conversation_is_not_appended_to_but_reingested(trained_home, tiny_lm, encoder, history):
