@@ -1,7 +1,7 @@
 """Does `torch.compile` pay off for answering on the CPU? Compile time against the answers a session asks.
 
     HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 python benchmarks/compile_speed.py [--variants eager,mlp,...]
-        [--tokens 48] [--questions 10] [--threads 1] [--rows PATH.jsonl] [--out PATH.md]
+        [--tokens 48] [--questions 10] [--threads 1] [--rows PATH.jsonl] [--out PATH.md] [--render]
 
 The setup of `decode_speed.py` (whose helpers it imports): LoCoMo conv-26 cut to 4096 history tokens, the
 episode cache `--prefill full` selects from it (budget 512 per layer and KV head, patched prompt), the
@@ -28,8 +28,9 @@ graphs from `torch._dynamo.utils.counters`. The first answer token's logits are 
 eager variant with the same weights (max |difference|). A variant that fails (an exception, a crash, past
 `--child-timeout`) is a row saying how.
 
-Rows append to `--rows` (JSON lines, so variants can be measured in separate runs); the markdown table of
-every row there goes to stdout and `--out`. Progress goes to stderr.
+Rows go to `--rows` (JSON lines: a variant measured again replaces its row, so variants can be measured in
+separate runs; `--render` only rewrites the table); the markdown table of every row there goes to stdout and
+`--out`. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -244,6 +245,9 @@ def compare(rows: list[dict]) -> None:
         ours, theirs = torch.load(row["logits_file"]), torch.load(reference["logits_file"])
         row["max_logit_diff"] = float((ours - theirs).abs().max())
         row["same_answer"] = row["answer"] == reference["answer"]
+        floats = references.get("float")
+        if row["weights"] != "float" and floats is not None and Path(floats["logits_file"]).is_file():
+            row["max_logit_diff_float"] = float((ours - torch.load(floats["logits_file"])).abs().max())
 
 
 def table(rows: list[dict], args: argparse.Namespace) -> str:
@@ -257,7 +261,7 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         "",
         "| weights | variant | compile s (first answer - repeat) | tokens/s | x eager | "
         f"{args.questions}-question session s | x eager | recompiles (in session) | graphs | "
-        f"max abs first-token logit diff | same {args.tokens}-token answer |",
+        f"max abs first-token logit diff (int8: vs float32 eager) | same {args.tokens}-token answer |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
@@ -269,12 +273,13 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
             lines.append(f"| {weights} | {what} ({row['variant']}) | failed: {row.get('error', '?')} |||||||||")
             continue
         limit = ", hit the recompile limit" if row.get("recompile_limit_hit") else ""
+        against_float = f" ({row['max_logit_diff_float']:.1e})" if "max_logit_diff_float" in row else ""
         lines.append(
             f"| {weights} | {what} | {row['compile_s']:.1f} | {row['tokens_per_s']:.1f} | "
             f"{row.get('decode_ratio', float('nan')):.2f} | {row['session_s']:.1f} | "
             f"{row.get('session_ratio', float('nan')):.2f} | "
             f"{row['recompiles']} ({row['session_recompiles']}{limit}) | "
-            f"{row['graphs']} | {row.get('max_logit_diff', float('nan')):.1e} | "
+            f"{row['graphs']} | {row.get('max_logit_diff', float('nan')):.1e}{against_float} | "
             f"{'yes' if row.get('same_answer') else 'no'} |"
         )
     reasons = [(row["variant"], reason) for row in rows if row.get("ok") for reason in row["recompile_reasons"][:3]]
@@ -297,6 +302,7 @@ def main() -> None:
     parser.add_argument("--rows", type=Path, default=RESULTS / "compile_speed.jsonl")
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_speed.md")
     parser.add_argument("--child-timeout", type=float, default=900.0)
+    parser.add_argument("--render", action="store_true", help="only rewrite the table from --rows' rows")
     parser.add_argument("--child", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--logits", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -307,6 +313,8 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown variants {unknown} (choose from {', '.join(VARIANTS)})")
     kept = [json.loads(line) for line in args.rows.read_text().splitlines()] if args.rows.is_file() else []
+    if args.render:
+        args.variants = []
     with tempfile.TemporaryDirectory(prefix="kvchat-compile-speed-inductor-") as inductor_dir:
         fresh = [run_child(name, args, Path(inductor_dir)) for name in args.variants]
     rows = [row for row in kept if row["variant"] not in args.variants] + fresh
