@@ -16,16 +16,19 @@ at a fresh temporary directory per process for the same reason). Compilation goe
 - `layers`: each decoder layer;
 - `model`: the whole model (default mode, `dynamic=None`);
 - `model-dynamic`: the whole model with `dynamic=True`;
+- `model-warm`: `model` in a second process that finds inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`)
+  filled by a first one (measured only after that first run);
 - `int8-eager`, `int8-mlp`, `int8-layers`: with int8 weights (`kvchat.int8_weights`, as `--weights int8`:
   the cache built with the float weights), eager and compiled.
 
-Per variant, on the cache: the first answer to question 0 (its wall time less a repeat's is the compile
-time), the steady decode tokens/s (`decode_speed.kvchat_rate`: the steps after the first token, after the
-same answer ran twice), then a session: `--questions` further LoCoMo questions answered one after another
-through `kvchat.llm.generate` (each rolled back), so recompiles on new question lengths and cache positions
-count in its wall time. Recompiles are counted from dynamo's `recompiles` log (`torch._logging.set_logs`);
-graphs from `torch._dynamo.utils.counters`. The first answer token's logits are compared with those of the
-eager variant with the same weights (max |difference|). A variant that fails (an exception, a crash, past
+Per variant, on the cache: the first answer to question 0 (its wall time less `--tokens` tokens at the
+steady rate is the compile time) and the same answer again, the steady decode tokens/s
+(`decode_speed.kvchat_rate`: the steps after the first token, after the same answer ran twice), then a
+session: `--questions` further LoCoMo questions answered one after another through `kvchat.llm.generate`
+(each rolled back), so recompiles on new question lengths and cache positions count in its wall time.
+Recompiles are counted from dynamo's `recompiles` log (`torch._logging.set_logs`), graphs from
+`torch._dynamo.utils.counters`. The first answer token's logits are compared with those of the eager
+variant with the same weights (max |difference|). A variant that fails (an exception, a crash, past
 `--child-timeout`) is a row saying how.
 
 Rows go to `--rows` (JSON lines: a variant measured again replaces its row, so variants can be measured in
@@ -70,6 +73,7 @@ VARIANTS: dict[str, tuple[str, str | None, dict]] = {
     "layers": ("float", "layers", {}),
     "model": ("float", "model", {}),
     "model-dynamic": ("float", "model", {"dynamic": True}),
+    "model-warm": ("float", "model", {}),
     "int8-eager": ("int8", None, {}),
     "int8-mlp": ("int8", "mlp", {}),
     "int8-layers": ("int8", "layers", {}),
@@ -175,7 +179,6 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
         row["first_answer_s"], answer, logits = timed_answer(lm, cache, data.question, args.tokens)
         log(f"{name}: first answer {row['first_answer_s']:.1f} s")
         row["repeat_answer_s"], again, _ = timed_answer(lm, cache, data.question, args.tokens)
-        row["compile_s"] = row["first_answer_s"] - row["repeat_answer_s"]
         row["tokens_per_s"] = kvchat_rate(lm, cache, data.question, args.tokens)
         log(f"{name}: {row['tokens_per_s']:.1f} tokens/s; session of {len(session)} questions")
         before = len(recompiles.reasons)
@@ -206,7 +209,18 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
 
 
 def run_child(name: str, args: argparse.Namespace, inductor_dir: Path) -> dict:
-    """`name` in a fresh process with a fresh inductor cache directory; a crash or timeout is a failed row."""
+    """`name` in a fresh process with a fresh inductor cache directory; a crash or timeout is a failed row.
+    A `-warm` variant runs twice on one cache directory and reports the second run (a new process with
+    inductor's on-disk caches filled, as a second `kvchat ask` would find them)."""
+    if name.endswith("-warm"):
+        log(f"{name}: a first run fills the inductor cache")
+        first = run_child_once(name, args, inductor_dir)
+        if not first.get("ok"):
+            return {**first, "error": f"the run filling the cache failed: {first.get('error')}"}
+    return run_child_once(name, args, inductor_dir)
+
+
+def run_child_once(name: str, args: argparse.Namespace, inductor_dir: Path) -> dict:
     WORKDIR.mkdir(exist_ok=True)
     logits = WORKDIR / f"{name}.logits.pt"
     logits.unlink(missing_ok=True)
@@ -250,6 +264,11 @@ def compare(rows: list[dict]) -> None:
             row["max_logit_diff_float"] = float((ours - torch.load(floats["logits_file"])).abs().max())
 
 
+def compile_seconds(row: dict, tokens: int) -> float:
+    """What the first answer took beyond one at the steady rate: compiling (tracing, inductor, recompiles)."""
+    return row["first_answer_s"] - tokens / row["tokens_per_s"]
+
+
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     threads = next((row["threads"] for row in rows if "threads" in row), args.threads)
     lines = [
@@ -257,25 +276,30 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         f"{torch.__version__}, {threads} thread; {dt.date.today()}. Embedded SmolLM2-135M-Instruct, "
         f"{args.conversation.stem} cut to {HISTORY} history tokens, episode cache budget {BUDGET} "
         f"(`--prefill full`'s selection), {args.tokens} greedy tokens per answer (end of turn ignored), each "
-        f"variant in a fresh process. Ratios and logit differences against eager with the same weights.",
+        f"variant in a fresh process. Compile s: the first answer's wall time less {args.tokens} tokens at the "
+        f"steady rate; the second answer is the same question again. Ratios and logit differences against eager "
+        f"with the same weights.",
         "",
-        "| weights | variant | compile s (first answer - repeat) | tokens/s | x eager | "
+        "| weights | variant | first / second answer s | compile s | tokens/s | x eager | "
         f"{args.questions}-question session s | x eager | recompiles (in session) | graphs | "
         f"max abs first-token logit diff (int8: vs float32 eager) | same {args.tokens}-token answer |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         weights = "int8" if row.get("weights") == "int8" else "float32"
         what = DESCRIPTIONS.get(row.get("target"), row.get("target")) or row["variant"]
+        if row["variant"].endswith("-warm"):
+            what += ", inductor's cache filled by an earlier process"
         if row.get("options"):
             what += ", " + ", ".join(f"{k}={v}" for k, v in row["options"].items())
         if not row.get("ok"):
-            lines.append(f"| {weights} | {what} ({row['variant']}) | failed: {row.get('error', '?')} |||||||||")
+            lines.append(f"| {weights} | {what} ({row['variant']}) | failed: {row.get('error', '?')} ||||||||||")
             continue
         limit = ", hit the recompile limit" if row.get("recompile_limit_hit") else ""
         against_float = f" ({row['max_logit_diff_float']:.1e})" if "max_logit_diff_float" in row else ""
         lines.append(
-            f"| {weights} | {what} | {row['compile_s']:.1f} | {row['tokens_per_s']:.1f} | "
+            f"| {weights} | {what} | {row['first_answer_s']:.1f} / {row['repeat_answer_s']:.1f} | "
+            f"{compile_seconds(row, args.tokens):.1f} | {row['tokens_per_s']:.1f} | "
             f"{row.get('decode_ratio', float('nan')):.2f} | {row['session_s']:.1f} | "
             f"{row.get('session_ratio', float('nan')):.2f} | "
             f"{row['recompiles']} ({row['session_recompiles']}{limit}) | "
