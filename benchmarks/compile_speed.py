@@ -264,6 +264,13 @@ def compare(rows: list[dict]) -> None:
             row["max_logit_diff_float"] = float((ours - torch.load(floats["logits_file"])).abs().max())
 
 
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown CPU"
+
+
 def compile_seconds(row: dict, tokens: int) -> float:
     """What the first answer took beyond one at the steady rate: compiling (tracing, inductor, recompiles)."""
     return row["first_answer_s"] - tokens / row["tokens_per_s"]
@@ -272,7 +279,7 @@ def compile_seconds(row: dict, tokens: int) -> float:
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     threads = next((row["threads"] for row in rows if "threads" in row), args.threads)
     lines = [
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs ({platform.processor() or 'unknown'}); torch "
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs ({cpu_name()}); torch "
         f"{torch.__version__}, {threads} thread; {dt.date.today()}. Embedded SmolLM2-135M-Instruct, "
         f"{args.conversation.stem} cut to {HISTORY} history tokens, episode cache budget {BUDGET} "
         f"(`--prefill full`'s selection), {args.tokens} greedy tokens per answer (end of turn ignored), each "
