@@ -16,8 +16,8 @@ at a fresh temporary directory per process for the same reason). Compilation goe
 - `layers`: each decoder layer;
 - `model`: the whole model (default mode, `dynamic=None`);
 - `model-dynamic`: the whole model with `dynamic=True`;
-- `model-warm`: `model` in a second process that finds inductor's on-disk cache (`TORCHINDUCTOR_CACHE_DIR`)
-  filled by a first one (measured only after that first run);
+- `model-dynamic-warm`: `model-dynamic` in a second process that finds inductor's on-disk cache
+  (`TORCHINDUCTOR_CACHE_DIR`) filled by a first one (measured only after that first run);
 - `int8-eager`, `int8-mlp`, `int8-layers`: with int8 weights (`kvchat.int8_weights`, as `--weights int8`:
   the cache built with the float weights), eager and compiled.
 
@@ -73,7 +73,7 @@ VARIANTS: dict[str, tuple[str, str | None, dict]] = {
     "layers": ("float", "layers", {}),
     "model": ("float", "model", {}),
     "model-dynamic": ("float", "model", {"dynamic": True}),
-    "model-warm": ("float", "model", {}),
+    "model-dynamic-warm": ("float", "model", {"dynamic": True}),
     "int8-eager": ("int8", None, {}),
     "int8-mlp": ("int8", "mlp", {}),
     "int8-layers": ("int8", "layers", {}),
