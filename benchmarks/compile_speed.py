@@ -18,8 +18,8 @@ at a fresh temporary directory per process for the same reason). Compilation goe
 - `model-dynamic`: the whole model with `dynamic=True`;
 - `model-dynamic-warm`: `model-dynamic` in a second process that finds inductor's on-disk cache
   (`TORCHINDUCTOR_CACHE_DIR`) filled by a first one (measured only after that first run);
-- `int8-eager`, `int8-mlp`, `int8-layers`: with int8 weights (`kvchat.int8_weights`, as `--weights int8`:
-  the cache built with the float weights), eager and compiled.
+- `int8-eager`, `int8-mlp`, `int8-layers`, `int8-model-dynamic`: with int8 weights (`kvchat.int8_weights`,
+  as `--weights int8`: the cache built with the float weights), eager and compiled.
 
 Per variant, on the cache: the first answer to question 0 (its wall time less `--tokens` tokens at the
 steady rate is the compile time) and the same answer again, the steady decode tokens/s
@@ -77,6 +77,7 @@ VARIANTS: dict[str, tuple[str, str | None, dict]] = {
     "int8-eager": ("int8", None, {}),
     "int8-mlp": ("int8", "mlp", {}),
     "int8-layers": ("int8", "layers", {}),
+    "int8-model-dynamic": ("int8", "model", {"dynamic": True}),
 }
 DEFAULT_VARIANTS = ("eager", "mlp", "layers", "model", "model-dynamic", "int8-eager", "int8-mlp")
 DESCRIPTIONS = {
