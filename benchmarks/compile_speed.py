@@ -95,6 +95,12 @@ def log(message: str) -> None:
 # --------------------------------------------------------------------------- one variant (child process)
 
 
+def failed_row(name: str, error: str) -> dict:
+    """A row that says what the variant is and, until it succeeds, how it failed."""
+    weights, target, options = VARIANTS[name]
+    return {"variant": name, "weights": weights, "target": target, "options": options, "ok": False, "error": error}
+
+
 def compile_modules(model: torch.nn.Module, target: str, options: dict) -> int:
     """Compile `target`'s modules of a Llama-family `model` in place (`nn.Module.compile`); how many."""
     decoder = model.model
@@ -151,7 +157,7 @@ def timed_answer(lm, cache, ids: torch.Tensor, tokens: int) -> tuple[float, list
 
 def run_variant(name: str, args: argparse.Namespace) -> dict:
     weights, target, options = VARIANTS[name]
-    row: dict = {"variant": name, "weights": weights, "target": target, "options": options, "ok": False}
+    row = failed_row(name, "")
     recompiles = RecompileLog()
     recompiles.attach()
     from torch._dynamo.utils import counters
@@ -194,6 +200,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
         row["answer"], row["answer_repeatable"] = answer, answer == again
         torch.save(logits, args.logits)
         row["ok"] = True
+        del row["error"]
     except Exception as exc:  # a variant that fails is a row saying how
         lines = str(exc).strip().splitlines() or [""]
         row["error"] = f"{type(exc).__name__}: {lines[0][:200]}"
@@ -234,12 +241,12 @@ def run_child_once(name: str, args: argparse.Namespace, inductor_dir: Path) -> d
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.child_timeout)
     except subprocess.TimeoutExpired:
-        return {"variant": name, "ok": False, "error": f"no result within {args.child_timeout} s (killed)"}
+        return failed_row(name, f"no result within {args.child_timeout:.0f} s (killed)")
     sys.stderr.write("".join(f"    {line}\n" for line in done.stderr.splitlines()[-6:]))
     rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not rows:
         last = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
-        return {"variant": name, "ok": False, "error": f"process exited {done.returncode}: {last[:200]}"}
+        return failed_row(name, f"process exited {done.returncode}: {last[:200]}")
     row = json.loads(rows[-1])
     row["process_s"] = time.perf_counter() - clock
     if row["ok"]:
