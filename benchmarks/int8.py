@@ -135,7 +135,10 @@ def measure_set(qa: QASet, lm: LoadedModel, encoder: SentenceEncoder, store: Sto
             })  # fmt: skip
             if episode not in out[setting]["bytes"]:
                 out[setting]["bytes"][episode] = (
-                    _file_bytes(cache), cache.nbytes(), _bfloat16_share(cache), _file_bytes(cache, torch.bfloat16)
+                    _file_bytes(cache),
+                    cache.nbytes(),
+                    _bfloat16_share(cache),
+                    _file_bytes(cache, torch.bfloat16),
                 )
         print(f"{qa.name}: {n}/{len(questions)}", file=sys.stderr)
     out["speed_episode"] = episode

@@ -32,7 +32,7 @@ HEAD_FLOOR_FRACTION = 0.2
 
 # `--cache-precision int8|int4`: each KV head's last history entries stay in full precision beside the quantized
 # ones (KIVI's residual; the answer's tokens are appended to it). Chosen on planted-fact conversations
-# (benchmarks/int8.py --choose), never on the LoCoMo ones; 4 bits kept it (benchmarks/int8.py --choose --bits 4).
+# (benchmarks/int8.py --choose), never on the LoCoMo ones; int4 uses the same residual.
 QUANT_RESIDUAL = 0
 
 # EpiCache's official instruction for the patched prompt (its code; the paper's §3.1 describes it).

@@ -60,9 +60,7 @@ def _stored(x: torch.Tensor, dtype: torch.dtype, toward: float) -> torch.Tensor:
     return torch.where(off, torch.nextafter(rounded, torch.full_like(rounded, toward)), rounded).float()
 
 
-def quantize_along(
-    x: torch.Tensor, dim: int, bits: int = 8
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_along(x: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric quantization of `x` in `bits` in groups spanning dimension `dim` (kept, size 1, in scale and
     min). Returns `(codes uint8 unpacked, scale, min)`, scale and min in `SCALE_DTYPES[bits]`; a constant group
     gets scale 1 and codes 0 (exact, where its value is representable)."""
