@@ -342,21 +342,22 @@ def test_quantized_ingest_stores_the_full_caches_quantized_and_answers(
     assert first.answer_tokens > 0 and again.text == first.text and again.reused_cache
 
 
-def test_append_to_an_int8_conversation_continues_in_full_precision_and_stores_int8(
-    tmp_path, planted, tiny_lm, encoder
+@PRECISIONS
+def test_append_to_a_quantized_conversation_continues_in_full_precision_and_quantizes_again(
+    tmp_path, planted, tiny_lm, encoder, precision
 ):
     store = Store(tmp_path)
-    ingest(planted, name="c", config=_config(precision="int8"), store=store, lm=tiny_lm, encoder=encoder)
+    ingest(planted, name="c", config=_config(precision=precision), store=store, lm=tiny_lm, encoder=encoder)
     stored, _ = codec.decode(*store.load_episode(store.get("c").episodes[0], tiny_lm.fingerprint))
     messages, _ = planted_conversation(seed=4, topics=1, turns_per_topic=8)
     more = tmp_path / "more.json"
     more.write_text(json.dumps(messages))
     report = append(more, name="c", store=store, lm=tiny_lm, encoder=encoder)
-    assert report.cache_precision == "int8"
+    assert report.cache_precision == precision
     record = store.get("c")
-    assert record.settings["cache_precision"] == "int8" and record.settings["appended"]
+    assert record.settings["cache_precision"] == precision and record.settings["appended"]
     cache, meta = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
-    assert meta.precision == "int8" and all(isinstance(layer, QuantizedLayer) for layer in cache.layers)
+    assert meta.precision == precision and all(isinstance(layer, QuantizedLayer) for layer in cache.layers)
     assert cache.next_position > stored.next_position  # it went on past the stored history
 
 
