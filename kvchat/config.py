@@ -32,7 +32,7 @@ HEAD_FLOOR_FRACTION = 0.2
 
 # `--cache-precision int8|int4`: each KV head's last history entries stay in full precision beside the quantized
 # ones (KIVI's residual; the answer's tokens are appended to it). Chosen on planted-fact conversations
-# (benchmarks/int8.py --choose), never on the LoCoMo ones; int4 uses the same residual.
+# (benchmarks/int8.py --choose), never on the LoCoMo ones; at 4 bits too (--choose --bits 4: no gain from one).
 QUANT_RESIDUAL = 0
 
 # EpiCache's official instruction for the patched prompt (its code; the paper's §3.1 describes it).
@@ -160,7 +160,8 @@ class CacheConfig:
                              # 8 or 4 bits; kvchat.kv.quantize), applied to each finished episode cache, stored
                              # and resident
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
-    quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser
+    quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser (8:
+                                # files over half of bfloat16's; 32: 4x the KL; benchmarks/results/int4.md)
     quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision
 
     @property
