@@ -10,8 +10,8 @@ version is committed atomically: until then questions are answered from the old 
 The caches equal those of ingesting the whole history at once with the same episodes when the stored
 history ended on a block boundary; otherwise its last, shorter block was evicted at its own length before
 the new turns came (kvchat.kv.prefill). With `--offload icecache`, each episode's stored pages and what
-the new turns evict are paged again together into its new pages file. An 8-bit cache (`--cache-precision
-int8`) is dequantized, continued in full precision and quantized again: its old entries carry the first
+the new turns evict are paged again together into its new pages file. A quantized cache (`--cache-precision
+int8|int4`) is dequantized, continued in full precision and quantized again: its old entries carry the first
 quantization's error, and at most one more half step (groups are formed anew from what is kept).
 """
 
@@ -127,7 +127,7 @@ def append(
         for episode, stored in zip(episodes, record.episodes, strict=True):
             progress.episode(episode.index, len(episodes))
             cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device)
-            cache.dequantize()  # an 8-bit cache continues in full precision, and is quantized again when done
+            cache.dequantize()  # a quantized cache continues in full precision, and is quantized again when done
             with pending.disk_full_guard():  # with --offload: the stored pages and the new evictions, spilled
                 spill = spill_writer(plan, lm, pending, episode.index)
                 if spill is not None:

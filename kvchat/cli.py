@@ -255,10 +255,11 @@ _CACHE_OPTIONS = [
         "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
         "(full when the history fits the model's window and its full KV fits memory).")], CacheConfig.prefill),
     _option("cache_precision", Annotated[CachePrecision, typer.Option(
-        help="full (the model's dtype) or int8 (KIVI: keys per channel, values per token, in 8 bits with a scale "
-        "and zero point per group of 32; each head's last entries and the answer stay in full precision): "
-        "stored and resident caches take under a third of float32's bytes, dequantized while answering. "
-        "Not with --offload.")], CacheConfig.precision),
+        help="full (the model's dtype), int8 or int4 (KIVI: keys per channel, values per token, in 8 bits with "
+        "a float32 scale and zero point per group of 32, or in 4 bits, two per byte, with float16 ones per group "
+        "of 16; each head's last entries and the answer stay in full precision): stored and resident caches take "
+        "about a third (int8) or a fifth (int4) of float32's bytes, 64% or 38% of bfloat16's, dequantized while "
+        "answering. Not with --offload.")], CacheConfig.precision),
 ]
 TrustOpt = Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")]
 ForceOpt = Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")]
@@ -921,8 +922,8 @@ def eval_command(
         CacheConfig.prefill
     ),
     cache_precision: Annotated[str, typer.Option(
-        help="Comma-separated cache precisions, each run with every method and budget: full, int8 (as for "
-        "ingest; int8 variants are named .../precision=int8).")] = CacheConfig.precision,
+        help="Comma-separated cache precisions, each run with every method and budget: full, int8, int4 (as for "
+        "ingest; quantized variants are named .../precision=int8 or .../precision=int4).")] = CacheConfig.precision,
     out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
                                                   "a re-run skips what the file already has.")] = None,
     report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,

@@ -17,7 +17,7 @@ WEIGHT_MODES = ("float", "int8")  # how the model's Linear weights are held whil
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 HEAD_BUDGETS = ("uniform", "adaptive")
 OFFLOAD_MODES = ("none", "icecache")
-CACHE_PRECISIONS = ("full", "int8")
+CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.kv.quantize.PRECISION_BITS gives the bits
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
@@ -30,9 +30,9 @@ APPEND_FAR_SIMILARITY = 0.25
 # attention is focused is not starved to nothing by heads that spread theirs.
 HEAD_FLOOR_FRACTION = 0.2
 
-# `--cache-precision int8`: each KV head's last history entries stay in full precision beside the 8-bit ones
-# (KIVI's residual; the answer's tokens are appended to it). Chosen on planted-fact conversations
-# (benchmarks/int8.py --choose), never on the LoCoMo ones.
+# `--cache-precision int8|int4`: each KV head's last history entries stay in full precision beside the quantized
+# ones (KIVI's residual; the answer's tokens are appended to it). Chosen on planted-fact conversations
+# (benchmarks/int8.py --choose), never on the LoCoMo ones; at 4 bits too (--choose --bits 4: no gain from one).
 QUANT_RESIDUAL = 0
 
 # EpiCache's official instruction for the patched prompt (its code; the paper's §3.1 describes it).
@@ -156,10 +156,18 @@ class CacheConfig:
                            # history, then each episode keeps its top entries: one prefill for all episodes) |
                            # auto (full when the history fits the model's window and its full KV fits memory)
     offload: OffloadConfig = OffloadConfig()
-    precision: str = "full"  # full (the model's dtype) | int8 (KIVI: keys per channel, values per token, 8 bits;
-                             # kvchat.kv.quantize), applied to each finished episode cache, stored and resident
+    precision: str = "full"  # full (the model's dtype) | int8 | int4 (KIVI: keys per channel, values per token, in
+                             # 8 or 4 bits; kvchat.kv.quantize), applied to each finished episode cache, stored
+                             # and resident
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
-    quant_residual: int = QUANT_RESIDUAL  # int8: each head's last entries kept in full precision (QUANT_RESIDUAL)
+    quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser (8:
+                                # files over half of bfloat16's; 32: 4x the KL; benchmarks/results/int4.md)
+    quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision
+
+    @property
+    def active_quant_group(self) -> int:
+        """The key group of `precision`: `quant_group_4bit` for int4, else `quant_group`."""
+        return self.quant_group_4bit if self.precision == "int4" else self.quant_group
 
 
 @dataclass(frozen=True)

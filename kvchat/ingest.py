@@ -47,6 +47,7 @@ from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
 from kvchat.kv.prefill import block_prefill, keep_sink_and_window, select_from
+from kvchat.kv.quantize import PRECISION_BITS
 from kvchat.kv.scoring import Scorer
 from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
 from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
@@ -89,7 +90,7 @@ class IngestReport:
     offload: str = "none"       # none | icecache (evicted entries kept in each episode's pages file)
     offloaded_entries: int = 0  # entries written to the pages files, over episodes, layers and KV heads
     pages_bytes: int = 0        # the pages files' size on disk, over episodes
-    cache_precision: str = "full"  # full | int8 (caches held in 8 bits, kvchat.kv.quantize)
+    cache_precision: str = "full"  # full | int8 | int4 (caches held in 8 or 4 bits, kvchat.kv.quantize)
     device: str = "cpu"         # where the model ran (--device) and its dtype, which the caches are stored in
     dtype: str = "float32"
     attention_backend: str = "torch"  # decode attention's kernel on that device: torch | flashinfer (kv.backends)
@@ -158,9 +159,9 @@ def _validate_precision(cache: CacheConfig) -> None:
     """`--cache-precision` and its library-only settings."""
     if cache.precision not in CACHE_PRECISIONS:
         raise UserError(f"unknown --cache-precision {cache.precision!r} (choose from {', '.join(CACHE_PRECISIONS)})")
-    if cache.quant_group < 1 or cache.quant_residual < 0:
-        raise UserError(f"8-bit group size must be >= 1 and residual >= 0 (got {cache.quant_group}, "
-                        f"{cache.quant_residual})")  # fmt: skip
+    if min(cache.quant_group, cache.quant_group_4bit) < 1 or cache.quant_residual < 0:
+        raise UserError(f"quantization group sizes must be >= 1 and residual >= 0 (got {cache.quant_group}, "
+                        f"{cache.quant_group_4bit}, {cache.quant_residual})")  # fmt: skip
     if cache.precision != "full" and cache.offload.enabled:
         raise UserError(f"--cache-precision {cache.precision} does not combine with --offload {cache.offload.mode} "
                         "(its pages are stored at half precision and attached to full-precision layers); "
@@ -168,9 +169,9 @@ def _validate_precision(cache: CacheConfig) -> None:
 
 
 def finish_cache(cache: EpisodeCache, config: CacheConfig) -> EpisodeCache:
-    """A built episode cache as it is stored and answered from: in 8 bits with `--cache-precision int8`."""
-    if config.precision == "int8":
-        cache.quantize(config.quant_group, config.quant_residual)
+    """A built episode cache as it is stored and answered from: in 8 or 4 bits with `--cache-precision int8|int4`."""
+    if config.precision != "full":
+        cache.quantize(config.active_quant_group, config.quant_residual, PRECISION_BITS[config.precision])
     return cache
 
 

@@ -68,8 +68,9 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
-    if cache.precision != "full":
-        settings |= {"quant_group": cache.quant_group, "quant_residual": cache.quant_residual}
+    if cache.precision != "full":  # the group of that precision only (the other's default changes nothing)
+        group_key = "quant_group_4bit" if cache.precision == "int4" else "quant_group"
+        settings |= {group_key: cache.active_quant_group, "quant_residual": cache.quant_residual}
     if cache.offload.enabled:
         settings |= {key: getattr(cache.offload, field) for key, field in _OFFLOAD_KEYS.items()}
         settings |= {key: getattr(cache.offload.paging, field) for key, field in _PAGING_KEYS.items()}
@@ -118,6 +119,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         indexer_pool_kernel=get("indexer_pool_kernel", unrecorded_pool),
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
         quant_group=get("quant_group", cache_d.quant_group),
+        quant_group_4bit=get("quant_group_4bit", cache_d.quant_group_4bit),
         quant_residual=get("quant_residual", cache_d.quant_residual),
     )
     episodes = EpisodeConfig(

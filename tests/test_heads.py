@@ -16,7 +16,6 @@ from conftest import with_kvchat_attention as _with_kvchat_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchat import store as store_module
 from kvchat.ask import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.ingest import ingest
@@ -313,7 +312,7 @@ def test_adaptive_ingest_and_ask_round_trip_through_the_store(tmp_path, history,
 def test_uniform_files_of_format_1_still_load(tmp_path, monkeypatch):
     store = Store(tmp_path)
     tensors = {"k.0": torch.ones(2, 3, 4), "v.0": torch.ones(2, 3, 4), "pos.0": torch.zeros(2, 3, dtype=torch.int32)}
-    monkeypatch.setattr(store_module, "FORMAT_VERSION", "1")
+    monkeypatch.setattr(codec, "FORMAT_VERSION", "1")
     with store.begin("old") as pending:
         pending.write_episode(0, tensors, {"fingerprint": "fp"}, centroid=[1.0], medoid_text="x", budgets=[3],
                               n_tokens=6)

@@ -1,5 +1,5 @@
-"""8-bit episode caches (`--cache-precision int8`): the quantization, the layer type, its file format, the
-pipelines and the options."""
+"""Quantized episode caches (`--cache-precision int8|int4`): the quantization in 8 and 4 bits, the layer type,
+its file format, the pipelines and the options."""
 
 from __future__ import annotations
 
@@ -25,13 +25,21 @@ from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.layers import QuantizedLayer, UniformLayer
 from kvchat.kv.prefill import block_prefill
-from kvchat.kv.quantize import QuantizedEntries, quantized_length
+from kvchat.kv.quantize import SCALE_DTYPES, QuantizedEntries, pack4, quantized_length, unpack4
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.settings import from_settings, rebuild_command, to_settings
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 
 GROUP = 8  # the tiny model's head_dim is 16: two value groups per token
+HEAD_DIM = 16
+BITS = pytest.mark.parametrize("bits", [8, 4])
+PRECISIONS = pytest.mark.parametrize("precision", ["int8", "int4"])
+TOLERANCE = {8: 1e-2, 4: 0.2}  # largest logit difference from full precision on the tiny model
+
+
+def _codes(q: QuantizedEntries, stored: torch.Tensor) -> torch.Tensor:
+    return unpack4(stored) if q.bits == 4 else stored
 
 
 def _cache(model, heads: str = "uniform", budget: int = 60) -> EpisodeCache:
@@ -44,32 +52,48 @@ def _cache(model, heads: str = "uniform", budget: int = 60) -> EpisodeCache:
 # --------------------------------------------------------------------------- the arithmetic
 
 
+@BITS
 @settings(max_examples=150, deadline=None)
 @given(
     heads=st.integers(1, 3), groups=st.integers(1, 4), group=st.sampled_from([1, 2, 4, 8]),
     dim=st.sampled_from([4, 8, 12]), magnitude=st.floats(1e-3, 1e3), seed=st.integers(0, 2**16),
 )  # fmt: skip
-def test_every_number_comes_back_within_half_a_step_of_its_group(heads, groups, group, dim, magnitude, seed):
+def test_every_number_comes_back_within_half_a_step_of_its_group(bits, heads, groups, group, dim, magnitude, seed):
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(heads, groups * group, dim, generator=g) * magnitude
     values = torch.randn(heads, groups * group, dim, generator=g) * magnitude
-    q = QuantizedEntries.quantize(keys, values, group)
-    # keys: each (group of tokens, channel) has its own step; values: each (token, group of channels)
-    kstep = q.key_scale.repeat_interleave(group, dim=-2)
+    q = QuantizedEntries.quantize(keys, values, group, bits)
+    # keys: each (group of tokens, channel) has its own step; values: each (token, group of channels); the
+    # steps as stored (float16 at 4 bits, rounded up there so that the bound holds for the stored numbers)
+    kstep = q.key_scale.float().repeat_interleave(group, dim=-2)
     vgroup = dim // q.value_scale.shape[-1]
-    vstep = q.value_scale.repeat_interleave(vgroup, dim=-1)
+    vstep = q.value_scale.float().repeat_interleave(vgroup, dim=-1)
     slack = 1e-5 * magnitude  # float32 rounding of code * scale + min
     assert ((q.keys() - keys).abs() <= kstep / 2 + slack).all()
     assert ((q.values() - values).abs() <= vstep / 2 + slack).all()
     assert q.key_codes.dtype == q.value_codes.dtype == torch.uint8
+    assert q.key_codes.shape[-1] == dim * bits // 8 and q.key_scale.dtype == SCALE_DTYPES[bits]
 
 
-def test_constant_groups_are_exact_and_extremes_land_on_the_end_codes():
+def test_4_bit_codes_pack_two_per_byte_low_nibble_first():
+    codes = torch.randint(0, 16, (3, 5, 8), dtype=torch.uint8)
+    packed = pack4(codes)
+    assert packed.shape == (3, 5, 4) and torch.equal(unpack4(packed), codes)
+    assert pack4(torch.tensor([1, 2, 15, 0], dtype=torch.uint8)).tolist() == [0x21, 0x0F]
+
+
+@BITS
+def test_constant_groups_are_exact_and_extremes_land_on_the_end_codes(bits):
     keys = torch.full((1, 8, 4), 3.25)
     values = torch.linspace(-1, 1, 32).reshape(1, 8, 4)
-    q = QuantizedEntries.quantize(keys, values, 4)
+    q = QuantizedEntries.quantize(keys, values, 4, bits)
     assert torch.equal(q.keys(), keys)
-    assert q.value_codes.min() == 0 and q.value_codes.max() == 255
+    assert _codes(q, q.value_codes).min() == 0 and _codes(q, q.value_codes).max() == 2**bits - 1
+
+
+def test_4_bit_scales_out_of_float16_range_are_refused():
+    with pytest.raises(ValueError, match="4 bits"):
+        QuantizedEntries.quantize(torch.full((1, 4, 4), 1e6), torch.zeros(1, 4, 4), 4, 4)
 
 
 def test_keys_are_grouped_per_channel_and_values_per_token():
@@ -94,33 +118,38 @@ def test_quantized_length_keeps_the_residual_and_whole_groups():
 # --------------------------------------------------------------------------- the layer
 
 
+@BITS
 @pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_quantized_layer_attends_like_the_full_one_and_holds_fewer_bytes(model, heads):
+def test_quantized_layer_attends_like_the_full_one_and_holds_fewer_bytes(model, heads, bits):
     cache = _cache(model, heads)
     full = cache.copy()
-    cache.quantize(GROUP, 4)
+    cache.quantize(GROUP, 4, bits)
     layer = cache.layers[0]
-    assert isinstance(layer, QuantizedLayer) and layer.ragged == (heads == "adaptive")
+    assert isinstance(layer, QuantizedLayer) and layer.ragged == (heads == "adaptive") and layer.bits == bits
+    assert cache.precision == f"int{bits}"
     assert layer.lengths == full.layers[0].lengths and cache.entries == full.entries
     assert all(q == quantized_length(n, GROUP, 4) for q, n in zip(layer.quantized, layer.lengths, strict=True))
     for a, b in zip(cache.layers[0].positions, full.layers[0].positions, strict=True):
         assert torch.equal(a, b)
-    # float32 scale and minimum per (G tokens, channel) of keys and per (token, G channels) of values
-    dim = 16
+    # codes of `bits` each; a scale and minimum (float32 at 8 bits, float16 at 4) per (G tokens, channel) of keys
+    # and per (token, G channels) of values; the residual in float32
+    dim, scale = HEAD_DIM, SCALE_DTYPES[bits].itemsize
     expected = sum(
-        q * dim * 2 + (q // GROUP) * dim * 2 * 4 + q * (dim // GROUP) * 2 * 4 + (n - q) * dim * 2 * 4
+        q * dim * 2 * bits // 8 + (q // GROUP) * dim * 2 * scale + q * (dim // GROUP) * 2 * scale
+        + (n - q) * dim * 2 * 4
         for layer in cache.layers for q, n in zip(layer.quantized, layer.lengths, strict=True)
     )  # fmt: skip
     assert cache.nbytes() == expected and full.nbytes() == cache.entries * dim * 2 * 4
     logits_full = forward(model, full, _ids(5, 9))
-    logits_int8 = forward(model, cache, _ids(5, 9))
-    assert (logits_full - logits_int8).abs().max() < 1e-2
+    logits_quantized = forward(model, cache, _ids(5, 9))
+    assert (logits_full - logits_quantized).abs().max() < TOLERANCE[bits]
 
 
+@BITS
 @pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_rollback_after_an_answer_restores_the_layer_exactly(model, heads):
+def test_rollback_after_an_answer_restores_the_layer_exactly(model, heads, bits):
     cache = _cache(model, heads)
-    cache.quantize(GROUP, 4)
+    cache.quantize(GROUP, 4, bits)
     before = {k: v.clone() for k, v in codec.encode_layers(cache).items()}
     mark = cache.checkpoint()
     forward(model, cache, _ids(7, 3))
@@ -130,7 +159,7 @@ def test_rollback_after_an_answer_restores_the_layer_exactly(model, heads):
     cache.rollback(mark)
     after = codec.encode_layers(cache)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    with pytest.raises(ValueError, match="8 bits"):
+    with pytest.raises(ValueError, match=f"{bits} bits"):
         cache.layers[0].truncate_heads([0] * len(cache.layers[0].lengths))
 
 
@@ -159,13 +188,17 @@ def test_a_quantized_layer_is_not_evicted_from_and_dequantizes_for_that(model):
 # --------------------------------------------------------------------------- the file format
 
 
+@BITS
 @pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_codec_round_trip_of_an_8_bit_cache(model, heads):
+def test_codec_round_trip_of_a_quantized_cache(model, heads, bits):
     cache = _cache(model, heads)
-    cache.quantize(GROUP, 4)
+    cache.quantize(GROUP, 4, bits)
     meta = codec.meta_of(cache, fingerprint="fp", method="epicache", positions="original")
     tensors, metadata = codec.encode(cache, meta)
-    assert metadata["precision"] == "int8" and tensors["kq.0"].dtype == torch.uint8
+    assert metadata["precision"] == f"int{bits}" and tensors["kq.0"].dtype == tensors["vq.0"].dtype == torch.uint8
+    assert tensors["kq.0"].shape[-1] == tensors["vq.0"].shape[-1] == HEAD_DIM * bits // 8  # 4 bits: packed
+    assert tensors["ks.0"].dtype == tensors["vz.0"].dtype == SCALE_DTYPES[bits]
+    assert codec.format_version(metadata) == {8: "4", 4: "5"}[bits]
     assert ("len.0" in tensors) == (heads == "adaptive")
     back, back_meta = codec.decode(tensors, metadata)
     assert back_meta == meta and isinstance(back.layers[1], QuantizedLayer)
@@ -176,12 +209,13 @@ def test_codec_round_trip_of_an_8_bit_cache(model, heads):
 
 
 
+@BITS
 @pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_an_8_bit_cache_answers_in_another_dtype(model, heads):
-    """--dtype: a float32-built 8-bit cache decoded for a bfloat16 model dequantizes into bfloat16, and its
+def test_a_quantized_cache_answers_in_another_dtype(model, heads, bits):
+    """--dtype: a float32-built quantized cache decoded for a bfloat16 model dequantizes into bfloat16, and its
     residual is converted too (codes, scales and minima stay as stored)."""
     cache = _cache(model, heads)
-    cache.quantize(GROUP, 4)
+    cache.quantize(GROUP, 4, bits)
     meta = codec.meta_of(cache, fingerprint="fp", method="epicache", positions="original")
     tensors, metadata = codec.encode(cache, meta)
     back, _ = codec.decode(tensors, metadata, dtype=torch.bfloat16)
@@ -192,19 +226,26 @@ def test_an_8_bit_cache_answers_in_another_dtype(model, heads):
         torch.testing.assert_close(got.float(), full.to(torch.bfloat16).float(), rtol=0.02, atol=0.02)
     assert all(v.dtype == torch.bfloat16 for v in layer.values)
     bodies = [layer.body] if heads == "uniform" else layer.body
-    assert all(b.key_scale.dtype == b.value_scale.dtype == torch.float32 for b in bodies)
+    assert all(b.key_scale.dtype == b.value_scale.dtype == SCALE_DTYPES[bits] for b in bodies)
 
 
-def test_codec_refuses_8_bit_tensors_that_do_not_fit(model):
-    cache = _cache(model)
-    cache.quantize(GROUP, 0)
+@BITS
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_codec_refuses_quantized_tensors_that_do_not_fit(model, heads, bits):
+    cache = _cache(model, heads)
+    cache.quantize(GROUP, 0, bits)
     tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
-    for damage in (
-        {"ks.0": tensors["ks.0"][:, :-1]}, {"vq.0": tensors["vq.0"].float()}, {"qlen.0": torch.tensor([8, 16])},
-    ):
+    other_bits = {"precision": {8: "int4", 4: "int8"}[bits]}  # the codes' width or the scales' dtype disagree
+    widened = torch.cat([tensors["kq.0"], tensors["kq.0"]], dim=-1)  # a row of D bytes where D / 2 are packed
+    for damage, meta in (
+        ({"ks.0": tensors["ks.0"][..., :-1, :]}, {}), ({"vq.0": tensors["vq.0"].float()}, {}),
+        ({"qlen.0": torch.tensor([-8, 16] if heads == "uniform" else [-8, 16, 8, 8])}, {}),
+        ({"ks.0": tensors["ks.0"].double()}, {}), ({}, other_bits),
+        ({"kq.0": widened} if bits == 4 else {"kq.0": tensors["kq.0"][..., ::2]}, {}),
+    ):  # fmt: skip
         with pytest.raises(ValueError, match="layer 0"):
-            codec.decode(tensors | damage, metadata)
-    with pytest.raises(ValueError, match="precision"):
+            codec.decode(tensors | damage, metadata | meta)
+    with pytest.raises(ValueError, match="precision|layer 0"):  # 4-bit layers read as 8-bit ones do not fit
         codec.decode(tensors, metadata | {"precision": "full"})
 
 
@@ -213,7 +254,7 @@ def test_files_of_format_3_still_load(tmp_path, model, monkeypatch):
     cache = _cache(model)
     tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
     del metadata["precision"]  # what kvchat wrote before format 4
-    monkeypatch.setattr(store_module, "FORMAT_VERSION", "3")
+    monkeypatch.setattr(codec, "FORMAT_VERSION", "3")
     with store.begin("old") as pending:
         pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
         pending.commit(model="default", fingerprint="fp", settings={}, stats={})
@@ -221,7 +262,38 @@ def test_files_of_format_3_still_load(tmp_path, model, monkeypatch):
     loaded, meta = store.load_episode(store.get("old").episodes[0], "fp")
     back, back_meta = codec.decode(loaded, meta)
     assert meta["format_version"] == "3" and back_meta.precision == "full" and back.precision == "full"
-    assert codec.FORMAT_VERSION == "4" and {"1", "2", "3", "4"} <= set(codec.READABLE_FORMAT_VERSIONS)
+    assert codec.FORMAT_VERSION == "4" and codec.READABLE_FORMAT_VERSIONS == ("1", "2", "3", "4", "5")
+
+
+@pytest.mark.parametrize("precision", ["full", "int8", "int4"])
+def test_only_4_bit_files_are_stamped_format_5(tmp_path, model, precision):
+    """Full and 8-bit files stay at "4", which kvchat before 4 bits reads; the store reads each back."""
+    store = Store(tmp_path)
+    cache = _cache(model)
+    if precision != "full":
+        cache.quantize(GROUP, 0, {"int8": 8, "int4": 4}[precision])
+    tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
+    with store.begin("c") as pending:
+        pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
+        pending.commit(model="default", fingerprint="fp", settings={}, stats={})
+    loaded, meta = store.load_episode(store.get("c").episodes[0], "fp")
+    assert meta["format_version"] == ("5" if precision == "int4" else "4")
+    back, back_meta = codec.decode(loaded, meta)
+    assert back.precision == back_meta.precision == precision
+    assert all(torch.equal(a, b) for a, b in zip(back.layers[1].keys, cache.layers[1].keys, strict=True))
+
+
+def test_a_file_of_an_unknown_format_version_is_refused(tmp_path, model, monkeypatch):
+    store = Store(tmp_path)
+    cache = _cache(model)
+    cache.quantize(GROUP, 0, 4)
+    tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
+    monkeypatch.setattr(codec, "INT4_FORMAT_VERSION", "6")
+    with store.begin("c") as pending:
+        pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
+        pending.commit(model="default", fingerprint="fp", settings={}, stats={})
+    with pytest.raises(store_module.CacheIntegrityError, match="unsupported format version '6'"):
+        store.load_episode(store.get("c").episodes[0], "fp")
 
 
 # --------------------------------------------------------------------------- pipelines and options
@@ -236,25 +308,32 @@ def planted(tmp_path_factory):
 
 
 def _config(**cache) -> IngestConfig:
-    return IngestConfig(cache=CacheConfig(budget=96, block_size=48, quant_group=GROUP, **cache),
+    groups = {"quant_group": GROUP, "quant_group_4bit": GROUP}
+    return IngestConfig(cache=CacheConfig(budget=96, block_size=48, **groups | cache),
                         episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
 
 
+@PRECISIONS
 @pytest.mark.parametrize("heads", ["uniform", "adaptive"])
-def test_int8_ingest_stores_the_full_caches_quantized_and_answers(tmp_path, planted, tiny_lm, encoder, heads):
+def test_quantized_ingest_stores_the_full_caches_quantized_and_answers(
+    tmp_path, planted, tiny_lm, encoder, heads, precision
+):
     store = Store(tmp_path)
+    bits = {"int8": 8, "int4": 4}[precision]
     full = ingest(planted, name="full", config=_config(head_budgets=heads), store=store, lm=tiny_lm, encoder=encoder)
-    int8 = ingest(planted, name="int8", config=_config(head_budgets=heads, precision="int8"), store=store,
-                  lm=tiny_lm, encoder=encoder)  # fmt: skip
-    assert full.cache_precision == "full" and int8.cache_precision == "int8"
-    assert int8.cache_bytes < 0.6 * full.cache_bytes  # 2 bytes a number at G = 8 (4 in float32), plus positions
-    record = store.get("int8")
-    assert record.settings["cache_precision"] == "int8" and record.settings["quant_group"] == GROUP
-    for stored_full, stored_int8 in zip(store.get("full").episodes, record.episodes, strict=True):
+    quantized = ingest(planted, name="q", config=_config(head_budgets=heads, precision=precision), store=store,
+                       lm=tiny_lm, encoder=encoder)  # fmt: skip
+    assert full.cache_precision == "full" and quantized.cache_precision == precision
+    # int8: 2 bytes a number at G = 8 (4 in float32), plus positions; int4: 0.5 + 0.5 at G = 8 in float16
+    assert quantized.cache_bytes < {8: 0.6, 4: 0.35}[bits] * full.cache_bytes
+    record = store.get("q")
+    group_key = {8: "quant_group", 4: "quant_group_4bit"}[bits]
+    assert record.settings["cache_precision"] == precision and record.settings[group_key] == GROUP
+    for stored_full, stored_quantized in zip(store.get("full").episodes, record.episodes, strict=True):
         reference, _ = codec.decode(*store.load_episode(stored_full, tiny_lm.fingerprint))
-        tensors, meta = store.load_episode(stored_int8, tiny_lm.fingerprint)
-        assert meta["format_version"] == "4" and meta["precision"] == "int8"
-        reference.quantize(GROUP, CacheConfig.quant_residual)
+        tensors, meta = store.load_episode(stored_quantized, tiny_lm.fingerprint)
+        assert meta["format_version"] == {8: "4", 4: "5"}[bits] and meta["precision"] == precision
+        reference.quantize(GROUP, CacheConfig.quant_residual, bits)
         expected = codec.encode_layers(reference)
         assert all(torch.equal(expected[k], tensors[k]) for k in expected)
     session = Session(store, record, tiny_lm, encoder)
@@ -263,59 +342,75 @@ def test_int8_ingest_stores_the_full_caches_quantized_and_answers(tmp_path, plan
     assert first.answer_tokens > 0 and again.text == first.text and again.reused_cache
 
 
-def test_append_to_an_int8_conversation_continues_in_full_precision_and_stores_int8(
-    tmp_path, planted, tiny_lm, encoder
+@PRECISIONS
+def test_append_to_a_quantized_conversation_continues_in_full_precision_and_quantizes_again(
+    tmp_path, planted, tiny_lm, encoder, precision
 ):
     store = Store(tmp_path)
-    ingest(planted, name="c", config=_config(precision="int8"), store=store, lm=tiny_lm, encoder=encoder)
+    ingest(planted, name="c", config=_config(precision=precision), store=store, lm=tiny_lm, encoder=encoder)
     stored, _ = codec.decode(*store.load_episode(store.get("c").episodes[0], tiny_lm.fingerprint))
     messages, _ = planted_conversation(seed=4, topics=1, turns_per_topic=8)
     more = tmp_path / "more.json"
     more.write_text(json.dumps(messages))
     report = append(more, name="c", store=store, lm=tiny_lm, encoder=encoder)
-    assert report.cache_precision == "int8"
+    assert report.cache_precision == precision
     record = store.get("c")
-    assert record.settings["cache_precision"] == "int8" and record.settings["appended"]
+    assert record.settings["cache_precision"] == precision and record.settings["appended"]
     cache, meta = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
-    assert meta.precision == "int8" and all(isinstance(layer, QuantizedLayer) for layer in cache.layers)
+    assert meta.precision == precision and all(isinstance(layer, QuantizedLayer) for layer in cache.layers)
     assert cache.next_position > stored.next_position  # it went on past the stored history
 
 
-def test_int8_with_offload_is_refused_in_one_line():
-    with pytest.raises(UserError, match="--cache-precision int8 does not combine with --offload icecache"):
-        validate(_config(precision="int8", offload=OffloadConfig(mode="icecache")))
+@PRECISIONS
+def test_quantized_with_offload_is_refused_in_one_line(precision):
+    with pytest.raises(UserError, match=f"--cache-precision {precision} does not combine with --offload icecache"):
+        validate(_config(precision=precision, offload=OffloadConfig(mode="icecache")))
     with pytest.raises(UserError, match="unknown --cache-precision"):
-        validate(_config(precision="int4"))
+        validate(_config(precision="int2"))
+    with pytest.raises(UserError, match="group sizes"):
+        validate(_config(precision=precision, quant_group_4bit=0))
 
 
-def test_settings_round_trip_and_rebuild_command():
-    config = _config(precision="int8")
+@PRECISIONS
+def test_settings_round_trip_and_rebuild_command(precision):
+    config = _config(precision=precision, quant_group=32 if precision == "int4" else GROUP)
     stored = to_settings(config, source="/h.json")
-    assert stored["cache_precision"] == "int8" and stored["quant_residual"] == CacheConfig.quant_residual
+    assert stored["cache_precision"] == precision and stored["quant_residual"] == CacheConfig.quant_residual
+    # the group of that precision only: the other one is left at its default
+    assert ("quant_group_4bit" in stored) == (precision == "int4") != ("quant_group" in stored)
     back = from_settings(stored)
-    assert back.cache == config.cache
-    assert "--cache-precision int8" in rebuild_command("c", "default", stored)
+    other = {"quant_group": CacheConfig.quant_group} if precision == "int4" else {
+        "quant_group_4bit": CacheConfig.quant_group_4bit}  # fmt: skip
+    assert back.cache == dataclasses.replace(config.cache, **other)
+    assert f"--cache-precision {precision}" in rebuild_command("c", "default", stored)
     plain = to_settings(_config(), source="/h.json")
     assert plain["cache_precision"] == "full" and "quant_group" not in plain
     assert "--cache-precision" not in rebuild_command("c", "default", plain)
     older = {k: v for k, v in plain.items() if k != "cache_precision"}  # a store from before the option
     assert from_settings(older).cache.precision == "full"
     # a full-precision conversation stores no 8-bit settings: they come back as the defaults
-    expected = dataclasses.replace(config.cache, precision="full", quant_group=CacheConfig.quant_group)
+    defaults = CacheConfig()
+    expected = dataclasses.replace(config.cache, precision="full", quant_group=defaults.quant_group,
+                                   quant_group_4bit=defaults.quant_group_4bit)  # fmt: skip
     assert from_settings(plain).cache == expected
 
 
-def test_cli_cache_precision_option_and_json_key(tmp_path, tiny_model_dir, planted):
+@PRECISIONS
+def test_cli_cache_precision_option_and_json_key(tmp_path, tiny_model_dir, planted, precision):
     home = tmp_path / "home"
     common = ["ingest", str(planted), "--model", str(tiny_model_dir), "--budget", "80", "--block-size", "32",
               "--episodes", "2"]  # fmt: skip
-    bad = run_main(home, *common, "--cache-precision", "int4")
+    bad = run_main(home, *common, "--cache-precision", "int2")
     assert bad.returncode == 2 and "--cache-precision" in bad.stderr
-    refused = run_main(home, *common, "--cache-precision", "int8", "--offload", "icecache")
+    refused = run_main(home, *common, "--cache-precision", precision, "--offload", "icecache")
     assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0 and "--offload" in refused.stderr
-    done = run_main(home, *common, "--cache-precision", "int8", "--name", "q", "--json")
+    done = run_main(home, *common, "--cache-precision", precision, "--name", "q", "--json")
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout)["cache_precision"] == "int8"
+    assert json.loads(done.stdout)["cache_precision"] == precision
     listed = json.loads(run_main(home, "list", "--json").stdout)["conversations"][0]
     shown = json.loads(run_main(home, "show", "q", "--json").stdout)
-    assert listed["cache_precision"] == shown["cache_precision"] == shown["settings"]["cache_precision"] == "int8"
+    assert listed["cache_precision"] == shown["cache_precision"] == shown["settings"]["cache_precision"] == precision
+    asked = run_main(home, "ask", "How many tomato plants did Tom plant?", "--conversation", "q",
+                     "--max-new-tokens", "4", "--json")  # fmt: skip
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["answer_tokens"] > 0

@@ -8,7 +8,7 @@ and decode loops need:
 - `keep()` / `keep_layer()`: evict down to chosen entries per head — the one path every eviction takes,
   so an observer (`on_evict`) sees every entry that leaves (IceCache spills them to disk);
 - `checkpoint()/rollback()`: decode an answer on top of the cache, then restore it exactly;
-- `quantize()` / `dequantize()`: hold the finished cache in 8 bits (kvchat.kv.quantize) and back.
+- `quantize()` / `dequantize()`: hold the finished cache in 8 or 4 bits (kvchat.kv.quantize) and back.
 """
 
 from __future__ import annotations
@@ -171,19 +171,20 @@ class EpisodeCache(Cache):
                 reserve(extra)
 
     # --- precision ------------------------------------------------------------------------------
-    def quantize(self, group: int, residual: int) -> None:
-        """Hold every layer in 8 bits (`QuantizedLayer`: key groups of `group` tokens, each head's last
+    def quantize(self, group: int, residual: int, bits: int = 8) -> None:
+        """Hold every layer in `bits` (8 or 4; `QuantizedLayer`: key groups of `group` tokens, each head's last
         `residual` entries or more in full precision); the cache then answers but is not evicted from."""
-        self.layers[:] = [QuantizedLayer.of(layer, group, residual) for layer in self.layers]
+        self.layers[:] = [QuantizedLayer.of(layer, group, residual, bits) for layer in self.layers]
 
     def dequantize(self) -> None:
-        """Every 8-bit layer back in full precision (to continue a prefill: `ingest --append`)."""
+        """Every quantized layer back in full precision (to continue a prefill: `ingest --append`)."""
         self.layers[:] = [layer.dequantized() if isinstance(layer, QuantizedLayer) else layer for layer in self.layers]
 
     @property
     def precision(self) -> str:
-        """int8 when the layers are held in 8 bits, else full."""
-        return "int8" if any(isinstance(layer, QuantizedLayer) for layer in self.layers) else "full"
+        """int8 or int4 when the layers are held in 8 or 4 bits, else full."""
+        bits = [layer.bits for layer in self.layers if isinstance(layer, QuantizedLayer)]
+        return f"int{bits[0]}" if bits else "full"
 
     def nbytes(self) -> int:
         """Bytes of the kept keys and values (positions not counted)."""

@@ -16,6 +16,9 @@ An episode file is a safetensors file (never pickle). Per layer l:
   (ragged: `[sum q_h / G, D]`); values per token, `vs.{l}`, `vz.{l}` `[kv_heads, q, D / g]` (ragged:
   `[sum q_h, D / g]`), g the value group. Scales and minima are float32; a number is `code * scale + min`.
   G and g are read from the shapes; metadata `precision` says "int8".
+- 4-bit layer (`--cache-precision int4`): the same tensors, with metadata `precision` "int4" (which says the
+  bits), the codes `kq.{l}`, `vq.{l}` packed two per byte (uint8 `[..., D / 2]`: channel 2j in the low nibble,
+  2j + 1 in the high one, codes 0..15) and scales and minima float16.
 
 Latent memory (IndexMem, kvchat.kv.latent), when the cache has one: per layer l, `mem.m.{l}`
 `[kv_heads, d_mem, head_dim]` and `mem.b.{l}` `[kv_heads, d_mem]` float32 (the fast state), `mem.phi.{l}`
@@ -32,7 +35,10 @@ Format versions (metadata `format_version`):
 - "2": as "1", plus ragged layers. A "1" file is a "2" file without ragged layers.
 - "3": as "2", plus an optional latent memory.
 - "4": as "3", plus 8-bit layers and the `precision` metadata entry (absent: full precision).
-kvchat writes `FORMAT_VERSION` and reads `READABLE_FORMAT_VERSIONS`. The store (kvchat.store) stamps the
+- "5": as "4", plus 4-bit layers (`precision` "int4").
+kvchat writes the oldest version that describes a file (`format_version`): "5" for 4-bit caches only, else
+`FORMAT_VERSION` ("4"), so full and 8-bit files stay readable by kvchat before 4 bits; it reads
+`READABLE_FORMAT_VERSIONS`. The store (kvchat.store) stamps the
 version on every file it writes and refuses unreadable versions and foreign model fingerprints before a
 tensor is allocated; everything about the content is decoded here.
 
@@ -52,12 +58,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvchat.kv.quantize import PRECISION_BITS, SCALE_DTYPES, QuantizedEntries
+
 if TYPE_CHECKING:
     from kvchat.kv.cache import EpisodeCache
     from kvchat.kv.layers import CacheLayer
 
-FORMAT_VERSION = "4"  # written
-READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4")
+FORMAT_VERSION = "4"  # written for full-precision and 8-bit caches
+INT4_FORMAT_VERSION = "5"  # written for 4-bit caches
+READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4", "5")
+
+
+def format_version(metadata: dict[str, str]) -> str:
+    """The version a file of this metadata is stamped with (the store stamps it): the oldest that reads it."""
+    return INT4_FORMAT_VERSION if metadata.get("precision") == "int4" else FORMAT_VERSION
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,7 @@ class EpisodeMeta:
     next_position: int          # logical position of the next token fed after the history
     protected: int              # leading entries of every head (the system prompt) never evicted
     budgets: tuple[int, ...] = ()  # per layer, kept entries per KV head (ragged: the mean, rounded up)
-    precision: str = "full"     # full | int8 (8-bit layers; format "4")
+    precision: str = "full"     # full | int8 (8-bit layers; format "4") | int4 (4-bit layers; format "5")
 
     def to_metadata(self) -> dict[str, str]:
         return {
@@ -132,7 +146,9 @@ def decode(
     tensors or metadata do not describe one."""
     meta = EpisodeMeta.from_metadata(metadata)
     layers = {k: _placed(v, k, dtype, device) for k, v in tensors.items() if not k.startswith("mem.")}
-    cache = decode_layers(layers, next_position=meta.next_position, protected=meta.protected)
+    cache = decode_layers(
+        layers, next_position=meta.next_position, protected=meta.protected, bits=PRECISION_BITS.get(meta.precision, 8)
+    )
     if cache.precision != meta.precision:
         raise ValueError(f"metadata says {meta.precision} precision, the layers are {cache.precision}")
     if "memory" in metadata:
@@ -198,15 +214,17 @@ def encode_layers(cache: EpisodeCache) -> dict[str, torch.Tensor]:
     return out
 
 
-def decode_layers(tensors: dict[str, torch.Tensor], *, next_position: int, protected: int) -> EpisodeCache:
-    """The inverse of `encode_layers`; a layer with a `len.{l}` tensor is ragged. Raises ValueError when the
-    tensors do not describe a cache."""
+def decode_layers(
+    tensors: dict[str, torch.Tensor], *, next_position: int, protected: int, bits: int = 8
+) -> EpisodeCache:
+    """The inverse of `encode_layers`; a layer with a `len.{l}` tensor is ragged, one with `qlen.{l}` quantized
+    in `bits` (the metadata's `precision`). Raises ValueError when the tensors do not describe a cache."""
     num_layers = sum(1 for name in tensors if name.startswith("k."))
     if any(f"{n}.{i}" not in tensors for i in range(num_layers) for n in ("k", "v", "pos")):
         raise ValueError(f"cache tensors are incomplete: {sorted(tensors)}")
     from kvchat.kv.cache import EpisodeCache  # transformers, only when a cache is built (module docstring)
 
-    layers = [_decode_layer(tensors, i) for i in range(num_layers)]
+    layers = [_decode_layer(tensors, i, bits) for i in range(num_layers)]
     return EpisodeCache.of_layers(layers, next_position=next_position, protected=protected)
 
 
@@ -246,11 +264,11 @@ def _encode_quantized(layer, i: int) -> dict[str, torch.Tensor]:
     }  # fmt: skip
 
 
-def _decode_layer(tensors: dict[str, torch.Tensor], i: int) -> CacheLayer:
+def _decode_layer(tensors: dict[str, torch.Tensor], i: int, bits: int) -> CacheLayer:
     keys, values, positions = (tensors[f"{n}.{i}"] for n in ("k", "v", "pos"))
     lengths = tensors.get(f"len.{i}")
     if f"qlen.{i}" in tensors:
-        return _decode_quantized(tensors, i, keys, values, positions, lengths)
+        return _decode_quantized(tensors, i, keys, values, positions, lengths, bits)
     return _full_layer(i, keys, values, positions.to(torch.long), lengths)
 
 
@@ -281,21 +299,26 @@ def _full_layer(
 
 def _decode_quantized(
     tensors: dict[str, torch.Tensor], i: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-    lengths: torch.Tensor | None,
+    lengths: torch.Tensor | None, bits: int,
 ) -> CacheLayer:
-    """An 8-bit layer (the module docstring's layout); raises ValueError when its tensors do not fit together."""
+    """An 8- or 4-bit layer (the module docstring's layout); raises ValueError when its tensors do not fit
+    together."""
     from kvchat.kv.layers import QuantizedLayer
-    from kvchat.kv.quantize import QuantizedEntries
 
     try:
         body = [tensors[f"{name}.{i}"] for name in _QUANTIZED]
     except KeyError as e:
-        raise ValueError(f"layer {i}: 8-bit tensors are incomplete: no {e.args[0]}") from None
+        raise ValueError(f"layer {i}: {bits}-bit tensors are incomplete: no {e.args[0]}") from None
     quantized = [int(n) for n in tensors[f"qlen.{i}"].tolist()]
-    if body[0].dtype != torch.uint8 or body[3].dtype != torch.uint8 or min(quantized, default=-1) < 0:
-        raise ValueError(f"layer {i}: 8-bit codes must be uint8 and lengths >= 0 (got {quantized})")
+    scale_dtype = SCALE_DTYPES[bits]
+    if (
+        body[0].dtype != torch.uint8 or body[3].dtype != torch.uint8 or min(quantized, default=-1) < 0
+        or any(t.dtype != scale_dtype for t in (body[1], body[2], body[4], body[5]))
+    ):
+        raise ValueError(f"layer {i}: {bits}-bit codes must be uint8, scales and minima {scale_dtype} and lengths "
+                         f">= 0 (got {quantized})")  # fmt: skip
     if any(t.dim() < 2 for t in body):
-        raise ValueError(f"layer {i}: 8-bit tensors of shapes {[list(t.shape) for t in body]}")
+        raise ValueError(f"layer {i}: {bits}-bit tensors of shapes {[list(t.shape) for t in body]}")
     groups = body[1].shape[-2]
     key_group = body[0].shape[-2] // groups if groups else 0
     positions = positions.to(torch.long)
@@ -305,8 +328,8 @@ def _decode_quantized(
             if len(set(quantized)) > 1:
                 raise ValueError(f"layer {i}: per-head 8-bit lengths {quantized} in a uniform layer")
             residual = _full_layer(i, keys, values, positions[:, q:], None)
-            entries = QuantizedEntries(*body, keys.dtype)
-            _check_entries(entries, (len(quantized), q), key_group, f"layer {i}")
+            entries = QuantizedEntries(*body, keys.dtype, bits)
+            _check_entries(entries, (len(quantized), q), key_group, keys.shape[-1], f"layer {i}")
             return QuantizedLayer(entries, positions[:, :q], residual)
         totals = [int(n) for n in lengths.tolist()]
         if len(totals) != len(quantized) or any(q > n for q, n in zip(quantized, totals, strict=True)):
@@ -319,27 +342,30 @@ def _decode_quantized(
         key_rows = [q // key_group if key_group else 0 for q in quantized]
         splits = [quantized, key_rows, key_rows, quantized, quantized, quantized]
         heads = [
-            QuantizedEntries(*parts, keys.dtype)
+            QuantizedEntries(*parts, keys.dtype, bits)
             for parts in zip(*(t.split(n) for t, n in zip(body, splits, strict=True)), strict=True)
         ]
         for h, (entries, q) in enumerate(zip(heads, quantized, strict=True)):
-            _check_entries(entries, (q,), key_group, f"layer {i} head {h}")
+            _check_entries(entries, (q,), key_group, keys.shape[-1], f"layer {i} head {h}")
         return QuantizedLayer(heads, [p[:q] for p, q in zip(per_head, quantized, strict=True)], residual)
     except (RuntimeError, IndexError) as e:
-        raise ValueError(f"layer {i}: 8-bit tensors do not fit together ({e})") from None
+        raise ValueError(f"layer {i}: {bits}-bit tensors do not fit together ({e})") from None
 
 
-def _check_entries(entries, lead: tuple[int, ...], key_group: int, where: str) -> None:
-    """The shapes of `entries` holding `lead` (`(heads, q)` or `(q,)`) entries in key groups of `key_group`."""
+def _check_entries(entries, lead: tuple[int, ...], key_group: int, dim: int, where: str) -> None:
+    """The shapes of `entries` holding `lead` (`(heads, q)` or `(q,)`) entries of dimension `dim` (the
+    residual's) in key groups of `key_group`; 4-bit codes packed, `dim / 2` bytes a row."""
     *heads, q = lead
-    dim = entries.key_codes.shape[-1]
+    width = dim * entries.bits // 8
     vgroups = entries.value_scale.shape[-1]
     key_rows = q // key_group if key_group else 0
+    if width * 8 != dim * entries.bits:
+        raise ValueError(f"{where}: a head dimension of {dim} cannot be packed in {entries.bits} bits")
     expected = {
-        "key codes": (entries.key_codes, (*heads, q, dim)),
+        "key codes": (entries.key_codes, (*heads, q, width)),
         "key scales": (entries.key_scale, (*heads, key_rows, dim)),
         "key minima": (entries.key_min, (*heads, key_rows, dim)),
-        "value codes": (entries.value_codes, (*heads, q, dim)),
+        "value codes": (entries.value_codes, (*heads, q, width)),
         "value scales": (entries.value_scale, (*heads, q, vgroups)),
         "value minima": (entries.value_min, (*heads, q, vgroups)),
     }

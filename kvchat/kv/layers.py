@@ -13,9 +13,9 @@ position of each entry. They differ in layout:
   pages, so kvchat's attention adds each head's retrieved entries (kvchat.kv.retrieval). Never evicted
   from nor written to an episode file: its pages live in the pages file (kvchat.kv.pagefile).
 
-- `QuantizedLayer` (`--cache-precision int8`, answering only): a uniform or ragged layer whose entries are held
-  in 8 bits (kvchat.kv.quantize: keys per channel, values per token) except a full-precision residual of the
-  last ones, to which answering appends; attention gets the entries dequantized at every forward.
+- `QuantizedLayer` (`--cache-precision int8|int4`, answering only): a uniform or ragged layer whose entries are
+  held in 8 or 4 bits (kvchat.kv.quantize: keys per channel, values per token) except a full-precision residual
+  of the last ones, to which answering appends; attention gets the entries dequantized at every forward.
 
 A new layout is one more class implementing `CacheLayer`, plus its encoding in kvchat.kv.codec (see
 ARCHITECTURE.md, "Adding a layer type").
@@ -398,14 +398,15 @@ class PagedLayer(RaggedLayer):
 
 
 class QuantizedLayer(DynamicLayer):
-    """A layer's entries in 8 bits (`--cache-precision int8`), each head's last ones in full precision.
+    """A layer's entries in 8 or 4 bits (`--cache-precision int8|int4`, `bits`), each head's last ones in full
+    precision.
 
     Per KV head, the first `quantized[h]` entries (whole key groups, kvchat.kv.quantize) are `QuantizedEntries`
     and the rest, `residual`, a `UniformLayer` or `RaggedLayer` of full-precision entries: the history's last
     tokens that fill no group (or were kept as KIVI's residual), then whatever a question and its answer
-    append. `keys`/`values` dequantize the 8-bit part at every access, into one tensor with the residual, in
+    append. `keys`/`values` dequantize the quantized part at every access, into one tensor with the residual, in
     the layout of the residual (a `[1, kv_heads, n, D]` tensor, or a `HeadList`), so attention is unchanged.
-    Rolling back truncates the residual only: the 8-bit part is never written after it is built, so a
+    Rolling back truncates the residual only: the quantized part is never written after it is built, so a
     rollback restores the layer exactly. Not evicted from (`dequantized()` gives a full-precision layer to
     continue a prefill with).
     """
@@ -417,21 +418,21 @@ class QuantizedLayer(DynamicLayer):
         self.ragged = residual.ragged
         uniform = isinstance(body, QuantizedEntries)
         first = body if uniform else body[0]
-        self.dtype, self.device = first.dtype, first.key_codes.device
-        # Entries of each head held in 8 bits: fixed once built (answering appends to the residual only).
+        self.dtype, self.device, self.bits = first.dtype, first.key_codes.device, first.bits
+        # Entries of each head held in `bits`: fixed once built (answering appends to the residual only).
         self.quantized: tuple[int, ...] = (
             (body.length,) * body.key_codes.shape[0] if uniform else tuple(b.length for b in body)
         )
         self.is_initialized = True
 
     @classmethod
-    def of(cls, layer: UniformLayer | RaggedLayer, group: int, residual: int) -> QuantizedLayer:
-        """`layer`'s entries quantized in key groups of `group` tokens, each head's last `residual` or more in
-        full precision (kvchat.kv.quantize.quantized_length)."""
+    def of(cls, layer: UniformLayer | RaggedLayer, group: int, residual: int, bits: int = 8) -> QuantizedLayer:
+        """`layer`'s entries quantized in `bits` in key groups of `group` tokens, each head's last `residual` or
+        more in full precision (kvchat.kv.quantize.quantized_length)."""
         if isinstance(layer, RaggedLayer):
             counts = [quantized_length(n, group, residual) for n in layer.lengths]
             body = tuple(
-                QuantizedEntries.quantize(k[0, 0, :q], v[0, 0, :q], group)
+                QuantizedEntries.quantize(k[0, 0, :q], v[0, 0, :q], group, bits)
                 for k, v, q in zip(layer.keys, layer.values, counts, strict=True)
             )
             # copies, not views: the full-precision tensors are freed once the layer is replaced
@@ -441,7 +442,7 @@ class QuantizedLayer(DynamicLayer):
                 [p[q:].clone() for p, q in zip(layer.positions, counts, strict=True)],
             ))  # fmt: skip
         q = quantized_length(layer.size, group, residual)
-        body = QuantizedEntries.quantize(layer.keys[0, :, :q], layer.values[0, :, :q], group)
+        body = QuantizedEntries.quantize(layer.keys[0, :, :q], layer.values[0, :, :q], group, bits)
         rest = UniformLayer.of(
             layer.keys[:, :, q:].clone(), layer.values[:, :, q:].clone(), layer.positions[:, q:].clone()
         )
@@ -451,7 +452,7 @@ class QuantizedLayer(DynamicLayer):
         raise RuntimeError("a quantized layer is built from existing entries")
 
     def __copy__(self) -> QuantizedLayer:
-        """Sharing the 8-bit entries (never changed) but not the residual, which answering appends to."""
+        """Sharing the quantized entries (never changed) but not the residual, which answering appends to."""
         return QuantizedLayer(self.body, self.body_positions, copy.copy(self.residual))
 
     # --- what attention sees ------------------------------------------------------------------------
@@ -464,7 +465,7 @@ class QuantizedLayer(DynamicLayer):
         return self._joined(self.residual.values, QuantizedEntries.values_into)
 
     def _joined(self, tail, dequantize) -> torch.Tensor | HeadList:
-        """The 8-bit entries dequantized, then `tail` (the residual's, in its layout), in one new tensor per
+        """The quantized entries dequantized, then `tail` (the residual's, in its layout), in one new tensor per
         layer (uniform) or per head (ragged)."""
         if isinstance(self.body, QuantizedEntries):
             q = self.body.length
@@ -508,7 +509,7 @@ class QuantizedLayer(DynamicLayer):
         """Keep each head's first `lengths[h]` entries; only full-precision entries may go (a rollback)."""
         rest = [n - q for n, q in zip(lengths, self.quantized, strict=True)]
         if min(rest, default=0) < 0:
-            raise ValueError("a rollback cannot drop entries held in 8 bits")
+            raise ValueError(f"a rollback cannot drop entries held in {self.bits} bits")
         self.residual.truncate_heads(rest)
 
     @property

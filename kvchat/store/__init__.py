@@ -49,7 +49,7 @@ import sqlite_utils
 import torch
 
 from kvchat.errors import CacheIntegrityError, KvchatError, UserError
-from kvchat.kv.codec import FORMAT_VERSION, READABLE_FORMAT_VERSIONS  # stamped and checked here
+from kvchat.kv.codec import READABLE_FORMAT_VERSIONS, format_version  # stamped and checked here
 from kvchat.kv.tensorfile import map_tensors
 from kvchat.settings import rebuild_command
 from kvchat.store import recovery
@@ -821,7 +821,7 @@ class PendingConversation:
             raise ValueError("episode metadata keys and values must be str")
         if "fingerprint" not in metadata:
             raise ValueError("episode metadata must include the model 'fingerprint'")
-        meta = {**metadata, "format_version": FORMAT_VERSION}
+        meta = {**metadata, "format_version": format_version(metadata)}
         path = self._tmp / f"{index}{_SUFFIX}"
         cpu = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
         data = safetensors.torch.save(cpu, metadata=meta)
