@@ -829,14 +829,10 @@ def train_indexer_command(
     for path in data or []:
         if not path.is_file():
             raise UserError(f"{path}: no such file")
+    config = TrainConfig(stage=stage, steps=steps, train_chunks=chunks, chunk_tokens=chunk_tokens, seed=seed,
+                         memory_budgets=_int_list(memory_budgets, "--memory-budgets"))
     store = _store()
     lm = _model(model, store, trust_remote_code, threads, DeviceConfig(device, dtype))
-    try:
-        budgets = tuple(int(b) for b in memory_budgets.split(","))
-    except ValueError:
-        raise UserError(f"--memory-budgets takes integers separated by commas (got {memory_budgets!r})") from None
-    config = TrainConfig(stage=stage, steps=steps, train_chunks=chunks, chunk_tokens=chunk_tokens, seed=seed,
-                         memory_budgets=budgets)
     target = out_file or default_out(store.home, lm)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
