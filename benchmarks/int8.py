@@ -164,10 +164,15 @@ def decode_speed(lm: LoadedModel, caches: dict[str, EpisodeCache], tokens: int, 
     return {key: tokens / statistics.median(t) for key, t in times.items()}
 
 
+def _label(setting) -> str:
+    """`full`, or the precision with its (group, residual)."""
+    return "full" if setting == FULL else f"{setting[0]} ({setting[1]}, {setting[2]})"
+
+
 def _pooled(results: dict, setting) -> str:
     answers = [a for result in results.values() for a in result[setting]["answers"]]
     agreement = statistics.mean(a["agreement"] for a in answers)
-    return (f"{setting[0]} ({setting[1]}, {setting[2]}) KL {statistics.mean(a['kl'] for a in answers):.5f}, first "
+    return (f"{_label(setting)} KL {statistics.mean(a['kl'] for a in answers):.5f}, first "
             f"token {statistics.mean(a['first_token'] for a in answers):.1%}, answer agreement {agreement:.1%} "
             f"(loss {1 - agreement:.1%})")  # fmt: skip
 
@@ -210,7 +215,7 @@ def main() -> None:
         speed = None
         if args.speed:
             first = results[sets[0].name]
-            caches = {s[0]: first["cache_of"](first["speed_episode"], s) for s in settings}
+            caches = {_label(s): first["cache_of"](first["speed_episode"], s) for s in settings}
             speed = decode_speed(lm, caches, args.speed_tokens, args.speed_rounds)
     lines = [
         f"## quantized caches vs full precision ({dt.date.today()}, {platform.machine()}, torch {torch.__version__}, "
@@ -232,9 +237,8 @@ def main() -> None:
             file_mean, resident_mean = statistics.mean(files), statistics.mean(resident)
             base_file = base_file or (file_mean, resident_mean, statistics.mean(b[3] for b in r["bytes"].values()))
             answers = r["answers"]
-            label = "full" if setting == FULL else f"{setting[0]} ({setting[1]}, {setting[2]})"
             lines.append(
-                f"| {name} | {label} | {file_mean:,.0f} | {resident_mean:,.0f} | "
+                f"| {name} | {_label(setting)} | {file_mean:,.0f} | {resident_mean:,.0f} | "
                 f"{file_mean / base_file[0]:.1%} / {resident_mean / base_file[1]:.1%} | "
                 f"{statistics.mean(b[3] for b in r['bytes'].values()) / base_file[2]:.1%} / "
                 f"{statistics.mean(b[2] for b in r['bytes'].values()):.1%} | "
