@@ -51,7 +51,8 @@ import time
 from pathlib import Path
 
 import torch
-from decode_speed import BLOCK, BUDGET, DATA, inputs, kvchat_rate  # benchmarks/ is on sys.path
+from core_loop import cpu_name  # benchmarks/ is on sys.path
+from decode_speed import BLOCK, BUDGET, DATA, inputs, kvchat_rate
 
 from kvchat.config import SYSTEM_PROMPT, default_home
 from kvchat.int8_weights import quantize_linears
@@ -270,13 +271,6 @@ def compare(rows: list[dict]) -> None:
         floats = references.get("float")
         if row["weights"] != "float" and floats is not None and Path(floats["logits_file"]).is_file():
             row["max_logit_diff_float"] = float((ours - torch.load(floats["logits_file"])).abs().max())
-
-
-def cpu_name() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or "unknown CPU"
 
 
 def compile_seconds(row: dict, tokens: int) -> float:
