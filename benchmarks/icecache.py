@@ -47,7 +47,7 @@ from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.pagefile import open_pages
 from kvchat.kv.prefill import block_prefill, keep_sink_and_window
-from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, attach_pages
+from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import SpillWriter
 from kvchat.llm import ChatLayout, load_model
@@ -89,7 +89,7 @@ def _paged(cache: EpisodeCache, spill: SpillWriter, path: Path, retrieve: int, r
     centroids and a full pool (R entries per layer and KV head, keys and values, at the pages' dtype)."""
     spill.write_pages(path)
     pages = open_pages(path)
-    attach_pages(cache, pages, budget=retrieve, scorer=PAGE_SCORERS["two-stage"], refresh=refresh)
+    attach_pages(cache, pages, budget=retrieve, scorer=page_scorer(OffloadConfig.scorer, OffloadConfig.candidates), refresh=refresh)
     tables = sum(h.centroids.nbytes + h.lengths.nbytes for layer in pages for h in layer)
     pool = sum(min(retrieve, h.num_entries) * h.keys.shape[-1] * 2 * h.keys.element_size()
                for layer in pages for h in layer)  # fmt: skip
