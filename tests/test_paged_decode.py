@@ -125,11 +125,12 @@ def _paged_cache(directory: Path, model, prefix, context, paged_decode: bool, **
     return cache
 
 
-def _answer_logits(model, cache, question, steps):
+def _answer_logits(model, cache, question, steps, before_rollback=lambda: None):
     mark = cache.checkpoint()
     logits = [forward(model, cache, question)[0, -1]]
     for _ in range(steps):
         logits.append(forward(model, cache, logits[-1].argmax().view(1, 1))[0, -1])
+    before_rollback()
     cache.rollback(mark)
     return logits
 
@@ -148,7 +149,13 @@ def test_an_offload_episode_answers_through_the_paged_decode_as_through_the_ragg
     assert all(layer.pool.paged is None for layer in today.layers if isinstance(layer, PagedLayer))
     for question in (_ids(7, 3), _ids(6, 4)):
         want = _answer_logits(model, today, question, steps=ROOM // 8)
-        got = _answer_logits(model, paged, question, steps=ROOM // 8)
+        held: list[torch.Tensor | None] = []
+
+        def look(held=held):
+            held.extend(layer.pool.paged.slots.keys for layer in layers)
+
+        got = _answer_logits(model, paged, question, steps=ROOM // 8, before_rollback=look)
+        assert held and all(keys is not None for keys in held)  # the answer's decode went through the slots
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert all(layer.pool.paged.slots.keys is None for layer in layers)  # rollback freed the slots
