@@ -23,7 +23,9 @@ KV head plus a pool that retrieves each head's offloaded pages for the current q
 does not depend on the order of its keys, so the retrieved entries are placed between each head's cached
 entries and the forward's own tokens and the ragged path attends over them: cached and retrieved entries
 visible to every new token, new tokens causal. Retrieved keys carry the RoPE rotation of their original
-positions, like resident ones, so nothing is re-rotated.
+positions, like resident ones, so nothing is re-rotated. A decode token of a pool that has a paged decode
+(`PageSource.paged_decode`: flashinfer's paged decode where it runs, kvchat.kv.paged_decode) attends through
+it instead, over a slot buffer kept up to date rather than entries concatenated at every step.
 """
 
 from __future__ import annotations
@@ -60,6 +62,19 @@ class PageSource(Protocol):
     `clear` (kvchat.kv.retrieval.PagePool)."""
 
     def retrieved(self, query: torch.Tensor, scale: float | None = None) -> Sequence[Retrieved]: ...
+
+    def paged_decode(
+        self,
+        query: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        retrieved: Sequence[Retrieved],
+        scale: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor | None:
+        """One decode token's attention `[1, 1, q_heads, D]` over the cached and `retrieved` entries as one
+        paged decode (kvchat.kv.paged_decode), or None: the ragged path attends."""
+        ...
 
     def clear(self) -> None: ...
 
@@ -215,7 +230,13 @@ def kvchat_attention(
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     if isinstance(key, PagedKeys):
-        key, value = with_retrieved(key, value, key.pool.retrieved(query, scaling), query.shape[2])
+        retrieved = key.pool.retrieved(query, scaling)
+        if query.shape[2] == 1 and attention_mask is None and kvchat_recorder is None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out = key.pool.paged_decode(query, key, value, retrieved, scale, softcap)
+            if out is not None:
+                return _with_memory(out, module, query, kvchat_memory), None
+        key, value = with_retrieved(key, value, retrieved, query.shape[2])
     if isinstance(key, HeadList):
         out, _ = _ragged_attention(
             module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden, softcap
