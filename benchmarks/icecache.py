@@ -2,7 +2,7 @@
 answer quality against full KV, plain EpiCache at the same resident size and SnapKV.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache.py speed [--tokens 8000] [--out PATH]
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache.py quality [--study table|planted]
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache.py quality [--study table|resident|planted]
         [--planted 2] [--locomo F ...] [--results JSONL]
 
 `speed`: one history of `--tokens` tokens (planted-fact conversations concatenated, as core_loop.py),
@@ -22,6 +22,8 @@ resident cache and evidence recalled (resident or retrieved). `--study table`: e
 (window W), epicache@(M+W) + offload without window, epicache@(M+W+R), snapkv@(M+W+R), full + offload.
 `--study planted` (run on planted facts only: the choices are made there, never on LoCoMo): the window at
 equal resident entries and on top of M, layers 0-1 kept whole, the two-stage scorer's candidates.
+`--study resident`: SnapKV and EpiCache without offload at M + W, the entries the offload variants hold in
+memory (the issue's "same resident size").
 
 Progress goes to stderr; a markdown section goes to stdout and to `--out`.
 """
@@ -191,8 +193,9 @@ def speed(args: argparse.Namespace) -> str:
 def quality_variants(study: str, m: int, r: int, w: int) -> list:
     """`table`: the issue's comparison at equal resident + read entries (EpiCache at M with IceCache on top,
     M + W resident and R read; EpiCache and SnapKV at M + W + R; full KV paged past sink and window).
-    `planted`: the choices decided on planted facts (the window at equal resident entries and on top of M,
-    layers 0-1 whole, the two-stage scorer's candidates)."""
+    `resident`: SnapKV and EpiCache without offload at the resident size M + W (the entries IceCache holds
+    in memory; it reads R more per question). `planted`: the choices decided on planted facts (the window at
+    equal resident entries and on top of M, layers 0-1 whole, the two-stage scorer's candidates)."""
     from kvchat import evaluate
 
     def variant(method: str, budget: int = 1024, **offload) -> evaluate.Variant:
@@ -206,6 +209,8 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
     if study == "table":
         return [variant("epicache", m), variant("epicache", m + w, window=0), plain("epicache", m + w + r),
                 plain("snapkv", m + w + r), variant("full")]  # fmt: skip
+    if study == "resident":  # the issue's own comparison: eviction holding what IceCache holds in memory
+        return [plain("snapkv", m + w), plain("epicache", m + w)]
     return [
         variant("epicache", m + w, window=0),
         variant("epicache", m),
@@ -276,8 +281,9 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32, help="speed: forced tokens per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="speed: rounds (median)")
     parser.add_argument("--window", type=int, default=OffloadConfig.window, help="W: resident recent window")
-    parser.add_argument("--study", choices=("table", "planted", "planted-all"), default="table",
-                        help="quality: which variants (planted-all adds candidates=8 and M without the window)")
+    parser.add_argument("--study", choices=("table", "resident", "planted", "planted-all"), default="table",
+                        help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; "
+                        "planted-all adds candidates=8 and M without the window)")
     parser.add_argument("--planted", type=int, default=2, help="quality: planted-fact conversations")
     parser.add_argument("--locomo", type=Path, nargs="*", default=[], help="quality: LoCoMo files")
     parser.add_argument("--max-context", type=int, default=4000, help="quality: history tokens kept")
