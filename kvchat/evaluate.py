@@ -39,6 +39,7 @@ from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
 from kvchat.ingest import IngestProgress, ingest
 from kvchat.kv import codec
+from kvchat.kv.attention import LayerView
 from kvchat.llm import LoadedModel
 from kvchat.qa import (
     CATEGORIES,
@@ -359,7 +360,7 @@ class _LastQueryAttention:
     query_rows: int | None = 1
     weights: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
 
-    def record(self, view) -> None:
+    def record(self, view: LayerView) -> None:
         self.weights[view.layer_idx] = view.weights[:, :, -1, : view.past].sum(dim=1).float().cpu()
 
     def on_positions(self, heads: Sequence[torch.Tensor], evidence: torch.Tensor) -> torch.Tensor | None:
