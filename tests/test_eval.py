@@ -208,10 +208,10 @@ def test_last_query_attention_sums_the_group_over_the_last_query_and_maps_cache_
     recorder = _LastQueryAttention()
     # one layer, 2 KV heads x 2 query heads, 2 query rows (only the last counts), 3 cached + 2 new columns
     weights = torch.zeros(2, 2, 2, 5)
-    weights[:, :, 0, :3] = 9.0                            # an earlier query row: ignored
+    weights[:, :, 0, :3] = 9.0  # an earlier query row: ignored
     weights[0, :, 1, :3] = torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.2, 0.1]])
     weights[1, :, 1, :3] = torch.tensor([[0.5, 0.0, 0.0], [0.1, 0.1, 0.1]])
-    weights[:, :, 1, 3:] = 7.0                            # the forward's own tokens: not cached entries
+    weights[:, :, 1, 3:] = 7.0  # the forward's own tokens: not cached entries
     recorder.record(LayerView(0, weights, 3, torch.zeros(1, 4, 1, 8)))
     heads = [torch.tensor([0, 6, 2]), torch.tensor([2, 0, 6])]  # cache order differs per head
     got = recorder.on_positions(heads, torch.tensor([6, 2, 9]))
