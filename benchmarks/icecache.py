@@ -2,7 +2,7 @@
 answer quality against full KV, plain EpiCache at the same resident size and SnapKV.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache.py speed [--tokens 8000] [--out PATH]
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache.py quality [--study table|planted]
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache.py quality [--study table|resident|planted]
         [--planted 2] [--locomo F ...] [--results JSONL]
 
 `speed`: one history of `--tokens` tokens (planted-fact conversations concatenated, as core_loop.py),
@@ -18,10 +18,13 @@ kept (no retrieval after the question).
 
 `quality`: `kvchat eval` (kvchat.evaluate) on planted-fact conversations and LoCoMo files cut to
 `--max-context` tokens: first-token KL and answer agreement with full KV, gold F1, evidence kept by the
-resident cache and evidence recalled (resident or retrieved). `--study table`: epicache@M + offload
-(window W), epicache@(M+W) + offload without window, epicache@(M+W+R), snapkv@(M+W+R), full + offload.
+resident cache, evidence recalled (resident or retrieved) and the share of full KV's attention on the
+evidence that those entries carry. `--study table`: epicache@M + offload (window W), epicache@(M+W) +
+offload without window, epicache@(M+W+R), snapkv@(M+W+R), epicache@(M+W), snapkv@(M+W), full + offload.
 `--study planted` (run on planted facts only: the choices are made there, never on LoCoMo): the window at
 equal resident entries and on top of M, layers 0-1 kept whole, the two-stage scorer's candidates.
+`--study resident`: SnapKV and EpiCache without offload at M + W, the entries the offload variants hold in
+memory (the issue's "same resident size").
 
 Progress goes to stderr; a markdown section goes to stdout and to `--out`.
 """
@@ -189,10 +192,12 @@ def speed(args: argparse.Namespace) -> str:
 
 
 def quality_variants(study: str, m: int, r: int, w: int) -> list:
-    """`table`: the issue's comparison at equal resident + read entries (EpiCache at M with IceCache on top,
-    M + W resident and R read; EpiCache and SnapKV at M + W + R; full KV paged past sink and window).
-    `planted`: the choices decided on planted facts (the window at equal resident entries and on top of M,
-    layers 0-1 whole, the two-stage scorer's candidates)."""
+    """`table`: EpiCache at M with IceCache on top (M + W resident and R read); EpiCache and SnapKV at
+    M + W + R (the same entries attended) and at M + W (the same resident size, the issue's comparison);
+    full KV paged past sink and window.
+    `resident`: SnapKV and EpiCache without offload at the resident size M + W (the entries IceCache holds
+    in memory; it reads R more per question). `planted`: the choices decided on planted facts (the window at
+    equal resident entries and on top of M, layers 0-1 whole, the two-stage scorer's candidates)."""
     from kvchat import evaluate
 
     def variant(method: str, budget: int = 1024, **offload) -> evaluate.Variant:
@@ -203,9 +208,12 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
     def plain(method: str, budget: int) -> evaluate.Variant:
         return evaluate.Variant(CacheConfig(method=method, budget=budget, block_size=256, prefill="block"))
 
+    resident = [plain("snapkv", m + w), plain("epicache", m + w)]  # what the offload variants hold in memory
     if study == "table":
         return [variant("epicache", m), variant("epicache", m + w, window=0), plain("epicache", m + w + r),
-                plain("snapkv", m + w + r), variant("full")]  # fmt: skip
+                plain("snapkv", m + w + r), *resident, variant("full")]  # fmt: skip
+    if study == "resident":  # the issue's own comparison: eviction holding what IceCache holds in memory
+        return resident
     return [
         variant("epicache", m + w, window=0),
         variant("epicache", m),
@@ -232,7 +240,7 @@ def quality(args: argparse.Namespace) -> str:
                                 results=results)  # fmt: skip
     rows = evaluate.summarize(records)
     columns = ("variant", "questions", "kl", "agreement", "f1", "relative_f1", "evidence_kept", "evidence_recalled",
-               "peak_layer_entries", "answer_tokens_per_s")  # fmt: skip
+               "evidence_attention_recalled", "peak_layer_entries", "answer_tokens_per_s")  # fmt: skip
     lines = [
         f"## IceCache: answer quality, {args.study} ({machine()})",
         "",
@@ -240,7 +248,9 @@ def quality(args: argparse.Namespace) -> str:
         f"at most {args.questions} questions each, 24-token answers). M = {m}, W = {w} (offload: the last W "
         f"history tokens resident beside M), R = {r}. `evidence_kept`: the question's evidence entries (layer, "
         "KV head, token) in the resident cache; `evidence_recalled`: resident or retrieved by the question's "
-        "forward (the first answer token's).",
+        "forward (the first answer token's); `evidence_attention_recalled`: the share of full KV's attention "
+        "on those entries (last question token, summed over layers, KV heads and query heads) that falls on "
+        "entries resident or retrieved (empty in files written before it).",
         "",
         "| " + " | ".join(columns) + " |",
         "|" + "---|" * len(columns),
@@ -248,7 +258,7 @@ def quality(args: argparse.Namespace) -> str:
     for row in rows:
         lines.append("| " + " | ".join(_cell(row.get(c)) for c in columns) + " |")
     names = [s.name for s in sets]
-    lines += ["", "KL / agreement / evidence recalled per conversation:", "",
+    lines += ["", "KL / agreement / evidence recalled / evidence attention recalled per conversation:", "",
               "| variant | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]  # fmt: skip
     for row in rows:
         cells = []
@@ -256,7 +266,8 @@ def quality(args: argparse.Namespace) -> str:
             mine = [r for r in records if r.get("set") == name and r.get("variant") == row["variant"]]
             per_set = evaluate.summarize(mine)
             cells.append(f"{per_set[0]['kl']:.3f} / {per_set[0]['agreement']:.2f} / "
-                         f"{_cell(per_set[0]['evidence_recalled'])}" if per_set else "")  # fmt: skip
+                         f"{_cell(per_set[0]['evidence_recalled'])} / "
+                         f"{_cell(per_set[0]['evidence_attention_recalled'])}" if per_set else "")  # fmt: skip
         lines.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -276,8 +287,9 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32, help="speed: forced tokens per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="speed: rounds (median)")
     parser.add_argument("--window", type=int, default=OffloadConfig.window, help="W: resident recent window")
-    parser.add_argument("--study", choices=("table", "planted", "planted-all"), default="table",
-                        help="quality: which variants (planted-all adds candidates=8 and M without the window)")
+    parser.add_argument("--study", choices=("table", "resident", "planted", "planted-all"), default="table",
+                        help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; "
+                        "planted-all adds candidates=8 and M without the window)")
     parser.add_argument("--planted", type=int, default=2, help="quality: planted-fact conversations")
     parser.add_argument("--locomo", type=Path, nargs="*", default=[], help="quality: LoCoMo files")
     parser.add_argument("--max-context", type=int, default=4000, help="quality: history tokens kept")

@@ -20,6 +20,7 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv import codec, families, pagefile
+from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.llm import ChatLayout, LoadedModel, generate
@@ -70,12 +71,14 @@ class Session:
         episode: int | None = None,
         on_text: Callable[[str], None] | None = None,
         on_first_logits: Callable[[torch.Tensor], None] | None = None,
+        first_recorder: Recorder | None = None,
         log: bool = True,
         stop: Callable[[], bool] | None = None,
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
-        `stop`, asked before each token, ends the answer early when it returns true."""
+        `first_recorder` the attention of that token's forward (the question's; evaluation reads where
+        full KV attends); `stop`, asked before each token, ends the answer early when it returns true."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -115,7 +118,7 @@ class Session:
         shown = ""
         try:
             for token in generate(
-                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits
+                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits, first_recorder=first_recorder
             ):
                 if stop is not None and stop():
                     finish = "stopped"

@@ -13,7 +13,11 @@ routed episode's cache (`evidence_kept`) and in the best of the variant's episod
 With offload (IceCache) the answer also attends to entries read back from the pages: `evidence_recalled`
 is the fraction of the evidence's (layer, head, token) entries that are resident in the routed episode
 or retrieved by the question's forward, the one that gives the first answer token (without offload it
-equals `evidence_kept`).
+equals `evidence_kept`). Most layers and heads never attend to the evidence, so that count stays low for
+any retrieval driven by attention; `evidence_attention_recalled` weighs each entry by the attention full KV
+pays it instead: of the attention mass that the full-KV model's last question token (the query that gives
+the first answer token) puts on the evidence entries, summed over every layer, KV head and the query heads
+of its group, the share that falls on entries the variant holds or retrieved (full KV: 1.0).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
 from kvchat.ingest import IngestProgress, ingest
 from kvchat.kv import codec
+from kvchat.kv.attention import LayerView
 from kvchat.llm import LoadedModel
 from kvchat.qa import (
     CATEGORIES,
@@ -196,6 +201,8 @@ def evaluate(
 class _Reference:
     answers: dict[str, str]
     logprobs: dict[str, torch.Tensor]
+    # per question: full KV's attention on each evidence position, [layers * kv_heads, evidence] (in memory only)
+    evidence_attention: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 @dataclass
@@ -255,22 +262,30 @@ class _SetRunner:
                 }
             )
         session = Session(self.store, conversation, self.lm, self.encoder, self.ask_config)
-        kept, protected = zip(*(self._kept_positions(e) for e in conversation.episodes), strict=True)
+        kept, protected, positions = zip(*(self._kept_positions(e) for e in conversation.episodes), strict=True)
         spans = _turn_positions(self.lm, self.qa_set.turns, protected[0])
         ours = _Reference({}, {})
         for n, question in enumerate(self.questions, start=1):
             first = _FirstToken(session)
-            answer = session.ask(question.text, log=False, on_first_logits=first)
+            spans_of = [spans[e] for e in question.evidence if e in spans]
+            evidence = torch.cat(spans_of) if spans_of else None
+            recorder = _LastQueryAttention() if reference is None and evidence is not None else None
+            answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder)
             logprobs = first.logits.float().log_softmax(-1)
             if reference is None:
                 ours.answers[question.qid], ours.logprobs[question.qid] = answer.text, logprobs
+                if recorder is not None:
+                    weights = recorder.on_positions(positions[answer.episode], evidence)
+                    if weights is not None:
+                        ours.evidence_attention[question.qid] = weights
             if question.qid not in done:
                 ref_text = reference.answers[question.qid] if reference else answer.text
                 kl = _kl(reference.logprobs[question.qid], logprobs) if reference else 0.0
-                evidence = [spans[e] for e in question.evidence if e in spans]
-                retained = [_retained(k, torch.cat(evidence)) if evidence else None for k in kept]
-                recalled = _retained(_with_retrieved(kept[answer.episode], first.retrieved), torch.cat(evidence)) if (
-                    evidence) else None  # fmt: skip
+                retained = [_retained(k, evidence) if evidence is not None else None for k in kept]
+                seen = _with_retrieved(kept[answer.episode], first.retrieved)
+                recalled = _retained(seen, evidence) if evidence is not None else None
+                attention = (reference or ours).evidence_attention.get(question.qid)
+                weighted = _attention_recalled(seen, evidence, attention) if evidence is not None else None
                 known = [r for r in retained if r is not None]
                 self.results.append(
                     {
@@ -293,6 +308,7 @@ class _SetRunner:
                         "evidence_kept": retained[answer.episode],
                         "evidence_kept_best": max(known, default=None),
                         "evidence_recalled": recalled,
+                        "evidence_attention_recalled": weighted,
                         "answer_tokens": answer.answer_tokens,
                         "timings_ms": answer.timings_ms,
                         "cache_bytes": conversation.episodes[answer.episode].bytes,
@@ -302,20 +318,21 @@ class _SetRunner:
         self.store.remove(name)
         return ours
 
-    def _kept_positions(self, episode) -> tuple[torch.Tensor, int]:
-        """[layers * heads, positions] booleans saying which original positions each head kept, and
-        the length of the protected system prompt."""
+    def _kept_positions(self, episode) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+        """[layers * heads, positions] booleans saying which original positions each head kept, the
+        length of the protected system prompt, and each head's positions in cache order (empty when
+        compacted)."""
         cache, meta = codec.decode(
             *self.store.load_episode(episode, self.lm.fingerprint), dtype=self.lm.dtype, device=self.lm.device
         )
         protected = meta.protected
         if meta.positions == "compact":  # re-rotated: original positions are gone
-            return torch.zeros(0, 0, dtype=torch.bool), protected
-        heads = [p for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
+            return torch.zeros(0, 0, dtype=torch.bool), protected, []
+        heads = [p.cpu() for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
         kept = torch.zeros(len(heads), max(int(p.max()) + 1 for p in heads), dtype=torch.bool)
         for row, positions in zip(kept, heads, strict=True):
             row[positions] = True
-        return kept, protected
+        return kept, protected, heads
 
     def _ingests(self) -> list[dict]:
         return [r for r in self.results.records if r["kind"] == "ingest" and r["set"] == self.qa_set.name]
@@ -332,6 +349,49 @@ class _FirstToken:
 
     def __call__(self, logits: torch.Tensor) -> None:
         self.logits, self.retrieved = logits, self.session.retrieved_positions()
+
+
+@dataclass
+class _LastQueryAttention:
+    """Recorder for the first answer token's forward: per layer, the attention each cached entry gets from
+    the forward's last query (the one that gives the first answer token), summed over the query heads of
+    its KV head's group: `[kv_heads, past]`."""
+
+    query_rows: int | None = 1
+    weights: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def record(self, view: LayerView) -> None:
+        self.weights[view.layer_idx] = view.weights[:, :, -1, : view.past].sum(dim=1).float().cpu()
+
+    def on_positions(self, heads: Sequence[torch.Tensor], evidence: torch.Tensor) -> torch.Tensor | None:
+        """`[layers * kv_heads, evidence]`: the attention on each evidence position, given each head's cached
+        positions in cache order (`heads`, as `_kept_positions`); 0 where a head does not hold it. None when
+        positions were compacted or the recorded layers do not match."""
+        rows = [w for layer in sorted(self.weights) for w in self.weights[layer]]
+        if not heads or len(rows) != len(heads):
+            return None
+        out = torch.zeros(len(heads), len(evidence))
+        for i, (row, positions) in enumerate(zip(rows, heads, strict=True)):
+            attention = torch.zeros(int(max(positions.max(), evidence.max())) + 1)
+            attention[positions] = row[: len(positions)]
+            out[i] = attention[evidence]
+        return out
+
+
+def _attention_recalled(seen: torch.Tensor, evidence: torch.Tensor, attention: torch.Tensor | None) -> float | None:
+    """Share of full KV's attention on the evidence (`attention [layers * heads, evidence]`, as
+    `_LastQueryAttention.on_positions`) that falls on entries `seen` (`[layers * heads, positions]` booleans:
+    resident or retrieved) holds. None without the reference's weights, when positions were compacted, or
+    when full KV pays the evidence no attention at all."""
+    if attention is None or seen.numel() == 0 or seen.shape[0] != attention.shape[0]:
+        return None
+    total = float(attention.sum())
+    if total <= 0:
+        return None
+    inside = evidence < seen.shape[1]
+    held = torch.zeros_like(attention, dtype=torch.bool)
+    held[:, inside] = seen[:, evidence[inside]]
+    return round(float(attention[held].sum()) / total, 4)
 
 
 def _turn_positions(lm: LoadedModel, turns: list[Turn], offset: int) -> dict[str, torch.Tensor]:
@@ -438,6 +498,9 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             ),
             "evidence_recalled": _mean(  # results files written before it have no such key
                 r["evidence_recalled"] for r in rs if r.get("evidence_recalled") is not None
+            ),
+            "evidence_attention_recalled": _mean(
+                r["evidence_attention_recalled"] for r in rs if r.get("evidence_attention_recalled") is not None
             ),
             "relative_f1": _mean(r["f1"] for r in paired) / reference if paired and reference else None,
             "f1_by_category": {

@@ -19,6 +19,7 @@ COLUMNS = (
     ("evidence_kept", "evidence kept", "{:.2f}"),
     ("evidence_kept_best", "in best episode", "{:.2f}"),
     ("evidence_recalled", "evidence kept + retrieved", "{:.2f}"),
+    ("evidence_attention_recalled", "evidence attention recalled", "{:.2f}"),
     ("peak_layer_entries", "peak entries/layer", "{}"),
     ("ingest_seconds", "ingest s", "{:.0f}"),
     ("answer_tokens_per_s", "answer tok/s", "{:.1f}"),

@@ -181,6 +181,45 @@ def test_evidence_recalled_counts_resident_and_retrieved_entries_per_layer_and_h
     assert _with_retrieved(kept, [None, None]) is kept
 
 
+def test_evidence_attention_recalled_is_the_share_of_full_kv_attention_on_held_entries():
+    import torch
+
+    from kvchat.evaluate import _attention_recalled
+
+    # 2 layers x 1 KV head; evidence positions 4, 5, 7 (7 beyond the variant's kept width: not held)
+    attention = torch.tensor([[0.30, 0.10, 0.0], [0.05, 0.05, 0.50]])
+    evidence = torch.tensor([4, 5, 7])
+    seen = torch.zeros(2, 6, dtype=torch.bool)
+    seen[0, 4] = True  # 0.30
+    seen[1, 5] = True  # 0.05
+    assert _attention_recalled(seen, evidence, attention) == pytest.approx(0.35 / 1.0, abs=1e-4)
+    assert _attention_recalled(torch.ones(2, 8, dtype=torch.bool), evidence, attention) == 1.0
+    assert _attention_recalled(torch.zeros(2, 8, dtype=torch.bool), evidence, attention) == 0.0
+    assert _attention_recalled(seen, evidence, None) is None
+    assert _attention_recalled(seen, evidence, torch.zeros(2, 3)) is None  # no attention on the evidence
+
+
+def test_last_query_attention_sums_the_group_over_the_last_query_and_maps_cache_order_to_positions():
+    import torch
+
+    from kvchat.evaluate import _LastQueryAttention
+    from kvchat.kv.attention import LayerView
+
+    recorder = _LastQueryAttention()
+    # one layer, 2 KV heads x 2 query heads, 2 query rows (only the last counts), 3 cached + 2 new columns
+    weights = torch.zeros(2, 2, 2, 5)
+    weights[:, :, 0, :3] = 9.0  # an earlier query row: ignored
+    weights[0, :, 1, :3] = torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.2, 0.1]])
+    weights[1, :, 1, :3] = torch.tensor([[0.5, 0.0, 0.0], [0.1, 0.1, 0.1]])
+    weights[:, :, 1, 3:] = 7.0  # the forward's own tokens: not cached entries
+    recorder.record(LayerView(0, weights, 3, torch.zeros(1, 4, 1, 8)))
+    heads = [torch.tensor([0, 6, 2]), torch.tensor([2, 0, 6])]  # cache order differs per head
+    got = recorder.on_positions(heads, torch.tensor([6, 2, 9]))
+    # head 0: position 6 is column 1 (0.4), 2 is column 2 (0.4); head 1: 6 is column 2 (0.1), 2 is column 0 (0.6)
+    assert torch.allclose(got, torch.tensor([[0.4, 0.4, 0.0], [0.1, 0.6, 0.0]]))
+    assert recorder.on_positions([], torch.tensor([6])) is None
+
+
 @pytest.mark.parametrize("retrieve", [0, 10**6])
 def test_eval_reports_evidence_recalled_with_what_the_pages_gave(tmp_path, tiny_lm, encoder, retrieve):
     """Full KV paged past sink and window: nothing read leaves only the window's evidence; every page read
@@ -194,8 +233,16 @@ def test_eval_reports_evidence_recalled_with_what_the_pages_gave(tmp_path, tiny_
     assert answers and all(r["evidence_kept"] < 0.5 for r in answers)
     for r in answers:
         assert r["evidence_recalled"] == (r["evidence_kept"] if retrieve == 0 else 1.0)
+        if retrieve:  # every entry read: all of full KV's attention on the evidence is recalled
+            assert r["evidence_attention_recalled"] == 1.0
+        else:  # some attention share whenever some evidence is resident, none when none is
+            assert (r["evidence_attention_recalled"] > 0) == (r["evidence_kept"] > 0)
+    if not retrieve:
+        assert any(r["evidence_attention_recalled"] == 0.0 for r in answers)
     reference = [r for r in records if r["kind"] == "answer" and r["variant"] == REFERENCE]
     assert all(r["evidence_recalled"] == r["evidence_kept"] == 1.0 for r in reference)
+    assert all(r["evidence_attention_recalled"] == 1.0 for r in reference)
+    assert summarize(records)[0]["evidence_attention_recalled"] == 1.0
     assert summarize(records)[-1]["evidence_recalled"] == (1.0 if retrieve else summarize(records)[-1]["evidence_kept"])
 
 
