@@ -214,6 +214,8 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
                 plain("snapkv", m + w + r), *resident, variant("full")]  # fmt: skip
     if study == "resident":  # the issue's own comparison: eviction holding what IceCache holds in memory
         return resident
+    if study == "offload":  # the table's offload rows alone (a change of retrieval, the plain rows unchanged)
+        return [variant("epicache", m), variant("full")]
     return [
         variant("epicache", m + w, window=0),
         variant("epicache", m),
@@ -287,8 +289,9 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32, help="speed: forced tokens per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="speed: rounds (median)")
     parser.add_argument("--window", type=int, default=OffloadConfig.window, help="W: resident recent window")
-    parser.add_argument("--study", choices=("table", "resident", "planted", "planted-all"), default="table",
-                        help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; "
+    parser.add_argument("--study", choices=("table", "resident", "offload", "planted", "planted-all"), default="table",
+                        help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; offload: "
+                        "the table's offload rows only; "
                         "planted-all adds candidates=8 and M without the window)")
     parser.add_argument("--planted", type=int, default=2, help="quality: planted-fact conversations")
     parser.add_argument("--locomo", type=Path, nargs="*", default=[], help="quality: LoCoMo files")
