@@ -151,8 +151,8 @@ def retrieve(
 ) -> list[Retrieved]:
     """For one layer: per KV head, the best entries for `query` `[1, q_heads, q, D]` (post-RoPE, as the
     attention sees it), up to `budget`, whole pages or single entries as `scorer` reads them; `pinned[h]`
-    (rows, at most `budget`) are taken first whatever they score. Query heads are grouped as GQA groups them: KV head h serves query heads
-    `h*group .. (h+1)*group-1`."""
+    (rows, at most `budget`) are taken first whatever they score. Query heads are grouped as GQA groups
+    them: KV head h serves query heads `h*group .. (h+1)*group-1`."""
     _, q_heads, _, dim = query.shape
     if q_heads % len(layer):
         raise ValueError(f"{q_heads} query heads do not group over {len(layer)} KV heads")
