@@ -92,7 +92,8 @@ def _paged(cache: EpisodeCache, spill: SpillWriter, path: Path, retrieve: int, r
     centroids and a full pool (R entries per layer and KV head, keys and values, at the pages' dtype)."""
     spill.write_pages(path)
     pages = open_pages(path)
-    attach_pages(cache, pages, budget=retrieve, scorer=page_scorer(OffloadConfig.scorer, OffloadConfig.candidates), refresh=refresh)
+    scorer = page_scorer(OffloadConfig.scorer, OffloadConfig.candidates)
+    attach_pages(cache, pages, budget=retrieve, scorer=scorer, refresh=refresh)
     tables = sum(h.centroids.nbytes + h.lengths.nbytes for layer in pages for h in layer)
     pool = sum(min(retrieve, h.num_entries) * h.keys.shape[-1] * 2 * h.keys.element_size()
                for layer in pages for h in layer)  # fmt: skip
@@ -289,7 +290,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32, help="speed: forced tokens per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="speed: rounds (median)")
     parser.add_argument("--window", type=int, default=OffloadConfig.window, help="W: resident recent window")
-    parser.add_argument("--study", choices=("table", "resident", "offload", "planted", "planted-all"), default="table",
+    studies = ("table", "resident", "offload", "planted", "planted-all")
+    parser.add_argument("--study", choices=studies, default="table",
                         help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; offload: "
                         "the table's offload rows only; "
                         "planted-all adds candidates=8 and M without the window)")
