@@ -293,7 +293,8 @@ def main() -> None:
     studies = ("table", "resident", "offload", "planted", "planted-all")
     parser.add_argument("--study", choices=studies, default="table",
                         help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; "
-                        "offload: the table's offload rows only; planted-all adds candidates=8 and M without the window)")
+                        "offload: the table's offload rows only; planted-all adds candidates=8 and M without "
+                        "the window)")
     parser.add_argument("--planted", type=int, default=2, help="quality: planted-fact conversations")
     parser.add_argument("--locomo", type=Path, nargs="*", default=[], help="quality: LoCoMo files")
     parser.add_argument("--max-context", type=int, default=4000, help="quality: history tokens kept")
