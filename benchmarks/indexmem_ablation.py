@@ -114,8 +114,21 @@ class ScaledMemory:
         self.memory, self.scale = memory, scale
 
     def readout(self, rotary_emb, position_ids):
-        inner = self.memory.readout(rotary_emb, position_ids)
-        return lambda layer, query: self.scale[layer] * inner(layer, query)
+        return ScaledRead(self.memory.readout(rotary_emb, position_ids), self.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledRead:
+    """One forward's `ScaledMemory` readout (kvchat.kv.attention.MemoryReadout)."""
+
+    inner: object
+    scale: list[float]
+
+    def needs_log_mass(self, layer: int) -> bool:
+        return self.inner.needs_log_mass(layer)
+
+    def __call__(self, layer, query, attended=None, log_mass=None):
+        return self.scale[layer] * self.inner(layer, query, attended, log_mass)
 
 
 def measure(lm, trained, prefix, ctx: Context, cache, reference: dict | None) -> dict:

@@ -19,7 +19,8 @@ Choices where the paper is ambiguous:
 - **keys and queries before RoPE**: phi sees content, not position (evicted keys are rotated back by their
   stored positions, queries by theirs), so a question far after an evicted fact still matches it.
 - lambda = 1, eta = 1 (`IndexMemConfig`): in a conversation an early fact matters as much as a late one.
-- **readout scale** (`IndexMemConfig.readout_scale`, not in the paper): answering adds that share of g(q) m(q).
+- **readout scale** (`IndexMemConfig.readout_scale`, not in the paper; additive readout only, the mass
+  readout's share is normalised by attention's own mass): answering adds that share of g(q) m(q).
   phi and g are fitted per layer by MSE with teacher-forced inputs; at ingest the memory holds far more
   entries than in training and each layer's readout error feeds every later layer. On planted-fact
   conversations and held-out chit-chat (benchmarks/indexmem_ablation.py) half the readout kept the gain on
@@ -28,6 +29,19 @@ Choices where the paper is ambiguous:
   reduce the held-out residual) is neither written nor read.
 Note the normaliser is the paper's: for one stored entry, `m(k) = v` holds exactly when k's features lie
 in {-1, 0, 1} (one-hot keys, say), not for every k; phi and g are trained around it.
+
+**Mass readout** (`IndexMemConfig.readout = "mass"`, not the paper's; infini-attention's / linear attention's
+view of the memory as extra softmax mass). The additive readout cannot know how much attention mass the
+evicted entries would have taken from the kept ones: over kept entries K and evicted E, full attention is
+`o = (Z_K o_K + Z_E o_E) / (Z_K + Z_E)`, `Z = sum exp(scale q.k)`, so the exact correction
+`Z_E / (Z_K + Z_E) (o_E - o_K)` depends on `Z_K`, which only attention knows. Here phi is positive,
+`phi(x) = exp(W x)` (W the same `phi` linear map; capped at exp(FEATURE_CAP)), so `exp(c) phi(q).phi(k)`
+estimates `exp(scale q.k)` with a learned per-layer log-scale c (`MemoryWeights.log_scale`). The state is
+`M = sum phi(k) v^T` and `z = sum phi(k)` (z in b's slot), and with `L_K` attention's log-sum-exp over the
+entries the query attends to (kvchat.kv.attention passes it) the output is
+    o = (exp(L_K) o_attn + g(q) exp(c) phi(q)^T M) / (exp(L_K) + g(q) exp(c) phi(q)^T z),
+computed as `o_attn + w (m(q) - o_attn)`, `w = sigmoid(log g + c + log phi(q)^T z - L_K)`,
+`m(q) = phi(q)^T M / phi(q)^T z`. Nothing written, or g = 0: w = 0, o = o_attn exactly.
 """
 
 from __future__ import annotations
@@ -37,13 +51,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvchat.config import IndexMemConfig
+from kvchat.config import MEMORY_READOUTS, IndexMemConfig
 from kvchat.kv.indexer import IndexMemShape
 from kvchat.kv.layers import EvictedHead
 from kvchat.kv.rope import rotate_keys
 
 GATE_BIAS = -2.0  # a new memory starts mostly closed (g about 0.12): training opens it where it helps
 CLOSED_GATE = -1e4  # a gate bias that shuts a layer's memory (g = 0): kvchat.training closes layers it does not help
+FEATURE_CAP = 30.0  # mass readout: log phi(x) = W x capped here, so sums over thousands of entries stay finite
+MIN_MASS = 1e-30    # mass readout: phi(q).z below this is no memory at all (nothing written)
 
 
 def gate_closed(weights: MemoryWeights, layer: int) -> bool:
@@ -55,25 +71,35 @@ def gate_closed(weights: MemoryWeights, layer: int) -> bool:
 class MemoryWeights(nn.Module):
     """The slow weights of every layer: phi and the gate (see the module docstring)."""
 
-    def __init__(self, shape: IndexMemShape) -> None:
+    def __init__(self, shape: IndexMemShape, readout: str = "additive") -> None:
         super().__init__()
-        self.shape = shape
+        if readout not in MEMORY_READOUTS:
+            raise ValueError(f"unknown memory readout {readout!r} (choose from {', '.join(MEMORY_READOUTS)})")
+        self.shape, self.readout = shape, readout
         self.phi = nn.ModuleList(nn.Linear(shape.head_dim, shape.memory_dim, bias=False) for _ in range(shape.layers))
         self.gate = nn.ModuleList(nn.Linear(shape.head_dim, 1) for _ in range(shape.layers))
         for gate in self.gate:
             nn.init.zeros_(gate.weight)
             nn.init.constant_(gate.bias, GATE_BIAS)
+        if readout == "mass":  # c per layer; kvchat.training sets it from the data before the first step
+            self.log_scale = nn.Parameter(torch.zeros(shape.layers))
 
 
-def write_terms(phi: nn.Linear, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None = None):
+def features(phi: nn.Linear, x: torch.Tensor, readout: str = "additive") -> torch.Tensor:
+    """phi(x): the linear map (additive), or its exponential, capped (mass: positive features)."""
+    projected = phi(x.float())
+    return projected if readout == "additive" else projected.clamp(max=FEATURE_CAP).exp()
+
+
+def write_terms(phi: nn.Linear, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None = None,
+                readout: str = "additive"):
     """What entries add to (M, b) before eta: `keys`, `values` `[..., n, head_dim]` (pre-RoPE keys), optional
-    per-entry `weight [..., n]` (1 = evicted); returns `M [..., d_mem, head_dim]`, `b [..., d_mem]`."""
-    features = phi(keys.float())
-    if weight is not None:
-        features_w = features * weight.unsqueeze(-1)
-    else:
-        features_w = features
-    return features_w.transpose(-1, -2) @ values.float(), (features_w * features).sum(-2)
+    per-entry `weight [..., n]` (1 = evicted); returns `M [..., d_mem, head_dim]` and `b [..., d_mem]`: the sum
+    of phi(k)^2 (additive) or of phi(k) (mass, the normaliser z)."""
+    feats = features(phi, keys, readout)
+    weighted = feats * weight.unsqueeze(-1) if weight is not None else feats
+    norm = weighted * feats if readout == "additive" else weighted
+    return weighted.transpose(-1, -2) @ values.float(), norm.sum(-2)
 
 
 def read(phi: nn.Linear, gate: nn.Linear, m: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, eps: float):
@@ -86,6 +112,24 @@ def read(phi: nn.Linear, gate: nn.Linear, m: torch.Tensor, b: torch.Tensor, quer
     denominator = (features * features) @ b[:, None, :, None] + eps      # [kv, group, n, 1]
     gated = torch.sigmoid(gate(q)) * numerator / denominator
     return gated.flatten(0, 1)
+
+
+def read_mass(phi: nn.Linear, gate: nn.Linear, log_scale: torch.Tensor, m: torch.Tensor, z: torch.Tensor,
+              queries: torch.Tensor, attended: torch.Tensor, log_mass: torch.Tensor) -> torch.Tensor:
+    """What the mass readout adds to attention's output `attended [q_heads, n, head_dim]`, whose log-sum-exp
+    over the entries each query attends to is `log_mass [q_heads, n, 1]`: `w (m(q) - o_attn)` (module
+    docstring), from states `m [kv_heads, d_mem, head_dim]`, `z [kv_heads, d_mem]`; `queries` pre-RoPE."""
+    kv_heads = m.shape[0]
+    q = queries.float().unflatten(0, (kv_heads, -1))                     # [kv, group, n, d]
+    feats = features(phi, q, "mass")                                     # [kv, group, n, d_mem]
+    numerator = feats @ m.unsqueeze(1)                                   # [kv, group, n, d]
+    mass = feats @ z[:, None, :, None]                                   # [kv, group, n, 1]
+    present = mass > MIN_MASS
+    mass = torch.where(present, mass, torch.ones_like(mass))
+    log_memory = torch.nn.functional.logsigmoid(gate(q)) + log_scale + mass.log()
+    share = torch.where(present, torch.sigmoid(log_memory - log_mass.float().unflatten(0, (kv_heads, -1))), 0.0)
+    out = attended.float().unflatten(0, (kv_heads, -1))
+    return (share * (numerator / mass - out)).flatten(0, 1)
 
 
 class LatentMemory:
@@ -110,7 +154,7 @@ class LatentMemory:
         if self.closed[layer_idx]:
             return
         lam, eta = self.config.decay, self.config.write_strength
-        phi = self.weights.phi[layer_idx]
+        phi, readout = self.weights.phi[layer_idx], self.weights.readout
         with torch.no_grad():
             self.m[layer_idx].mul_(lam)
             self.b[layer_idx].mul_(lam)
@@ -118,7 +162,7 @@ class LatentMemory:
                 if keys.shape[0] == 0:
                     continue
                 pre = rotate_keys(keys[None, None], -positions[None].to(torch.long), rotary_emb)[0, 0]
-                m_add, b_add = write_terms(phi, pre, values)
+                m_add, b_add = write_terms(phi, pre, values, readout=readout)
                 self.m[layer_idx][h] += eta * m_add
                 self.b[layer_idx][h] += eta * b_add
                 self.written += keys.shape[0]
@@ -150,13 +194,25 @@ class MemoryRead:
     rotary_emb: nn.Module
     position_ids: torch.Tensor
 
-    def __call__(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+    def needs_log_mass(self, layer_idx: int) -> bool:
+        """The mass readout needs attention's output and log-sum-exp (an open layer's, that is)."""
+        return self.memory.weights.readout == "mass" and not self.memory.closed[layer_idx]
+
+    def __call__(self, layer_idx: int, query: torch.Tensor, attended: torch.Tensor | None = None,
+                 log_mass: torch.Tensor | None = None) -> torch.Tensor:
         mem = self.memory
         if mem.closed[layer_idx]:
             return torch.zeros_like(query)
         heads, n = query.shape[1], query.shape[2]
         pre = rotate_keys(query, -self.position_ids.to(torch.long).expand(heads, n), self.rotary_emb)[0]
+        w = mem.weights
         with torch.no_grad():
-            out = read(mem.weights.phi[layer_idx], mem.weights.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx],
-                       pre, mem.config.eps) * mem.config.readout_scale
+            if w.readout == "mass":
+                if attended is None or log_mass is None:
+                    raise ValueError("the mass readout needs attention's output and log-sum-exp")
+                out = read_mass(w.phi[layer_idx], w.gate[layer_idx], w.log_scale[layer_idx], mem.m[layer_idx],
+                                mem.b[layer_idx], pre, attended[0], log_mass[0])
+            else:
+                out = read(w.phi[layer_idx], w.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx], pre,
+                           mem.config.eps) * mem.config.readout_scale
         return out.unsqueeze(0).to(query.dtype)
