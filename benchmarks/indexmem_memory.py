@@ -1,4 +1,5 @@
-"""IndexMem's latent memory: the shipped one against one retrained under ingest's own eviction.
+"""IndexMem's latent memory: the shipped one against ones retrained under ingest's own eviction (additive or
+mass readout).
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem_memory.py residual WEIGHTS... [--names a,b]
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem_memory.py report --runs NAME=RESULTS.jsonl...
@@ -79,7 +80,7 @@ def report(args) -> None:
             cells = [f"{r['kl']:.4f}" if r else "–" for r in picked] + [f"{r['agreement']:.3f}" if r else "–"
                                                                          for r in picked]
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    text = ("# IndexMem's memory, shipped vs retrained under ingest's eviction (embedded SmolLM2-135M)\n\n"
+    text = ("# IndexMem's memory: shipped, retrained under ingest's eviction, mass readout (embedded SmolLM2-135M)\n\n"
             "LoCoMo conv-26 and conv-30 cut to whole sessions within 4096 tokens, 10 questions each (categories "
             "1-4), block 512, block prefill, default layer budgets, uniform heads; first-token KL and agreement "
             "against full KV, means over the 20 questions.\n\n" + "\n".join(lines) + "\n")
@@ -90,6 +91,13 @@ def report(args) -> None:
                  f"on a copy of the shipped file (its indexer; seed 0, the default recipe, data hash "
                  f"{t['data_hash']}), evicting as ingest does; {t['timings_ms']['total'] / 1000:.0f} s "
                  f"(`{training.name}`). Not shipped.\n")
+    mass = RESULTS / "indexmem_training_memory_mass.json"
+    if mass.is_file():
+        t = json.loads(mass.read_text())
+        removed = ", ".join(f"{v:.3f} @{k}" for k, v in t["metrics"]["memory"]["residual_removed"].items())
+        text += (f"\nmass: the same command with `--memory-readout mass` (the memory's entries join attention's "
+                 f"softmax as extra mass, kvchat.kv.latent), same data and recipe (data hash {t['data_hash']}); "
+                 f"{t['timings_ms']['total'] / 1000:.0f} s (`{mass.name}`); held-out residual removed {removed}.\n")
     residual_file = RESULTS / "indexmem_memory_residual.json"
     if residual_file.is_file():
         data = json.loads(residual_file.read_text())
