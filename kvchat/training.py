@@ -545,13 +545,25 @@ def simulate_eviction(scorer: IndexerScorer, model, layer_idx: int, x: torch.Ten
 def memory_prediction(memory: MemoryWeights, layer: int, t: MemoryTargets, indexmem: IndexMemConfig) -> torch.Tensor:
     """What layer `layer`'s memory, written with the chunk's evicted entries, gives its readers `[q_heads, R, d]`."""
     phi, gate = memory.phi[layer], memory.gate[layer]
-    m, b = write_terms(phi, t.keys[layer].float(), t.values[layer].float(), t.evicted[layer].float(),
-                       memory.readout)
     eta = indexmem.write_strength
     if memory.readout == "mass":
-        return read_mass(phi, gate, memory.log_scale[layer], eta * m, eta * b, t.queries[layer].float(),
-                         t.attended[layer].float(), t.log_mass[layer])
+        m, z, shift = _mass_state(memory, layer, t)
+        return read_mass(phi, gate, memory.log_scale[layer], eta * m, eta * z, t.queries[layer].float(),
+                         t.attended[layer].float(), t.log_mass[layer], shift)
+    m, b = write_terms(phi, t.keys[layer].float(), t.values[layer].float(), t.evicted[layer].float())
     return read(phi, gate, eta * m, eta * b, t.queries[layer].float(), indexmem.eps)
+
+
+def _mass_state(memory: MemoryWeights, layer: int, t: MemoryTargets):
+    """The mass readout's state after writing the chunk's evicted entries (positions 0..P-1, reference P-1, as
+    an ingest's `LatentMemory.write` decays them) and the readers' shift `-gamma (t - r)` `[R, 1]`."""
+    context, readers = t.keys[layer].shape[1], t.queries[layer].shape[1]
+    gamma = memory.gamma(layer)
+    distance = (context - 1) - torch.arange(context, dtype=torch.float32)
+    weight = t.evicted[layer].float() * torch.exp(-gamma * distance)
+    m, z = write_terms(memory.phi[layer], t.keys[layer].float(), t.values[layer].float(), weight, "mass")
+    ahead = torch.arange(1, readers + 1, dtype=torch.float32)[:, None]                 # t - r for the readers
+    return m, z, -gamma * ahead
 
 
 @torch.no_grad()
@@ -563,12 +575,12 @@ def init_mass_scale(memory: MemoryWeights, targets: Sequence[MemoryTargets], ind
     for layer in range(memory.shape.layers):
         gaps = []
         for t in targets:
-            _, z = write_terms(memory.phi[layer], t.keys[layer].float(), t.values[layer].float(),
-                               t.evicted[layer].float(), "mass")
+            _, z, shift = _mass_state(memory, layer, t)
             q = t.queries[layer].float().unflatten(0, (z.shape[0], -1))
-            mass = features(memory.phi[layer], q, "mass") @ (indexmem.write_strength * z)[:, None, :, None]
+            mass = (features(memory.phi[layer], q, "mass") @ (indexmem.write_strength * z)[:, None, :, None])
             present = mass.flatten(0, 1) > MIN_MASS
-            gaps.append((t.log_mass[layer] - mass.flatten(0, 1).clamp_min(MIN_MASS).log())[present])
+            log_mass = mass.flatten(0, 1).clamp_min(MIN_MASS).log() + shift
+            gaps.append((t.log_mass[layer] - log_mass)[present])
         gap = torch.cat(gaps)
         memory.log_scale[layer] = gap.mean() if gap.numel() else 0.0
 

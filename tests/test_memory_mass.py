@@ -40,11 +40,13 @@ class _Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def _exp_kernel_memory(evicted_key: torch.Tensor) -> MemoryWeights:
+def _exp_kernel_memory(evicted_key: torch.Tensor, gamma: float = 0.0) -> MemoryWeights:
     """phi(x) = exp(SCALE k.x) in every feature and c = -SCALE |k|^2 - log d_mem, so for the one evicted key k,
-    exp(c) phi(q).phi(k) = exp(SCALE q.k) for every q: the memory's mass is exactly the evicted entry's."""
+    exp(c) phi(q).phi(k) = exp(SCALE q.k) for every q: the memory's mass is exactly the evicted entry's (times
+    the distance decay exp(-gamma (t - p)))."""
     weights = MemoryWeights(SHAPE, "mass")
     with torch.no_grad():
+        weights.decay_rate.fill_(gamma)
         weights.phi[0].weight.copy_((SCALE * evicted_key).expand(SHAPE.memory_dim, -1))
         weights.gate[0].bias.fill_(40.0)  # g = 1 (log g = -4e-18)
         weights.log_scale[0] = -SCALE * evicted_key.dot(evicted_key) - torch.log(torch.tensor(SHAPE.memory_dim))
@@ -94,6 +96,37 @@ def test_exp_kernel_features_give_full_attention_over_kept_and_evicted_entries(r
     plain = _attend(query, HeadList(keys), HeadList(values))
     assert (full - plain).abs().max() > 1e-2  # the evicted entry matters
     assert torch.allclose(ours, full, atol=1e-5, rtol=0)
+
+
+def test_the_distance_decay_weighs_the_evicted_entry_by_its_distance_to_each_query():
+    """With gamma > 0 the memory's mass for an entry evicted at p and a query at t is exp(SCALE q.k - gamma
+    (t - p)): full attention with that bias on the evicted logit. Written in two evictions (the state rebased
+    to the later one) it reads the same as computed by hand."""
+    torch.manual_seed(3)
+    gamma, evicted_key, evicted_values = 0.05, torch.randn(8), torch.randn(2, 8)
+    memory = LatentMemory(_exp_kernel_memory(evicted_key, gamma))
+    rotary = _IdentityRotary()
+    memory.write(0, [(evicted_key[None], evicted_values[h, None], torch.tensor([3])) for h in range(2)], rotary)
+    memory.write(0, [(torch.zeros(0, 8), torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)),
+                     (evicted_key[None], torch.zeros(1, 8), torch.tensor([11]))], rotary)  # moves the reference
+    assert float(memory.ref[0]) == 11.0
+    query, keys, values = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    ours = _attend(query, keys, values, memory)                                  # queries at positions 20..22
+    expected = torch.empty_like(ours)
+    for head in range(4):
+        kv = head // 2
+        for i, t in enumerate(range(20, 23)):
+            visible = 6 + i + 1                                                  # 6 kept entries, then causal
+            logits = SCALE * keys[0, kv, :visible] @ query[0, head, i]
+            vals = [values[0, kv, :visible]]
+            extra = [SCALE * evicted_key @ query[0, head, i] - gamma * (t - 3)]
+            vals.append(evicted_values[kv, None])
+            if kv == 1:                                                          # head 1 also evicted at 11
+                extra.append(SCALE * evicted_key @ query[0, head, i] - gamma * (t - 11))
+                vals.append(torch.zeros(1, 8))
+            weights = torch.cat([logits, torch.stack(extra)]).softmax(-1)
+            expected[0, i, head] = weights @ torch.cat(vals)
+    assert torch.allclose(ours, expected, atol=1e-5, rtol=0)
 
 
 def test_a_shut_gate_makes_the_mass_readout_a_no_op():
@@ -146,9 +179,12 @@ def test_a_mass_memory_round_trips_through_the_store_and_changes_the_answer_unle
     trained = TrainedIndexMem.load(next((mass_home / "profiles").glob("*.indexmem.safetensors")))
     assert cache.memory.weights.readout == "mass" and cache.memory.b[0].min() >= 0  # z: a sum of exp features
     assert torch.equal(cache.memory.weights.log_scale, trained.memory.log_scale)
+    assert torch.equal(cache.memory.weights.decay_rate, trained.memory.decay_rate)
+    assert cache.memory.ref.min() > 0  # every layer was written, up to a position past the system prompt
     again, _ = codec.decode(*codec.encode(cache, codec.EpisodeMeta.from_metadata(metadata)))
     assert all(torch.equal(a, b) for a, b in zip(cache.memory.m + cache.memory.b, again.memory.m + again.memory.b,
                                                  strict=True))
+    assert torch.equal(cache.memory.ref, again.memory.ref)
     question = torch.tensor([[5, 9, 11, 3]])
     mark = cache.checkpoint()
     with_memory = forward(tiny_lm.model, cache, question)

@@ -42,6 +42,11 @@ entries the query attends to (kvchat.kv.attention passes it) the output is
     o = (exp(L_K) o_attn + g(q) exp(c) phi(q)^T M) / (exp(L_K) + g(q) exp(c) phi(q)^T z),
 computed as `o_attn + w (m(q) - o_attn)`, `w = sigmoid(log g + c + log phi(q)^T z - L_K)`,
 `m(q) = phi(q)^T M / phi(q)^T z`. Nothing written, or g = 0: w = 0, o = o_attn exactly.
+phi sees content, not position, but attention's logits fall with distance (RoPE) and an ingest's memory holds
+entries much farther back than training's chunks, so each entry's mass also decays with its distance from
+the query, `exp(-gamma (t - p))` (gamma >= 0 learned per layer, `MemoryWeights.decay_rate`); the factor splits
+into `exp(-gamma (t - r)) exp(-gamma (r - p))`, r the last position written (`LatentMemory.ref`), so the state
+stays a sum: a write first decays it by `exp(-gamma (r' - r))`.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ GATE_BIAS = -2.0  # a new memory starts mostly closed (g about 0.12): training o
 CLOSED_GATE = -1e4  # a gate bias that shuts a layer's memory (g = 0): kvchat.training closes layers it does not help
 FEATURE_CAP = 30.0  # mass readout: log phi(x) = W x capped here, so sums over thousands of entries stay finite
 MIN_MASS = 1e-30    # mass readout: phi(q).z below this is no memory at all (nothing written)
+INITIAL_DECAY = 1e-3  # mass readout: gamma before training (an entry 1000 tokens back weighs exp(-1) as much)
 
 
 def gate_closed(weights: MemoryWeights, layer: int) -> bool:
@@ -83,6 +89,11 @@ class MemoryWeights(nn.Module):
             nn.init.constant_(gate.bias, GATE_BIAS)
         if readout == "mass":  # c per layer; kvchat.training sets it from the data before the first step
             self.log_scale = nn.Parameter(torch.zeros(shape.layers))
+            self.decay_rate = nn.Parameter(torch.full((shape.layers,), INITIAL_DECAY))  # gamma = |decay_rate|
+
+    def gamma(self, layer: int) -> torch.Tensor:
+        """Mass readout: layer `layer`'s decay of an entry's mass per token of distance from the query."""
+        return self.decay_rate[layer].abs()
 
 
 def features(phi: nn.Linear, x: torch.Tensor, readout: str = "additive") -> torch.Tensor:
@@ -115,10 +126,12 @@ def read(phi: nn.Linear, gate: nn.Linear, m: torch.Tensor, b: torch.Tensor, quer
 
 
 def read_mass(phi: nn.Linear, gate: nn.Linear, log_scale: torch.Tensor, m: torch.Tensor, z: torch.Tensor,
-              queries: torch.Tensor, attended: torch.Tensor, log_mass: torch.Tensor) -> torch.Tensor:
+              queries: torch.Tensor, attended: torch.Tensor, log_mass: torch.Tensor,
+              shift: torch.Tensor | float = 0.0) -> torch.Tensor:
     """What the mass readout adds to attention's output `attended [q_heads, n, head_dim]`, whose log-sum-exp
     over the entries each query attends to is `log_mass [q_heads, n, 1]`: `w (m(q) - o_attn)` (module
-    docstring), from states `m [kv_heads, d_mem, head_dim]`, `z [kv_heads, d_mem]`; `queries` pre-RoPE."""
+    docstring), from states `m [kv_heads, d_mem, head_dim]`, `z [kv_heads, d_mem]`; `queries` pre-RoPE;
+    `shift [n, 1]`: each query's distance decay from the state's reference position, `-gamma (t - r)`."""
     kv_heads = m.shape[0]
     q = queries.float().unflatten(0, (kv_heads, -1))                     # [kv, group, n, d]
     feats = features(phi, q, "mass")                                     # [kv, group, n, d_mem]
@@ -126,7 +139,7 @@ def read_mass(phi: nn.Linear, gate: nn.Linear, log_scale: torch.Tensor, m: torch
     mass = feats @ z[:, None, :, None]                                   # [kv, group, n, 1]
     present = mass > MIN_MASS
     mass = torch.where(present, mass, torch.ones_like(mass))
-    log_memory = torch.nn.functional.logsigmoid(gate(q)) + log_scale + mass.log()
+    log_memory = torch.nn.functional.logsigmoid(gate(q)) + log_scale + shift + mass.log()
     share = torch.where(present, torch.sigmoid(log_memory - log_mass.float().unflatten(0, (kv_heads, -1))), 0.0)
     out = attended.float().unflatten(0, (kv_heads, -1))
     return (share * (numerator / mass - out)).flatten(0, 1)
@@ -140,12 +153,15 @@ class LatentMemory:
     """
 
     def __init__(self, weights: MemoryWeights, config: IndexMemConfig = IndexMemConfig(),
-                 m: list[torch.Tensor] | None = None, b: list[torch.Tensor] | None = None) -> None:
+                 m: list[torch.Tensor] | None = None, b: list[torch.Tensor] | None = None,
+                 ref: torch.Tensor | None = None) -> None:
         s = weights.shape
         self.weights = weights.eval().requires_grad_(False)
         self.shape, self.config = s, config
         self.m = m if m is not None else [torch.zeros(s.kv_heads, s.memory_dim, s.head_dim) for _ in range(s.layers)]
         self.b = b if b is not None else [torch.zeros(s.kv_heads, s.memory_dim) for _ in range(s.layers)]
+        # mass readout: per layer, the position the state's distance decay is relative to (the last written)
+        self.ref = ref if ref is not None else torch.zeros(s.layers)
         self.written = 0  # entries written (all layers and heads), for reports
         self.closed = [gate_closed(weights, layer) for layer in range(s.layers)]  # shut gates: skipped
 
@@ -158,11 +174,21 @@ class LatentMemory:
         with torch.no_grad():
             self.m[layer_idx].mul_(lam)
             self.b[layer_idx].mul_(lam)
+            if readout == "mass":  # move the reference to the last position written, decaying what is there
+                gamma, ref = self.weights.gamma(layer_idx), self.ref[layer_idx]
+                last = max([float(p.max()) for _, _, p in evicted if p.numel()], default=float(ref))
+                new_ref = max(float(ref), last)
+                self.m[layer_idx].mul_(torch.exp(-gamma * (new_ref - ref)))
+                self.b[layer_idx].mul_(torch.exp(-gamma * (new_ref - ref)))
+                self.ref[layer_idx] = new_ref
             for h, (keys, values, positions) in enumerate(evicted):
                 if keys.shape[0] == 0:
                     continue
                 pre = rotate_keys(keys[None, None], -positions[None].to(torch.long), rotary_emb)[0, 0]
-                m_add, b_add = write_terms(phi, pre, values, readout=readout)
+                weight = None
+                if readout == "mass":
+                    weight = torch.exp(-gamma * (self.ref[layer_idx] - positions.to(torch.float32)))
+                m_add, b_add = write_terms(phi, pre, values, weight, readout=readout)
                 self.m[layer_idx][h] += eta * m_add
                 self.b[layer_idx][h] += eta * b_add
                 self.written += keys.shape[0]
@@ -176,13 +202,14 @@ class LatentMemory:
         return MemoryRead(self, rotary_emb, position_ids)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.m, *self.b))
+        return sum(t.numel() * t.element_size() for t in (*self.m, *self.b, self.ref))
 
     def to(self, device: torch.device | str) -> LatentMemory:
         """Move the state and weights to `device` (a cache loaded on a GPU); they stay float32."""
         self.weights.to(device)
         self.m = [t.to(device) for t in self.m]
         self.b = [t.to(device) for t in self.b]
+        self.ref = self.ref.to(device)
         return self
 
 
@@ -210,8 +237,9 @@ class MemoryRead:
             if w.readout == "mass":
                 if attended is None or log_mass is None:
                     raise ValueError("the mass readout needs attention's output and log-sum-exp")
+                distance = self.position_ids[0].to(torch.float32)[:, None] - mem.ref[layer_idx]      # [n, 1]
                 out = read_mass(w.phi[layer_idx], w.gate[layer_idx], w.log_scale[layer_idx], mem.m[layer_idx],
-                                mem.b[layer_idx], pre, attended[0], log_mass[0])
+                                mem.b[layer_idx], pre, attended[0], log_mass[0], -w.gamma(layer_idx) * distance)
             else:
                 out = read(w.phi[layer_idx], w.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx], pre,
                            mem.config.eps) * mem.config.readout_scale
