@@ -79,6 +79,8 @@ VARIANTS: dict[str, tuple[str, dict, object]] = {
     # ingest's defaults (the chosen scorer), memory off and on as the weights file says (its readout and scale)
     "chosen": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, None),
     "chosen+memory": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, 1.0),
+    "chosen+memory0.5": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, 0.5),
+    "chosen+memory0.25": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, 0.25),
 }
 
 
