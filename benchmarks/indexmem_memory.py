@@ -112,8 +112,44 @@ def report(args) -> None:
             for eviction, row in weights["residual_removed"].items():
                 text += (f"| {name} | {eviction} | " + " | ".join(f"{row[str(b)]:.3f}" for b in budgets)
                          + f" | {min(row['per_layer']):.3f} |\n")
+    planted = RESULTS / "indexmem_mass_planted.jsonl"
+    if planted.is_file():
+        text += planted_table(planted)
     (RESULTS / "indexmem_memory.md").write_text(text)
     print(text)
+
+
+# The weights files of the planted-fact runs (benchmarks/indexmem_ablation.py --weights), by their directory.
+PLANTED_LABELS = {"profiles": "shipped (additive)", "memhome-retrained": "retrained (additive)",
+                  "memhome-mass": "mass, no distance decay", "memhome-massd": "mass",
+                  "memhome-massd1536": "mass, 1536-token training chunks"}
+
+
+def planted_table(path: Path) -> str:
+    """Memory off vs on (each weights file) on planted facts and held-out chit-chat, from indexmem_ablation.py."""
+    rows: dict[str, dict[int, dict]] = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        name = "off" if r["variant"] == "chosen" else PLANTED_LABELS.get(Path(r["weights"]).parent.parent.name
+                                                                         if "memhome" in r["weights"] else
+                                                                         "profiles", r["weights"])
+        scale = r["variant"].removeprefix("chosen").removeprefix("+memory")
+        name += f" x{scale}" if scale else ""
+        rows.setdefault(name, {})[r["budget"]] = r
+    budgets = sorted({b for row in rows.values() for b in row})
+    metrics = (("kl_first", "KL 1st", "{:.4f}"), ("nll_gap", "gold NLL gap", "{:.3f}"),
+               ("kl_cont", "KL next 48", "{:.4f}"))
+    head = " | ".join(f"{label} @{b}" for _, label, _ in metrics for b in budgets)
+    lines = [f"| memory | {head} |", "|---|" + "---|" * len(metrics) * len(budgets)]
+    for name, row in rows.items():
+        cells = [fmt.format(row[b][key]) if b in row else "–" for key, _, fmt in metrics for b in budgets]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return ("\nPlanted facts and held-out chit-chat (`benchmarks/indexmem_ablation.py --variants chosen,chosen+memory "
+            "--weights FILE`, records in `indexmem_mass_planted.jsonl`; never LoCoMo): three planted-fact "
+            "conversations (kvchat.synthetic seeds 7100-7102, about 1466 tokens, 6 questions each) and the held-out "
+            "chit-chat chunks (2322 tokens, then 48 more teacher-forced); ingest's scorer (the 1:3 blend, window 16, "
+            "no pooling), block 512, sensitivity layer budgets; against full KV. `xS`: the memory's addition "
+            "times S.\n\n" + "\n".join(lines) + "\n")
 
 
 def main() -> None:

@@ -185,13 +185,14 @@ class IndexMemConfig:
                                    # the full readout's errors compound over 30 layers (IndexMem section, README)
     readout: str = "additive"      # additive: the paper's o_attn + g m(q); mass: the memory's entries join
                                    # attention's softmax as extra mass (kvchat.kv.latent)
+    mass_scale: float = 1.0        # mass readout: answering adds this share of its correction (1: as trained)
 
     def stored(self) -> dict:
         """As weights and episode files store it: without `readout` when it is the paper's additive one, so
         files that do not use the mass readout stay readable by kvchat from before it."""
         out = asdict(self)
         if out["readout"] == "additive":
-            del out["readout"]
+            del out["readout"], out["mass_scale"]
         return out
 
 

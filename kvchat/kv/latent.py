@@ -20,7 +20,7 @@ Choices where the paper is ambiguous:
   stored positions, queries by theirs), so a question far after an evicted fact still matches it.
 - lambda = 1, eta = 1 (`IndexMemConfig`): in a conversation an early fact matters as much as a late one.
 - **readout scale** (`IndexMemConfig.readout_scale`, not in the paper; additive readout only, the mass
-  readout's share is normalised by attention's own mass): answering adds that share of g(q) m(q).
+  readout has `mass_scale`, 1 by default): answering adds that share of g(q) m(q).
   phi and g are fitted per layer by MSE with teacher-forced inputs; at ingest the memory holds far more
   entries than in training and each layer's readout error feeds every later layer. On planted-fact
   conversations and held-out chit-chat (benchmarks/indexmem_ablation.py) half the readout kept the gain on
@@ -239,7 +239,8 @@ class MemoryRead:
                     raise ValueError("the mass readout needs attention's output and log-sum-exp")
                 distance = self.position_ids[0].to(torch.float32)[:, None] - mem.ref[layer_idx]      # [n, 1]
                 out = read_mass(w.phi[layer_idx], w.gate[layer_idx], w.log_scale[layer_idx], mem.m[layer_idx],
-                                mem.b[layer_idx], pre, attended[0], log_mass[0], -w.gamma(layer_idx) * distance)
+                                mem.b[layer_idx], pre, attended[0], log_mass[0],
+                                -w.gamma(layer_idx) * distance) * mem.config.mass_scale
             else:
                 out = read(w.phi[layer_idx], w.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx], pre,
                            mem.config.eps) * mem.config.readout_scale
