@@ -195,6 +195,12 @@ class IndexMemConfig:
             del out["readout"], out["mass_scale"]
         return out
 
+    @classmethod
+    def from_stored(cls, stored: dict) -> IndexMemConfig:
+        """What `stored` wrote (TypeError on unknown keys): no `readout` is the additive one, whatever the
+        default is now."""
+        return cls(**{"readout": "additive", **stored})
+
 
 @dataclass(frozen=True)
 class TrainConfig:

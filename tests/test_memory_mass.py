@@ -129,14 +129,18 @@ def test_the_distance_decay_weighs_the_evicted_entry_by_its_distance_to_each_que
     assert torch.allclose(ours, expected, atol=1e-5, rtol=0)
 
 
-def test_a_shut_gate_makes_the_mass_readout_a_no_op():
+def test_a_shut_gate_makes_the_mass_readout_a_no_op_and_mass_scale_scales_its_correction():
     torch.manual_seed(2)
     evicted_key = torch.randn(8)
     weights = _exp_kernel_memory(evicted_key)
     memory = LatentMemory(weights)
     memory.write(0, [(evicted_key[None], torch.randn(1, 8), torch.tensor([3])) for _ in range(2)], _IdentityRotary())
     query, keys, values = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
-    assert not torch.equal(_attend(query, keys, values, memory), _attend(query, keys, values))
+    plain = _attend(query, keys, values)
+    assert not torch.equal(_attend(query, keys, values, memory), plain)
+    half = LatentMemory(weights, IndexMemConfig(mass_scale=0.5), memory.m, memory.b, memory.ref)
+    full_correction = _attend(query, keys, values, memory) - plain
+    assert torch.allclose(_attend(query, keys, values, half) - plain, 0.5 * full_correction, atol=1e-6)
     with torch.no_grad():
         weights.gate[0].bias.fill_(-1e4)
     assert torch.equal(_attend(query, keys, values, memory), _attend(query, keys, values))
@@ -201,9 +205,12 @@ def test_a_mass_memory_round_trips_through_the_store_and_changes_the_answer_unle
 def test_files_without_the_mass_readout_keep_their_format_and_config():
     """An additive memory's config is stored without `readout`, its episode files keep format "4": kvchat from
     before the mass readout reads both."""
-    assert "readout" not in IndexMemConfig().stored()
+    additive = IndexMemConfig(readout="additive")
+    assert not {"readout", "mass_scale"} & set(additive.stored())
+    assert IndexMemConfig.from_stored(additive.stored()) == additive  # absent: additive, whatever the default
+    assert IndexMemConfig.from_stored(IndexMemConfig(readout="mass").stored()).readout == "mass"
     assert IndexMemConfig(readout="mass").stored()["readout"] == "mass"
-    memory = json.dumps({"shape": {}, "config": IndexMemConfig().stored()})
+    memory = json.dumps({"shape": {}, "config": IndexMemConfig(readout="additive").stored()})
     assert codec.format_version({"memory": memory}) == codec.FORMAT_VERSION
     mass = json.dumps({"shape": {}, "config": IndexMemConfig(readout="mass").stored()})
     assert codec.format_version({"memory": mass, "precision": "int4"}) == codec.MASS_MEMORY_FORMAT_VERSION

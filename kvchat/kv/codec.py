@@ -199,7 +199,7 @@ def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int
 
     try:
         info = json.loads(described)
-        shape, config = IndexMemShape(**info["shape"]), IndexMemConfig(**info["config"])
+        shape, config = IndexMemShape(**info["shape"]), IndexMemConfig.from_stored(info["config"])
         if shape.layers != layers:
             raise ValueError(f"a memory of {shape.layers} layers for a cache of {layers}")
         weights = MemoryWeights(shape, config.readout)

@@ -73,7 +73,7 @@ class TrainedIndexMem:
         meta = read_metadata(path)
         shape = IndexMemShape(**json.loads(meta["shape"]))
         try:
-            config = IndexMemConfig(**json.loads(meta.get("config", "{}")))
+            config = IndexMemConfig.from_stored(json.loads(meta.get("config", "{}")))
         except TypeError as exc:
             raise ValueError(f"{path}: unknown memory settings ({exc})") from None
         tensors = load_file(str(path))
