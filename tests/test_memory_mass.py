@@ -25,6 +25,7 @@ SMALL = TrainConfig(steps=3, chunk_tokens=96, train_chunks=4, held_out_chunks=2,
 SHAPE = IndexMemShape(layers=1, q_heads=4, kv_heads=2, head_dim=8, hidden=32, index_heads=1, index_dim=1,
                       memory_dim=4)
 SCALE = 8**-0.5
+AS_TRAINED = IndexMemConfig(mass_scale=1.0)  # the whole correction: what the exact cases compare
 
 
 class _IdentityRotary(torch.nn.Module):
@@ -66,7 +67,7 @@ def test_with_nothing_written_the_mass_readout_returns_attention_exactly():
     with torch.no_grad():
         weights.gate[0].bias.fill_(40.0)
         weights.log_scale[0] = 5.0
-    memory = LatentMemory(weights)
+    memory = LatentMemory(weights, AS_TRAINED)
     query, keys, values = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     assert torch.equal(_attend(query, keys, values, memory), _attend(query, keys, values))
 
@@ -78,7 +79,7 @@ def test_exp_kernel_features_give_full_attention_over_kept_and_evicted_entries(r
     question (causal among its own tokens), uniform or ragged (per-head lengths) layers."""
     torch.manual_seed(1)
     evicted_key, evicted_values = torch.randn(8), torch.randn(2, 8)
-    memory = LatentMemory(_exp_kernel_memory(evicted_key))
+    memory = LatentMemory(_exp_kernel_memory(evicted_key), AS_TRAINED)
     memory.write(0, [(evicted_key[None], evicted_values[h, None], torch.tensor([3])) for h in range(2)],
                  _IdentityRotary())
     query = torch.randn(1, 4, 3, 8)
@@ -104,7 +105,7 @@ def test_the_distance_decay_weighs_the_evicted_entry_by_its_distance_to_each_que
     to the later one) it reads the same as computed by hand."""
     torch.manual_seed(3)
     gamma, evicted_key, evicted_values = 0.05, torch.randn(8), torch.randn(2, 8)
-    memory = LatentMemory(_exp_kernel_memory(evicted_key, gamma))
+    memory = LatentMemory(_exp_kernel_memory(evicted_key, gamma), AS_TRAINED)
     rotary = _IdentityRotary()
     memory.write(0, [(evicted_key[None], evicted_values[h, None], torch.tensor([3])) for h in range(2)], rotary)
     memory.write(0, [(torch.zeros(0, 8), torch.zeros(0, 8), torch.zeros(0, dtype=torch.long)),
@@ -133,7 +134,7 @@ def test_a_shut_gate_makes_the_mass_readout_a_no_op_and_mass_scale_scales_its_co
     torch.manual_seed(2)
     evicted_key = torch.randn(8)
     weights = _exp_kernel_memory(evicted_key)
-    memory = LatentMemory(weights)
+    memory = LatentMemory(weights, AS_TRAINED)
     memory.write(0, [(evicted_key[None], torch.randn(1, 8), torch.tensor([3])) for _ in range(2)], _IdentityRotary())
     query, keys, values = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
     plain = _attend(query, keys, values)

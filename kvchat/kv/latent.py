@@ -30,8 +30,9 @@ Choices where the paper is ambiguous:
 Note the normaliser is the paper's: for one stored entry, `m(k) = v` holds exactly when k's features lie
 in {-1, 0, 1} (one-hot keys, say), not for every k; phi and g are trained around it.
 
-**Mass readout** (`IndexMemConfig.readout = "mass"`, not the paper's; infini-attention's / linear attention's
-view of the memory as extra softmax mass). The additive readout cannot know how much attention mass the
+**Mass readout** (`IndexMemConfig.readout = "mass"`, the default and the shipped weights'; not the paper's:
+infini-attention's / linear attention's view of the memory as extra softmax mass; a memory reads as its
+weights were trained, `MemoryWeights.readout`). The additive readout cannot know how much attention mass the
 evicted entries would have taken from the kept ones: over kept entries K and evicted E, full attention is
 `o = (Z_K o_K + Z_E o_E) / (Z_K + Z_E)`, `Z = sum exp(scale q.k)`, so the exact correction
 `Z_E / (Z_K + Z_E) (o_E - o_K)` depends on `Z_K`, which only attention knows. Here phi is positive,
