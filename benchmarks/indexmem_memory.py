@@ -117,7 +117,8 @@ def report(args) -> None:
     training = RESULTS / "indexmem_training_memory_ingest_eviction.json"
     if training.is_file():
         t = json.loads(training.read_text())
-        text += (f"\nretrained: `kvchat train-indexer --stage memory --steps {t['steps']['memory']} --threads 1` "
+        text += ("\nadditive (retrained): "
+                 f"`kvchat train-indexer --stage memory --steps {t['steps']['memory']} --threads 1` "
                  f"on a copy of the shipped file (its indexer; seed 0, the default recipe, data hash "
                  f"{t['data_hash']}), evicting as ingest does; {t['timings_ms']['total'] / 1000:.0f} s "
                  f"(`{training.name}`). Not shipped.\n")
@@ -125,8 +126,8 @@ def report(args) -> None:
     if mass.is_file():
         t = json.loads(mass.read_text())
         removed = ", ".join(f"{v:.3f} @{k}" for k, v in t["metrics"]["memory"]["residual_removed"].items())
-        text += (f"\nmass: the same command with `--memory-readout mass` (the memory's entries join attention's "
-                 f"softmax as extra mass, each entry's mass decaying with its distance from the query; "
+        text += ("\nmass (shipped): the same command with `--memory-readout mass` (the memory's entries join "
+                 f"attention's softmax as extra mass, each entry's mass decaying with its distance from the query; "
                  f"kvchat.kv.latent), same data and recipe (data hash {t['data_hash']}); "
                  f"{t['timings_ms']['total'] / 1000:.0f} s (`{mass.name}`); held-out residual removed {removed}. "
                  "Answering adds half its correction (`IndexMemConfig.mass_scale` 0.5, chosen on the planted facts "
@@ -137,7 +138,8 @@ def report(args) -> None:
         budgets = data["budgets"]
         text += (f"\nShare of the eviction residual the memory removes on the {data['held_out_chunks']} held-out "
                  f"training chunks (training's `residual_removed`, last {data['readers']} tokens reading, all "
-                 "layers; negative: the readout adds error), by how the simulated block prefill evicts:\n\n"
+                 "layers; negative: the readout adds error; shipped: the additive memory shipped before), by how "
+                 "the simulated block prefill evicts:\n\n"
                  "| memory | eviction | " + " | ".join(f"@{b}" for b in budgets)
                  + " | worst layer (mean over budgets) |\n"
                  "|---|---|" + "---|" * (len(budgets) + 1) + "\n")
@@ -172,8 +174,8 @@ NO_DECAY_NOTE = ("| mass, no distance decay (commit dd8727e) | 0.227 (0.050) | 0
 
 
 # The weights files of the planted-fact runs (benchmarks/indexmem_ablation.py --weights), by their directory.
-PLANTED_LABELS = {"profiles": "shipped (additive)", "memhome-retrained": "retrained (additive)",
-                  "memhome-mass": "mass, no distance decay", "memhome-massd": "mass",
+PLANTED_LABELS = {"profiles": "additive (shipped before)", "memhome-retrained": "additive (retrained)",
+                  "memhome-mass": "mass, no distance decay", "memhome-massd": "mass (shipped)",
                   "memhome-massd1536": "mass, 1536-token training chunks"}
 
 
