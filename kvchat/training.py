@@ -18,7 +18,9 @@ X; everything else is recomputed from X with the model's own projections:
   memory learns the residual of the evictions it makes up for; the chunk's last `memory_queries` tokens are
   the readers. Target:
   the residual `o_full - o_kept` of their attention outputs (eq. 8); the memory is written with the
-  evicted entries and trained by MSE relative to the residual's own size (kvchat.kv.latent).
+  evicted entries and trained by MSE relative to the residual's own size (kvchat.kv.latent). The mass readout
+  (`IndexMemConfig.readout`, the default) also reads `o_kept` and its log-sum-exp over the kept entries and
+  the readers (what ingest's attention passes it), and its log-scales start from the data (`init_mass_scale`).
 Layers are trained side by side and independently (teacher forcing: each layer's inputs come from the full
 pass).
 

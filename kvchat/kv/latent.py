@@ -20,7 +20,7 @@ Choices where the paper is ambiguous:
   stored positions, queries by theirs), so a question far after an evicted fact still matches it.
 - lambda = 1, eta = 1 (`IndexMemConfig`): in a conversation an early fact matters as much as a late one.
 - **readout scale** (`IndexMemConfig.readout_scale`, not in the paper; additive readout only, the mass
-  readout has `mass_scale`, 1 by default): answering adds that share of g(q) m(q).
+  readout has its own `mass_scale`): answering adds that share of g(q) m(q).
   phi and g are fitted per layer by MSE with teacher-forced inputs; at ingest the memory holds far more
   entries than in training and each layer's readout error feeds every later layer. On planted-fact
   conversations and held-out chit-chat (benchmarks/indexmem_ablation.py) half the readout kept the gain on
@@ -47,7 +47,8 @@ phi sees content, not position, but attention's logits fall with distance (RoPE)
 entries much farther back than training's chunks, so each entry's mass also decays with its distance from
 the query, `exp(-gamma (t - p))` (gamma >= 0 learned per layer, `MemoryWeights.decay_rate`); the factor splits
 into `exp(-gamma (t - r)) exp(-gamma (r - p))`, r the last position written (`LatentMemory.ref`), so the state
-stays a sum: a write first decays it by `exp(-gamma (r' - r))`.
+stays a sum: a write first decays it by `exp(-gamma (r' - r))`. Answering adds `mass_scale` (0.5) of the
+correction `w (m(q) - o_attn)`: chosen on planted facts, as the additive readout's scale was.
 """
 
 from __future__ import annotations
