@@ -816,8 +816,8 @@ def train_indexer_command(
         help="Memory stage: the budgets its simulated block prefill evicts to, cycled over the chunks; each must "
         "exceed the system prompt's tokens.")] = ",".join(map(str, TrainConfig.memory_budgets)),
     memory_readout: Annotated[MemoryReadoutMode, typer.Option(
-        help="Memory stage: additive (the paper's o + g m(q)) or mass (the memory's entries join attention's "
-        "softmax as extra mass, weighed against the resident entries').")] = IndexMemConfig.readout,
+        help="Memory stage: how answering reads the memory: mass (its entries join attention's softmax as extra "
+        "mass, weighed against the resident entries') or additive (the paper's o + g m(q)).")] = IndexMemConfig.readout,
     out_file: Annotated[Path | None, typer.Option(
         "--out", help="Weights file (default: in $KVCHAT_HOME/profiles/, used by ingest before the shipped ones).",
     )] = None,
