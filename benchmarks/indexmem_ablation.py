@@ -2,7 +2,7 @@
 (kvchat.synthetic, seeds the trainer never used) and the held-out chit-chat chunks of the training data.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem_ablation.py [--budgets 128,256] [--variants a,b]
-        [--planted 3] [--out benchmarks/results/indexmem_ablation.jsonl]
+        [--planted 3] [--out benchmarks/results/indexmem_ablation.jsonl] [--weights FILE.indexmem.safetensors]
 
 Every variant builds each context's cache by block prefill (block 512, the ingest's default layer budgets) and
 is compared with full KV: planted facts by the first answer token's KL and the gold answer's mean negative
@@ -31,6 +31,7 @@ from kvchat.kv.indexer import IndexerScorer
 from kvchat.kv.latent import LatentMemory
 from kvchat.kv.methods import REGISTRY, ScorerInputs
 from kvchat.kv.prefill import block_prefill
+from kvchat.kv.trained import TrainedIndexMem
 from kvchat.llm import ChatLayout, load_model
 from kvchat.profile import find_indexmem
 from kvchat.synthetic import planted_conversation
@@ -75,6 +76,11 @@ VARIANTS: dict[str, tuple[str, dict, object]] = {
                                       None),
     "mix0.5/pool3": ("indexmem", {"attention_mix": 0.5, "pool_kernel": 3}, None),
     "mix0.5/pool1+memory0.5": ("indexmem", {"attention_mix": 0.5, "pool_kernel": 1}, 0.5),
+    # ingest's defaults (the chosen scorer), memory off and on as the weights file says (its readout and scale)
+    "chosen": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, None),
+    "chosen+memory": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, 1.0),
+    "chosen+memory0.5": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, 0.5),
+    "chosen+memory0.25": ("indexmem", {"attention_mix": 0.75, "pool_kernel": 1, "recent_window": 16}, 0.25),
 }
 
 
@@ -114,8 +120,21 @@ class ScaledMemory:
         self.memory, self.scale = memory, scale
 
     def readout(self, rotary_emb, position_ids):
-        inner = self.memory.readout(rotary_emb, position_ids)
-        return lambda layer, query: self.scale[layer] * inner(layer, query)
+        return ScaledRead(self.memory.readout(rotary_emb, position_ids), self.scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaledRead:
+    """One forward's `ScaledMemory` readout (kvchat.kv.attention.MemoryReadout)."""
+
+    inner: object
+    scale: list[float]
+
+    def needs_log_mass(self, layer: int) -> bool:
+        return self.inner.needs_log_mass(layer)
+
+    def __call__(self, layer, query, attended=None, log_mass=None):
+        return self.scale[layer] * self.inner(layer, query, attended, log_mass)
 
 
 def measure(lm, trained, prefix, ctx: Context, cache, reference: dict | None) -> dict:
@@ -158,9 +177,11 @@ def main() -> None:
     parser.add_argument("--variants", default="snapkv,indexer,indexer+memory")
     parser.add_argument("--planted", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS / "indexmem_ablation.jsonl")
+    parser.add_argument("--weights", type=Path, default=None, help="IndexMem weights file (default: ingest's)")
     args = parser.parse_args()
     lm = load_model("default", default_home() / "models")
-    trained = find_indexmem(lm, [default_home() / "profiles"])
+    trained = TrainedIndexMem.load(args.weights) if args.weights else find_indexmem(lm, [default_home() / "profiles"])
+    log(f"weights {trained.path} (memory readout {trained.config.readout})")
     layout = ChatLayout.from_tokenizer(lm.tokenizer, SYSTEM_PROMPT)
     prefix = lm.encode(layout.before_conversation)
     ctxs = contexts(lm, args.planted)
@@ -195,7 +216,7 @@ def main() -> None:
                 rows.append({"context": ctx.name} | measure(lm, trained, prefix, ctx, cache, refs[ctx.name]))
             planted = [r for r in rows if "kl_first" in r]
             summary = {
-                "variant": name, "budget": budget,
+                "variant": name, "budget": budget, "weights": str(trained.path), "readout": trained.config.readout,
                 "kl_first": round(sum(r["kl_first"] for r in planted) / len(planted), 4),
                 "agree_first": round(sum(r["agree_first"] for r in planted) / len(planted), 3),
                 "nll_gap": round(sum(r["nll_gap"] for r in planted) / len(planted), 4),

@@ -36,6 +36,7 @@ from kvchat.config import (
     DTYPES,
     HEAD_BUDGETS,
     LAYER_BUDGETS,
+    MEMORY_READOUTS,
     OFFLOAD_MODES,
     POSITION_MODES,
     PREFILL_MODES,
@@ -48,6 +49,7 @@ from kvchat.config import (
     DeviceConfig,
     EpisodeConfig,
     EvalConfig,
+    IndexMemConfig,
     IngestConfig,
     OffloadConfig,
     PagingConfig,
@@ -87,6 +89,7 @@ HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
 Offload = Literal[OFFLOAD_MODES]  # type: ignore[valid-type]
 CachePrecision = Literal[CACHE_PRECISIONS]  # type: ignore[valid-type]
 TrainStage = Literal[TRAIN_STAGES]  # type: ignore[valid-type]
+MemoryReadoutMode = Literal[MEMORY_READOUTS]  # type: ignore[valid-type]
 Weights = Literal[WEIGHT_MODES]  # type: ignore[valid-type]
 
 
@@ -812,6 +815,9 @@ def train_indexer_command(
     memory_budgets: Annotated[str, typer.Option(
         help="Memory stage: the budgets its simulated block prefill evicts to, cycled over the chunks; each must "
         "exceed the system prompt's tokens.")] = ",".join(map(str, TrainConfig.memory_budgets)),
+    memory_readout: Annotated[MemoryReadoutMode, typer.Option(
+        help="Memory stage: how answering reads the memory: mass (its entries join attention's softmax as extra "
+        "mass, weighed against the resident entries') or additive (the paper's o + g m(q)).")] = IndexMemConfig.readout,
     out_file: Annotated[Path | None, typer.Option(
         "--out", help="Weights file (default: in $KVCHAT_HOME/profiles/, used by ingest before the shipped ones).",
     )] = None,
@@ -839,7 +845,8 @@ def train_indexer_command(
         console=err, transient=True, disable=not err.is_terminal or as_json,
     ) as bars:
         progress = _RichTrainProgress(bars) if err.is_terminal else _LineTrainProgress()
-        report = train(lm, target, config, files=data or [], progress=progress)
+        report = train(lm, target, config, files=data or [], indexmem=IndexMemConfig(readout=memory_readout),
+                       progress=progress)
     for note in report.notes:
         _say(f"kvchat: note: {note}", console=err)
     if as_json:

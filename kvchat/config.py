@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import platformdirs
@@ -184,8 +184,27 @@ class IndexMemConfig:
     decay: float = 1.0             # lambda: 1 = an old evicted fact weighs as much as a recent one
     write_strength: float = 1.0    # eta
     eps: float = 1e-6              # readout denominator floor
-    readout_scale: float = 0.5     # answering adds this share of the gated readout: trained by MSE layer by layer,
+    readout_scale: float = 0.5     # additive readout: answering adds this share of it: trained by MSE layer by layer,
                                    # the full readout's errors compound over 30 layers (IndexMem section, README)
+    readout: str = "mass"          # mass: the memory's entries join attention's softmax as extra mass, weighed
+                                   # against the resident entries' (kvchat.kv.latent); additive: the paper's
+                                   # o_attn + g m(q). Chosen on planted facts (README, IndexMem section)
+    mass_scale: float = 0.5        # mass readout: answering adds this share of its correction; of 1, 0.5, 0.25
+                                   # half had the lowest first-token KL on planted facts at budget 128
+
+    def stored(self) -> dict:
+        """As weights and episode files store it: without `readout` when it is the paper's additive one, so
+        files that do not use the mass readout stay readable by kvchat from before it."""
+        out = asdict(self)
+        if out["readout"] == "additive":
+            del out["readout"], out["mass_scale"]
+        return out
+
+    @classmethod
+    def from_stored(cls, stored: dict) -> IndexMemConfig:
+        """What `stored` wrote (TypeError on unknown keys): no `readout` is the additive one, whatever the
+        default is now."""
+        return cls(**{"readout": "additive", **stored})
 
 
 @dataclass(frozen=True)
@@ -218,6 +237,7 @@ class TrainConfig:
 
 
 TRAIN_STAGES = ("indexer", "memory", "both")
+MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
 
 
 @dataclass(frozen=True)

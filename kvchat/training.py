@@ -18,7 +18,9 @@ X; everything else is recomputed from X with the model's own projections:
   memory learns the residual of the evictions it makes up for; the chunk's last `memory_queries` tokens are
   the readers. Target:
   the residual `o_full - o_kept` of their attention outputs (eq. 8); the memory is written with the
-  evicted entries and trained by MSE relative to the residual's own size (kvchat.kv.latent).
+  evicted entries and trained by MSE relative to the residual's own size (kvchat.kv.latent). The mass readout
+  (`IndexMemConfig.readout`, the default) also reads `o_kept` and its log-sum-exp over the kept entries and
+  the readers (what ingest's attention passes it), and its log-scales start from the data (`init_mass_scale`).
 Layers are trained side by side and independently (teacher forcing: each layer's inputs come from the full
 pass).
 
@@ -51,7 +53,16 @@ from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
 from kvchat.kv.attention import LayerView, grouped_attention_weights
 from kvchat.kv.indexer import Indexer, IndexerScorer, IndexMemShape, distill_loss, top_overlap
-from kvchat.kv.latent import CLOSED_GATE, MemoryWeights, gate_closed, read, write_terms
+from kvchat.kv.latent import (
+    CLOSED_GATE,
+    MIN_MASS,
+    MemoryWeights,
+    features,
+    gate_closed,
+    read,
+    read_mass,
+    write_terms,
+)
 from kvchat.kv.methods import SNAPKV_WINDOW
 from kvchat.kv.scoring import select_top
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
@@ -314,12 +325,12 @@ def train(
     }
     torch.manual_seed(config.seed)
     indexer = previous.indexer if previous is not None else Indexer(shape)
-    memory = MemoryWeights(shape)
+    memory = MemoryWeights(shape, indexmem.readout)
     metrics = dict(previous.metrics) if previous is not None else {}
     steps, resumed = {}, {}
     checkpoint = out.with_name(out.name + ".ckpt")
     key = json.dumps({"config": dataclasses.asdict(config), "data": digest, "weights": weights,
-                      "shape": shape.to_dict()}, sort_keys=True)
+                      "shape": shape.to_dict(), "readout": indexmem.readout}, sort_keys=True)
     for stage in stages:
         clock = time.perf_counter()
         module = indexer if stage == "indexer" else memory
@@ -383,6 +394,8 @@ def _train_stage(stage, module, lm, indexer, data, config, indexmem, checkpoint,
         indexer.requires_grad_(False)
         targets = [memory_targets(lm, indexer, c, config.memory_budgets[i % len(config.memory_budgets)], config,
                                   indexmem) for i, c in enumerate(data)]
+        if start == 0 and module.readout == "mass":
+            init_mass_scale(module, targets, indexmem)
     for step in range(start, config.steps):
         for group in optimizer.param_groups:
             group["lr"] = _lr(step, config)
@@ -458,6 +471,8 @@ class MemoryTargets:
     evicted: list[torch.Tensor]   # [kv, P] 1.0 = evicted
     queries: list[torch.Tensor]   # [q_heads, R, d]
     residual: list[torch.Tensor]  # [q_heads, R, d]
+    attended: list[torch.Tensor]  # [q_heads, R, d] o_kept, the compressed cache's attention output
+    log_mass: list[torch.Tensor]  # [q_heads, R, 1] float32: its log-sum-exp over the kept entries (mass readout)
 
 
 @torch.no_grad()
@@ -471,7 +486,7 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
     readers = min(config.memory_queries, n // 4)
     context = n - readers
     scorer = IndexerScorer.for_cache(indexer, model, config.simulated_cache())
-    out = MemoryTargets([], [], [], [], [])
+    out = MemoryTargets([], [], [], [], [], [], [])
     for index, (layer, x16) in enumerate(zip(model.model.layers, item.hidden, strict=True)):
         attn, x = layer.self_attn, x16.float()
         kept = simulate_eviction(scorer, model, index, x[:context], item.chunk.sink, budget,
@@ -491,6 +506,8 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
         out.evicted.append((~kept).half())
         out.queries.append(q_pre.half())
         out.residual.append((full - compressed).flatten(0, 1).half())
+        out.attended.append(compressed.flatten(0, 1).half())
+        out.log_mass.append(masked.logsumexp(-1, keepdim=True).flatten(0, 1))
     return out
 
 
@@ -530,9 +547,44 @@ def simulate_eviction(scorer: IndexerScorer, model, layer_idx: int, x: torch.Ten
 def memory_prediction(memory: MemoryWeights, layer: int, t: MemoryTargets, indexmem: IndexMemConfig) -> torch.Tensor:
     """What layer `layer`'s memory, written with the chunk's evicted entries, gives its readers `[q_heads, R, d]`."""
     phi, gate = memory.phi[layer], memory.gate[layer]
-    m, b = write_terms(phi, t.keys[layer].float(), t.values[layer].float(), t.evicted[layer].float())
     eta = indexmem.write_strength
+    if memory.readout == "mass":
+        m, z, shift = _mass_state(memory, layer, t)
+        return read_mass(phi, gate, memory.log_scale[layer], eta * m, eta * z, t.queries[layer].float(),
+                         t.attended[layer].float(), t.log_mass[layer], shift)
+    m, b = write_terms(phi, t.keys[layer].float(), t.values[layer].float(), t.evicted[layer].float())
     return read(phi, gate, eta * m, eta * b, t.queries[layer].float(), indexmem.eps)
+
+
+def _mass_state(memory: MemoryWeights, layer: int, t: MemoryTargets):
+    """The mass readout's state after writing the chunk's evicted entries (positions 0..P-1, reference P-1, as
+    an ingest's `LatentMemory.write` decays them) and the readers' shift `-gamma (t - r)` `[R, 1]`."""
+    context, readers = t.keys[layer].shape[1], t.queries[layer].shape[1]
+    gamma = memory.gamma(layer)
+    distance = (context - 1) - torch.arange(context, dtype=torch.float32)
+    weight = t.evicted[layer].float() * torch.exp(-gamma * distance)
+    m, z = write_terms(memory.phi[layer], t.keys[layer].float(), t.values[layer].float(), weight, "mass")
+    ahead = torch.arange(1, readers + 1, dtype=torch.float32)[:, None]                 # t - r for the readers
+    return m, z, -gamma * ahead
+
+
+@torch.no_grad()
+def init_mass_scale(memory: MemoryWeights, targets: Sequence[MemoryTargets], indexmem: IndexMemConfig) -> None:
+    """Start each layer's log-scale c where the memory takes about the gate's share (sigmoid(GATE_BIAS)) of a
+    reader's attention: c = mean of L_K - log phi(q).z over the training readers, z written with what was
+    evicted. Deterministic (the data and the seeded initial phi); the optimizer moves c by ~lr a step, too
+    slowly to find the scale of sums over thousands of entries by itself."""
+    for layer in range(memory.shape.layers):
+        gaps = []
+        for t in targets:
+            _, z, shift = _mass_state(memory, layer, t)
+            q = t.queries[layer].float().unflatten(0, (z.shape[0], -1))
+            mass = (features(memory.phi[layer], q, "mass") @ (indexmem.write_strength * z)[:, None, :, None])
+            present = mass.flatten(0, 1) > MIN_MASS
+            log_mass = mass.flatten(0, 1).clamp_min(MIN_MASS).log() + shift
+            gaps.append((t.log_mass[layer] - log_mass)[present])
+        gap = torch.cat(gaps)
+        memory.log_scale[layer] = gap.mean() if gap.numel() else 0.0
 
 
 def memory_loss(memory: MemoryWeights, t: MemoryTargets, indexmem: IndexMemConfig) -> torch.Tensor:

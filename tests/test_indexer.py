@@ -36,11 +36,12 @@ def history(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_home(tmp_path_factory, tiny_lm, history) -> Path:
-    """A store home whose profiles/ holds IndexMem weights trained on the tiny model (both stages)."""
+    """A store home whose profiles/ holds IndexMem weights trained on the tiny model (both stages), with the
+    paper's additive readout (tests/test_memory_mass.py covers the default, mass)."""
     home = tmp_path_factory.mktemp("home")
     from kvchat.training import default_out
 
-    train(tiny_lm, default_out(home, tiny_lm), SMALL, files=[history])
+    train(tiny_lm, default_out(home, tiny_lm), SMALL, files=[history], indexmem=IndexMemConfig(readout="additive"))
     return home
 
 

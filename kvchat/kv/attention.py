@@ -125,8 +125,15 @@ class MemoryReadout(Protocol):
     """Passed to a model forward as the `kvchat_memory` keyword (kvchat.kv.latent): what a memory of evicted
     entries adds to a layer's attention output, per query head, before `o_proj`."""
 
-    def __call__(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
-        """`query [1, q_heads, q, head_dim]` (after RoPE) -> the addition, same shape."""
+    def needs_log_mass(self, layer_idx: int) -> bool:
+        """Whether the layer's readout needs attention's output and log-sum-exp (the mass readout)."""
+        ...
+
+    def __call__(self, layer_idx: int, query: torch.Tensor, attended: torch.Tensor | None = None,
+                 log_mass: torch.Tensor | None = None) -> torch.Tensor:
+        """`query [1, q_heads, q, head_dim]` (after RoPE) -> the addition, same shape; when `needs_log_mass`,
+        also attention's output `attended` (same shape) and `log_mass [1, q_heads, q, 1]`, the log-sum-exp of
+        each query's attention logits over the entries it attends to."""
         ...
 
 
@@ -160,12 +167,7 @@ def grouped_attention_weights(
 ) -> torch.Tensor:
     """Softmax attention weights for batch 1, shaped [kv_heads, group, q, kv] (GQA groups explicit).
     `softcap` (Gemma2's attention logit softcapping): logits become softcap * tanh(logits / softcap)."""
-    _, q_heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query[0].reshape(kv_heads, q_heads // kv_heads, q_len, dim).float()
-    logits = torch.matmul(q, key[0].float().transpose(-1, -2).unsqueeze(1)) * scaling
-    if softcap:
-        logits = torch.tanh(logits / softcap) * softcap
+    logits = _logits(query, key, scaling, softcap)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     return logits.softmax(dim=-1)
@@ -224,26 +226,28 @@ def kvchat_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """SDPA with a per-layer causal mask; optionally records attention for scoring, and adds a latent
-    memory's readout (IndexMem eq. 4: o = o_attn + g(q) m(q)) when one is passed. A `softcap` keyword
+    memory's readout (IndexMem eq. 4: o = o_attn + g(q) m(q); or the mass readout, which also reads
+    attention's log-sum-exp, kvchat.kv.latent) when one is passed. A `softcap` keyword
     (Gemma2's attention logit softcapping, passed by the model's attention module) is applied."""
     softcap = kwargs.get("softcap")
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     if isinstance(key, PagedKeys):
         retrieved = key.pool.retrieved(query, scaling)
-        if query.shape[2] == 1 and attention_mask is None and kvchat_recorder is None:
+        if query.shape[2] == 1 and attention_mask is None and kvchat_recorder is None and kvchat_memory is None:
+            # a latent memory reads the joined entries (a mass readout needs their log-sum-exp): not this path
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             out = key.pool.paged_decode(query, key, value, retrieved, scale, softcap)
             if out is not None:
-                return _with_memory(out, module, query, kvchat_memory), None
+                return out, None
         key, value = with_retrieved(key, value, retrieved, query.shape[2])
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(key, HeadList):
         out, _ = _ragged_attention(
             module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden, softcap
         )
-        return _with_memory(out, module, query, kvchat_memory), None
+        return _with_memory(out, module, query, kvchat_memory, key, scale, None, softcap), None
     q_len, kv_len = query.shape[2], key.shape[2]
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
     if kvchat_recorder is not None:
         rows = min(kvchat_recorder.query_rows or q_len, q_len)
@@ -257,16 +261,62 @@ def kvchat_attention(
         out = attend(query, key, value, mask, scale, softcap)
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
         kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden))
-    return _with_memory(out.transpose(1, 2).contiguous(), module, query, kvchat_memory), None
+    return _with_memory(out.transpose(1, 2).contiguous(), module, query, kvchat_memory, key, scale, mask, softcap), None
 
 
 def _with_memory(
-    out: torch.Tensor, module: torch.nn.Module, query: torch.Tensor, memory: MemoryReadout | None
+    out: torch.Tensor,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    memory: MemoryReadout | None,
+    key: torch.Tensor | HeadList,
+    scale: float,
+    mask: torch.Tensor | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """`out [1, q, q_heads, head_dim]` plus the memory's readout, when there is a memory."""
+    """`out [1, q, q_heads, head_dim]` plus the memory's readout, when there is a memory; a mass readout also
+    gets attention's output and log-sum-exp over the layer's `key`s (`mask`: the uniform path's)."""
     if memory is None:
         return out
-    return out + memory(module.layer_idx, query).transpose(1, 2).to(out.dtype)
+    layer = module.layer_idx
+    if not memory.needs_log_mass(layer):
+        return out + memory(layer, query).transpose(1, 2).to(out.dtype)
+    log_mass = attention_log_mass(query, key, scale, mask, softcap)
+    return out + memory(layer, query, out.transpose(1, 2), log_mass).transpose(1, 2).to(out.dtype)
+
+
+def attention_log_mass(
+    query: torch.Tensor, key: torch.Tensor | HeadList, scale: float, mask: torch.Tensor | None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """log sum_k exp(logit(q, k)) over the keys each query attends to, `[1, q_heads, q, 1]` float32: the
+    entries resident (plus retrieved) and the forward's own tokens, causally (`mask [q, kv]` for a uniform
+    layer, the causal rule per head for a ragged one). One extra q.K^T over the resident entries."""
+    q_len = query.shape[2]
+    if isinstance(key, HeadList):
+        kv_heads = len(key)
+        group = query.shape[1] // kv_heads
+        parts = []
+        for h in range(kv_heads):
+            logits = _logits(query[:, h * group : (h + 1) * group], key[h], scale, softcap)
+            head_mask = causal_mask(q_len, key[h].shape[2], query.device)
+            if head_mask is not None:
+                logits = logits.masked_fill(~head_mask, float("-inf"))
+            parts.append(logits.logsumexp(-1, keepdim=True).flatten(0, 1))
+        return torch.cat(parts)[None]
+    logits = _logits(query, key, scale, softcap)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
+    return logits.logsumexp(-1, keepdim=True).flatten(0, 1)[None]
+
+
+def _logits(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """Attention logits `[kv_heads, group, q, n]` (float32) of `query [1, q_heads, q, D]` over `key [1, kv, n, D]`."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    q = query[0].reshape(kv_heads, q_heads // kv_heads, q_len, dim).float()
+    logits = torch.matmul(q, key[0].float().transpose(-1, -2).unsqueeze(1)) * scale
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 def _view(

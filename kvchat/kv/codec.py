@@ -24,7 +24,9 @@ Latent memory (IndexMem, kvchat.kv.latent), when the cache has one: per layer l,
 `[kv_heads, d_mem, head_dim]` and `mem.b.{l}` `[kv_heads, d_mem]` float32 (the fast state), `mem.phi.{l}`
 `[d_mem, head_dim]`, `mem.gate_w.{l}` `[1, head_dim]` and `mem.gate_b.{l}` `[1]` (the slow weights that wrote
 it, so the file reads back exactly what was written whatever is retrained later), and metadata `memory`:
-the shape and update rule as JSON.
+the shape and update rule as JSON (its `config` names a `readout` only when it is "mass"; then `mem.b.{l}`
+holds the normaliser z = sum phi(k), and `[layers]` float32 tensors `mem.log_scale` the log-scales c,
+`mem.decay_rate` the distance decays (gamma = |decay_rate|) and `mem.ref` each layer's reference position).
 
 Keys and values are written in the dtype of the model that built the cache and read back in the dtype of
 the model that answers (`decode(dtype=, device=)`): the format does not record a dtype of its own, the
@@ -36,8 +38,11 @@ Format versions (metadata `format_version`):
 - "3": as "2", plus an optional latent memory.
 - "4": as "3", plus 8-bit layers and the `precision` metadata entry (absent: full precision).
 - "5": as "4", plus 4-bit layers (`precision` "int4").
-kvchat writes the oldest version that describes a file (`format_version`): "5" for 4-bit caches only, else
-`FORMAT_VERSION` ("4"), so full and 8-bit files stay readable by kvchat before 4 bits; it reads
+- "6": as "5", plus a latent memory with the mass readout (`readout` "mass" in its config, `mem.log_scale`,
+  `mem.decay_rate`, `mem.ref`).
+kvchat writes the oldest version that describes a file (`format_version`): "6" for caches with a mass-readout
+memory, else "5" for 4-bit caches, else `FORMAT_VERSION` ("4"), so full and 8-bit files stay readable by kvchat
+before 4 bits, and files without a mass readout by kvchat before it; it reads
 `READABLE_FORMAT_VERSIONS`. The store (kvchat.store) stamps the
 version on every file it writes and refuses unreadable versions and foreign model fingerprints before a
 tensor is allocated; everything about the content is decoded here.
@@ -66,11 +71,14 @@ if TYPE_CHECKING:
 
 FORMAT_VERSION = "4"  # written for full-precision and 8-bit caches
 INT4_FORMAT_VERSION = "5"  # written for 4-bit caches
-READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4", "5")
+MASS_MEMORY_FORMAT_VERSION = "6"  # written for caches whose latent memory has the mass readout
+READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4", "5", "6")
 
 
 def format_version(metadata: dict[str, str]) -> str:
     """The version a file of this metadata is stamped with (the store stamps it): the oldest that reads it."""
+    if "memory" in metadata and json.loads(metadata["memory"])["config"].get("readout", "additive") == "mass":
+        return MASS_MEMORY_FORMAT_VERSION
     return INT4_FORMAT_VERSION if metadata.get("precision") == "int4" else FORMAT_VERSION
 
 
@@ -175,7 +183,12 @@ def _encode_memory(memory) -> tuple[dict[str, torch.Tensor], str]:
             f"mem.gate_w.{i}": gate.weight.detach().float().contiguous(),
             f"mem.gate_b.{i}": gate.bias.detach().float().contiguous(),
         }
-    described = {"shape": dataclasses.asdict(memory.shape), "config": dataclasses.asdict(memory.config)}
+    if memory.weights.readout == "mass":
+        out["mem.log_scale"] = memory.weights.log_scale.detach().float().contiguous()
+        out["mem.decay_rate"] = memory.weights.decay_rate.detach().float().contiguous()
+        out["mem.ref"] = memory.ref.float().contiguous()
+    config = dataclasses.replace(memory.config, readout=memory.weights.readout)  # what the weights read as
+    described = {"shape": dataclasses.asdict(memory.shape), "config": config.stored()}
     return out, json.dumps(described)
 
 
@@ -186,10 +199,17 @@ def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int
 
     try:
         info = json.loads(described)
-        shape, config = IndexMemShape(**info["shape"]), IndexMemConfig(**info["config"])
+        shape, config = IndexMemShape(**info["shape"]), IndexMemConfig.from_stored(info["config"])
         if shape.layers != layers:
             raise ValueError(f"a memory of {shape.layers} layers for a cache of {layers}")
-        weights = MemoryWeights(shape)
+        weights = MemoryWeights(shape, config.readout)
+        ref = None
+        if config.readout == "mass":
+            weights.log_scale.data.copy_(tensors["mem.log_scale"])
+            weights.decay_rate.data.copy_(tensors["mem.decay_rate"])
+            ref = tensors["mem.ref"].float()
+            if ref.shape != (layers,):
+                raise ValueError(f"memory reference positions of shape {list(ref.shape)}")
         for i in range(layers):
             weights.phi[i].weight.data.copy_(tensors[f"mem.phi.{i}"])
             weights.gate[i].weight.data.copy_(tensors[f"mem.gate_w.{i}"])
@@ -203,7 +223,7 @@ def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int
         raise ValueError(f"latent memory is incomplete: no {e.args[0]}") from None
     except (TypeError, RuntimeError, json.JSONDecodeError) as e:
         raise ValueError(f"latent memory is malformed: {e}") from None
-    return LatentMemory(weights, config, m, b)
+    return LatentMemory(weights, config, m, b, ref)
 
 
 def encode_layers(cache: EpisodeCache) -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ Choices where the paper is ambiguous:
 - **keys and queries before RoPE**: phi sees content, not position (evicted keys are rotated back by their
   stored positions, queries by theirs), so a question far after an evicted fact still matches it.
 - lambda = 1, eta = 1 (`IndexMemConfig`): in a conversation an early fact matters as much as a late one.
-- **readout scale** (`IndexMemConfig.readout_scale`, not in the paper): answering adds that share of g(q) m(q).
+- **readout scale** (`IndexMemConfig.readout_scale`, not in the paper; additive readout only, the mass
+  readout has its own `mass_scale`): answering adds that share of g(q) m(q).
   phi and g are fitted per layer by MSE with teacher-forced inputs; at ingest the memory holds far more
   entries than in training and each layer's readout error feeds every later layer. On planted-fact
   conversations and held-out chit-chat (benchmarks/indexmem_ablation.py) half the readout kept the gain on
@@ -28,6 +29,26 @@ Choices where the paper is ambiguous:
   reduce the held-out residual) is neither written nor read.
 Note the normaliser is the paper's: for one stored entry, `m(k) = v` holds exactly when k's features lie
 in {-1, 0, 1} (one-hot keys, say), not for every k; phi and g are trained around it.
+
+**Mass readout** (`IndexMemConfig.readout = "mass"`, the default and the shipped weights'; not the paper's:
+infini-attention's / linear attention's view of the memory as extra softmax mass; a memory reads as its
+weights were trained, `MemoryWeights.readout`). The additive readout cannot know how much attention mass the
+evicted entries would have taken from the kept ones: over kept entries K and evicted E, full attention is
+`o = (Z_K o_K + Z_E o_E) / (Z_K + Z_E)`, `Z = sum exp(scale q.k)`, so the exact correction
+`Z_E / (Z_K + Z_E) (o_E - o_K)` depends on `Z_K`, which only attention knows. Here phi is positive,
+`phi(x) = exp(W x)` (W the same `phi` linear map; capped at exp(FEATURE_CAP)), so `exp(c) phi(q).phi(k)`
+estimates `exp(scale q.k)` with a learned per-layer log-scale c (`MemoryWeights.log_scale`). The state is
+`M = sum phi(k) v^T` and `z = sum phi(k)` (z in b's slot), and with `L_K` attention's log-sum-exp over the
+entries the query attends to (kvchat.kv.attention passes it) the output is
+    o = (exp(L_K) o_attn + g(q) exp(c) phi(q)^T M) / (exp(L_K) + g(q) exp(c) phi(q)^T z),
+computed as `o_attn + w (m(q) - o_attn)`, `w = sigmoid(log g + c + log phi(q)^T z - L_K)`,
+`m(q) = phi(q)^T M / phi(q)^T z`. Nothing written, or g = 0: w = 0, o = o_attn exactly.
+phi sees content, not position, but attention's logits fall with distance (RoPE) and an ingest's memory holds
+entries much farther back than training's chunks, so each entry's mass also decays with its distance from
+the query, `exp(-gamma (t - p))` (gamma >= 0 learned per layer, `MemoryWeights.decay_rate`); the factor splits
+into `exp(-gamma (t - r)) exp(-gamma (r - p))`, r the last position written (`LatentMemory.ref`), so the state
+stays a sum: a write first decays it by `exp(-gamma (r' - r))`. Answering adds `mass_scale` (0.5) of the
+correction `w (m(q) - o_attn)`: chosen on planted facts, as the additive readout's scale was.
 """
 
 from __future__ import annotations
@@ -37,13 +58,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvchat.config import IndexMemConfig
+from kvchat.config import MEMORY_READOUTS, IndexMemConfig
 from kvchat.kv.indexer import IndexMemShape
 from kvchat.kv.layers import EvictedHead
 from kvchat.kv.rope import rotate_keys
 
 GATE_BIAS = -2.0  # a new memory starts mostly closed (g about 0.12): training opens it where it helps
 CLOSED_GATE = -1e4  # a gate bias that shuts a layer's memory (g = 0): kvchat.training closes layers it does not help
+FEATURE_CAP = 30.0  # mass readout: log phi(x) = W x capped here, so sums over thousands of entries stay finite
+MIN_MASS = 1e-30    # mass readout: phi(q).z below this is no memory at all (nothing written)
+INITIAL_DECAY = 1e-3  # mass readout: gamma before training (an entry 1000 tokens back weighs exp(-1) as much)
 
 
 def gate_closed(weights: MemoryWeights, layer: int) -> bool:
@@ -55,25 +79,40 @@ def gate_closed(weights: MemoryWeights, layer: int) -> bool:
 class MemoryWeights(nn.Module):
     """The slow weights of every layer: phi and the gate (see the module docstring)."""
 
-    def __init__(self, shape: IndexMemShape) -> None:
+    def __init__(self, shape: IndexMemShape, readout: str = "additive") -> None:
         super().__init__()
-        self.shape = shape
+        if readout not in MEMORY_READOUTS:
+            raise ValueError(f"unknown memory readout {readout!r} (choose from {', '.join(MEMORY_READOUTS)})")
+        self.shape, self.readout = shape, readout
         self.phi = nn.ModuleList(nn.Linear(shape.head_dim, shape.memory_dim, bias=False) for _ in range(shape.layers))
         self.gate = nn.ModuleList(nn.Linear(shape.head_dim, 1) for _ in range(shape.layers))
         for gate in self.gate:
             nn.init.zeros_(gate.weight)
             nn.init.constant_(gate.bias, GATE_BIAS)
+        if readout == "mass":  # c per layer; kvchat.training sets it from the data before the first step
+            self.log_scale = nn.Parameter(torch.zeros(shape.layers))
+            self.decay_rate = nn.Parameter(torch.full((shape.layers,), INITIAL_DECAY))  # gamma = |decay_rate|
+
+    def gamma(self, layer: int) -> torch.Tensor:
+        """Mass readout: layer `layer`'s decay of an entry's mass per token of distance from the query."""
+        return self.decay_rate[layer].abs()
 
 
-def write_terms(phi: nn.Linear, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None = None):
+def features(phi: nn.Linear, x: torch.Tensor, readout: str = "additive") -> torch.Tensor:
+    """phi(x): the linear map (additive), or its exponential, capped (mass: positive features)."""
+    projected = phi(x.float())
+    return projected if readout == "additive" else projected.clamp(max=FEATURE_CAP).exp()
+
+
+def write_terms(phi: nn.Linear, keys: torch.Tensor, values: torch.Tensor, weight: torch.Tensor | None = None,
+                readout: str = "additive"):
     """What entries add to (M, b) before eta: `keys`, `values` `[..., n, head_dim]` (pre-RoPE keys), optional
-    per-entry `weight [..., n]` (1 = evicted); returns `M [..., d_mem, head_dim]`, `b [..., d_mem]`."""
-    features = phi(keys.float())
-    if weight is not None:
-        features_w = features * weight.unsqueeze(-1)
-    else:
-        features_w = features
-    return features_w.transpose(-1, -2) @ values.float(), (features_w * features).sum(-2)
+    per-entry `weight [..., n]` (1 = evicted); returns `M [..., d_mem, head_dim]` and `b [..., d_mem]`: the sum
+    of phi(k)^2 (additive) or of phi(k) (mass, the normaliser z)."""
+    feats = features(phi, keys, readout)
+    weighted = feats * weight.unsqueeze(-1) if weight is not None else feats
+    norm = weighted * feats if readout == "additive" else weighted
+    return weighted.transpose(-1, -2) @ values.float(), norm.sum(-2)
 
 
 def read(phi: nn.Linear, gate: nn.Linear, m: torch.Tensor, b: torch.Tensor, queries: torch.Tensor, eps: float):
@@ -88,6 +127,26 @@ def read(phi: nn.Linear, gate: nn.Linear, m: torch.Tensor, b: torch.Tensor, quer
     return gated.flatten(0, 1)
 
 
+def read_mass(phi: nn.Linear, gate: nn.Linear, log_scale: torch.Tensor, m: torch.Tensor, z: torch.Tensor,
+              queries: torch.Tensor, attended: torch.Tensor, log_mass: torch.Tensor,
+              shift: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """What the mass readout adds to attention's output `attended [q_heads, n, head_dim]`, whose log-sum-exp
+    over the entries each query attends to is `log_mass [q_heads, n, 1]`: `w (m(q) - o_attn)` (module
+    docstring), from states `m [kv_heads, d_mem, head_dim]`, `z [kv_heads, d_mem]`; `queries` pre-RoPE;
+    `shift [n, 1]`: each query's distance decay from the state's reference position, `-gamma (t - r)`."""
+    kv_heads = m.shape[0]
+    q = queries.float().unflatten(0, (kv_heads, -1))                     # [kv, group, n, d]
+    feats = features(phi, q, "mass")                                     # [kv, group, n, d_mem]
+    numerator = feats @ m.unsqueeze(1)                                   # [kv, group, n, d]
+    mass = feats @ z[:, None, :, None]                                   # [kv, group, n, 1]
+    present = mass > MIN_MASS
+    mass = torch.where(present, mass, torch.ones_like(mass))
+    log_memory = torch.nn.functional.logsigmoid(gate(q)) + log_scale + shift + mass.log()
+    share = torch.where(present, torch.sigmoid(log_memory - log_mass.float().unflatten(0, (kv_heads, -1))), 0.0)
+    out = attended.float().unflatten(0, (kv_heads, -1))
+    return (share * (numerator / mass - out)).flatten(0, 1)
+
+
 class LatentMemory:
     """The fast state of one episode cache plus the slow weights that write and read it.
 
@@ -96,12 +155,15 @@ class LatentMemory:
     """
 
     def __init__(self, weights: MemoryWeights, config: IndexMemConfig = IndexMemConfig(),
-                 m: list[torch.Tensor] | None = None, b: list[torch.Tensor] | None = None) -> None:
+                 m: list[torch.Tensor] | None = None, b: list[torch.Tensor] | None = None,
+                 ref: torch.Tensor | None = None) -> None:
         s = weights.shape
         self.weights = weights.eval().requires_grad_(False)
         self.shape, self.config = s, config
         self.m = m if m is not None else [torch.zeros(s.kv_heads, s.memory_dim, s.head_dim) for _ in range(s.layers)]
         self.b = b if b is not None else [torch.zeros(s.kv_heads, s.memory_dim) for _ in range(s.layers)]
+        # mass readout: per layer, the position the state's distance decay is relative to (the last written)
+        self.ref = ref if ref is not None else torch.zeros(s.layers)
         self.written = 0  # entries written (all layers and heads), for reports
         self.closed = [gate_closed(weights, layer) for layer in range(s.layers)]  # shut gates: skipped
 
@@ -110,15 +172,25 @@ class LatentMemory:
         if self.closed[layer_idx]:
             return
         lam, eta = self.config.decay, self.config.write_strength
-        phi = self.weights.phi[layer_idx]
+        phi, readout = self.weights.phi[layer_idx], self.weights.readout
         with torch.no_grad():
             self.m[layer_idx].mul_(lam)
             self.b[layer_idx].mul_(lam)
+            if readout == "mass":  # move the reference to the last position written, decaying what is there
+                gamma, ref = self.weights.gamma(layer_idx), self.ref[layer_idx]
+                last = max([float(p.max()) for _, _, p in evicted if p.numel()], default=float(ref))
+                new_ref = max(float(ref), last)
+                self.m[layer_idx].mul_(torch.exp(-gamma * (new_ref - ref)))
+                self.b[layer_idx].mul_(torch.exp(-gamma * (new_ref - ref)))
+                self.ref[layer_idx] = new_ref
             for h, (keys, values, positions) in enumerate(evicted):
                 if keys.shape[0] == 0:
                     continue
                 pre = rotate_keys(keys[None, None], -positions[None].to(torch.long), rotary_emb)[0, 0]
-                m_add, b_add = write_terms(phi, pre, values)
+                weight = None
+                if readout == "mass":
+                    weight = torch.exp(-gamma * (self.ref[layer_idx] - positions.to(torch.float32)))
+                m_add, b_add = write_terms(phi, pre, values, weight, readout=readout)
                 self.m[layer_idx][h] += eta * m_add
                 self.b[layer_idx][h] += eta * b_add
                 self.written += keys.shape[0]
@@ -132,13 +204,14 @@ class LatentMemory:
         return MemoryRead(self, rotary_emb, position_ids)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.m, *self.b))
+        return sum(t.numel() * t.element_size() for t in (*self.m, *self.b, self.ref))
 
     def to(self, device: torch.device | str) -> LatentMemory:
         """Move the state and weights to `device` (a cache loaded on a GPU); they stay float32."""
         self.weights.to(device)
         self.m = [t.to(device) for t in self.m]
         self.b = [t.to(device) for t in self.b]
+        self.ref = self.ref.to(device)
         return self
 
 
@@ -150,13 +223,27 @@ class MemoryRead:
     rotary_emb: nn.Module
     position_ids: torch.Tensor
 
-    def __call__(self, layer_idx: int, query: torch.Tensor) -> torch.Tensor:
+    def needs_log_mass(self, layer_idx: int) -> bool:
+        """The mass readout needs attention's output and log-sum-exp (an open layer's, that is)."""
+        return self.memory.weights.readout == "mass" and not self.memory.closed[layer_idx]
+
+    def __call__(self, layer_idx: int, query: torch.Tensor, attended: torch.Tensor | None = None,
+                 log_mass: torch.Tensor | None = None) -> torch.Tensor:
         mem = self.memory
         if mem.closed[layer_idx]:
             return torch.zeros_like(query)
         heads, n = query.shape[1], query.shape[2]
         pre = rotate_keys(query, -self.position_ids.to(torch.long).expand(heads, n), self.rotary_emb)[0]
+        w = mem.weights
         with torch.no_grad():
-            out = read(mem.weights.phi[layer_idx], mem.weights.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx],
-                       pre, mem.config.eps) * mem.config.readout_scale
+            if w.readout == "mass":
+                if attended is None or log_mass is None:
+                    raise ValueError("the mass readout needs attention's output and log-sum-exp")
+                distance = self.position_ids[0].to(torch.float32)[:, None] - mem.ref[layer_idx]      # [n, 1]
+                out = read_mass(w.phi[layer_idx], w.gate[layer_idx], w.log_scale[layer_idx], mem.m[layer_idx],
+                                mem.b[layer_idx], pre, attended[0], log_mass[0],
+                                -w.gamma(layer_idx) * distance) * mem.config.mass_scale
+            else:
+                out = read(w.phi[layer_idx], w.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx], pre,
+                           mem.config.eps) * mem.config.readout_scale
         return out.unsqueeze(0).to(query.dtype)

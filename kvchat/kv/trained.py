@@ -2,9 +2,11 @@
 (kvchat.kv.indexer) and, when trained, the latent memory's slow weights (kvchat.kv.latent), in half
 precision, with where they came from.
 
-Tensors: `indexer.layers.{l}.*` and `memory.{phi,gate}.{l}.*` (the modules' state dicts). Metadata (strings):
+Tensors: `indexer.layers.{l}.*` and `memory.{phi,gate}.{l}.*` (the modules' state dicts; a mass-readout memory
+adds `memory.log_scale` `[layers]`). Metadata (strings):
 `kind` ("kvchat-indexmem"), `version`, `weights` (the base model's weights fingerprint, kvchat.llm), `model`
-(its name), `shape` (`IndexMemShape` as JSON), `config` (the memory's update rule, `IndexMemConfig`),
+(its name), `shape` (`IndexMemShape` as JSON), `config` (the memory's update rule and readout, `IndexMemConfig`;
+no `readout` = "additive", so such files stay readable by kvchat from before the mass readout),
 `recipe` (training settings and data sources), `data_hash` (sha256 of the training and held-out token ids)
 and `metrics` (held-out figures). The weights for the embedded model ship in the repository's `profiles/`;
 `kvchat train-indexer` writes others to `$KVCHAT_HOME/profiles/` (kvchat.profile finds them).
@@ -12,7 +14,6 @@ and `metrics` (held-out figures). The weights for the embedded model ship in the
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,7 +55,7 @@ class TrainedIndexMem:
     def metadata(self) -> dict[str, str]:
         return {
             "kind": KIND, "version": VERSION, "weights": self.weights, "model": self.model,
-            "shape": json.dumps(self.shape.to_dict()), "config": json.dumps(dataclasses.asdict(self.config)),
+            "shape": json.dumps(self.shape.to_dict()), "config": json.dumps(self.config.stored()),
             "recipe": json.dumps(self.recipe), "data_hash": self.data_hash, "metrics": json.dumps(self.metrics),
         }
 
@@ -71,17 +72,21 @@ class TrainedIndexMem:
         """Read a file written by `save`; ValueError saying why when it is not one."""
         meta = read_metadata(path)
         shape = IndexMemShape(**json.loads(meta["shape"]))
+        try:
+            config = IndexMemConfig.from_stored(json.loads(meta.get("config", "{}")))
+        except TypeError as exc:
+            raise ValueError(f"{path}: unknown memory settings ({exc})") from None
         tensors = load_file(str(path))
         indexer = Indexer(shape)
         _load(indexer, tensors, "indexer.", path)
         memory = None
         if any(name.startswith("memory.") for name in tensors):
-            memory = MemoryWeights(shape)
+            memory = MemoryWeights(shape, config.readout)
             _load(memory, tensors, "memory.", path)
         return cls(
             shape=shape, indexer=indexer.eval(), memory=None if memory is None else memory.eval(),
             weights=meta["weights"], model=meta.get("model", ""),
-            config=IndexMemConfig(**json.loads(meta.get("config", "{}"))),
+            config=config,
             recipe=json.loads(meta.get("recipe", "{}")), data_hash=meta.get("data_hash", ""),
             metrics=json.loads(meta.get("metrics", "{}")), path=Path(path),
         )
