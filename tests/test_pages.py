@@ -10,10 +10,10 @@ import safetensors.torch
 import torch
 
 from kvchat.config import OFFLOAD_SCORERS, PagingConfig
-from kvchat.kv.attention import HeadList, attention_with_retrieved
+from kvchat.kv.attention import HeadList, attention_with_retrieved, with_retrieved
 from kvchat.kv.pagefile import decode, encode, open_pages, pages_metadata, write_layers
 from kvchat.kv.pages import HeadPages, mips_keys, mips_queries, positional_pages, semantic_pages
-from kvchat.kv.retrieval import PAGE_SCORERS, EntryScorer, PagePool, choose_rows, retrieve, select_pages
+from kvchat.kv.retrieval import PAGE_SCORERS, EntryScorer, PagePool, Retrieved, choose_rows, retrieve, select_pages
 from kvchat.kv.spill import SpillWriter
 
 
@@ -198,6 +198,25 @@ def test_all_pages_retrieved_gives_full_attention(q_len, ragged, scorer):
     full_v = [torch.cat([v[:-q_len], s[0][1], v[-q_len:]]) for v, s in zip(res_v, spilled, strict=True)]
     want = _reference_attention(query, full_k, full_v, q_len, dim**-0.5)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_heads_of_equal_length_are_joined_into_one_tensor(ragged):
+    """Resident heads of one length, R read by each: one `[1, H, n, D]` (one attention call for every head),
+    each head's cached entries, then its retrieved ones, then the new tokens; unequal heads stay a HeadList."""
+    g = torch.Generator().manual_seed(2)
+    dim, new = 8, 2
+    resident = torch.randn(1, 3, 10 + new, dim, generator=g)
+    keys = HeadList(resident[:, h : h + 1] for h in range(3)) if ragged else resident
+    got = [Retrieved(*(torch.randn(4, dim, generator=g) for _ in range(2)), torch.arange(4), torch.arange(4))
+           for _ in range(3)]
+    joined, _ = with_retrieved(keys, keys, got, new)
+    assert isinstance(joined, torch.Tensor) and joined.shape == (1, 3, 16, dim)
+    for h in range(3):
+        want = torch.cat([resident[0, h, :10], got[h].keys, resident[0, h, 10:]])
+        assert torch.equal(joined[0, h], want)
+    shorter = [*got[:2], Retrieved(got[2].keys[:3], got[2].values[:3], torch.arange(3), torch.arange(3))]
+    assert isinstance(with_retrieved(keys, keys, shorter, new)[0], HeadList)
 
 
 def test_heads_retrieve_their_own_pages_within_the_budget():
