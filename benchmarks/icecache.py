@@ -169,8 +169,9 @@ def speed(args: argparse.Namespace) -> str:
         f"## IceCache: memory and decode speed at a {history.shape[-1]}-token history ({machine()})",
         "",
         f"Embedded model (float32). Decode: {args.decode} greedy tokens forced past EOS after one question, "
-        f"median of {args.rounds} rounds, kinds interleaved. Pages: half precision, two-stage scorer, "
-        "pages re-chosen every 8 tokens beyond the question's pinned half.",
+        f"median of {args.rounds} rounds, kinds interleaved. Pages: half precision, read by the default scorer "
+        f"({OffloadConfig.scorer}, {OffloadConfig.candidates}R candidates), re-chosen every 8 tokens beyond the "
+        "question's pinned half.",
         "",
         "| cache | resident MiB | vs full KV | pages on disk MiB | disk B / history token | tokens/s | vs full KV "
         "| retrieval share of a step |",
