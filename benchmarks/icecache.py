@@ -50,7 +50,7 @@ from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.pagefile import open_pages
 from kvchat.kv.prefill import block_prefill, keep_sink_and_window
-from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, attach_pages
+from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import SpillWriter
 from kvchat.llm import ChatLayout, load_model
@@ -92,7 +92,8 @@ def _paged(cache: EpisodeCache, spill: SpillWriter, path: Path, retrieve: int, r
     centroids and a full pool (R entries per layer and KV head, keys and values, at the pages' dtype)."""
     spill.write_pages(path)
     pages = open_pages(path)
-    attach_pages(cache, pages, budget=retrieve, scorer=PAGE_SCORERS["two-stage"], refresh=refresh)
+    scorer = page_scorer(OffloadConfig.scorer, OffloadConfig.candidates)
+    attach_pages(cache, pages, budget=retrieve, scorer=scorer, refresh=refresh)
     tables = sum(h.centroids.nbytes + h.lengths.nbytes for layer in pages for h in layer)
     pool = sum(min(retrieve, h.num_entries) * h.keys.shape[-1] * 2 * h.keys.element_size()
                for layer in pages for h in layer)  # fmt: skip
@@ -168,8 +169,9 @@ def speed(args: argparse.Namespace) -> str:
         f"## IceCache: memory and decode speed at a {history.shape[-1]}-token history ({machine()})",
         "",
         f"Embedded model (float32). Decode: {args.decode} greedy tokens forced past EOS after one question, "
-        f"median of {args.rounds} rounds, kinds interleaved. Pages: half precision, two-stage scorer, "
-        "pages re-chosen every 8 tokens beyond the question's pinned half.",
+        f"median of {args.rounds} rounds, kinds interleaved. Pages: half precision, read by the default scorer "
+        f"({OffloadConfig.scorer}, {OffloadConfig.candidates}R candidates), re-chosen every 8 tokens beyond the "
+        "question's pinned half.",
         "",
         "| cache | resident MiB | vs full KV | pages on disk MiB | disk B / history token | tokens/s | vs full KV "
         "| retrieval share of a step |",
@@ -214,6 +216,8 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
                 plain("snapkv", m + w + r), *resident, variant("full")]  # fmt: skip
     if study == "resident":  # the issue's own comparison: eviction holding what IceCache holds in memory
         return resident
+    if study == "offload":  # the table's offload rows alone (a change of retrieval, the plain rows unchanged)
+        return [variant("epicache", m), variant("full")]
     return [
         variant("epicache", m + w, window=0),
         variant("epicache", m),
@@ -287,9 +291,11 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32, help="speed: forced tokens per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="speed: rounds (median)")
     parser.add_argument("--window", type=int, default=OffloadConfig.window, help="W: resident recent window")
-    parser.add_argument("--study", choices=("table", "resident", "planted", "planted-all"), default="table",
+    studies = ("table", "resident", "offload", "planted", "planted-all")
+    parser.add_argument("--study", choices=studies, default="table",
                         help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; "
-                        "planted-all adds candidates=8 and M without the window)")
+                        "offload: the table's offload rows only; planted-all adds candidates=8 and M without "
+                        "the window)")
     parser.add_argument("--planted", type=int, default=2, help="quality: planted-fact conversations")
     parser.add_argument("--locomo", type=Path, nargs="*", default=[], help="quality: LoCoMo files")
     parser.add_argument("--max-context", type=int, default=4000, help="quality: history tokens kept")

@@ -52,7 +52,7 @@ from kvchat.kv.pages import (
     positional_pages,
     semantic_pages,
 )
-from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, PageScorer, Retrieved, centroid_scores
+from kvchat.kv.retrieval import PAGE_SCORERS, EntryScorer, PagePool, Retrieved, Scorer, TwoStageScorer, centroid_scores
 from kvchat.llm import ChatLayout, LoadedModel, load_model
 from kvchat.qa import QASet, contains_gold, planted_sets, token_f1
 
@@ -88,13 +88,15 @@ def raw_centroid_scores(queries: torch.Tensor, pages: HeadPages, scale: float, b
     return (queries.float() @ pages.centroids.float().T).amax(dim=0)
 
 
-SCORERS = {**PAGE_SCORERS, "centroid, raw logit": raw_centroid_scores}
+SCORERS = {**PAGE_SCORERS, "centroid, raw logit": raw_centroid_scores, "entries, 4R candidates": EntryScorer(4),
+           "two-stage, 8R candidates": TwoStageScorer(8)}
 # (grouping, scorer) pairs measured; "tokens (oracle)" + top-keys is exact top-R retrieval.
 POLICIES = [
     ("semantic", "top-keys"), ("semantic", "centroid"), ("semantic", "two-stage"), ("semantic", "centroid, raw logit"),
     ("semantic k-means++", "top-keys"), ("semantic k-means++", "centroid"),
     ("semantic, clusters of 64", "top-keys"), ("semantic, clusters of 64", "centroid"),
     ("positional", "top-keys"), ("positional", "centroid"),
+    ("semantic", "entries"),
     ("tokens (oracle)", "top-keys"),
 ]
 
@@ -105,7 +107,7 @@ class Plan:
     """What one question's run retrieves: per paged layer, each KV head's pages; entries kept resident."""
 
     pages: dict[int, list[HeadPages]]
-    scorer: PageScorer
+    scorer: Scorer
     budget: int
     resident: torch.Tensor          # history positions that stay resident (sink + window)
     history_end: int                # positions from here on (question, answer) are resident

@@ -20,7 +20,7 @@ OFFLOAD_MODES = ("none", "icecache")
 CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.kv.quantize.PRECISION_BITS gives the bits
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
+OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 # `ingest --append`: below this mean cosine similarity between the new segments and their nearest episode
 # centroid, the new turns are about something no episode covers, and re-clustering (--reingest) is offered.
 # MiniLM puts unrelated sentences around 0-0.2 and sentences on one topic above 0.4.
@@ -108,13 +108,16 @@ class OffloadConfig:
 
     mode: str = "none"          # none | icecache
     retrieve: int = 192         # R: entries per layer and KV head read from the pages while answering
-    scorer: str = "two-stage"   # how pages are chosen (kvchat.kv.retrieval): centroid | top-keys | two-stage.
-                                # two-stage: KL to full KV near top-keys' (0.053 vs 0.048 at R=192) reading
-                                # 4R keys instead of all; centroid alone 0.083
+    scorer: str = "entries"     # what is read (kvchat.kv.retrieval): centroid | top-keys | two-stage | entries.
+                                # Planted facts, R=192: whole pages by centroid 0.083, two-stage (centroids pick
+                                # candidates, their keys re-rank the pages) 0.053-0.059, top-keys (every key)
+                                # 0.048; entries (the candidates' best R entries, not their pages) 0.031 with 8R
+                                # candidates, 0.042 with 4R; the exact top-R keys 0.026 (icecache_pages.md)
     refresh: int = 8            # decoded tokens between re-choosing the pages beyond the question's pinned ones
     pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
-    candidates: int = 4         # two-stage: centroids choose pages of up to candidates x R entries, whose keys
-                                # are scored exactly. 8 read twice the keys for the same KL on planted facts
+    candidates: int = 8         # two-stage, entries: centroids choose pages of up to candidates x R entries,
+                                # whose keys are scored exactly. entries: 8 gave KL 0.031 vs 4's 0.042 (R=192) for
+                                # 1.4x the scoring time; two-stage: 8 and 4 measured the same
     window: int = 32            # W: every head's last W entries are kept at every eviction whatever the scorer
                                 # says, beside M (budgets M + W), so the window slides with the blocks and the
                                 # cache ends with the history's last W tokens; --method full: system prompt + W

@@ -10,10 +10,10 @@ import safetensors.torch
 import torch
 
 from kvchat.config import OFFLOAD_SCORERS, PagingConfig
-from kvchat.kv.attention import HeadList, attention_with_retrieved
+from kvchat.kv.attention import HeadList, attention_with_retrieved, with_retrieved
 from kvchat.kv.pagefile import decode, encode, open_pages, pages_metadata, write_layers
 from kvchat.kv.pages import HeadPages, mips_keys, mips_queries, positional_pages, semantic_pages
-from kvchat.kv.retrieval import PAGE_SCORERS, PagePool, retrieve, select_pages
+from kvchat.kv.retrieval import PAGE_SCORERS, EntryScorer, PagePool, Retrieved, choose_rows, retrieve, select_pages
 from kvchat.kv.spill import SpillWriter
 
 
@@ -115,6 +115,42 @@ def test_the_configurable_scorers_are_the_implemented_ones():
     assert tuple(PAGE_SCORERS) == OFFLOAD_SCORERS
 
 
+def test_entry_scorer_reads_the_exact_best_entries_of_its_candidates():
+    """With every page a candidate, `entries` reads the R entries of highest attention (max over the query
+    rows of the softmax over the head's entries), not whole pages."""
+    keys, values, positions = _entries(200, dim=16, seed=3)
+    pages = semantic_pages(keys, values, positions, PagingConfig(page_size=16))
+    queries = torch.randn(3, 16, generator=torch.Generator().manual_seed(4))
+    rows = EntryScorer(candidates=100).rows(queries, pages, 0.25, 10)
+    weights = (queries @ pages.keys.T * 0.25).softmax(-1).amax(0)
+    assert rows.tolist() == weights.topk(10).indices.tolist()
+    assert torch.equal(pages.take(rows)[2], pages.positions[rows].long())
+
+
+def test_entry_scorer_takes_pinned_rows_first_and_only_candidates_after():
+    keys, values, positions, label = _clustered(clusters=12, per_cluster=10, dim=16)
+    pages = semantic_pages(keys, values, positions)
+    far = int((label == 3).nonzero()[0])
+    row_of = {int(p): i for i, p in enumerate(pages.positions)}
+    pinned = torch.tensor([row_of[far]])
+    query = keys[0].view(1, -1)  # cluster 0: its 10 entries are the only candidates of budget 10
+    rows = EntryScorer(candidates=1).rows(query, pages, 0.2, 10, pinned)
+    assert rows[0] == row_of[far] and rows.numel() == 10
+    assert set(label[pages.positions[rows[1:]]].tolist()) == {0}
+
+
+def test_a_page_scorer_pins_only_the_pages_the_pinned_rows_fill():
+    """PagePool pins a prefix of the rows read; a page scorer keeps the pages wholly inside it."""
+    lengths = torch.tensor([4, 4, 4])
+    pages = HeadPages(torch.randn(12, 8), torch.randn(12, 8), torch.arange(12), lengths, torch.randn(3, 8))
+
+    def favour_page_2(queries, pages, scale, budget):
+        return torch.tensor([0.5, 0.1, 0.9])
+
+    rows = choose_rows(favour_page_2, torch.randn(1, 8), pages, 1.0, 8, pinned=torch.tensor([4, 5, 6, 7, 0]))
+    assert rows.tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # page 1 pinned whole; page 0's one row pins nothing
+
+
 def test_select_pages_takes_best_pages_within_the_budget():
     scores = torch.tensor([0.1, 0.9, 0.5, 0.9, 0.2])
     lengths = torch.tensor([16, 10, 16, 4, 3])
@@ -164,6 +200,25 @@ def test_all_pages_retrieved_gives_full_attention(q_len, ragged, scorer):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+def test_heads_of_equal_length_are_joined_into_one_tensor(ragged):
+    """Resident heads of one length, R read by each: one `[1, H, n, D]` (one attention call for every head),
+    each head's cached entries, then its retrieved ones, then the new tokens; unequal heads stay a HeadList."""
+    g = torch.Generator().manual_seed(2)
+    dim, new = 8, 2
+    resident = torch.randn(1, 3, 10 + new, dim, generator=g)
+    keys = HeadList(resident[:, h : h + 1] for h in range(3)) if ragged else resident
+    got = [Retrieved(*(torch.randn(4, dim, generator=g) for _ in range(2)), torch.arange(4), torch.arange(4))
+           for _ in range(3)]
+    joined, _ = with_retrieved(keys, keys, got, new)
+    assert isinstance(joined, torch.Tensor) and joined.shape == (1, 3, 16, dim)
+    for h in range(3):
+        want = torch.cat([resident[0, h, :10], got[h].keys, resident[0, h, 10:]])
+        assert torch.equal(joined[0, h], want)
+    shorter = [*got[:2], Retrieved(got[2].keys[:3], got[2].values[:3], torch.arange(3), torch.arange(3))]
+    assert isinstance(with_retrieved(keys, keys, shorter, new)[0], HeadList)
+
+
 def test_heads_retrieve_their_own_pages_within_the_budget():
     keys, values, positions, _ = _clustered(clusters=12, per_cluster=10, dim=16)
     layer = [semantic_pages(keys, values, positions), semantic_pages(-keys, values, positions)]
@@ -173,7 +228,8 @@ def test_heads_retrieve_their_own_pages_within_the_budget():
     assert 5 in first.positions.tolist() and 5 not in second.positions.tolist()
 
 
-def test_page_pool_pins_the_questions_best_pages_and_refreshes_the_rest():
+@pytest.mark.parametrize("scorer", ["centroid", "entries"])
+def test_page_pool_pins_the_questions_best_pages_and_refreshes_the_rest(scorer):
     keys, values, positions, label = _clustered(clusters=12, per_cluster=10)
     layer = [semantic_pages(keys, values, positions)]
     a, b = (int((label == c).nonzero()[0]) for c in (0, 1))  # a key of cluster 0 and one of cluster 1
@@ -181,7 +237,7 @@ def test_page_pool_pins_the_questions_best_pages_and_refreshes_the_rest():
     def query(row):
         return keys[row].view(1, 1, 1, -1)
 
-    pool = PagePool(layer, budget=20, refresh=2, pinned_share=0.5)
+    pool = PagePool(layer, budget=20, scorer=PAGE_SCORERS[scorer], refresh=2, pinned_share=0.5)
     asked = pool.retrieved(query(a).expand(1, 1, 4, -1))           # the question: about cluster 0
     assert a in asked[0].positions.tolist()
     assert pool.retrieved(query(b))[0] is asked[0]                   # decode step 1: no refresh yet

@@ -378,15 +378,22 @@ def with_retrieved(
     values: torch.Tensor | Sequence[torch.Tensor],
     retrieved: Sequence[Retrieved],
     new_tokens: int,
-) -> tuple[HeadList, HeadList]:
+) -> tuple[torch.Tensor | HeadList, torch.Tensor | HeadList]:
     """Per KV head: cached entries, then that head's retrieved entries, then the `new_tokens` last ones.
 
     `keys`/`values` are what a cache layer returns to attention: `[1, kv_heads, n, D]` or one `[1, 1, n_h, D]`
-    per head, the current forward's tokens last. Retrieved entries are cast to the cache's dtype.
+    per head, the current forward's tokens last. Retrieved entries are cast to the cache's dtype. When every
+    head ends with as many entries (equal resident heads, R read by each: the usual case), the result is one
+    `[1, kv_heads, n, D]` tensor, which attention takes in one call for all heads; otherwise a `HeadList`.
     """
     heads, vheads = _per_head(keys), _per_head(values)
     if not len(heads) == len(vheads) == len(retrieved):
         raise ValueError(f"{len(heads)} KV heads but entries retrieved for {len(retrieved)}")
+    totals = {k.shape[2] + got.keys.shape[0] for k, got in zip(heads, retrieved, strict=True)}
+    if len(totals) == 1:
+        total = totals.pop()
+        joined = (_joined(h, retrieved, new_tokens, total, part) for h, part in ((heads, "keys"), (vheads, "values")))
+        return tuple(joined)
     out_k, out_v = [], []
     for k, v, got in zip(heads, vheads, retrieved, strict=True):
         past = k.shape[2] - new_tokens
@@ -395,6 +402,21 @@ def with_retrieved(
         out_k.append(torch.cat([k[:, :, :past], extra_k, k[:, :, past:]], dim=2))
         out_v.append(torch.cat([v[:, :, :past], extra_v, v[:, :, past:]], dim=2))
     return HeadList(out_k), HeadList(out_v)
+
+
+def _joined(
+    heads: Sequence[torch.Tensor], retrieved: Sequence[Retrieved], new_tokens: int, total: int, part: str
+) -> torch.Tensor:
+    """Every head's cached, retrieved (`part`: their keys or values) and new entries in one `[1, H, total, D]`."""
+    first = heads[0]
+    out = first.new_empty(1, len(heads), total, first.shape[-1])
+    for h, (entries, got) in enumerate(zip(heads, retrieved, strict=True)):
+        past = entries.shape[2] - new_tokens
+        extra = getattr(got, part)
+        out[0, h, :past] = entries[0, 0, :past]
+        out[0, h, past : past + extra.shape[0]] = extra
+        out[0, h, past + extra.shape[0] :] = entries[0, 0, past:]
+    return out
 
 
 def attention_with_retrieved(

@@ -68,7 +68,10 @@ class HeadPages:
 
     def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys `[r, D]`, values `[r, D]` and positions `[r]` (long) of the entries of `pages`."""
-        rows = self.rows(pages)
+        return self.take(self.rows(pages))
+
+    def take(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys `[r, D]`, values `[r, D]` and positions `[r]` (long) of the entries at `rows`."""
         return (
             self.keys.index_select(0, rows),
             self.values.index_select(0, rows),

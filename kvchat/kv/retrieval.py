@@ -13,9 +13,14 @@ Page scorers (the issue's table compares the first two):
 - `two-stage`: centroids pick candidate pages holding `candidates x R` entries, whose keys are then
   scored as `top-keys` does. Reads only the candidates' keys: an exact re-ranking of a coarse search,
   the role IceCache's tree search plays.
+- `entries` (kvchat's default, `EntryScorer`): the same two stages, but the best R *entries* of the
+  candidates are read, not the pages of the best ones. Semantic pages stay the unit of search (their
+  centroids are what is held in memory and scored first); only the read is finer, so none of R goes to
+  a page's entries that the query does not need. IceCache App. B.2 retrieves the top keys' pages.
 
-All three are softmax weights per query row, so rows with different query norms are comparable and the
-max over rows and the group's heads is EpiCache eq. 3's aggregation.
+All are softmax weights per query row, so rows with different query norms are comparable and the
+max over rows and the group's heads is EpiCache eq. 3's aggregation. Every scorer ends in the rows of
+the head's pages to read (`choose_rows`), best first.
 """
 
 from __future__ import annotations
@@ -68,14 +73,54 @@ def _best_key_scores(queries: torch.Tensor, pages: HeadPages, chosen: torch.Tens
     return torch.full((pages.num_pages,), -1.0).scatter_reduce(0, page, weights, "amax")
 
 
-PAGE_SCORERS: dict[str, PageScorer] = {
-    "centroid": centroid_scores, "top-keys": top_key_scores, "two-stage": TwoStageScorer(),
+@dataclass(frozen=True)
+class EntryScorer:
+    """Centroid scores choose candidate pages of up to `candidates x R` entries; their keys are scored
+    exactly (the softmax over the candidates' entries, max over query rows) and the best R entries are read.
+    On planted facts (benchmarks/icecache_pages.py, R = 192) KL to full KV 0.031 against whole pages' 0.059
+    (two-stage) and reading the exact top-R keys' 0.026 (an oracle that scores every key)."""
+
+    candidates: int = 8
+
+    def rows(self, queries: torch.Tensor, pages: HeadPages, scale: float, budget: int,
+             pinned: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows of the best `budget` entries, best first; `pinned` rows first whatever they score."""
+        coarse = centroid_scores(queries, pages, scale)
+        rows = pages.rows(select_pages(coarse, pages.lengths, self.candidates * budget))
+        first = 0
+        if pinned is not None and pinned.numel():
+            rows, first = torch.cat([pinned, rows[~torch.isin(rows, pinned)]]), pinned.numel()
+        weights = (queries.float() @ pages.keys.index_select(0, rows).float().T * scale).softmax(dim=-1).amax(dim=0)
+        weights[:first] = float("inf")
+        return rows[torch.sort(weights, descending=True, stable=True).indices[:budget]]
+
+
+Scorer = PageScorer | EntryScorer
+
+PAGE_SCORERS: dict[str, Scorer] = {
+    "centroid": centroid_scores, "top-keys": top_key_scores, "two-stage": TwoStageScorer(), "entries": EntryScorer(),
 }
 
 
-def page_scorer(name: str, candidates: int = TwoStageScorer.candidates) -> PageScorer:
-    """The scorer `name` (a key of `PAGE_SCORERS`); `two-stage` with `candidates` x R candidate entries."""
-    return TwoStageScorer(candidates) if name == "two-stage" else PAGE_SCORERS[name]
+def page_scorer(name: str, candidates: int = EntryScorer.candidates) -> Scorer:
+    """The scorer `name` (a key of `PAGE_SCORERS`); `two-stage` and `entries` with `candidates` x R candidate
+    entries."""
+    if name == "two-stage":
+        return TwoStageScorer(candidates)
+    return EntryScorer(candidates) if name == "entries" else PAGE_SCORERS[name]
+
+
+def choose_rows(scorer: Scorer, queries: torch.Tensor, pages: HeadPages, scale: float, budget: int,
+                pinned: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows of `pages` to read for `queries [rows, D]`, best first, at most `budget`; the `pinned` rows come
+    first (a page scorer pins the pages they fill whole, which is how `PagePool` pins them)."""
+    if isinstance(scorer, EntryScorer):
+        return scorer.rows(queries, pages, scale, budget, pinned)
+    scores = scorer(queries, pages, scale, budget)
+    if pinned is not None and pinned.numel():
+        filled = torch.bincount(pages.page_of_entry()[pinned], minlength=pages.num_pages)
+        scores = scores.masked_fill(filled == pages.lengths, float("inf"))
+    return pages.rows(select_pages(scores, pages.lengths, budget))
 
 
 def select_pages(scores: torch.Tensor, lengths: torch.Tensor, budget: int) -> torch.Tensor:
@@ -87,26 +132,27 @@ def select_pages(scores: torch.Tensor, lengths: torch.Tensor, budget: int) -> to
 
 @dataclass(frozen=True)
 class Retrieved:
-    """The entries one KV head loaded: keys/values `[r, D]`, original positions `[r]`, and the pages."""
+    """The entries one KV head loaded: keys/values `[r, D]`, original positions `[r]`, and their rows in the
+    head's pages (best first)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
-    pages: torch.Tensor
+    rows: torch.Tensor
 
 
 def retrieve(
     query: torch.Tensor,
     layer: Sequence[HeadPages],
     budget: int,
-    scorer: PageScorer = centroid_scores,
+    scorer: Scorer = centroid_scores,
     scale: float | None = None,
     pinned: Sequence[torch.Tensor] | None = None,
 ) -> list[Retrieved]:
-    """For one layer: per KV head, the best pages for `query` `[1, q_heads, q, D]` (post-RoPE, as the
-    attention sees it) up to `budget` entries; `pinned[h]` (page ids, at most `budget` entries) are taken
-    first whatever they score. Query heads are grouped as GQA groups them: KV head h serves query heads
-    `h*group .. (h+1)*group-1`."""
+    """For one layer: per KV head, the best entries for `query` `[1, q_heads, q, D]` (post-RoPE, as the
+    attention sees it), up to `budget`, whole pages or single entries as `scorer` reads them; `pinned[h]`
+    (rows, at most `budget`) are taken first whatever they score. Query heads are grouped as GQA groups
+    them: KV head h serves query heads `h*group .. (h+1)*group-1`."""
     _, q_heads, _, dim = query.shape
     if q_heads % len(layer):
         raise ValueError(f"{q_heads} query heads do not group over {len(layer)} KV heads")
@@ -117,12 +163,9 @@ def retrieve(
         if pages.num_pages == 0 or budget <= 0:
             chosen = torch.zeros(0, dtype=torch.long)
         else:
-            rows = query[0, h * group : (h + 1) * group].reshape(-1, dim)
-            scores = scorer(rows, pages, scale, budget)
-            if pinned is not None:
-                scores = scores.index_fill(0, pinned[h], float("inf"))
-            chosen = select_pages(scores, pages.lengths, budget)
-        out.append(Retrieved(*pages.gather(chosen), chosen))
+            queries = query[0, h * group : (h + 1) * group].reshape(-1, dim)
+            chosen = choose_rows(scorer, queries, pages, scale, budget, None if pinned is None else pinned[h])
+        out.append(Retrieved(*pages.take(chosen), chosen))
     return out
 
 
@@ -130,8 +173,8 @@ def retrieve(
 class PagePool:
     """The offloaded entries one layer attends to while a question is answered.
 
-    The question's forward (the first after `clear`) chooses each head's best pages up to `budget`
-    entries; the best of them, up to `pinned_share x budget` entries, stay for the whole answer. Every
+    The question's forward (the first after `clear`) chooses each head's best entries up to `budget`;
+    the best of them, up to `pinned_share x budget` entries, stay for the whole answer. Every
     `refresh` decoded tokens the current token's queries choose the rest again (0: never). `clear`
     (rollback after the answer) empties the pool.
 
@@ -142,7 +185,7 @@ class PagePool:
 
     layer: Sequence[HeadPages]
     budget: int
-    scorer: PageScorer = centroid_scores
+    scorer: Scorer = centroid_scores
     refresh: int = 8
     pinned_share: float = 0.5
     paged: PagedDecode | None = None
@@ -155,10 +198,7 @@ class PagePool:
         if self._current is None:
             self._current = retrieve(query, self.layer, self.budget, self.scorer, scale)
             keep = int(self.pinned_share * self.budget)
-            self._pinned = [
-                got.pages[torch.cumsum(pages.lengths[got.pages], 0) <= keep]
-                for got, pages in zip(self._current, self.layer, strict=True)
-            ]
+            self._pinned = [got.rows[:keep] for got in self._current]
             self._steps = 0
         else:
             self._steps += 1
@@ -195,7 +235,7 @@ def attach_pages(
     pages: Sequence[Sequence[HeadPages]],
     *,
     budget: int,
-    scorer: PageScorer = centroid_scores,
+    scorer: Scorer = centroid_scores,
     refresh: int = 8,
     pinned_share: float = 0.5,
     paged_decode: bool | None = None,
