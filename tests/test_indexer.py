@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory_helpers import logits_with_shut_and_without_memory
 
 from kvchat.ask import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IndexMemConfig, IngestConfig, TrainConfig
@@ -253,20 +254,11 @@ def test_ingest_keeps_its_peak_bound_and_the_memory_round_trips(trained_home, ti
 
 def test_a_zero_gate_makes_the_memory_a_no_op(trained_home, tiny_lm, encoder, history):
     """With the gate shut, answering from a cache with a memory gives exactly the logits without one."""
-    from kvchat.kv.forward import forward
 
     store = _ingest(trained_home, tiny_lm, encoder, history, "gate")
     cache, _ = codec.decode(*store.load_episode(store.get("gate").episodes[0], tiny_lm.fingerprint))
     question = torch.tensor([[5, 9, 11, 3]])
-    mark = cache.checkpoint()
-    with_memory = forward(tiny_lm.model, cache, question)
-    cache.rollback(mark)
-    for gate in cache.memory.weights.gate:
-        gate.bias.data.fill_(-1e4)
-    shut = forward(tiny_lm.model, cache, question)
-    cache.rollback(mark)
-    cache.memory = None
-    plain = forward(tiny_lm.model, cache, question)
+    with_memory, shut, plain = logits_with_shut_and_without_memory(tiny_lm.model, cache, question)
     assert torch.equal(shut, plain)
     assert not torch.equal(with_memory, plain)  # an open gate does change the answer's logits
 

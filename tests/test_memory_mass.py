@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from memory_helpers import logits_with_shut_and_without_memory
 
 from kvchat.config import CacheConfig, EpisodeConfig, IndexMemConfig, IngestConfig, TrainConfig
 from kvchat.ingest import ingest
@@ -172,7 +173,6 @@ def test_training_writes_a_mass_memory_with_data_set_log_scales(mass_home):
 
 def test_a_mass_memory_round_trips_through_the_store_and_changes_the_answer_unless_shut(mass_home, tiny_lm,
                                                                                          encoder, history):
-    from kvchat.kv.forward import forward
 
     store = Store(mass_home)
     config = IngestConfig(cache=CacheConfig(method="indexmem", budget=48, block_size=32, prefill="block"),
@@ -191,15 +191,7 @@ def test_a_mass_memory_round_trips_through_the_store_and_changes_the_answer_unle
                                                  strict=True))
     assert torch.equal(cache.memory.ref, again.memory.ref)
     question = torch.tensor([[5, 9, 11, 3]])
-    mark = cache.checkpoint()
-    with_memory = forward(tiny_lm.model, cache, question)
-    cache.rollback(mark)
-    for gate in cache.memory.weights.gate:
-        gate.bias.data.fill_(-1e4)
-    shut = forward(tiny_lm.model, cache, question)
-    cache.rollback(mark)
-    cache.memory = None
-    plain = forward(tiny_lm.model, cache, question)
+    with_memory, shut, plain = logits_with_shut_and_without_memory(tiny_lm.model, cache, question)
     assert torch.equal(shut, plain) and not torch.equal(with_memory, plain)
 
 
