@@ -18,7 +18,6 @@ from kvchat.kv.indexer import IndexMemShape
 from kvchat.kv.latent import LatentMemory, MemoryWeights
 from kvchat.kv.trained import TrainedIndexMem, read_metadata
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 from kvchat.training import default_out, train
 
 SMALL = TrainConfig(steps=3, chunk_tokens=96, train_chunks=4, held_out_chunks=2, checkpoint_every=2, warmup=1,
@@ -146,13 +145,6 @@ def test_a_shut_gate_makes_the_mass_readout_a_no_op_and_mass_scale_scales_its_co
     with torch.no_grad():
         weights.gate[0].bias.fill_(-1e4)
     assert torch.equal(_attend(query, keys, values, memory), _attend(query, keys, values))
-
-
-@pytest.fixture(scope="module")
-def history(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "h.json"
-    path.write_text(json.dumps(planted_conversation(seed=4, topics=3, turns_per_topic=16)[0]))
-    return path
 
 
 @pytest.fixture(scope="module")
