@@ -24,13 +24,13 @@ does not depend on the order of its keys, so the retrieved entries are placed be
 entries and the forward's own tokens and the ragged path attends over them: cached and retrieved entries
 visible to every new token, new tokens causal. Retrieved keys carry the RoPE rotation of their original
 positions, like resident ones, so nothing is re-rotated. A decode token of a pool that has a paged decode
-(`PageSource.paged_decode`: flashinfer's paged decode where it runs, kvchat.kv.paged_decode) attends through
+(`PageSource.paged`: flashinfer's paged decode where it runs, kvchat.kv.paged_decode) attends through
 it instead, over a slot buffer kept up to date rather than entries concatenated at every step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -63,18 +63,10 @@ class PageSource(Protocol):
 
     def retrieved(self, query: torch.Tensor, scale: float | None = None) -> Sequence[Retrieved]: ...
 
-    def paged_decode(
-        self,
-        query: torch.Tensor,
-        keys: Sequence[torch.Tensor],
-        values: Sequence[torch.Tensor],
-        retrieved: Sequence[Retrieved],
-        scale: float,
-        softcap: float | None = None,
-    ) -> torch.Tensor | None:
-        """One decode token's attention `[1, 1, q_heads, D]` over the cached and `retrieved` entries as one
-        paged decode (kvchat.kv.paged_decode), or None: the ragged path attends."""
-        ...
+    # One decode token's attention `[1, 1, q_heads, D]` over each head's cached and retrieved entries as one
+    # paged decode (kvchat.kv.paged_decode.PagedDecode: called with query, keys, values, retrieved, scale,
+    # softcap), or None: the per-head path attends.
+    paged: Callable[..., torch.Tensor] | None
 
     def clear(self) -> None: ...
 
@@ -234,12 +226,11 @@ def kvchat_attention(
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     if isinstance(key, PagedKeys):
         retrieved = key.pool.retrieved(query, scaling)
-        if query.shape[2] == 1 and attention_mask is None and kvchat_recorder is None and kvchat_memory is None:
-            # a latent memory reads the joined entries (a mass readout needs their log-sum-exp): not this path
+        paged = key.pool.paged
+        if paged is not None and query.shape[2] == 1 and attention_mask is None and kvchat_recorder is None and (
+                kvchat_memory is None):  # a latent memory reads the joined entries (mass: their log-sum-exp)
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            out = key.pool.paged_decode(query, key, value, retrieved, scale, softcap)
-            if out is not None:
-                return out, None
+            return paged(query, key, value, retrieved, scale, softcap), None
         key, value = with_retrieved(key, value, retrieved, query.shape[2])
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if isinstance(key, HeadList):

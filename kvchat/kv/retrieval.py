@@ -212,18 +212,6 @@ class PagePool:
         `clear`); evaluation reads it at the first answer token to count retrieved evidence."""
         return self._current
 
-    def paged_decode(
-        self,
-        query: torch.Tensor,
-        keys: Sequence[torch.Tensor],
-        values: Sequence[torch.Tensor],
-        retrieved: Sequence[Retrieved],
-        scale: float,
-        softcap: float | None = None,
-    ) -> torch.Tensor | None:
-        """A decode token's attention through `paged` (None without one: the ragged path attends)."""
-        return None if self.paged is None else self.paged(query, keys, values, retrieved, scale, softcap)
-
     def clear(self) -> None:
         self._current, self._pinned, self._steps = None, None, 0
         if self.paged is not None:
