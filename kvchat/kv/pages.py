@@ -31,7 +31,7 @@ class HeadPages:
     `keys`/`values` `[n, D]` and `positions` `[n]` (original token positions) hold page 0's entries,
     then page 1's, ...; `lengths` `[P]` says how many entries each page has (all >= 1) and `centroids`
     `[P, D]` the mean key of each page. The tensors may be memory-mapped views of a pages file
-    (kvchat.kv.pagefile); only what `gather` selects is then read from disk.
+    (kvchat.kv.pagefile); only what `take` selects is then read from disk.
     """
 
     keys: torch.Tensor
@@ -65,10 +65,6 @@ class HeadPages:
         first_row = torch.repeat_interleave(self.starts[pages].to(torch.long), lengths)
         first_out = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
         return first_row + torch.arange(int(lengths.sum())) - first_out
-
-    def gather(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Keys `[r, D]`, values `[r, D]` and positions `[r]` (long) of the entries of `pages`."""
-        return self.take(self.rows(pages))
 
     def take(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys `[r, D]`, values `[r, D]` and positions `[r]` (long) of the entries at `rows`."""

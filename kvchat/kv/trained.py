@@ -3,7 +3,7 @@
 precision, with where they came from.
 
 Tensors: `indexer.layers.{l}.*` and `memory.{phi,gate}.{l}.*` (the modules' state dicts; a mass-readout memory
-adds `memory.log_scale` `[layers]`). Metadata (strings):
+adds `memory.log_scale` and `memory.decay_rate`, `[layers]` each). Metadata (strings):
 `kind` ("kvchat-indexmem"), `version`, `weights` (the base model's weights fingerprint, kvchat.llm), `model`
 (its name), `shape` (`IndexMemShape` as JSON), `config` (the memory's update rule and readout, `IndexMemConfig`;
 no `readout` = "additive", so such files stay readable by kvchat from before the mass readout),
