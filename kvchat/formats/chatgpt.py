@@ -24,9 +24,10 @@ def parse_chatgpt(data: list | dict, source: str, pick: Pick = None) -> list[Tur
     """The picked conversations (a list: an export; an object: one conversation), oldest first."""
     conversations = data if isinstance(data, list) else [data]
     for k, conv in enumerate(conversations):
-        if not isinstance(conv, dict):
-            raise refuse(source, f"conversation {k + 1} is {type_name(conv)} (expected a ChatGPT "
-                         'conversation: {"title", "mapping", "current_node", ...})')
+        if not looks_chatgpt(conv):
+            what = 'has no "mapping"' if isinstance(conv, dict) else f"is {type_name(conv)}"
+            raise refuse(source, f"conversation {k + 1} {what} (expected a ChatGPT conversation: "
+                         '{"title", "mapping", "current_node", ...})')
     titles = [_title(conv) for conv in conversations]
     chosen = sorted(choose(titles, pick, source, "ChatGPT"), key=lambda k: _created(conversations[k], k))
     turns: list[Turn] = []
@@ -52,10 +53,10 @@ def _is_number(value: object) -> bool:
 
 
 def _conversation(conv: dict, where: str, title: str, source: str) -> list[Turn]:
-    mapping = conv.get("mapping")
+    mapping = conv["mapping"]
     if not isinstance(mapping, dict):
-        what = 'no "mapping"' if mapping is None else f'a "mapping" that is {type_name(mapping)}'
-        raise refuse(source, f"{where} has {what} (expected an object of message nodes)")
+        raise refuse(source, f'{where} has a "mapping" that is {type_name(mapping)} (expected an object of '
+                     "message nodes)")
     turns = []
     for node_id in _visible_branch(mapping, conv.get("current_node"), where, source):
         turn = _turn(mapping[node_id], f"{where} node {quote(node_id, 40)}", title, source)

@@ -22,9 +22,10 @@ def parse_claude(data: list | dict, source: str, pick: Pick = None) -> list[Turn
     """The picked conversations (a list: an export; an object: one conversation), oldest first."""
     conversations = data if isinstance(data, list) else [data]
     for k, conv in enumerate(conversations):
-        if not isinstance(conv, dict):
-            raise refuse(source, f"conversation {k + 1} is {type_name(conv)} (expected a Claude "
-                         'conversation: {"name", "chat_messages", ...})')
+        if not looks_claude(conv):
+            what = 'has no "chat_messages"' if isinstance(conv, dict) else f"is {type_name(conv)}"
+            raise refuse(source, f"conversation {k + 1} {what} (expected a Claude conversation: "
+                         '{"name", "chat_messages", ...})')
     titles = [_title(conv) for conv in conversations]
     chosen = sorted(choose(titles, pick, source, "Claude"), key=lambda k: _sort_key(conversations[k], k))
     turns: list[Turn] = []
