@@ -10,10 +10,19 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from kvchat.formats.common import Pick, Turn, check_count, choose, quote, refuse, type_name
+from kvchat.formats.common import (
+    ExportShape,
+    Pick,
+    Turn,
+    quote,
+    read_export,
+    refuse,
+    type_name,
+)
 
 _SHOWN_CONTENT = ("text", "multimodal_text")  # code, execution_output, thoughts, ... are not the chat
 _SHOWN_ROLES = ("user", "assistant")
+_SHAPE = ExportShape("ChatGPT", "mapping", "title", '{"title", "mapping", "current_node", ...}')
 
 
 def looks_chatgpt(obj: object) -> bool:
@@ -22,30 +31,12 @@ def looks_chatgpt(obj: object) -> bool:
 
 def parse_chatgpt(data: list | dict, source: str, pick: Pick = None) -> list[Turn]:
     """The picked conversations (a list: an export; an object: one conversation), oldest first."""
-    conversations = data if isinstance(data, list) else [data]
-    for k, conv in enumerate(conversations):
-        if not looks_chatgpt(conv):
-            what = 'has no "mapping"' if isinstance(conv, dict) else f"is {type_name(conv)}"
-            raise refuse(source, f"conversation {k + 1} {what} (expected a ChatGPT conversation: "
-                         '{"title", "mapping", "current_node", ...})')
-    titles = [_title(conv) for conv in conversations]
-    chosen = sorted(choose(titles, pick, source, "ChatGPT"), key=lambda k: _created(conversations[k], k))
-    turns: list[Turn] = []
-    for k in chosen:
-        turns.extend(_conversation(conversations[k], f"conversation {k + 1}", titles[k] or f"#{k + 1}", source))
-        check_count(len(turns), "messages", source)
-    return turns
+    return read_export(data, source, pick, _SHAPE, _created, _conversation)
 
 
-def _title(conv: dict) -> str | None:
-    title = conv.get("title")
-    return title.strip() or None if isinstance(title, str) else None
-
-
-def _created(conv: dict, k: int) -> tuple[float, int]:
-    """Sort key: creation time, file order among equals; conversations without one last."""
+def _created(conv: dict) -> float | None:
     t = conv.get("create_time")
-    return (float(t) if _is_number(t) else float("inf"), k)
+    return float(t) if _is_number(t) else None
 
 
 def _is_number(value: object) -> bool:

@@ -9,9 +9,19 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from kvchat.formats.common import Pick, Turn, check_count, choose, quote, refuse, type_name
+from kvchat.formats.common import (
+    ExportShape,
+    Pick,
+    Turn,
+    check_count,
+    quote,
+    read_export,
+    refuse,
+    type_name,
+)
 
 _ROLES = {"human": "user", "assistant": "assistant"}
+_SHAPE = ExportShape("Claude", "chat_messages", "name", '{"name", "chat_messages", ...}')
 
 
 def looks_claude(obj: object) -> bool:
@@ -20,30 +30,12 @@ def looks_claude(obj: object) -> bool:
 
 def parse_claude(data: list | dict, source: str, pick: Pick = None) -> list[Turn]:
     """The picked conversations (a list: an export; an object: one conversation), oldest first."""
-    conversations = data if isinstance(data, list) else [data]
-    for k, conv in enumerate(conversations):
-        if not looks_claude(conv):
-            what = 'has no "chat_messages"' if isinstance(conv, dict) else f"is {type_name(conv)}"
-            raise refuse(source, f"conversation {k + 1} {what} (expected a Claude conversation: "
-                         '{"name", "chat_messages", ...})')
-    titles = [_title(conv) for conv in conversations]
-    chosen = sorted(choose(titles, pick, source, "Claude"), key=lambda k: _sort_key(conversations[k], k))
-    turns: list[Turn] = []
-    for k in chosen:
-        turns.extend(_conversation(conversations[k], f"conversation {k + 1}", titles[k] or f"#{k + 1}", source))
-        check_count(len(turns), "messages", source)
-    return turns
+    return read_export(data, source, pick, _SHAPE, _created, _conversation)
 
 
-def _title(conv: dict) -> str | None:
-    name = conv.get("name")
-    return name.strip() or None if isinstance(name, str) else None
-
-
-def _sort_key(conv: dict, k: int) -> tuple[int, str, int]:
-    """Creation time (ISO 8601 strings sort as times once normalised), file order among equals."""
-    created = _minute(conv.get("created_at"))
-    return (created is None, created or "", k)
+def _created(conv: dict) -> str | None:
+    """ISO 8601 times sort as times once written alike."""
+    return _minute(conv.get("created_at"))
 
 
 def _minute(value: object) -> str | None:

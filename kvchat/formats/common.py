@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvchat.errors import UserError
@@ -117,3 +117,40 @@ def choose(titles: Sequence[str | None], pick: Pick, source: str, kind: str) -> 
     shown = ", ".join(f"{i + 1} {quote(titles[i] or '', 30)}" for i in near[:3])
     hint = f" (titles containing it: {shown})" if near else ""
     raise one_line(source, f"has no conversation titled {quote(pick)}{hint}")
+
+
+@dataclass(frozen=True)
+class ExportShape:
+    """How a chat app's export names its parts: the app, the key only its conversations have, their title."""
+
+    app: str  # "ChatGPT"
+    marker: str  # "mapping"
+    title_key: str  # "title"
+    keys: str  # the conversation's main keys, for refusals
+
+
+def read_export(data: list | dict, source: str, pick: Pick, shape: ExportShape,
+                created: Callable[[dict], float | str | None],
+                read: Callable[[dict, str, str, str], list[Turn]]) -> list[Turn]:
+    """The turns of an export's picked conversations (a list: the export; an object: one conversation), oldest
+    first by `created` (file order among equals); `read(conversation, its name in errors, title, source)`."""
+    conversations = data if isinstance(data, list) else [data]
+    for k, conv in enumerate(conversations):
+        if not isinstance(conv, dict) or shape.marker not in conv:
+            what = f'has no "{shape.marker}"' if isinstance(conv, dict) else f"is {type_name(conv)}"
+            raise refuse(source, f"conversation {k + 1} {what} (expected a {shape.app} conversation: {shape.keys})")
+    titles = [_title(conv.get(shape.title_key)) for conv in conversations]
+
+    def oldest_first(k: int) -> tuple[bool, float | str, int]:
+        time = created(conversations[k])
+        return (time is None, "" if time is None else time, k)
+
+    turns: list[Turn] = []
+    for k in sorted(choose(titles, pick, source, shape.app), key=oldest_first):
+        turns.extend(read(conversations[k], f"conversation {k + 1}", titles[k] or f"#{k + 1}", source))
+        check_count(len(turns), "messages", source)
+    return turns
+
+
+def _title(value: object) -> str | None:
+    return " ".join(value.split()) or None if isinstance(value, str) else None
