@@ -51,7 +51,7 @@ def test_chatgpt_visible_branch_without_hidden_system_and_tool_messages() -> Non
         ("user", "How much is 120 euros in yen?"),  # the image part is dropped, the text part kept
         ("assistant", "About 19,380 yen."),  # the python call and its output are left out
     ]  # the edited-away branch ("What is the weather like?") is not on current_node's chain
-    assert [t.time for t in turns] == ["2023-05-08 13:56", "2023-05-08 13:56", "2023-05-08 13:58", "2023-05-08 13:58"]
+    assert [t.time for t in turns] == ["2023-05-08 13:56 UTC"] * 2 + ["2023-05-08 13:58 UTC"] * 2
     assert {t.conversation_title for t in turns} == {"Trip to Japan"}
 
 
@@ -65,8 +65,8 @@ def test_chatgpt_pick_by_title_number_and_all() -> None:
     both = load_history(CHATGPT, pick="all")
     assert both == tomato + japan  # oldest conversation first, whatever the file's order
     lines = format_turns(both)
-    assert lines[0].startswith("[conversation: Tomato plants]\n[2023-05-05 13:56]\nuser: I planted")
-    assert lines[2].startswith("[conversation: Trip to Japan]\n[2023-05-08 13:56]\nuser: I'm going")
+    assert lines[0].startswith("[conversation: Tomato plants]\n[2023-05-05 13:56 UTC]\nuser: I planted")
+    assert lines[2].startswith("[conversation: Trip to Japan]\n[2023-05-08 13:56 UTC]\nuser: I'm going")
     assert sum(line.count("[conversation: ") for line in lines) == 2
 
 
@@ -153,10 +153,10 @@ def test_zip_export_is_refused_with_what_to_do(tmp_path: Path) -> None:
 def test_claude_roles_text_blocks_and_times() -> None:
     turns = load_history(CLAUDE, pick="sourdough starter")
     assert [(t.role, t.text, t.time) for t in turns] == [
-        ("user", "My starter is called Gerald and I feed it at 8am.", "2024-03-12 09:00"),
-        ("assistant", "Gerald sounds healthy. Feed him 1:1:1 flour, water, starter.", "2024-03-12 09:00"),
-        ("user", "How long until it doubles?", "2024-03-12 09:02"),  # the attachment-only message is left out
-        ("assistant", "Usually 4 to 8 hours at room temperature.", "2024-03-12 09:02"),
+        ("user", "My starter is called Gerald and I feed it at 8am.", "2024-03-12 09:00 UTC"),
+        ("assistant", "Gerald sounds healthy. Feed him 1:1:1 flour, water, starter.", "2024-03-12 09:00 UTC"),
+        ("user", "How long until it doubles?", "2024-03-12 09:02 UTC"),  # the attachment-only message is left out
+        ("assistant", "Usually 4 to 8 hours at room temperature.", "2024-03-12 09:02 UTC"),
     ]  # the thinking block is not the chat
     assert {t.conversation_title for t in turns} == {"Sourdough starter"}
 

@@ -26,7 +26,7 @@ _SHAPE = ExportShape("ChatGPT", "mapping", "title", '{"title", "mapping", "curre
 
 
 def looks_chatgpt(obj: object) -> bool:
-    return isinstance(obj, dict) and "mapping" in obj
+    return isinstance(obj, dict) and _SHAPE.marker in obj
 
 
 def parse_chatgpt(data: list | dict, source: str, pick: Pick = None) -> list[Turn]:
@@ -119,5 +119,5 @@ def _turn(node: dict, where: str, title: str, source: str) -> Turn | None:
     if not text:
         return None
     seconds = _message_time(message)
-    time = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M") if seconds is not None else None
+    time = datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M UTC") if seconds is not None else None
     return Turn(role, text, time, conversation_title=title)

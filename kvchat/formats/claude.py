@@ -2,12 +2,12 @@
 
 A message's sender is "human" or "assistant"; its text is the text blocks of `content` when it has them (tool
 use, tool results and thinking blocks are not the chat), else its `text`. Attachments' extracted text is left
-out: it is the file, not the conversation. Times are the messages' created_at, to the minute.
+out: it is the file, not the conversation. Times are the messages' created_at, to the minute, in UTC.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 
 from kvchat.formats.common import (
     ExportShape,
@@ -25,7 +25,7 @@ _SHAPE = ExportShape("Claude", "chat_messages", "name", '{"name", "chat_messages
 
 
 def looks_claude(obj: object) -> bool:
-    return isinstance(obj, dict) and "chat_messages" in obj
+    return isinstance(obj, dict) and _SHAPE.marker in obj
 
 
 def parse_claude(data: list | dict, source: str, pick: Pick = None) -> list[Turn]:
@@ -39,13 +39,16 @@ def _created(conv: dict) -> str | None:
 
 
 def _minute(value: object) -> str | None:
-    """An ISO 8601 time as "YYYY-MM-DD HH:MM" (as written, no zone conversion); None if it is not one."""
+    """An ISO 8601 time as "YYYY-MM-DD HH:MM UTC" (as written when it has no zone); None if it is not one."""
     if not isinstance(value, str):
         return None
     try:
-        return datetime.fromisoformat(value.strip()).strftime("%Y-%m-%d %H:%M")
+        time = datetime.fromisoformat(value.strip())
     except ValueError:
         return None
+    if time.tzinfo is None:
+        return time.strftime("%Y-%m-%d %H:%M")
+    return time.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 def _conversation(conv: dict, where: str, title: str, source: str) -> list[Turn]:
