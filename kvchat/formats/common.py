@@ -90,10 +90,13 @@ def choose(titles: Sequence[str | None], pick: Pick, source: str, kind: str) -> 
     if pick is None:
         if count == 1:
             return [0]
+        if not any(titles):
+            raise one_line(source, f"holds {count} {kind} conversations; choose one by number "
+                           "(ingest --pick 2) or --pick all")
         shown = "; ".join(f"{i + 1} {quote(t, 30) if t else '(untitled)'}" for i, t in enumerate(titles[:3]))
-        more = ", ..." if count > 3 else ""
-        raise one_line(source, f"holds {count} {kind} conversations ({shown}{more}); choose one by number or "
-                       'title (ingest --pick 2, --pick "Trip to Japan") or --pick all')
+        example = quote(next(t for t in titles if t), 30)
+        raise one_line(source, f"holds {count} {kind} conversations ({shown}{', ...' if count > 3 else ''}); "
+                       f"choose one by number or title (ingest --pick 2, --pick {example}) or --pick all")
     if isinstance(pick, bool) or not isinstance(pick, int | str):
         raise one_line(source, f"pick is {type_name(pick)} (expected a number, a title or \"all\")")
     if isinstance(pick, str) and pick.strip().lower() == "all":
