@@ -87,6 +87,8 @@ def check_count(count: int, what: str, source: str) -> None:
 def choose(titles: Sequence[str | None], pick: Pick, source: str, kind: str) -> list[int]:
     """The indices `pick` selects among a file's conversations (`titles`, in file order)."""
     count = len(titles)
+    if count == 0:
+        raise refuse(source, f"holds no {kind} conversations")
     if pick is None:
         if count == 1:
             return [0]
