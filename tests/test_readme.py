@@ -57,7 +57,8 @@ def _commands(block: Block) -> list[Command]:
     """One per line (`a; b` is two); a trailing `  # exit N` comment gives the expected exit status."""
     commands = []
     for line in block.body.splitlines():
-        code, _, comment = line.partition("  #")
+        found_comment = re.search(r"\s#(\s|$)", line)
+        code, comment = (line[: found_comment.start()], line[found_comment.end():]) if found_comment else (line, "")
         found = re.search(r"\bexit (\d+)", comment)
         for part in code.split("; "):
             if part.strip():
@@ -99,8 +100,9 @@ RUNNABLE = [p for p in DOCS if _runnable(p)]
 @pytest.mark.parametrize("path", RUNNABLE, ids=[p.name for p in RUNNABLE])
 def test_runnable_blocks_run_as_written(path, tmp_path, monkeypatch, tiny_model_dir):
     monkeypatch.chdir(tmp_path)
-    messages, _ = planted_conversation(seed=4, topics=2, turns_per_topic=8)
-    (tmp_path / "history.json").write_text(json.dumps(messages))
+    messages, _ = planted_conversation(seed=4, topics=2, turns_per_topic=12)
+    (tmp_path / "history.json").write_text(json.dumps(messages[: len(messages) * 3 // 4]))
+    (tmp_path / "more.json").write_text(json.dumps(messages[len(messages) * 3 // 4:]))
     questions = ["Which gate does the flight leave from?", "How many tomato plants?"]
     (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
     home = tmp_path / "home"
@@ -112,7 +114,7 @@ def test_runnable_blocks_run_as_written(path, tmp_path, monkeypatch, tiny_model_
         if "<" in words:
             stdin = (tmp_path / words[words.index("<") + 1]).read_text()
             words = words[: words.index("<")]
-        if words[0] == "ingest":
+        if words[0] == "ingest" and "--append" not in words:  # an append uses the stored model
             words += ["--model", str(tiny_model_dir)]
         result = run_main(home, *words, stdin=stdin)
         assert result.returncode == command.exit_code, (command, result.stderr)
