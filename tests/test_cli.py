@@ -238,9 +238,9 @@ def test_history_text_and_paths_are_shown_as_text(hostile, monkeypatch, terminal
     home, model = hostile
     monkeypatch.setenv("TTY_COMPATIBLE", "1" if terminal else "0")  # rich's way to say "a terminal"
     monkeypatch.setenv("COLUMNS", "400")
-    from kvchat import cli
+    from kvchat.cli import render
 
-    monkeypatch.setattr(cli.out, "width", 400)  # a console made earlier in this process read COLUMNS then
+    monkeypatch.setattr(render.out, "width", 400)  # a console made earlier in this process read COLUMNS then
     for args in (("show", "h"), ("list",)):
         result = run_main(home, *args)
         assert result.returncode == 0, result.stderr
@@ -262,8 +262,9 @@ def test_piped_tables_are_tab_separated_and_whole(hostile):
 
 
 def test_streamed_answers_are_cleaned(monkeypatch, capsys):
-    from kvchat import cli
     from kvchat.ask import Answer
+    from kvchat.cli.asking import _Asker
+    from kvchat.config import AskConfig
 
     class FakeSession:
         def ask(self, question, *, episode, on_text, log, stop):
@@ -271,8 +272,8 @@ def test_streamed_answers_are_cleaned(monkeypatch, capsys):
                 on_text(piece)
             return Answer("", "c", 0, 1.0, 1, 4, False, finish_reason="length")
 
-    asker = cli._Asker.__new__(cli._Asker)
-    asker.session, asker.log, asker.config = FakeSession(), True, cli.AskConfig(4)
+    asker = _Asker.__new__(_Asker)
+    asker.session, asker.log, asker.config = FakeSession(), True, AskConfig(4)
     asker.answer("q?", None)
     captured = capsys.readouterr()
     assert captured.out == "a red [b]x[/b]  done\n"

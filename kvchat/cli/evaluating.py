@@ -1,0 +1,158 @@
+"""`kvchat eval`."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvchat import documents
+from kvchat.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    Prefill,
+    ThreadsOpt,
+    int_list,
+    load_encoder,
+    load_model,
+    open_store,
+)
+from kvchat.cli.progress import RichEvalProgress, progress_bars
+from kvchat.cli.render import emit_json, err, say, table
+from kvchat.config import (
+    CACHE_PRECISIONS,
+    OFFLOAD_MODES,
+    CacheConfig,
+    DeviceConfig,
+    EvalConfig,
+    IngestConfig,
+    OffloadConfig,
+)
+from kvchat.errors import UserError
+from kvchat.report import COLUMNS as EVAL_COLUMNS
+from kvchat.report import cell as eval_cell
+
+
+def eval_command(
+    data: Annotated[list[Path] | None, typer.Argument(
+        metavar="DATA", help="LoCoMo-format conversation files with QA.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated methods; full KV always runs as the reference.")] = (
+        ",".join(EvalConfig.methods)
+    ),
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets M.")] = ",".join(map(str, EvalConfig.budgets)),
+    max_context: Annotated[int | None, typer.Option(
+        help="Keep whole sessions from the start up to this many tokens (default: the model's window minus "
+        "room for the answer) and only questions whose evidence is all inside.")] = EvalConfig.max_context,
+    questions: Annotated[int | None, typer.Option(
+        help="At most N questions per conversation, spread evenly over the file.")] = EvalConfig.questions,
+    categories: Annotated[str, typer.Option(
+        help="LoCoMo categories: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial.")] = (
+        ",".join(map(str, EvalConfig.categories))
+    ),
+    synthetic: Annotated[int, typer.Option(help="Also run N planted-fact conversations (deterministic).")] = 0,
+    model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
+        IngestConfig.model
+    ),
+    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    offload: Annotated[str, typer.Option(
+        help="Comma-separated offload modes, each run with every method and budget: none, icecache (with "
+        "icecache, full KV runs once more, paged past the system prompt and the last tokens).")] = "none",
+    retrieve: Annotated[int, typer.Option(help="--offload icecache: entries per layer and KV head read (R).")] = (
+        OffloadConfig.retrieve
+    ),
+    prefill: Annotated[Prefill, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
+        CacheConfig.prefill
+    ),
+    cache_precision: Annotated[str, typer.Option(
+        help="Comma-separated cache precisions, each run with every method and budget: full, int8, int4 (as for "
+        "ingest; quantized variants are named .../precision=int8 or .../precision=int4).")] = CacheConfig.precision,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
+                                                  "a re-run skips what the file already has.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    per_conversation: Annotated[bool, typer.Option(
+        help="One row per conversation and variant in the table and --json (the report stays pooled).")] = False,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = DeviceConfig.device,
+    dtype: DtypeOpt = DeviceConfig.dtype,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
+    from kvchat import evaluate
+    from kvchat.config import METHODS
+    from kvchat.ingest import validate
+    from kvchat.qa import load_locomo
+
+    if not data and synthetic < 1:
+        raise UserError("give LoCoMo files to evaluate, or --synthetic N")
+    method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
+    for m in method_list:
+        if m not in METHODS:
+            raise UserError(f"unknown method {m!r} in --methods (choose from {', '.join(METHODS)})")
+    config = EvalConfig(
+        methods=method_list, budgets=int_list(budgets, "--budgets"), max_context=max_context,
+        questions=questions, categories=int_list(categories, "--categories"),
+    )
+    if questions is not None and questions < 1:
+        raise UserError(f"--questions must be >= 1 (got {questions})")
+    if max_context is not None and max_context < 64:
+        raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
+    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
+    modes = tuple(m.strip() for m in offload.split(",") if m.strip())
+    for mode in modes:
+        if mode not in OFFLOAD_MODES:
+            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
+    precisions = tuple(p.strip() for p in cache_precision.split(",") if p.strip())
+    for precision in precisions:
+        if precision not in CACHE_PRECISIONS:
+            raise UserError(f"unknown precision {precision!r} in --cache-precision (choose from "
+                            f"{', '.join(CACHE_PRECISIONS)})")  # fmt: skip
+    variant_list = [
+        v for mode in modes or ("none",) for precision in precisions or ("full",)
+        for v in evaluate.variants(config.methods, config.budgets, dataclasses.replace(
+            base.cache, offload=OffloadConfig(mode=mode, retrieve=retrieve), precision=precision))
+    ]  # fmt: skip
+    for v in variant_list:
+        validate(dataclasses.replace(base, cache=v.cache))
+    for path in data or []:
+        load_locomo(path)  # a bad file fails here, before any model is loaded
+    results = evaluate.ResultsFile(out_path)
+    store = open_store()
+    lm = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype))
+    sets = evaluate.qa_sets(data or [], synthetic, lm, config)
+    for s in sets:
+        if s.sessions_total:
+            say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
+                 f"{len(s.questions)} questions with all evidence inside", console=err)
+    with progress_bars(hidden=as_json) as bars:
+        records = evaluate.evaluate(
+            sets, variant_list, lm=lm, encoder=load_encoder(), config=config, base=base, results=results,
+            profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
+        )
+    names = {s.name for s in sets}
+    rows = evaluate.summarize([r for r in records if r["set"] in names])
+    skips = [f"{key} on {name} skipped: {reason}" for (name, key), reason in evaluate.skipped(records).items()
+             if name in names]
+    for line in skips:
+        say(f"kvchat: {line}", console=err)
+    if report is not None:
+        from kvchat import report as eval_report
+
+        report.parent.mkdir(parents=True, exist_ok=True)
+        png = report.with_suffix(".png")
+        eval_report.plot(rows, png, title=f"kvchat eval ({lm.spec}): {', '.join(sorted(names))}",
+                         synthetic=not data)
+        notes = [s.describe(config.questions) for s in sets] + skips
+        report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
+    columns = EVAL_COLUMNS
+    if per_conversation:
+        rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
+        columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]
+    if as_json:
+        emit_json(documents.eval_rows(rows))
+        return
+    headers = [header for _, header, _ in columns]
+    table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
+           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
