@@ -131,7 +131,7 @@ def _run(args: list[str], debug: bool) -> None:
         if debug:
             raise
         say(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
-             console=err)
+            console=err)
         sys.exit(1)
     if status == 130:  # typer turns Ctrl-C into Exit(130)
         err.print("kvchat: interrupted", markup=False)

@@ -60,7 +60,7 @@ def ask(
     store = open_store()
     if store.read_only and not no_log:
         say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
-             console=err)
+            console=err)
     asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve, weights=weights),
                    log=not no_log and not store.read_only, threads=threads, device=DeviceConfig(device, dtype))
     if question is not None:
@@ -72,7 +72,7 @@ def ask(
             asker.check_episode(episode)
         name = asker.session.conversation.name
         say((name, "bold"), f": {asker.episode_count()} episodes. /help for help; exit, quit or Ctrl-D ends.",
-             console=err)
+            console=err)
         history_file = None if store.read_only else store.home / "repl-history"
         repl = Repl(prompt_reader(history_file), asker, lambda m: say(m, console=err))
         repl.episode = episode
@@ -110,7 +110,7 @@ class _Asker:
         record = self.store.get(name)
         same = record.model == self.session.lm.spec
         lm = self.session.lm if same else load_model(record.model, self.store, threads=self.threads, device=self.device,
-                                                 weights=self.config.weights)
+                                                     weights=self.config.weights)
         self.session = Session(self.store, record, lm, self.session.encoder, self.config)
         return self.episode_count()
 

@@ -59,15 +59,15 @@ def profile_layers_command(
                   ] if target.parent == store.home / "profiles" else []
     if overridden:
         say(f"kvchat: note: ingest now uses {target} for these weights instead of the shipped {overridden[0]}; "
-             "delete it to go back", console=err)
+            "delete it to go back", console=err)
     if as_json:
         emit_json(documents.document(path=str(target), overrides=overridden[0] if overridden else None,
                                       **dataclasses.asdict(profile)))
         return
     table(("layer", "key similarity", "sensitivity"),
-           [(i, f"{sim:.5f}", f"{sens:.5f}")
+          [(i, f"{sim:.5f}", f"{sens:.5f}")
             for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True))],
-           right=("layer", "key similarity", "sensitivity"))
+          right=("layer", "key similarity", "sensitivity"))
     say(f"wrote {target}" + (f" and {plot}" if plot else ""), console=err)
 
 
@@ -124,10 +124,10 @@ def train_indexer_command(
     indexer = report.metrics.get("indexer", {})
     memory = report.metrics.get("memory", {})
     say(f"wrote {report.out} ({report.file_bytes / 2**10:.0f} KiB; {', '.join(report.stages)}; "
-         f"{report.seconds:.0f} s)")
+        f"{report.seconds:.0f} s)")
     if indexer:
         say(f"held-out top-{indexer['fraction']:.0%} overlap with the model's attention: {indexer['top_overlap']:.3f} "
-             f"(SnapKV-like {indexer['snapkv_like_top_overlap']:.3f}, random {indexer['random_top_overlap']:.3f})")
+            f"(SnapKV-like {indexer['snapkv_like_top_overlap']:.3f}, random {indexer['random_top_overlap']:.3f})")
     if memory:
         parts = ", ".join(f"{v:.3f} at {k}" for k, v in memory["residual_removed"].items() if v is not None)
         say(f"held-out share of the eviction residual the memory removes: {parts}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -23,15 +22,12 @@ from kvchat.cli.options import (
 from kvchat.cli.progress import RichEvalProgress, progress_bars
 from kvchat.cli.render import emit_json, err, say, table
 from kvchat.config import (
-    CACHE_PRECISIONS,
-    OFFLOAD_MODES,
     CacheConfig,
     DeviceConfig,
     EvalConfig,
     IngestConfig,
     OffloadConfig,
 )
-from kvchat.errors import UserError
 from kvchat.report import COLUMNS as EVAL_COLUMNS
 from kvchat.report import cell as eval_cell
 
@@ -81,43 +77,14 @@ def eval_command(
 ) -> None:
     """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
     from kvchat import evaluate
-    from kvchat.config import METHODS
-    from kvchat.ingest import validate
-    from kvchat.qa import load_locomo
 
-    if not data and synthetic < 1:
-        raise UserError("give LoCoMo files to evaluate, or --synthetic N")
-    method_list = tuple(m.strip() for m in methods.split(",") if m.strip())
-    for m in method_list:
-        if m not in METHODS:
-            raise UserError(f"unknown method {m!r} in --methods (choose from {', '.join(METHODS)})")
     config = EvalConfig(
-        methods=method_list, budgets=int_list(budgets, "--budgets"), max_context=max_context,
+        methods=_names(methods), budgets=int_list(budgets, "--budgets"), max_context=max_context,
         questions=questions, categories=int_list(categories, "--categories"),
     )
-    if questions is not None and questions < 1:
-        raise UserError(f"--questions must be >= 1 (got {questions})")
-    if max_context is not None and max_context < 64:
-        raise UserError(f"--max-context must be >= 64 tokens (got {max_context})")
     base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
-    modes = tuple(m.strip() for m in offload.split(",") if m.strip())
-    for mode in modes:
-        if mode not in OFFLOAD_MODES:
-            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
-    precisions = tuple(p.strip() for p in cache_precision.split(",") if p.strip())
-    for precision in precisions:
-        if precision not in CACHE_PRECISIONS:
-            raise UserError(f"unknown precision {precision!r} in --cache-precision (choose from "
-                            f"{', '.join(CACHE_PRECISIONS)})")  # fmt: skip
-    variant_list = [
-        v for mode in modes or ("none",) for precision in precisions or ("full",)
-        for v in evaluate.variants(config.methods, config.budgets, dataclasses.replace(
-            base.cache, offload=OffloadConfig(mode=mode, retrieve=retrieve), precision=precision))
-    ]  # fmt: skip
-    for v in variant_list:
-        validate(dataclasses.replace(base, cache=v.cache))
-    for path in data or []:
-        load_locomo(path)  # a bad file fails here, before any model is loaded
+    variant_list = evaluate.plan_variants(data or [], synthetic, config, base, offloads=_names(offload),
+                                          precisions=_names(cache_precision), retrieve=retrieve)
     results = evaluate.ResultsFile(out_path)
     store = open_store()
     lm = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype))
@@ -125,7 +92,7 @@ def eval_command(
     for s in sets:
         if s.sessions_total:
             say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
-                 f"{len(s.questions)} questions with all evidence inside", console=err)
+                f"{len(s.questions)} questions with all evidence inside", console=err)
     with progress_bars(hidden=as_json) as bars:
         records = evaluate.evaluate(
             sets, variant_list, lm=lm, encoder=load_encoder(), config=config, base=base, results=results,
@@ -155,4 +122,9 @@ def eval_command(
         return
     headers = [header for _, header, _ in columns]
     table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
-           title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
+          title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated option's names, blanks dropped."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())

@@ -294,14 +294,14 @@ def ingest_batch(
         emit_json(documents.batch(report))
     else:
         table(("conversation", "status", "episodes", "MiB", "seconds", "tries", "error"),
-               [(h.name, h.status, h.report.episodes if h.report else "",
+              [(h.name, h.status, h.report.episodes if h.report else "",
                  f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
                  h.error or "") for h in report.histories],
-               right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
+              right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
         say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
-             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
-             f"{report.threads} thread{'s' * (report.threads != 1)} "
-             f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
+            f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
+            f"{report.threads} thread{'s' * (report.threads != 1)} "
+            f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
     failed = report.count("failed")
     if failed:
         raise UserError(f"{failed} of {len(report.histories)} histories failed")

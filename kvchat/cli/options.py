@@ -68,7 +68,7 @@ def open_store():
 
 
 def load_model(spec: str, store, trust_remote_code: bool = False, threads: int | None = None,
-           device: DeviceConfig = DeviceConfig(), weights: str = "float"):
+               device: DeviceConfig = DeviceConfig(), weights: str = "float"):
     from kvchat import llm
     from kvchat.device import resolve
 

@@ -80,7 +80,7 @@ class LineBatchProgress:
     def start(self, total: int, workers: int) -> None:
         self.total = total
         say(f"kvchat: {total} histories on {workers} worker{'s' * (workers != 1)} (each loads the model once)",
-             console=err)  # fmt: skip
+            console=err)  # fmt: skip
 
     def running(self, name: str, attempt: int, worker) -> None:
         if self.started is None:
@@ -97,7 +97,7 @@ class LineBatchProgress:
         elapsed = time.monotonic() - (self.started or time.monotonic())
         eta = elapsed / self.done * (self.total - self.done)
         say(f"kvchat: [{self.done}/{self.total}] {result.status} {result.name}: {_batch_outcome(result)} "
-             f"({elapsed:.0f} s elapsed, ETA {eta:.0f} s)", console=err)  # fmt: skip
+            f"({elapsed:.0f} s elapsed, ETA {eta:.0f} s)", console=err)  # fmt: skip
 
 
 class RichBatchProgress:

@@ -33,7 +33,7 @@ def say(*parts: str | tuple[str, str], console: Console | None = None) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,
-           right: Sequence[str] = ()) -> None:
+          right: Sequence[str] = ()) -> None:
     """A table: with rich's rules on a terminal (folded, never cut), tab-separated values otherwise
     (a header line, then one line per row: plain for cut, awk and sort)."""
     if not out.is_terminal:

@@ -25,7 +25,7 @@ def list_conversations(as_json: JsonOpt = False) -> None:
         rows.append((r.name, r.created_at[:19], r.model, s["method"], s["episode_count"], s["turns"],
                      f"{s['cache_bytes'] / 2**20:.1f}"))
     table(("name", "created", "model", "method", "episodes", "turns", "MiB"), rows,
-           right=("episodes", "turns", "MiB"))
+          right=("episodes", "turns", "MiB"))
 
 
 def show(name: NameArg, as_json: JsonOpt = False) -> None:
@@ -77,8 +77,8 @@ def logs(
         emit_json(documents.asks(rows))
         return
     table(("time", "conversation", "episode", "question", "answer"),
-           [(r["created_at"][:19], r["conversation"], r["episode"], r["question"], r["answer"]) for r in rows],
-           right=("episode",))
+          [(r["created_at"][:19], r["conversation"], r["episode"], r["question"], r["answer"]) for r in rows],
+          right=("episode",))
 
 
 def doctor(
