@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -42,31 +41,26 @@ def profile_layers_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure how much block prefill disturbs each layer; ingest then budgets layers by it."""
-    from kvchat.profile import calibration_text, profile_layers, save_plot, shipped_profiles
+    from kvchat.profile import profile_layers, read_calibration, save_plot, save_profile
 
-    if text is not None and not text.is_file():
-        raise UserError(f"{text}: no such file")
-    calibration = text.read_text(errors="replace") if text else calibration_text()
+    calibration, source = read_calibration(text)
     store = open_store()
     lm = load_model(model, store, trust_remote_code, threads, DeviceConfig(device, dtype))
     settings = ProfileSettings(budget=budget, block_size=block_size, sink=sink)
-    profile = profile_layers(lm, calibration, settings, source=str(text) if text else "kvchat/data/calibration.txt")
-    target = out_file or store.home / "profiles" / f"{profile.weights}.json"
-    profile.save(target)
+    profile = profile_layers(lm, calibration, settings, source=source)
+    target, overridden = save_profile(profile, store.home, out_file)
     if plot is not None:
         save_plot(profile, plot)
-    overridden = [str(p) for p in shipped_profiles() if json.loads(p.read_text()).get("weights") == profile.weights
-                  ] if target.parent == store.home / "profiles" else []
     if overridden:
-        say(f"kvchat: note: ingest now uses {target} for these weights instead of the shipped {overridden[0]}; "
+        say(f"kvchat: note: ingest now uses {target} for these weights instead of the shipped {overridden}; "
             "delete it to go back", console=err)
     if as_json:
-        emit_json(documents.document(path=str(target), overrides=overridden[0] if overridden else None,
-                                      **dataclasses.asdict(profile)))
+        emit_json(documents.document(path=str(target), overrides=str(overridden) if overridden else None,
+                                     **dataclasses.asdict(profile)))
         return
     table(("layer", "key similarity", "sensitivity"),
           [(i, f"{sim:.5f}", f"{sens:.5f}")
-            for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True))],
+           for i, (sim, sens) in enumerate(zip(profile.similarity, profile.sensitivity, strict=True))],
           right=("layer", "key similarity", "sensitivity"))
     say(f"wrote {target}" + (f" and {plot}" if plot else ""), console=err)
 

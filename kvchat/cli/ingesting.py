@@ -295,8 +295,8 @@ def ingest_batch(
     else:
         table(("conversation", "status", "episodes", "MiB", "seconds", "tries", "error"),
               [(h.name, h.status, h.report.episodes if h.report else "",
-                 f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
-                 h.error or "") for h in report.histories],
+                f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
+                h.error or "") for h in report.histories],
               right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
         say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "

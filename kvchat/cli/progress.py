@@ -183,13 +183,13 @@ class LineTrainProgress:
 
     def prepare(self, done: int, total: int) -> None:
         if done == total:
-            self.say(f"{total} chunks through the model")
+            self._say(f"{total} chunks through the model")
 
     def step(self, stage: str, done: int, total: int, loss: float) -> None:
         if done % 25 == 0 or done == total:
-            self.say(f"{stage} step {done}/{total}, loss {loss:.4f}")
+            self._say(f"{stage} step {done}/{total}, loss {loss:.4f}")
 
-    def say(self, text: str) -> None:
+    def _say(self, text: str) -> None:
         err.print(f"kvchat: {text} ({time.monotonic() - self.started:.1f} s elapsed)", markup=False, soft_wrap=True)
 
 
