@@ -88,10 +88,10 @@ class _Asker:
 
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
                  device: DeviceConfig = DeviceConfig()) -> None:
+        self.store, self.config, self.log = store, config, log
+        record = store.get(conversation) if conversation else store.latest()  # an unknown name: before torch loads
         from kvchat.ask import Session
 
-        self.store, self.config, self.log = store, config, log
-        record = store.get(conversation) if conversation else store.latest()
         self.threads, self.device = threads, device
         lm = load_model(record.model, store, threads=threads, device=device, weights=config.weights)
         self.session = Session(store, record, lm, load_encoder(), config)
