@@ -107,12 +107,8 @@ def eval_command(
     if report is not None:
         from kvchat import report as eval_report
 
-        report.parent.mkdir(parents=True, exist_ok=True)
-        png = report.with_suffix(".png")
-        eval_report.plot(rows, png, title=f"kvchat eval ({lm.spec}): {', '.join(sorted(names))}",
-                         synthetic=not data)
-        notes = [s.describe(config.questions) for s in sets] + skips
-        report.write_text(eval_report.markdown(rows, title=f"kvchat eval ({lm.spec})", notes=notes, plot=png.name))
+        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data,
+                          notes=[s.describe(config.questions) for s in sets] + skips)
     columns = EVAL_COLUMNS
     if per_conversation:
         rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
