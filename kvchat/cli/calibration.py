@@ -14,8 +14,10 @@ from kvchat.cli.options import (
     DtypeOpt,
     JsonOpt,
     MemoryReadoutMode,
+    ModelOpt,
     ThreadsOpt,
     TrainStage,
+    TrustOpt,
     int_list,
     load_model,
     open_store,
@@ -27,14 +29,14 @@ from kvchat.errors import UserError
 
 
 def profile_layers_command(
-    model: Annotated[str, typer.Option(help="'default', a model dir or a .gguf file.")] = IngestConfig.model,
+    model: ModelOpt = IngestConfig.model,
     text: Annotated[Path | None, typer.Option(help="Calibration text file (default: the shipped one).")] = None,
     budget: Annotated[int, typer.Option(help="Simulated cache budget M.")] = ProfileSettings.budget,
     block_size: Annotated[int, typer.Option(help="Simulated prefill block B.")] = ProfileSettings.block_size,
     sink: Annotated[int, typer.Option(help="Sink tokens always visible.")] = ProfileSettings.sink,
     out_file: Annotated[Path | None, typer.Option("--out", help="Profile JSON (default: in $KVCHAT_HOME).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Also draw sensitivity and budgets per layer to this PNG.")] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    trust_remote_code: TrustOpt = False,
     threads: ThreadsOpt = None,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
@@ -66,7 +68,7 @@ def profile_layers_command(
 
 
 def train_indexer_command(
-    model: Annotated[str, typer.Option(help="'default', a model dir or a .gguf file.")] = IngestConfig.model,
+    model: ModelOpt = IngestConfig.model,
     data: Annotated[list[Path] | None, typer.Option(
         "--data", help="Training text: chat histories (any format ingest reads) or .txt files; repeat for more "
         "(default: chitchat-dataset, kvchat's synthetic conversations and the calibration text).")] = None,
@@ -85,7 +87,7 @@ def train_indexer_command(
     out_file: Annotated[Path | None, typer.Option(
         "--out", help="Weights file (default: in $KVCHAT_HOME/profiles/, used by ingest before the shipped ones).",
     )] = None,
-    trust_remote_code: Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")] = False,
+    trust_remote_code: TrustOpt = False,
     threads: ThreadsOpt = None,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,

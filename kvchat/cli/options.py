@@ -44,6 +44,7 @@ CachePrecision = Literal[CACHE_PRECISIONS]  # type: ignore[valid-type]
 TrainStage = Literal[TRAIN_STAGES]  # type: ignore[valid-type]
 MemoryReadoutMode = Literal[MEMORY_READOUTS]  # type: ignore[valid-type]
 Weights = Literal[WEIGHT_MODES]  # type: ignore[valid-type]
+ModelOpt = Annotated[str, typer.Option(help="'default', a model dir or a .gguf file.")]
 TrustOpt = Annotated[bool, typer.Option(help="Allow a model dir's own Python code.")]
 ForceOpt = Annotated[bool, typer.Option(help="Run even when the memory estimate exceeds the available memory.")]
 
