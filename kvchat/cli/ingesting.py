@@ -12,7 +12,6 @@ import typer
 
 from kvchat import documents
 from kvchat.cli.options import (
-    METHOD_HELP,
     CachePrecision,
     DeviceOpt,
     DtypeOpt,
@@ -49,6 +48,9 @@ from kvchat.config import (
     PagingConfig,
 )
 from kvchat.errors import UserError
+from kvchat.kv.methods import REGISTRY
+
+_METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
@@ -63,7 +65,7 @@ _CACHE_OPTIONS = [
     _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).")], CacheConfig.block_size),
     _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).")], EpisodeConfig.episodes),
     _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).")], EpisodeConfig.window),
-    _option("method", Annotated[Method, typer.Option(help="Eviction method: " + METHOD_HELP)], CacheConfig.method),
+    _option("method", Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)], CacheConfig.method),
     _option("positions", Annotated[Positions, typer.Option(
         help="original, compact (re-rotate kept keys) or auto.")], CacheConfig.positions),
     _option("layer_budgets", Annotated[LayerBudgets, typer.Option(

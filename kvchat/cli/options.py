@@ -22,7 +22,7 @@ from kvchat.config import (
     default_home,
 )
 from kvchat.errors import UserError
-from kvchat.kv.methods import METHODS, REGISTRY
+from kvchat.kv.methods import METHODS
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts; see the README).")]
 DeviceOpt = Annotated[Literal[DEVICES], typer.Option(  # type: ignore[valid-type]
@@ -58,8 +58,6 @@ def complete_conversation(incomplete: str) -> list[str]:
 
 
 NameArg = Annotated[str, typer.Argument(help="Conversation name.", autocompletion=complete_conversation)]
-
-METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 def open_store():
