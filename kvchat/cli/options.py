@@ -61,6 +61,7 @@ NameArg = Annotated[str, typer.Argument(help="Conversation name.", autocompletio
 
 
 def open_store():
+    """The store at $KVCHAT_HOME (imported here: the store is not needed for --help)."""
     from kvchat.store import Store
 
     return Store(default_home())
@@ -68,13 +69,14 @@ def open_store():
 
 def load_model(spec: str, store, trust_remote_code: bool = False, threads: int | None = None,
                device: DeviceConfig = DeviceConfig(), weights: str = "float"):
+    """The model `spec` names, placed and threaded as asked (torch and transformers load here, not before)."""
     from kvchat import llm
     from kvchat.device import resolve
 
     placement = resolve(device)  # a device this machine lacks is refused before anything loads
     llm.use_threads(threads)
     return llm.load_model(spec, store.models_dir, trust_remote_code=trust_remote_code, placement=placement,
-                      weights=weights)
+                          weights=weights)
 
 
 def load_encoder():
@@ -84,6 +86,7 @@ def load_encoder():
 
 
 def int_list(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated option's integers."""
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
