@@ -44,25 +44,35 @@ from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
 from kvchat.store.asklog import ask_row, read_asks
-from kvchat.store.errors import BUSY_TIMEOUT_MS, DamagedDatabase, database_error
+from kvchat.store.errors import BUSY_TIMEOUT_MS, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
 from kvchat.store.files import check_safetensors_header as check_safetensors_header
-from kvchat.store.files import discard, try_rmdir
+from kvchat.store.files import discard, try_rmdir, without_links
 from kvchat.store.files import write_file as _write_file  # looked up here when an ingest begins: tests replace it
 from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, read_only_reason, validate_name
 from kvchat.store.layout import show as _show
-from kvchat.store.leftovers import Problem, delete_trees, move_aside_orphans, remove_dead_temp_dirs, stale_orphans
+from kvchat.store.leftovers import (
+    ORPHAN_GRACE_S,
+    Problem,
+    delete_trees,
+    move_aside_orphans,
+    real_subdirs,
+    remove_dead_temp_dirs,
+    stale_orphans,
+)
 from kvchat.store.loading import check_fingerprint as _check_fingerprint  # noqa: F401 (tests import it here)
 from kvchat.store.loading import is_legacy_fingerprint
-from kvchat.store.manifest import digest, document_from_rows
+from kvchat.store.manifest import digest, document_from_rows, restore_manifest, retire_manifest
 from kvchat.store.pending import PendingConversation
-from kvchat.store.records import ConversationRecord, EpisodeRecord, PagesRecord, record_of
+from kvchat.store.records import ConversationRecord, EpisodeRecord, PagesRecord, insert_document, record_of
+from kvchat.store.reindex import Version, newer_than_listed, unlisted_versions
 from kvchat.store.schema import connect, migrate, pending
 
 __all__ = [
-    "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationRecord", "DamagedDatabase",
-    "EpisodeRecord", "PagesRecord", "PendingConversation", "Problem", "Store", "check_safetensors_header",
+    "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationChanged", "ConversationRecord",
+    "DamagedDatabase", "EpisodeRecord", "PagesRecord", "PendingConversation", "Problem", "Store",
+    "check_safetensors_header",
     "database_error", "diagnose", "is_legacy_fingerprint", "read_only_reason", "repair", "validate_name",
 ]  # fmt: skip
 
@@ -184,17 +194,20 @@ class Store:
     def _clean_stale(self) -> None:
         """Remove what crashed processes left behind; never anything a live process may use.
 
-        Temp dirs of dead ingests and model conversions go at once. Orphan ingest dirs and empty name dirs
-        are looked for again, and moved aside, under the write lock, which a committing ingest holds from
-        its rename to its row commit, so a dir about to be committed is never taken (see
-        `kvchat.store.leftovers`); when another process holds the lock, or a row is damaged, that waits
-        for a later open.
+        Temp dirs of dead ingests and model conversions go at once. Conversations on disk that kvchat.db
+        lacks (a missing, older or restored database: `reindex`) are listed again, and orphan ingest dirs
+        (no manifest) and empty name dirs are moved aside, both decided again under the write lock, which a
+        committing ingest holds from its rename to its row commit, so a dir about to be committed is never
+        taken (see `kvchat.store.leftovers`); when another process holds the lock, or a row is damaged, that
+        waits for a later open.
         """
         remove_dead_temp_dirs(self.models_dir)
         if not self.caches_dir.is_dir():
             return
         remove_dead_temp_dirs(self.caches_dir)
-        if not stale_orphans(self.caches_dir, self._referenced_ingests()):
+        listed = self._listed()
+        unlisted = newer_than_listed(unlisted_versions(self.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
+        if not unlisted and not stale_orphans(self.caches_dir, {ingest_id for ingest_id, _ in listed.values()}):
             return
         try:  # a damaged row may no longer name its ingest dir: never sweep on its word (doctor --fix restores it)
             self.conversations()
@@ -202,10 +215,29 @@ class Store:
             return
         try:
             with self._write_lock(wait=False):
+                self._list_again(grace_s=ORPHAN_GRACE_S)
                 doomed = move_aside_orphans(self.caches_dir, self._referenced_ingests())
         except _LockBusy:
             return
         delete_trees(doomed)
+
+    def _list_again(self, *, grace_s: float, only: set[Path] | None = None) -> list[Version]:
+        """Under the write lock: put the conversations on disk that kvchat.db lacks (`reindex`; of them those
+        in `only`) back into it, from their manifests, in place of an older version's rows. Returns them."""
+        listed = self._listed()
+        found = newer_than_listed(unlisted_versions(self.caches_dir, listed, grace_s=grace_s), listed)
+        found = [v for v in found if only is None or v.path in only]
+        for version in found:
+            self._db["episodes"].delete_where("conversation = ?", [version.name])
+            self._db["conversations"].delete_where("name = ?", [version.name])
+            insert_document(self._db, version.document)
+        return found
+
+    @_index_errors
+    def _listed(self) -> dict[str, tuple[str, str]]:
+        """Every conversation row's name -> (ingest_id, created_at)."""
+        rows = self._db.query("select name, ingest_id, created_at from conversations")
+        return {row["name"]: (row["ingest_id"], row["created_at"]) for row in rows}
 
     @_index_errors
     def _referenced_ingests(self) -> set[str]:
@@ -214,13 +246,21 @@ class Store:
     # ----- conversations
 
     @_index_errors
-    def begin(self, name: str, replace: bool = False) -> PendingConversation:
-        """Start writing a conversation; nothing is visible until `commit`."""
+    def begin(self, name: str, replace: bool = False, *, expect: str | None = None) -> PendingConversation:
+        """Start writing a conversation; nothing is visible until `commit`.
+
+        `expect`: the version (`ConversationRecord.ingest_id`) the new one continues (an append). Writers of
+        one conversation serialise on it: the commit is refused (`ConversationChanged`, exit 2) when another
+        process has replaced or removed that version since, so neither write is lost without a word.
+        """
         validate_name(name)
         self.check_writable()
-        if not replace and self._row(name) is not None:
+        row = self._row(name)
+        if not replace and row is not None:
             raise UserError(f"conversation {_show(name)} exists; use --replace")
-        return PendingConversation(self, name, replace, write_file=_write_file)
+        if expect is not None and (row is None or row["ingest_id"] != expect):
+            raise ConversationChanged(_show(name))
+        return PendingConversation(self, name, replace, write_file=_write_file, expect=expect)
 
     @_index_errors
     def conversations(self) -> list[ConversationRecord]:
@@ -253,21 +293,30 @@ class Store:
 
     @_index_errors
     def remove(self, name: str, *, ingest_id: str | None = None) -> bool:
-        """Delete the rows (one transaction), then the files, so no reader sees rows without files.
-
-        With `ingest_id`, only that version: returns False, removing nothing, when the conversation
-        was replaced or removed meanwhile.
+        """Delete the rows and retire the manifests (one transaction), then the files, so no reader sees rows
+        without files and a crash cannot leave a dir whose manifest would list it again (`reindex`). Every
+        version of the name goes; with `ingest_id`, only that version, and False, removing nothing, when the
+        conversation was replaced or removed meanwhile. Nothing reached through a symbolic link is touched.
         """
-        with self._write_lock() as db:
-            row = self._row(name)
-            if row is None and ingest_id is None:
-                raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
-            if row is None or ingest_id not in (None, row["ingest_id"]):
-                return False
-            db["episodes"].delete_where("conversation = ?", [name])
-            db["conversations"].delete_where("name = ?", [name])
         name_dir = self.caches_dir / name
-        discard(name_dir / row["ingest_id"], self.caches_dir)
+        retired: list[Path] = []
+        try:
+            with self._write_lock() as db:
+                row = self._row(name)
+                if row is None and ingest_id is None:
+                    raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
+                if row is None or ingest_id not in (None, row["ingest_id"]):
+                    return False
+                db["episodes"].delete_where("conversation = ?", [name])
+                db["conversations"].delete_where("name = ?", [name])
+                versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
+                retired = [d for d in versions if without_links(d, self.caches_dir) and retire_manifest(d)]
+        except BaseException:
+            for ingest_dir in retired:
+                restore_manifest(ingest_dir)
+            raise
+        for ingest_dir in versions:
+            discard(ingest_dir, self.caches_dir)
         with self._write_lock():  # an ingest of the same name may be renaming into name_dir
             try_rmdir(name_dir)
         return True
@@ -317,18 +366,30 @@ class Store:
         return loading.load_pages(record, fingerprint, caches_dir=self.caches_dir,
                                   refuse=self._refuser(record, "pages file"))  # fmt: skip
 
-    def _refuser(self, record: EpisodeRecord, what: str) -> Callable[[str], CacheIntegrityError]:
-        """The error for a damaged file of `record`: what is wrong, and the command that rebuilds it."""
+    def _refuser(self, record: EpisodeRecord, what: str) -> Callable[[str], UserError]:
+        """The error for a damaged file of `record`: what is wrong, and the command that rebuilds it; or, when
+        another process has replaced or removed that version meanwhile (its files retired), that."""
         name = record.path.parent.parent.name
         rebuild = self._rebuild_hint(name, replace=True)
 
-        def refuse(problem: str) -> CacheIntegrityError:
+        def refuse(problem: str) -> UserError:
+            if not self._lists(record.path):
+                return ConversationChanged(_show(name))
             return CacheIntegrityError(
                 f"{what} of conversation {_show(name)} episode {record.index} {' '.join(problem.split())}; "
                 f"rebuild with `{rebuild}`"
             )
 
         return refuse
+
+    def _lists(self, path: Path) -> bool:
+        """Whether an episode row still names `path` (else its version was replaced or removed)."""
+        try:
+            relative = path.relative_to(self._home).as_posix()
+        except ValueError:
+            return True
+        query = "select 1 from episodes where path = ? or pages_path = ? limit 1"
+        return bool(list(self._db.query(query, [relative, relative])))
 
     # ----- doctor
 
@@ -358,6 +419,11 @@ class Store:
     def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
         """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
         return read_asks(self._db, self.db_path, limit, conversation)
+
+
+def _version_dirs(name_dir: Path) -> list[Path]:
+    """The ingest dirs of one name (none when `name_dir` is a link, which is never followed)."""
+    return [] if name_dir.is_symlink() else real_subdirs(name_dir)
 
 
 def _reingest_command(record: ConversationRecord, *, replace: bool = False) -> str:

@@ -15,6 +15,7 @@ from kvchat.store.files import FileMismatch, verify_file
 from kvchat.store.layout import show
 from kvchat.store.leftovers import ORPHAN_GRACE_S, Problem, delete_leftovers, delete_trees, leftovers, model_leftovers
 from kvchat.store.manifest import MANIFEST_NAME
+from kvchat.store.reindex import newer_than_listed, unlisted_versions
 
 if TYPE_CHECKING:
     from kvchat.store import Store
@@ -42,7 +43,8 @@ def check(store: Store) -> list[Problem]:
     itself is `database_damage`'s).
 
     Damaged conversations: an episode file missing, not a regular file, of the wrong size, or failing
-    its checksum (a flipped byte, a truncation, another conversation's file swapped in). Leftovers:
+    its checksum (a flipped byte, a truncation, another conversation's file swapped in). Conversations on
+    disk that kvchat.db lacks or lists in an older version ("unlisted", `reindex`). Leftovers:
     ingest dirs no row refers to, stray files, temp dirs of dead processes (ingests and model
     conversions). Takes no lock: an ingest dir younger than `ORPHAN_GRACE_S` that no row refers to yet
     may be an ingest committing right now, and is left for a later look.
@@ -65,6 +67,14 @@ def check(store: Store) -> list[Problem]:
             (c.name, e.index, path) for c in store.conversations() for e in c.episodes for path, *_ in e.files()
         }
         problems = [p for p in problems if (p.conversation, p.episode, p.path) in current]
+    listed = store._listed()
+    problems += [
+        Problem("unlisted", None, None, v.path,
+                f"conversation {show(v.name)} in {v.path} is missing from kvchat.db or listed in an older version (a "
+                "missing, older or restored database); --fix lists it again from its manifest, as the next command "
+                "does")
+        for v in newer_than_listed(unlisted_versions(store.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
+    ]  # fmt: skip
     return problems + leftovers_of(store, grace_s=ORPHAN_GRACE_S)
 
 
@@ -72,8 +82,9 @@ def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
     """Repair what `check` found; returns one line per action taken.
 
     A damaged conversation is removed whole (rows first, then files): a partial conversation must
-    never be visible, and its history can be ingested again (the line says how). A leftover is
-    deleted only if it is still one when looked at again under the write lock.
+    never be visible, and its history can be ingested again (the line says how). A conversation kvchat.db
+    lacks is listed again from its manifest. A leftover is deleted only if it is still one when looked at
+    again under the write lock; nothing reached through a symbolic link is deleted.
     """
     problems = [p for p in problems if p.kind not in ("database", "lost")]  # `repair`'s to handle
     done: list[str] = []
@@ -92,8 +103,11 @@ def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
             f"removed conversation {show(name)} (a damaged conversation is removed whole, never "
             f"kept partial); re-ingest it with `{command}`"
         )
-    wanted = {p.path for p in problems if p.conversation is None}
+    unlisted = {p.path for p in problems if p.kind == "unlisted"}
+    wanted = {p.path for p in problems if p.conversation is None and p.kind != "unlisted"}
     with store._write_lock():
+        done += [f"listed conversation {show(v.name)} again from its manifest ({v.path})"
+                 for v in store._list_again(grace_s=0.0, only=unlisted)]  # fmt: skip
         found = [p for p in leftovers_of(store, grace_s=0.0) if p.path in wanted]
         lines, moved = delete_leftovers(store.caches_dir, found)
     done += lines

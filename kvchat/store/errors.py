@@ -30,6 +30,17 @@ class DamagedDatabase(UserError):
         )
 
 
+class ConversationChanged(UserError):
+    """Another kvchat process wrote or removed a conversation while this one read or extended it: what this
+    one built is dropped, never committed over the other's (no lost update), and the user runs it again."""
+
+    def __init__(self, shown_name: str) -> None:
+        super().__init__(
+            f"conversation {shown_name} was changed by another kvchat process while this command worked on it; "
+            "nothing was written: run the command again"
+        )
+
+
 def database_error(db_path: Path, e: sqlite3.Error) -> KvchatError | None:
     """What an SQLite error means for the user: a damaged index, a lock held too long, a full disk, a
     store that cannot be written or read. None: an error of ours (a bug), to be raised as it is."""

@@ -16,14 +16,14 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.errors import UserError
 from kvchat.kv.codec import READABLE_FORMAT_VERSIONS  # stamped by the store, checked here
 from kvchat.kv.tensorfile import map_tensors
 from kvchat.store.files import FileMismatch, check_safetensors_header, read_verified, verify_file
 from kvchat.store.layout import show
 from kvchat.store.records import EpisodeRecord
 
-Refuse = Callable[[str], CacheIntegrityError]
+Refuse = Callable[[str], UserError]  # the error for what is wrong with a file (a CacheIntegrityError)
 
 
 def load_episode(

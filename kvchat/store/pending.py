@@ -26,7 +26,7 @@ import torch
 
 from kvchat.errors import UserError
 from kvchat.kv.codec import format_version  # stamped on every file here
-from kvchat.store.errors import database_error
+from kvchat.store.errors import ConversationChanged, database_error
 from kvchat.store.files import discard, disk_full, fsync_dir, is_disk_full, new_temp_path
 from kvchat.store.layout import EPISODE_SUFFIX, PAGES_SUFFIX, show
 from kvchat.store.manifest import document, write_manifest
@@ -50,9 +50,14 @@ class PendingConversation:
     Use as a context manager; leaving the block without a commit (exception or not) aborts.
     """
 
-    def __init__(self, store: Store, name: str, replace: bool, *, write_file: Callable[[Path, bytes], None]) -> None:
-        """`write_file` writes and fsyncs one new episode file (`files.write_file`; tests pass one that fails)."""
+    def __init__(
+        self, store: Store, name: str, replace: bool, *, write_file: Callable[[Path, bytes], None],
+        expect: str | None = None,
+    ) -> None:  # fmt: skip
+        """`write_file` writes and fsyncs one new episode file (`files.write_file`; tests pass one that fails).
+        `expect`: the version (ingest id) this one continues; `commit` refuses when another has replaced it."""
         self._store = store
+        self.expect = expect
         self._write_file = write_file
         self.name = name
         self.replace = replace
@@ -157,7 +162,8 @@ class PendingConversation:
         """Make the conversation visible: write its manifest, rename the files into place, then insert the rows.
 
         Rename and row changes happen under one SQLite write transaction, which also replaces the
-        old rows of the same name when `replace`. The old ingest's files are deleted afterwards.
+        old rows of the same name when `replace` (and refuses, ConversationChanged, when they are no longer
+        the version `expect` names). The old ingest's files are deleted afterwards.
         """
         self._check_open()
         if not self._episodes:
@@ -187,6 +193,11 @@ class PendingConversation:
                 if row is not None and not self.replace:
                     raise UserError(f"conversation {show(self.name)} exists; use --replace")
                 old_ingest = row["ingest_id"] if row is not None else None
+                if self.expect is not None and old_ingest != self.expect:  # compare-and-swap: no lost update
+                    raise ConversationChanged(show(self.name))
+                if name_dir.is_symlink():
+                    raise UserError(f"{name_dir} is a symbolic link: kvchat writes conversations only inside "
+                                    f"{caches}; remove the link")  # fmt: skip
                 name_dir.mkdir(exist_ok=True)
                 os.utime(self._tmp)  # fresh mtime: the orphan sweep leaves young dirs alone
                 os.rename(self._tmp, self._final)

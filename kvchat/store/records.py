@@ -49,6 +49,7 @@ class ConversationRecord:
     settings: dict
     stats: dict
     episodes: list[EpisodeRecord]
+    ingest_id: str = ""  # this version of the conversation (every ingest or append makes a new one)
 
 
 def record_of(doc: dict, home: Path) -> ConversationRecord:
@@ -60,6 +61,7 @@ def record_of(doc: dict, home: Path) -> ConversationRecord:
         fingerprint=doc["fingerprint"],
         settings=doc["settings"],
         stats=doc["stats"],
+        ingest_id=doc["ingest_id"],
         episodes=[
             EpisodeRecord(
                 index=e["index"], centroid=e["centroid"], medoid_text=e["medoid_text"], budgets=e["budgets"],
