@@ -34,10 +34,9 @@ import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sqlite_utils
-import torch
 
 from kvchat.errors import CacheIntegrityError as CacheIntegrityError  # raised by `loading`, named here too
 from kvchat.errors import UserError
@@ -68,6 +67,9 @@ from kvchat.store.pending import PendingConversation
 from kvchat.store.records import ConversationRecord, EpisodeRecord, PagesRecord, insert_document, record_of
 from kvchat.store.reindex import Version, newer_than_listed, unlisted_versions
 from kvchat.store.schema import connect, migrate, pending
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationChanged", "ConversationRecord",

@@ -12,16 +12,15 @@ from __future__ import annotations
 import mmap
 from collections.abc import Callable
 from pathlib import Path
-
-import safetensors.torch
-import torch
+from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
-from kvchat.kv.codec import READABLE_FORMAT_VERSIONS  # stamped by the store, checked here
-from kvchat.kv.tensorfile import map_tensors
 from kvchat.store.files import FileMismatch, check_safetensors_header, read_verified, verify_file
 from kvchat.store.layout import show
 from kvchat.store.records import EpisodeRecord
+
+if TYPE_CHECKING:
+    import torch
 
 Refuse = Callable[[str], UserError]  # the error for what is wrong with a file (a CacheIntegrityError)
 
@@ -46,6 +45,11 @@ def load_episode(
     except ValueError as e:
         raise refuse(f"is not a valid safetensors file: {e}") from None
     metadata: dict[str, str] = header.get("__metadata__", {})
+    # torch only now that a cache is really read: `kvchat list`, `show` and `doctor` never load it.
+    import safetensors.torch
+
+    from kvchat.kv.codec import READABLE_FORMAT_VERSIONS  # stamped by the store, checked here
+
     if metadata.get("format_version") not in READABLE_FORMAT_VERSIONS:
         raise refuse(f"has unsupported format version {metadata.get('format_version')!r}")
     check_fingerprint(metadata, fingerprint, refuse)
@@ -81,6 +85,8 @@ def load_pages(
     metadata: dict[str, str] = header.get("__metadata__", {})
     check_fingerprint(metadata, fingerprint, refuse)
     try:
+        from kvchat.kv.tensorfile import map_tensors  # torch, only when pages are read
+
         return map_tensors(pages.path, header)
     except ValueError as e:  # the header passed our checks, so this is unexpected
         raise refuse(f"could not be mapped: {e}") from None

@@ -21,11 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
-import safetensors.torch
-import torch
-
 from kvchat.errors import UserError
-from kvchat.kv.codec import format_version  # stamped on every file here
 from kvchat.store.errors import ConversationChanged, database_error
 from kvchat.store.files import discard, disk_full, fsync_dir, is_disk_full, new_temp_path
 from kvchat.store.layout import EPISODE_SUFFIX, PAGES_SUFFIX, show
@@ -41,6 +37,8 @@ from kvchat.store.records import (
 from kvchat.store.schema import utc_timestamp
 
 if TYPE_CHECKING:
+    import torch
+
     from kvchat.store import Store
 
 
@@ -137,6 +135,10 @@ class PendingConversation:
             raise ValueError("episode metadata keys and values must be str")
         if "fingerprint" not in metadata:
             raise ValueError("episode metadata must include the model 'fingerprint'")
+        import safetensors.torch  # torch only when a cache is written, not for every store command
+
+        from kvchat.kv.codec import format_version  # stamped on every file here
+
         meta = {**metadata, "format_version": format_version(metadata)}
         path = self._tmp / f"{index}{EPISODE_SUFFIX}"
         cpu = {key: t.detach().to("cpu").contiguous() for key, t in tensors.items()}
