@@ -25,7 +25,7 @@ import torch
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, TrainConfig, default_home
 from kvchat.history import Turn, format_turns
-from kvchat.ingest import resolve_layer_budgets
+from kvchat.plan import resolve_layer_budgets
 from kvchat.kv.forward import forward
 from kvchat.kv.indexer import IndexerScorer
 from kvchat.kv.latent import LatentMemory

@@ -12,20 +12,13 @@ import dataclasses
 import shlex
 from collections.abc import Sequence
 
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
+from kvchat import features
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
 
 # Settings keys of CAKE's knobs: with `cake` layer budgets, and with the `cake` method's scorer.
 _CAKE_BUDGET_KEYS = {"tau1": "tau1", "tau2": "tau2", "cake_floor_fraction": "floor_fraction", "cake_cascade": "cascade"}
 _CAKE_SCORER_KEYS = {"cake_gamma": "gamma", "cake_pool_kernel": "pool_kernel"}
 _FULL = "full"  # what `layer_budgets` records for full KV, which has none
-# Settings keys of IceCache's knobs (`--offload icecache`): OffloadConfig's fields, then PagingConfig's.
-_OFFLOAD_KEYS = {
-    "retrieve": "retrieve", "page_scorer": "scorer", "refresh": "refresh", "pinned_share": "pinned_share",
-    "page_candidates": "candidates", "offload_window": "window", "first_paged_layer": "first_paged_layer",
-    "pages_dtype": "dtype",
-}  # fmt: skip
-_PAGING_KEYS = {"page_size": "page_size", "cluster_size": "cluster_size", "kmeans_iterations": "iterations",
-                "paging_seed": "seed"}  # fmt: skip
 
 
 def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
@@ -50,11 +43,6 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         "instruction": config.instruction,
         "source": source,
     }
-    if cache.method == "indexmem":
-        settings["memory"] = cache.memory
-        settings["recent_window"] = cache.recent_window
-        settings["attention_mix"] = cache.attention_mix
-        settings["indexer_pool_kernel"] = cache.indexer_pool_kernel
     if appended:
         settings["appended"] = list(appended)
     if strategy == "sensitivity" and cache.alpha is not None:
@@ -68,13 +56,7 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
-    if cache.precision != "full":  # the group of that precision only (the other's default changes nothing)
-        group_key = "quant_group_4bit" if cache.precision == "int4" else "quant_group"
-        settings |= {group_key: cache.active_quant_group, "quant_residual": cache.quant_residual}
-    if cache.offload.enabled:
-        settings |= {key: getattr(cache.offload, field) for key, field in _OFFLOAD_KEYS.items()}
-        settings |= {key: getattr(cache.offload.paging, field) for key, field in _PAGING_KEYS.items()}
-    return settings
+    return settings | features.settings(cache)  # the settings of the features it turns on (kvchat.features)
 
 
 def from_settings(settings: dict, model: str = "default") -> IngestConfig:
@@ -89,18 +71,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         window=get("cake_window", cake_d.window),
         **{field: get(key, getattr(cake_d, field)) for key, field in (_CAKE_BUDGET_KEYS | _CAKE_SCORER_KEYS).items()},
     )
-    offload_d = cache_d.offload
-    paging = {field: get(key, getattr(offload_d.paging, field)) for key, field in _PAGING_KEYS.items()}
-    offload = OffloadConfig(
-        mode=get("offload", offload_d.mode),  # stores written before --offload existed offload nothing
-        paging=PagingConfig(**paging),
-        **{field: get(key, getattr(offload_d, field)) for key, field in _OFFLOAD_KEYS.items()},
-    )
     strategy = get("layer_budgets", cache_d.layer_budgets)
-    # an indexmem store written before the blend existed: the indexer alone, pooled with pool_kernel
-    unrecorded_mix, unrecorded_pool = cache_d.attention_mix, cache_d.indexer_pool_kernel
-    if get("method", cache_d.method) == "indexmem":
-        unrecorded_mix, unrecorded_pool = 0.0, get("pool_kernel", cache_d.pool_kernel)
     cache = CacheConfig(
         method=get("method", cache_d.method),
         budget=get("budget", cache_d.budget),
@@ -112,16 +83,9 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         cake=cake,
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
-        offload=offload,
-        memory=get("memory", cache_d.memory),
-        recent_window=get("recent_window", cache_d.recent_window),
-        attention_mix=get("attention_mix", unrecorded_mix),
-        indexer_pool_kernel=get("indexer_pool_kernel", unrecorded_pool),
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
-        quant_group=get("quant_group", cache_d.quant_group),
-        quant_group_4bit=get("quant_group_4bit", cache_d.quant_group_4bit),
-        quant_residual=get("quant_residual", cache_d.quant_residual),
     )
+    cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(
         episodes=get("episodes", episodes_d.episodes),
         window=get("window", episodes_d.window),
