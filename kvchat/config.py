@@ -78,7 +78,7 @@ EPISODE_INSTRUCTION = (
 )
 
 # The conversation sits in the system turn, the question in a user turn: SmolLM2 answers
-# planted-fact questions far better this way than with both in one user message (3/4 vs 1/4 planted facts).
+# planted-fact questions better this way than with both in one user message.
 SYSTEM_PROMPT = (
     "You are a helpful assistant with a memory of a past conversation. Answer the user's question "
     "briefly, using only facts from the conversation below.\n\nConversation:\n"
@@ -169,7 +169,7 @@ class AskConfig:
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
-    weights: str = "float"  # float (as loaded) | int8 (weight-only, per channel: ~1.3x faster decode on a CPU)
+    weights: str = "float"  # float (as loaded) | int8 (weight-only, per channel: faster decode on a CPU)
 
 
 # LoCoMo's own QA prompt (task_eval), "context" read as the conversation the cache holds.
