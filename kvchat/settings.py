@@ -119,15 +119,12 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         options |= {"tau1": cache.cake.tau1, "tau2": cache.cake.tau2}
     options["head-budgets"] = cache.head_budgets
     options["prefill"] = cache.prefill
-    if cache.offload.enabled:
-        options |= {"offload": cache.offload.mode, "retrieve": cache.offload.retrieve,
-                    "page-size": cache.offload.paging.page_size, "offload-window": cache.offload.window}  # fmt: skip
-    if cache.precision != "full":
-        options["cache-precision"] = cache.precision
-    for option, value in options.items():
-        words += [f"--{option}", str(value)]
-    if cache.method == "indexmem":
-        words.append("--memory" if cache.memory else "--no-memory")
+    options |= features.options(cache)  # the options of the features it turns on (kvchat.features)
+    flags = {option: value for option, value in options.items() if isinstance(value, bool)}
+    for option, value in options.items():  # valued options first, then on/off flags
+        if option not in flags:
+            words += [f"--{option}", str(value)]
+    words += [f"--{option}" if on else f"--no-{option}" for option, on in flags.items()]
     if replace:
         words.append("--replace")
     appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]

@@ -94,6 +94,14 @@ def settings(cache: CacheConfig) -> dict:
     return out
 
 
+def options(cache: CacheConfig) -> dict[str, object]:
+    """`kvchat ingest`'s options (without `--`) for the features `cache` turns on; True/False: a `--x/--no-x` flag."""
+    out: dict[str, object] = {}
+    for feature in active(cache):
+        out |= feature.options(cache)
+    return out
+
+
 def from_settings(saved: Mapping[str, Any], cache: CacheConfig) -> dict:
     """`CacheConfig` fields every feature reads from `saved` (those it finds; `cache`, the rest as read)."""
     fields: dict = {}

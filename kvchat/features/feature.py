@@ -102,6 +102,11 @@ class Feature:
         """Its saved settings (kvchat.settings), when it is on."""
         return {}
 
+    def options(self, cache: CacheConfig) -> dict[str, object]:
+        """The `kvchat ingest` options (without `--`) that rebuild it (kvchat.settings.rebuild_command); a
+        bool is a `--x/--no-x` flag. Its library-only settings have none."""
+        return {}
+
     def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
         """`CacheConfig` fields from saved `settings` (`cache`: what the other keys gave; defaults for keys an
         older kvchat did not write)."""

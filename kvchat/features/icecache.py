@@ -133,6 +133,11 @@ class IceCache(Feature):
         return ({key: getattr(offload, field) for key, field in OFFLOAD_KEYS.items()}
                 | {key: getattr(offload.paging, field) for key, field in PAGING_KEYS.items()})  # fmt: skip
 
+    def options(self, cache: CacheConfig) -> dict[str, object]:
+        offload = cache.offload
+        return {"offload": offload.mode, "retrieve": offload.retrieve, "page-size": offload.paging.page_size,
+                "offload-window": offload.window}  # fmt: skip
+
     def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
         defaults = IceCacheConfig()
         paging = {field: settings.get(key, getattr(defaults.paging, field)) for key, field in PAGING_KEYS.items()}

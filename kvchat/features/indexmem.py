@@ -51,6 +51,9 @@ class IndexMem(Feature):
     def settings(self, cache: CacheConfig) -> dict:
         return {key: getattr(cache, key) for key in SETTINGS_KEYS}
 
+    def options(self, cache: CacheConfig) -> dict[str, object]:
+        return {"memory": cache.memory}
+
     def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
         fields = {key: settings[key] for key in SETTINGS_KEYS if key in settings}
         if cache.method == self.name:  # a store written before the blend existed: the indexer alone, pooled

@@ -47,6 +47,9 @@ class Precision(Feature):
         """The group of this precision only (the other's setting changes nothing)."""
         return {self.group: getattr(cache, self.group), "quant_residual": cache.quant_residual}
 
+    def options(self, cache: CacheConfig) -> dict[str, object]:
+        return {"cache-precision": self.name}
+
     def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
         return {key: settings[key] for key in (self.group, "quant_residual") if key in settings}
 
