@@ -4,7 +4,7 @@ re-exported here). The CLI and the library both start from these."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import platformdirs
@@ -144,7 +144,7 @@ TRAIN_STAGES = ("indexer", "memory", "both")
 
 @dataclass(frozen=True)
 class IngestConfig:
-    model: str = "default"
+    model: str = field(default="default", metadata={"key": None})  # saved beside the settings, not in them
     episodes: EpisodeConfig = EpisodeConfig()
     cache: CacheConfig = CacheConfig()
     system_prompt: str = SYSTEM_PROMPT

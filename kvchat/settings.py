@@ -1,5 +1,6 @@
 """A conversation's saved ingest settings, both ways: the `IngestConfig` that built it <-> the flat dict
-the store keeps with it, and the command line that builds it again.
+the store keeps with it, and the command line that builds it again (every setting: those without an option
+of their own as `--setting KEY=VALUE`).
 
 The store keeps the *resolved* settings (what ran: `auto` positions and layer budgets replaced by the
 choice made, the alpha used), so the same settings rebuild the same caches. Keys are stable across
@@ -9,16 +10,67 @@ versions; a key an older kvchat did not write takes its default here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
 from kvchat import features
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.errors import UserError
+from kvchat.kv.config import saved_keys
 
-# Settings keys of CAKE's knobs: with `cake` layer budgets, and with the `cake` method's scorer.
-_CAKE_BUDGET_KEYS = {"tau1": "tau1", "tau2": "tau2", "cake_floor_fraction": "floor_fraction", "cake_cascade": "cascade"}
-_CAKE_SCORER_KEYS = {"cake_gamma": "gamma", "cake_pool_kernel": "pool_kernel"}
+# Settings keys of CAKE's knobs (its fields' metadata): with `cake` layer budgets, and with the `cake` method's
+# scorer; its window with either.
+_CAKE_KEYS = saved_keys(CakeConfig)
+_CAKE_SCORER_KEYS = {key: _CAKE_KEYS[key] for key in ("cake_gamma", "cake_pool_kernel")}
+_CAKE_BUDGET_KEYS = {key: name for key, name in _CAKE_KEYS.items() if key not in (*_CAKE_SCORER_KEYS, "cake_window")}
 _FULL = "full"  # what `layer_budgets` records for full KV, which has none
+_NOT_SETTINGS = ("source", "appended", "layer_budgets")  # kept apart, or (layer_budgets) an option's own
+
+
+def setting_paths(config_class: type = IngestConfig, path: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """Every saved settings key -> the path of the `IngestConfig` field it holds (e.g. "page_size" ->
+    ("cache", "offload", "paging", "page_size")), from the config dataclasses' field metadata."""
+    found = {key: (*path, name) for key, name in saved_keys(config_class).items()}
+    for f in dataclasses.fields(config_class):
+        if dataclasses.is_dataclass(f.default):
+            found |= setting_paths(type(f.default), (*path, f.name))
+    return found
+
+
+def _get(config: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        config = getattr(config, name)
+    return config
+
+
+def _set(config: Any, path: tuple[str, ...], value: Any) -> Any:
+    if len(path) == 1:
+        return dataclasses.replace(config, **{path[0]: value})
+    return dataclasses.replace(config, **{path[0]: _set(getattr(config, path[0]), path[1:], value)})
+
+
+def with_settings(config: IngestConfig, pairs: Sequence[str]) -> IngestConfig:
+    """`config` with saved settings given as `KEY=VALUE` (`kvchat ingest --setting`, which rebuild commands use
+    for settings without an option of their own): VALUE is JSON, or else a plain string. Unknown keys and
+    values of the wrong type are user errors; `ingest.validate` checks the values."""
+    paths = setting_paths()
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in paths or key in _NOT_SETTINGS:
+            raise UserError(f"--setting {pair!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(paths))}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        current = _get(config, paths[key])
+        if current is not None and not isinstance(value, type(current)) and not (
+            isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool)
+        ):
+            raise UserError(f"--setting {key}: expected a {type(current).__name__}, got {raw!r}")
+        config = _set(config, paths[key], float(value) if isinstance(current, float) else value)
+    return config
 
 
 def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
@@ -125,7 +177,17 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         if option not in flags:
             words += [f"--{option}", str(value)]
     words += [f"--{option}" if on else f"--no-{option}" for option, on in flags.items()]
+    words += [f"--setting={pair}" for pair in _library_only(config, {o.replace("-", "_") for o in options})]
     if replace:
         words.append("--replace")
     appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]
     return " && ".join([shlex.join(words), *appends])
+
+
+def _library_only(config: IngestConfig, expressed: set[str]) -> list[str]:
+    """`KEY=VALUE` for each saved setting of `config` that no option in `expressed` carries and whose value
+    differs from what the command would take without it (its default)."""
+    saved, paths, default = to_settings(config, source=None), setting_paths(), IngestConfig()
+    return [f"{key}={json.dumps(value)}" for key, value in saved.items()
+            if key in paths and key not in expressed and key not in _NOT_SETTINGS
+            and value != _get(default, paths[key])]  # fmt: skip

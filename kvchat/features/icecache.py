@@ -29,20 +29,16 @@ from kvchat.features.feature import (
 from kvchat.kv import pagefile
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
-from kvchat.kv.config import OFFLOAD_MODES, OFFLOAD_SCORERS, CacheConfig, IceCacheConfig, PagingConfig
+from kvchat.kv.config import OFFLOAD_MODES, OFFLOAD_SCORERS, CacheConfig, IceCacheConfig, PagingConfig, saved_keys
 from kvchat.kv.prefill import keep_sink_and_window
 from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
 from kvchat.preflight import ModelShape
 
-# Saved settings keys: IceCacheConfig's fields, then PagingConfig's (stable across versions).
-OFFLOAD_KEYS = {
-    "retrieve": "retrieve", "page_scorer": "scorer", "refresh": "refresh", "pinned_share": "pinned_share",
-    "page_candidates": "candidates", "offload_window": "window", "first_paged_layer": "first_paged_layer",
-    "pages_dtype": "dtype",
-}  # fmt: skip
-PAGING_KEYS = {"page_size": "page_size", "cluster_size": "cluster_size", "kmeans_iterations": "iterations",
-               "paging_seed": "seed"}  # fmt: skip
+# Saved settings keys (kvchat.kv.config's field metadata): IceCacheConfig's fields but the mode, which every
+# conversation saves ("offload"), then PagingConfig's.
+OFFLOAD_KEYS = {key: name for key, name in saved_keys(IceCacheConfig).items() if name != "mode"}
+PAGING_KEYS = saved_keys(PagingConfig)
 
 
 class IceCache(Feature):

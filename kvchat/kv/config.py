@@ -1,13 +1,17 @@
 """The KV core's settings: how one episode cache is built (`CacheConfig` and its parts), IceCache's offload
 and paging, IndexMem's sizes and update rule. Dataclasses and constants only (no torch).
 
+A field's `metadata["key"]` is its key in a conversation's saved settings when that is not the field's name
+(kvchat.settings); the keys are stable across versions.
+
 They live here, at the KV core's level, so that `kvchat.kv` never imports upwards; `kvchat.config`, which
 holds every other default, re-exports them, and callers import them from there.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import dataclasses
+from dataclasses import asdict, dataclass, field
 
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
@@ -17,6 +21,15 @@ OFFLOAD_MODES = ("none", "icecache")  # kvchat.features registers a feature for 
 CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a feature for each but "full"
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
+
+
+
+def saved_keys(config_class: type) -> dict[str, str]:
+    """A config dataclass's saved-settings keys -> its plain fields' names (nested configs left out): each
+    field's `metadata["key"]`, else its name; a field whose key is None is not saved."""
+    return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(config_class)
+            if f.metadata.get("key", f.name) is not None and not dataclasses.is_dataclass(f.default)}  # fmt: skip
+
 
 # Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
 # (AdaKV's safeguard alpha = 0.2), and never less than the protected system prompt, so a head whose
@@ -41,11 +54,16 @@ class CakeConfig:
 
     tau1: float = 1.0      # temperature of attention dispersion in the layer preference (eq. 6); the paper
     tau2: float = 1.0      # grid-searches both per model (appendix C), its code's values lie around 1
-    window: int = 32       # S_w: the block's last queries that measure preferences and score (appendix C)
-    gamma: float = 200.0   # weight of the attention variance in the eviction indicator (eq. 11, appendix C)
-    pool_kernel: int = 5   # average pool of the indicator over neighbouring entries (CAKE's code)
-    floor_fraction: float = 0.25  # each layer keeps at least M/4 (and the system prompt plus the window)
-    cascade: bool = True   # evict layer by layer during the block's forward (False: once at its end)
+    window: int = field(default=32, metadata={"key": "cake_window"})  # S_w: the block's last queries that
+    # measure preferences and score (appendix C)
+    gamma: float = field(default=200.0, metadata={"key": "cake_gamma"})  # weight of the attention variance in
+    # the eviction indicator (eq. 11, appendix C)
+    pool_kernel: int = field(default=5, metadata={"key": "cake_pool_kernel"})  # average pool of the indicator
+    # over neighbouring entries (CAKE's code)
+    floor_fraction: float = field(default=0.25, metadata={"key": "cake_floor_fraction"})  # each layer keeps at
+    # least M/4 (and the system prompt plus the window)
+    cascade: bool = field(default=True, metadata={"key": "cake_cascade"})  # evict layer by layer during the
+    # block's forward (False: once at its end)
 
 
 @dataclass(frozen=True)
@@ -54,8 +72,10 @@ class PagingConfig:
 
     page_size: int = 16     # entries per page at most (IceCache's official page: a 16-entry tree leaf)
     cluster_size: int = 16  # target entries per k-means cluster; clusters over page_size are cut into pages
-    iterations: int = 8     # Lloyd iterations of k-means (random initialisation)
-    seed: int = 0           # k-means initialisation and the projection that orders entries in a cluster
+    iterations: int = field(default=8, metadata={"key": "kmeans_iterations"})  # Lloyd iterations of k-means
+    # (random initialisation)
+    seed: int = field(default=0, metadata={"key": "paging_seed"})  # k-means initialisation and the projection
+    # that orders entries in a cluster
 
 
 @dataclass(frozen=True)
@@ -65,19 +85,20 @@ class IceCacheConfig:
     the question and attends to them beside the resident cache. Defaults chosen in benchmarks/icecache_pages.py
     (its results: benchmarks/results/)."""
 
-    mode: str = "none"          # none | icecache
+    mode: str = field(default="none", metadata={"key": "offload"})  # none | icecache
     retrieve: int = 192         # R: entries per layer and KV head read from the pages while answering
-    scorer: str = "entries"     # what is read (kvchat.kv.retrieval): centroid | top-keys | two-stage | entries
+    scorer: str = field(default="entries", metadata={"key": "page_scorer"})  # what is read (kvchat.kv.retrieval):
+    # centroid | top-keys | two-stage | entries
     refresh: int = 8            # decoded tokens between re-choosing the pages beyond the question's pinned ones
     pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
-    candidates: int = 8         # two-stage, entries: centroids choose pages of up to candidates x R entries,
-                                # whose keys are scored exactly
-    window: int = 32            # W: every head's last W entries are kept at every eviction whatever the scorer
-                                # says, beside M (budgets M + W), so the cache ends with the history's last W
-                                # tokens; --method full: system prompt + W resident, the rest paged
+    candidates: int = field(default=8, metadata={"key": "page_candidates"})  # two-stage, entries: centroids
+    # choose pages of up to candidates x R entries, whose keys are scored exactly
+    window: int = field(default=32, metadata={"key": "offload_window"})  # W: every head's last W entries are kept
+    # at every eviction whatever the scorer says, beside M (budgets M + W), so the cache ends with the history's
+    # last W tokens; --method full: system prompt + W resident, the rest paged
     first_paged_layer: int = 0  # layers below keep every entry (nothing evicted or paged; IceCache keeps 0-1)
     paging: PagingConfig = PagingConfig()
-    dtype: str = "float16"      # pages on disk: float16 | float32
+    dtype: str = field(default="float16", metadata={"key": "pages_dtype"})  # pages on disk: float16 | float32
 
     @property
     def enabled(self) -> bool:
@@ -112,9 +133,9 @@ class CacheConfig:
                            # history, then each episode keeps its top entries: one prefill for all episodes) |
                            # auto (full when the history fits the model's window and its full KV fits memory)
     offload: IceCacheConfig = IceCacheConfig()
-    precision: str = "full"  # full (the model's dtype) | int8 | int4 (KIVI: keys per channel, values per token, in
-                             # 8 or 4 bits; kvchat.kv.quantize), applied to each finished episode cache, stored
-                             # and resident
+    precision: str = field(default="full", metadata={"key": "cache_precision"})  # full (the model's dtype) |
+    # int8 | int4 (KIVI: keys per channel, values per token, in 8 or 4 bits; kvchat.kv.quantize), applied to each
+    # finished episode cache, stored and resident
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
     quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser
     quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision
