@@ -104,8 +104,9 @@ class DeviceConfig:
 class EpisodeConfig:
     """How a history is cut into topical episodes (EpiCache §3.1)."""
 
-    episodes: int = 4          # E: number of K-Means clusters (capped at the number of segments)
-    window: int = 4            # w: turns per segment
+    episodes: int = field(default=4, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
+    # clusters (capped at the number of segments)
+    window: int = field(default=4, metadata={"option": "--window", "min": 1})  # w: turns per segment
     prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes
 

@@ -20,10 +20,6 @@ import torch
 from kvchat import features, preflight
 from kvchat.config import (
     ANSWER_ROOM,
-    HEAD_BUDGETS,
-    LAYER_BUDGETS,
-    POSITION_MODES,
-    PREFILL_MODES,
     CacheConfig,
     IngestConfig,
 )
@@ -44,33 +40,14 @@ from kvchat.store import Store, validate_name
 
 def validate(config: IngestConfig) -> None:
     """Reject option values that cannot work, before anything is loaded or written."""
-    cache, eps = config.cache, config.episodes
+    cache = config.cache
     if cache.method not in REGISTRY:
         raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(REGISTRY)})")
-    if cache.prefill not in PREFILL_MODES:
-        raise UserError(f"unknown --prefill {cache.prefill!r} (choose from {', '.join(PREFILL_MODES)})")
-    if cache.positions not in POSITION_MODES:
-        raise UserError(f"unknown --positions {cache.positions!r} (choose from {', '.join(POSITION_MODES)})")
-    if cache.budget < 1:
-        raise UserError(f"--budget must be >= 1 (got {cache.budget})")
-    if cache.block_size < 16:
-        raise UserError(f"--block-size must be >= 16 (got {cache.block_size})")
+    check_fields(config)
     if cache.block_size > cache.budget * 8 and cache.method != "full":
         raise UserError(
             f"--block-size {cache.block_size} is more than 8x --budget {cache.budget}: "
             "peak memory would be dominated by the block"
-        )
-    if eps.episodes < 1:
-        raise UserError(f"--episodes must be >= 1 (got {eps.episodes})")
-    if eps.window < 1:
-        raise UserError(f"--window must be >= 1 (got {eps.window})")
-    if cache.layer_budgets not in LAYER_BUDGETS:
-        raise UserError(
-            f"unknown --layer-budgets {cache.layer_budgets!r} (choose from {', '.join(LAYER_BUDGETS)})"
-        )
-    if cache.head_budgets not in HEAD_BUDGETS:
-        raise UserError(
-            f"unknown --head-budgets {cache.head_budgets!r} (choose from {', '.join(HEAD_BUDGETS)})"
         )
     if cache.head_budgets == "adaptive" and not method(cache.method).across_heads:
         raise UserError(
@@ -91,6 +68,19 @@ def validate(config: IngestConfig) -> None:
     if cake.pool_kernel < 1 or cake.pool_kernel % 2 == 0:
         raise UserError(f"CAKE pool kernel must be an odd number >= 1 (got {cake.pool_kernel})")
     features.validate(cache)
+
+
+def check_fields(config: object) -> None:
+    """The values a config dataclass's fields accept, as their metadata says (`choices`, `min`; kvchat.kv.config),
+    nested configs included: one line naming the field's `option`."""
+    for f in dataclasses.fields(config):
+        value, meta = getattr(config, f.name), f.metadata
+        if dataclasses.is_dataclass(value):
+            check_fields(value)
+        elif "choices" in meta and value not in meta["choices"]:
+            raise UserError(f"unknown {meta['option']} {value!r} (choose from {', '.join(meta['choices'])})")
+        elif "min" in meta and value < meta["min"]:
+            raise UserError(f"{meta['option']} must be >= {meta['min']} (got {value})")
 
 
 @dataclass(frozen=True)

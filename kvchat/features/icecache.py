@@ -29,7 +29,7 @@ from kvchat.features.feature import (
 from kvchat.kv import pagefile
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
-from kvchat.kv.config import OFFLOAD_MODES, OFFLOAD_SCORERS, CacheConfig, IceCacheConfig, PagingConfig, saved_keys
+from kvchat.kv.config import CacheConfig, IceCacheConfig, PagingConfig, saved_keys
 from kvchat.kv.prefill import keep_sink_and_window
 from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
@@ -49,22 +49,14 @@ class IceCache(Feature):
         return cache.offload.mode == self.name
 
     def validate(self, cache: CacheConfig) -> None:
-        """`--offload`, `--retrieve`, `--page-size`, `--offload-window` and the library-only settings."""
-        offload = cache.offload
-        for what, value, choices in (
-            ("--offload", offload.mode, OFFLOAD_MODES), ("page scorer", offload.scorer, OFFLOAD_SCORERS),
-            ("pages dtype", offload.dtype, tuple(PAGE_DTYPES)),
-        ):
-            if value not in choices:
-                raise UserError(f"unknown {what} {value!r} (choose from {', '.join(choices)})")
-        if offload.retrieve < 0:
-            raise UserError(f"--retrieve must be >= 0 (got {offload.retrieve})")
+        """`--page-size` and the library-only settings that field metadata does not cover."""
+        offload = cache.offload  # its mode, scorer, retrieve and window: checked by their fields' metadata
+        if offload.dtype not in PAGE_DTYPES:
+            raise UserError(f"unknown pages dtype {offload.dtype!r} (choose from {', '.join(PAGE_DTYPES)})")
         paging = offload.paging
         if paging.page_size < 1 or paging.cluster_size < 1 or paging.iterations < 1:
             raise UserError(f"--page-size must be >= 1 (got {paging.page_size}), and so must the cluster size and "
                             "k-means iterations")
-        if offload.window < 0:
-            raise UserError(f"--offload-window must be >= 0 (got {offload.window})")
         if offload.refresh < 0 or offload.first_paged_layer < 0 or offload.candidates < 1:
             raise UserError("offload refresh and first paged layer must be >= 0, page candidates >= 1")
         if not 0 <= offload.pinned_share <= 1:

@@ -1,8 +1,9 @@
 """The KV core's settings: how one episode cache is built (`CacheConfig` and its parts), IceCache's offload
 and paging, IndexMem's sizes and update rule. Dataclasses and constants only (no torch).
 
-A field's `metadata["key"]` is its key in a conversation's saved settings when that is not the field's name
-(kvchat.settings); the keys are stable across versions.
+A field's `metadata` says what is not its type or default: `key`, its key in a conversation's saved settings
+when that is not the field's name (kvchat.settings; keys are stable across versions); `option`, its name in
+messages (the command-line option); `choices` or `min`, the values ingest accepts (kvchat.plan.validate).
 
 They live here, at the KV core's level, so that `kvchat.kv` never imports upwards; `kvchat.config`, which
 holds every other default, re-exports them, and callers import them from there.
@@ -85,15 +86,17 @@ class IceCacheConfig:
     the question and attends to them beside the resident cache. Defaults chosen in benchmarks/icecache_pages.py
     (its results: benchmarks/results/)."""
 
-    mode: str = field(default="none", metadata={"key": "offload"})  # none | icecache
-    retrieve: int = 192         # R: entries per layer and KV head read from the pages while answering
-    scorer: str = field(default="entries", metadata={"key": "page_scorer"})  # what is read (kvchat.kv.retrieval):
-    # centroid | top-keys | two-stage | entries
+    mode: str = field(default="none", metadata={"key": "offload", "option": "--offload", "choices": OFFLOAD_MODES})
+    retrieve: int = field(default=192, metadata={"option": "--retrieve", "min": 0})  # R: entries per layer and
+    # KV head read from the pages while answering
+    scorer: str = field(default="entries", metadata={"key": "page_scorer", "option": "page scorer",
+                                                     "choices": OFFLOAD_SCORERS})  # what is read (kvchat.kv.retrieval)
     refresh: int = 8            # decoded tokens between re-choosing the pages beyond the question's pinned ones
     pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
     candidates: int = field(default=8, metadata={"key": "page_candidates"})  # two-stage, entries: centroids
     # choose pages of up to candidates x R entries, whose keys are scored exactly
-    window: int = field(default=32, metadata={"key": "offload_window"})  # W: every head's last W entries are kept
+    window: int = field(default=32, metadata={"key": "offload_window", "option": "--offload-window", "min": 0})
+    # W: every head's last W entries are kept
     # at every eviction whatever the scorer says, beside M (budgets M + W), so the cache ends with the history's
     # last W tokens; --method full: system prompt + W resident, the rest paged
     first_paged_layer: int = 0  # layers below keep every entry (nothing evicted or paged; IceCache keeps 0-1)
@@ -113,27 +116,34 @@ class CacheConfig:
     """How one episode's compressed cache is built by block prefill."""
 
     method: str = "epicache"   # "epicache" (patched-prompt scoring) or "full" (keep everything)
-    budget: int = 1024         # M: kept KV entries per layer and KV head, system prompt included
-    block_size: int = 512      # B: tokens fed per block before evicting back to M
-    positions: str = "auto"    # original | compact | auto (compact only when the history exceeds the window)
+    budget: int = field(default=1024, metadata={"option": "--budget", "min": 1})  # M: kept KV entries per layer
+    # and KV head, system prompt included
+    block_size: int = field(default=512, metadata={"option": "--block-size", "min": 16})  # B: tokens fed per
+    # block before evicting back to M
+    positions: str = field(default="auto", metadata={"option": "--positions", "choices": POSITION_MODES})
+    # original | compact | auto (compact only when the history exceeds the window)
     pool_kernel: int = 7       # max-pool of scores over neighbouring tokens (SnapKV practice); 1 = off
-    layer_budgets: str = "auto"  # auto (sensitivity when the model has a profile, else uniform) | uniform |
-                                 # sensitivity | pyramid | cake (from each block's attention)
+    layer_budgets: str = field(default="auto", metadata={"option": "--layer-budgets", "choices": LAYER_BUDGETS})
+    # auto (sensitivity when the model has a profile, else uniform) | uniform | sensitivity | pyramid | cake (from
+    # each block's attention)
     alpha: float | None = None   # sharpness of sensitivity budgets; None = the profile's suggestion
     cake: CakeConfig = CakeConfig()
-    head_budgets: str = "uniform"  # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's
-                                   # top M_l x kv_heads (head, token) pairs, floor HEAD_FLOOR_FRACTION x M_l)
+    head_budgets: str = field(default="uniform", metadata={"option": "--head-budgets", "choices": HEAD_BUDGETS})
+    # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's top M_l x kv_heads (head, token)
+    # pairs, floor HEAD_FLOOR_FRACTION x M_l)
     memory: bool = True    # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
     recent_window: int = 16  # indexmem: each block's last entries are always kept (IndexMem §4 keeps a recent
                              # local window besides the budget; its indexer has no positions to see recency by)
     attention_mix: float = 0.75  # indexmem: share of the block's last 64 queries' attention (SnapKV's window)
                                  # blended into the indexer's importance; 0 = the indexer alone (the paper)
     indexer_pool_kernel: int = 1  # indexmem: max-pool of its scores (pool_kernel is the probe methods'); 1 = off
-    prefill: str = "auto"  # block (evict after every block: peak flat in the history) | full (keep the whole
-                           # history, then each episode keeps its top entries: one prefill for all episodes) |
-                           # auto (full when the history fits the model's window and its full KV fits memory)
+    prefill: str = field(default="auto", metadata={"option": "--prefill", "choices": PREFILL_MODES})
+    # block (evict after every block: peak flat in the history) | full (keep the whole history, then each episode
+    # keeps its top entries: one prefill for all episodes) | auto (full when the history fits the model's window
+    # and its full KV fits memory)
     offload: IceCacheConfig = IceCacheConfig()
-    precision: str = field(default="full", metadata={"key": "cache_precision"})  # full (the model's dtype) |
+    precision: str = field(default="full", metadata={"key": "cache_precision", "option": "--cache-precision",
+                                                     "choices": CACHE_PRECISIONS})  # full (the model's dtype) |
     # int8 | int4 (KIVI: keys per channel, values per token, in 8 or 4 bits; kvchat.kv.quantize), applied to each
     # finished episode cache, stored and resident
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
