@@ -35,7 +35,10 @@ def setting_paths(config_class: type = IngestConfig, path: tuple[str, ...] = ())
     found = {key: (*path, name) for key, name in saved_keys(config_class).items()}
     for f in dataclasses.fields(config_class):
         if dataclasses.is_dataclass(f.default):
-            found |= setting_paths(type(f.default), (*path, f.name))
+            nested = setting_paths(type(f.default), (*path, f.name))
+            if found.keys() & nested.keys():
+                raise ValueError(f"settings keys {sorted(found.keys() & nested.keys())} name two fields each")
+            found |= nested
     return found
 
 

@@ -255,3 +255,12 @@ def test_a_setting_of_the_wrong_kind_or_name_is_a_user_error():
     for pair in ("no_such_key=1", "budget", "budget=\"many\"", "source=\"x\""):
         with pytest.raises(UserError, match="--setting"):
             with_settings(IngestConfig(), [pair])
+
+
+@pytest.mark.parametrize("config", [*RESOLVED, IngestConfig(cache=CacheConfig(
+    method="indexmem", precision="int8", offload=OffloadConfig(mode="icecache")))], ids=lambda c: c.cache.method)  # fmt: skip
+def test_every_saved_key_names_one_config_field(config):
+    from kvchat.settings import setting_paths
+
+    saved = to_settings(config, source="/h.json", appended=["/a.json"])
+    assert set(saved) - {"source", "appended"} <= set(setting_paths())
