@@ -257,8 +257,10 @@ def test_a_setting_of_the_wrong_kind_or_name_is_a_user_error():
             with_settings(IngestConfig(), [pair])
 
 
-@pytest.mark.parametrize("config", [*RESOLVED, IngestConfig(cache=CacheConfig(
-    method="indexmem", precision="int8", offload=OffloadConfig(mode="icecache")))], ids=lambda c: c.cache.method)  # fmt: skip
+FEATURED = IngestConfig(cache=CacheConfig(method="indexmem", precision="int8", offload=OffloadConfig(mode="icecache")))
+
+
+@pytest.mark.parametrize("config", [*RESOLVED, FEATURED], ids=lambda c: c.cache.method)
 def test_every_saved_key_names_one_config_field(config):
     from kvchat.settings import setting_paths
 
