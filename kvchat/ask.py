@@ -20,8 +20,7 @@ from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.features import UnreadableFile
-from kvchat.features.icecache import retrieved_positions
+from kvchat.features import UnreadableFile, retrieved_positions
 from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache

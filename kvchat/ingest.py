@@ -76,7 +76,7 @@ class IngestReport:
     offload: str = "none"       # none | icecache (evicted entries kept in each episode's pages file)
     offloaded_entries: int = 0  # entries written to the pages files, over episodes, layers and KV heads
     pages_bytes: int = 0        # the pages files' size on disk, over episodes
-    cache_precision: str = "full"  # full | int8 | int4 (caches held in 8 or 4 bits, kvchat.kv.quantize)
+    cache_precision: str = "full"  # full | int8 | int4 (caches held in 8 or 4 bits, kvchat.features.precision)
     device: str = "cpu"         # where the model ran (--device) and its dtype, which the caches are stored in
     dtype: str = "float32"
     attention_backend: str = "torch"  # decode attention's kernel on that device: torch | flashinfer (kv.backends)

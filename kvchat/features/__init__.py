@@ -21,6 +21,7 @@ from kvchat.features.feature import (
     UnreadableFile,
 )
 from kvchat.features.icecache import IceCache
+from kvchat.features.icecache import retrieved_positions as retrieved_positions  # what answering read
 from kvchat.features.indexmem import IndexMem
 from kvchat.features.precision import Precision
 from kvchat.kv.cache import EpisodeCache
