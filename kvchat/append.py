@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,7 +30,6 @@ from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
 from kvchat.errors import UserError
-from kvchat.features.feature import StoredFile
 from kvchat.history import Turn, load_history
 from kvchat.ingest import IngestProgress, IngestReport, build_episodes, commit_ingest, ingest, write_episode
 from kvchat.kv import codec
@@ -39,6 +39,9 @@ from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
+
+if TYPE_CHECKING:
+    from kvchat.features.feature import StoredFile
 
 
 def append(

@@ -20,14 +20,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvchat import features
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
-from kvchat.features.feature import StoredFile
 from kvchat.history import Turn
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
@@ -40,6 +39,9 @@ from kvchat.plan import validate as validate
 from kvchat.settings import to_settings
 from kvchat.store import EpisodeRecord, PagesRecord, PendingConversation, Store
 from kvchat.store.files import write_file
+
+if TYPE_CHECKING:
+    from kvchat.features.feature import StoredFile
 
 
 class IngestProgress:

@@ -9,23 +9,18 @@ one line in `FEATURES` (and its name in the option's choices, kvchat.kv.config);
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvchat.features.feature import (
-    Budgets,
-    EpisodePart,
-    EpisodeSetup,
-    Feature,
-    SideFileWriter,
-    StoredFile,
-    UnreadableFile,
-)
+from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
 from kvchat.features.icecache import IceCache
 from kvchat.features.icecache import retrieved_positions as retrieved_positions  # what answering read
 from kvchat.features.indexmem import IndexMem
 from kvchat.features.precision import Precision
-from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.config import CacheConfig
+
+if TYPE_CHECKING:
+    from kvchat.features.feature import Budgets, SideFileWriter, StoredFile
+    from kvchat.kv.cache import EpisodeCache
 
 __all__ = ["EpisodeSetup", "EpisodeParts", "Feature", "UnreadableFile", "FEATURES"]
 

@@ -12,17 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from kvchat.kv.cache import EpisodeCache, EvictionObserver
-from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.config import CacheConfig
 
-Budgets = list[int] | CakeBudgets | None  # per layer M (None: full KV keeps everything)
-SideFileWriter = Callable[[Path], tuple[int, str]]  # writes and fsyncs a file at a path: (bytes, sha256)
-StoredFile = Callable[[], tuple[Mapping[str, torch.Tensor], Mapping[str, str]]]  # a stored file's tensors, metadata
+if TYPE_CHECKING:  # types only: commands that load no model import kvchat.features without torch's weight
+    import torch
+
+    from kvchat.kv.cache import EpisodeCache, EvictionObserver
+    from kvchat.kv.cascade import CakeBudgets
+
+    Budgets = list[int] | CakeBudgets | None  # per layer M (None: full KV keeps everything)
+    SideFileWriter = Callable[[Path], tuple[int, str]]  # writes and fsyncs a file at a path: (bytes, sha256)
+    StoredFile = Callable[[], tuple[Mapping[str, torch.Tensor], Mapping[str, str]]]  # a stored file's tensors, metadata
 
 
 class UnreadableFile(ValueError):

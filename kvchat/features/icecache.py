@@ -12,28 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import UserError
-from kvchat.features.feature import (
-    Budgets,
-    EpisodePart,
-    EpisodeSetup,
-    Feature,
-    SideFileWriter,
-    StoredFile,
-    UnreadableFile,
-)
+from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
 from kvchat.kv import pagefile
-from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.config import CacheConfig, IceCacheConfig, PagingConfig, saved_keys
-from kvchat.kv.prefill import keep_sink_and_window
-from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
 from kvchat.preflight import ModelShape
+
+if TYPE_CHECKING:  # the attention side (transformers) is imported where an episode is built or answered
+    import torch
+
+    from kvchat.features.feature import Budgets, SideFileWriter, StoredFile
+    from kvchat.kv.cache import EpisodeCache
 
 # Saved settings keys (kvchat.kv.config's field metadata): IceCacheConfig's fields but the mode, which every
 # conversation saves ("offload"), then PagingConfig's.
@@ -68,6 +60,8 @@ class IceCache(Feature):
     def budgets(self, cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
         """The window W beside each layer's M, and the layers below `first_paged_layer` keeping all their
         `entries` (nothing evicted or paged there, as IceCache keeps layers 0-1)."""
+        from kvchat.kv.cascade import CakeBudgets
+
         if budgets is None:
             return budgets
         first, window = cache.offload.first_paged_layer, cache.offload.window
@@ -104,6 +98,8 @@ class IceCache(Feature):
 
     def attach(self, cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retrieve: int | None) -> None:
         """The pages file is memory-mapped: only page tables and centroids are read now."""
+        from kvchat.kv.retrieval import attach_pages, page_scorer
+
         offload = config.offload
         tensors, metadata = stored()
         try:
@@ -148,6 +144,8 @@ class _Spill(EpisodePart):
         return self.spill.entries
 
     def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
+        from kvchat.kv.prefill import keep_sink_and_window
+
         if not evicted:  # full KV evicted nothing: page everything but the system prompt and the window
             keep_sink_and_window(cache, self.offload.window, self.offload.first_paged_layer)
 
@@ -158,6 +156,8 @@ class _Spill(EpisodePart):
 def retrieved_positions(cache: EpisodeCache) -> list[list[torch.Tensor] | None]:
     """Per layer of `cache`, the original positions each KV head is attending to from its pages right now (None
     for a layer without pages). The pools empty when an answer ends."""
+    from kvchat.kv.retrieval import PagePool
+
     out: list[list[torch.Tensor] | None] = []
     for layer in cache.layers:
         pool = getattr(layer, "pool", None)

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
-from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.config import CacheConfig
-from kvchat.kv.latent import LatentMemory
+
+if TYPE_CHECKING:
+    from kvchat.kv.cache import EpisodeCache
+    from kvchat.kv.latent import LatentMemory
 
 SETTINGS_KEYS = ("memory", "recent_window", "attention_mix", "indexer_pool_kernel")  # CacheConfig's fields
 
@@ -46,6 +48,8 @@ class IndexMem(Feature):
     def episode(self, setup: EpisodeSetup) -> EpisodePart | None:
         if not setup.config.memory or setup.trained is None:
             return None
+        from kvchat.kv.latent import LatentMemory  # torch: only when an episode is built
+
         return _Memory(LatentMemory(setup.trained.memory, setup.trained.config), setup)
 
     def settings(self, cache: CacheConfig) -> dict:

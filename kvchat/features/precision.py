@@ -10,12 +10,14 @@ precision and quantizes it again here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
-from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.config import CacheConfig
+
+if TYPE_CHECKING:
+    from kvchat.kv.cache import EpisodeCache
 
 
 class Precision(Feature):
