@@ -84,7 +84,7 @@ def append(
         return cache, (lambda: store.load_pages(stored, lm.fingerprint)) if side_file else None
 
     stats, records = [], []
-    with store.begin(name, replace=True) as pending:
+    with store.begin(name, replace=True, expect=record.ingest_id) as pending:  # no lost update
         with pending.disk_full_guard():  # with --offload: the stored pages and the new evictions, spilled
             for built in build_episodes(plan, lm, scratch=pending.scratch_dir, progress=progress, resume=resume):
                 records.append(write_episode(pending, plan, built, lm))
