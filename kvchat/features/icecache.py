@@ -16,16 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
-from kvchat.kv import pagefile
 from kvchat.kv.config import CacheConfig, IceCacheConfig, PagingConfig, saved_keys
-from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
-from kvchat.preflight import ModelShape
 
-if TYPE_CHECKING:  # the attention side (transformers) is imported where an episode is built or answered
+if TYPE_CHECKING:  # torch and the KV core are imported where an episode is built or answered
     import torch
 
     from kvchat.features.feature import Budgets, SideFileWriter, StoredFile
     from kvchat.kv.cache import EpisodeCache
+    from kvchat.kv.spill import SpillWriter
 
 # Saved settings keys (kvchat.kv.config's field metadata): IceCacheConfig's fields but the mode, which every
 # conversation saves ("offload"), then PagingConfig's.
@@ -42,6 +40,8 @@ class IceCache(Feature):
 
     def validate(self, cache: CacheConfig) -> None:
         """`--page-size` and the library-only settings that field metadata does not cover."""
+        from kvchat.kv.spill import PAGE_DTYPES
+
         offload = cache.offload  # its mode, scorer, retrieve and window: checked by their fields' metadata
         if offload.dtype not in PAGE_DTYPES:
             raise UserError(f"unknown pages dtype {offload.dtype!r} (choose from {', '.join(PAGE_DTYPES)})")
@@ -87,6 +87,10 @@ class IceCache(Feature):
             )
 
     def episode(self, setup: EpisodeSetup) -> EpisodePart:
+        from kvchat.kv import pagefile
+        from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
+        from kvchat.preflight import ModelShape
+
         if setup.scratch is None:
             raise ValueError("IceCache spills an episode's evictions into a scratch dir; none was given")
         shape = ModelShape.of(setup.model)
@@ -98,6 +102,7 @@ class IceCache(Feature):
 
     def attach(self, cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retrieve: int | None) -> None:
         """The pages file is memory-mapped: only page tables and centroids are read now."""
+        from kvchat.kv import pagefile
         from kvchat.kv.retrieval import attach_pages, page_scorer
 
         offload = config.offload
