@@ -175,7 +175,9 @@ class IngestBody(BaseModel):
 
 def job_document(job: Job) -> dict:
     error = None if job.error is None else {"message": str(job.error), "type": type(job.error).__name__}
-    result = job.result if job.kind == "ingest" else None
+    result = None
+    if job.kind == "ingest" and job.result is not None:  # the `kvchat ingest --json` document's fields
+        result = {k: v for k, v in documents.ingest(job.result).items() if k != "schema"}
     return documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress, result=result,
                               error=error)
 

@@ -300,7 +300,7 @@ class Engine:
                 total -= size
         return session
 
-    def _ingest(self, job: Job) -> dict:
+    def _ingest(self, job: Job):
         from kvchat.append import append
         from kvchat.ingest import ingest
 
@@ -315,7 +315,7 @@ class Engine:
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
                             replace=request.replace, source="<kvchat serve>")
         self.forget(request.name)
-        return report.to_dict()
+        return report
 
 
 def find_conversation(store, name: str):

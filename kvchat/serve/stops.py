@@ -1,7 +1,7 @@
 """What of an answer's text a client sees: the text up to the first stop string, without surrounding whitespace.
 
 Text arrives in pieces as tokens decode, and a stop string may straddle pieces, so the gate holds back a tail
-that could still begin one, and also trailing whitespace (released when more text follows): a streamed answer
+that could still begin one and the whitespace before it (released when more text follows): a streamed answer
 then concatenates to exactly the text a non-streamed one returns.
 """
 
@@ -28,9 +28,9 @@ class TextGate:
         if cut >= 0:
             self.stopped, self._held = True, ""
             return self._release(text[:cut].rstrip())
-        hold = max(len(text) - len(text.rstrip()), self._stop_prefix(text))
-        self._held = text[len(text) - hold:] if hold else ""
-        return self._release(text[:len(text) - hold])
+        keep = text[:len(text) - self._stop_prefix(text)].rstrip()  # and the whitespace before a stop's start
+        self._held = text[len(keep):]
+        return self._release(keep)
 
     def finish(self) -> str:
         """The answer ended: release a held tail that never became a stop string, less trailing whitespace."""
