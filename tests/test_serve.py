@@ -379,3 +379,19 @@ def test_text_gate_releases_the_same_text_however_it_is_cut(text):
         pieces = [gate.feed(text[i:i + size]) for i in range(0, len(text), size)]
         assert "".join(pieces) + gate.finish() == expected == gate.text
         assert gate.stopped == (cut >= 0)
+
+
+def test_resident_caches_are_kept_least_recently_used_within_max_memory(home, tiny_lm, encoder):
+    store = Store(home)
+    sizes = sorted(e.bytes for e in store.get("trip").episodes)
+    store.close()
+    running = Running(home, tiny_lm, encoder, max_memory=sizes[-1] + sizes[-2])  # any two episodes, not three
+    try:
+        reused = [running.chat(f"trip/{episode}", QUESTIONS[0], max_tokens=2).model_extra["kvchat"]["reused_cache"]
+                  for episode in (0, 1, 0, 2)]
+        assert reused == [False, False, True, False]
+        status = running.engine.status()
+        assert [(r["conversation"], r["episode"]) for r in status["resident"]] == [("trip", 0), ("trip", 2)]
+        assert status["resident_bytes"] <= status["max_memory"]
+    finally:
+        running.stop()
