@@ -24,8 +24,9 @@ httpx = pytest.importorskip("httpx")
 from kvchat.ask import Session  # noqa: E402
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, ServeConfig  # noqa: E402
 from kvchat.ingest import ingest  # noqa: E402
+from kvchat.serve.announcement import ANNOUNCEMENT  # noqa: E402
 from kvchat.serve.engine import Engine  # noqa: E402
-from kvchat.serve.server import ANNOUNCEMENT, build_server  # noqa: E402
+from kvchat.serve.server import build_server  # noqa: E402
 from kvchat.serve.stops import TextGate  # noqa: E402
 from kvchat.store import Store  # noqa: E402
 from kvchat.synthetic import planted_conversation  # noqa: E402
@@ -395,3 +396,45 @@ def test_resident_caches_are_kept_least_recently_used_within_max_memory(home, ti
         assert status["resident_bytes"] <= status["max_memory"]
     finally:
         running.stop()
+
+
+def test_the_client_of_kvchat_ask_server(server, home, tiny_lm, encoder):
+    from kvchat.errors import UserError
+    from kvchat.serve.client import Client
+
+    expected = reference(home, tiny_lm, encoder, "trip", QUESTIONS[4], 8)
+    client = Client(server.url, api_key=KEY)
+    answered = client.ask("trip", QUESTIONS[4], max_tokens=8)
+    assert answered["answer"] == expected.text and answered["episode"] == expected.episode
+    pieces: list[str] = []
+    streamed = client.ask("trip", QUESTIONS[4], max_tokens=8, on_text=pieces.append)
+    assert "".join(pieces) == streamed["answer"] == expected.text
+    assert streamed["episode"] == expected.episode and streamed["answer_tokens"] == expected.answer_tokens
+    assert client.ask(None, QUESTIONS[4], max_tokens=2)["conversation"] == client.conversations()[0]["name"]
+    with pytest.raises(UserError, match="unknown model 'nosuch'"):
+        client.ask("nosuch", "hi?", on_text=pieces.append)
+    with pytest.raises(UserError, match="API key"):
+        Client(server.url, api_key="wrong").ask("trip", "hi?")
+
+
+def test_the_client_imports_neither_torch_nor_the_server_stack(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, kvchat.serve.client, kvchat.serve.announcement; "
+            "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'transformers') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+    from kvchat.errors import UserError
+    from kvchat.serve.client import Client
+
+    with pytest.raises(UserError, match="cannot reach"):
+        Client("http://127.0.0.1:9", timeout=5).conversations()  # the discard port: nothing listens
+
+
+def test_follow_up_turns_longer_than_the_window_allows_are_400(server, tiny_lm):
+    long = " ".join(["apple"] * (tiny_lm.context_window // 2 + 1))
+    with pytest.raises(openai.BadRequestError, match="earlier messages"):
+        server.client.chat.completions.create(model="chat", max_tokens=2, messages=[
+            {"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": QUESTIONS[0]}])

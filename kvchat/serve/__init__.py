@@ -1,12 +1,10 @@
 """`kvchat serve`: an OpenAI-compatible HTTP server that keeps the model, the encoder and recent episode caches
-warm (docs/serve.md). Needs the `serve` extra (FastAPI, uvicorn).
+warm (docs/serve.md). The server needs the `serve` extra (FastAPI, uvicorn); the client does not.
 
-`create_app(config)` builds the ASGI app (kvchat.serve.app); `Engine` is the worker that answers
-(kvchat.serve.engine); `serve(config)` runs it on uvicorn (kvchat.serve.server).
+- `kvchat.serve.app.create_app(config)`: the ASGI app
+- `kvchat.serve.engine.Engine`: the worker that answers, without HTTP
+- `kvchat.serve.server.serve(config)`: the app on uvicorn
+- `kvchat.serve.client.Client`: `kvchat ask --server` (standard library only, no torch)
+
+Nothing is imported here, so that the client and the announcement stay light.
 """
-
-from kvchat.serve.app import create_app
-from kvchat.serve.engine import ChatRequest, Engine
-from kvchat.serve.server import serve
-
-__all__ = ["ChatRequest", "Engine", "create_app", "serve"]

@@ -251,6 +251,7 @@ class Engine:
                            f"(it has 0..{len(record.episodes) - 1})")
         else:
             index = request.episode
+        self._check_earlier(request, lm)
         session = self._session(record, index, lm, encoder)
         session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens)
         gate = TextGate(request.stop)
@@ -279,6 +280,18 @@ class Engine:
             job.emit("text", tail)
         finish = "cancelled" if job.cancelled else "stop" if gate.stopped else answer.finish_reason
         return Completion(gate.text, finish, answer)
+
+    @staticmethod
+    def _check_earlier(request: ChatRequest, lm) -> None:
+        """Follow-up turns are decoded in one forward with the question: refuse more than half the model's window
+        (the question alone is held to a quarter by `Session`)."""
+        if not request.earlier:
+            return
+        limit = max(128, lm.context_window // 2) if lm.context_window else 4096
+        text = " ".join(part for pair in request.earlier for part in pair)
+        n = len(text) // 32 if len(text) > 32 * limit else int(lm.encode(text).shape[-1])
+        if n > limit:
+            raise UserError(f"the earlier messages are {n} tokens or more; at most {limit} fit beside the question")
 
     def _session(self, record, index: int, lm, encoder) -> Session:
         """The session answering from `record`'s episode `index`, kept among the recently used ones."""

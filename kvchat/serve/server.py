@@ -6,17 +6,15 @@ uvicorn turns SIGTERM and SIGINT into a graceful shutdown: no new connections, a
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import uvicorn
 
 from kvchat.config import ServeConfig, default_home
+from kvchat.serve.announcement import remove_announcement, write_announcement
 from kvchat.serve.app import create_app
 from kvchat.serve.engine import Engine
-
-ANNOUNCEMENT = "serve.json"
 
 
 class Server(uvicorn.Server):
@@ -54,34 +52,6 @@ def build_server(config: ServeConfig, *, home: Path | None = None, engine: Engin
 def serve(config: ServeConfig, *, home: Path | None = None, log_level: str = "warning") -> None:
     """Serve until SIGTERM or SIGINT."""
     build_server(config, home=home, log_level=log_level).run()
-
-
-def write_announcement(home: Path, url: str) -> None:
-    """`serve.json`: the URL and pid of this server, written atomically (`kvchat ask --server` finds it)."""
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = home / f".{ANNOUNCEMENT}.{os.getpid()}"
-    tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-    os.replace(tmp, home / ANNOUNCEMENT)
-
-
-def remove_announcement(home: Path, pid: int) -> None:
-    """Remove `serve.json` if it is this server's (another server may have started since)."""
-    path = home / ANNOUNCEMENT
-    try:
-        if json.loads(path.read_text()).get("pid") == pid:
-            path.unlink()
-    except (OSError, ValueError):
-        pass
-
-
-def announced_url(home: Path) -> str | None:
-    """The URL of the server announced in `home`, if its process is still alive."""
-    try:
-        found = json.loads((home / ANNOUNCEMENT).read_text())
-        os.kill(int(found["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return str(found["url"])
 
 
 def _url_host(host: str) -> str:
