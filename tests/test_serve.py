@@ -346,6 +346,12 @@ def test_ingest_as_a_job(server, home, tiny_lm):
     assert job["state"] == "done", job["error"]
     assert job["result"]["episode_count"] == 2 and job["progress"]["episodes"] == 2
     assert server.chat("posted", QUESTIONS[0], max_tokens=4).choices[0].message.content is not None
+    turns = server.http("GET", "/kvchat/conversations/posted").json()["turns"]
+    more, _ = planted_conversation(seed=12, topics=1, turns_per_topic=4)
+    appended = server.http("POST", "/kvchat/ingest", json={"name": "posted", "history": more, "append": True})
+    _until(lambda: server.http("GET", f"/kvchat/jobs/{appended.json()['id']}").json()["state"] in ("done", "failed"))
+    assert server.http("GET", f"/kvchat/jobs/{appended.json()['id']}").json()["state"] == "done"
+    assert server.http("GET", "/kvchat/conversations/posted").json()["turns"] == turns + len(more)
     bad = server.http("POST", "/kvchat/ingest", json={"name": "../x", "history": messages})
     assert bad.status_code == 400
     assert server.http("GET", "/kvchat/jobs/nosuch").status_code == 404

@@ -18,7 +18,7 @@ import dataclasses
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,7 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         chat = body.to_chat(config.max_tokens, config.max_tokens_limit)
         _check_known(request, chat)
-        job = _submit(engine, chat)
+        job = _submit(engine.submit_chat, chat)
         request_id = completion_id()
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -103,7 +103,7 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
         chat = ChatRequest(body.conversation, body.question.strip(), body.episode,
                            max_tokens=min(body.max_tokens or config.max_tokens, config.max_tokens_limit))
         _check_known(request, chat)
-        completion = await _result(_submit(engine, chat), request)
+        completion = await _result(_submit(engine.submit_chat, chat), request)
         return documents.answer(chat.question, completion.answer) | {"answer": completion.text}
 
     @app.get("/kvchat/conversations", dependencies=[key])
@@ -128,7 +128,7 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
 
         validate_name(body.name)
         turns = parse_history(body.history, "history")
-        job = _submit_ingest(engine, IngestRequest(body.name, turns, body.settings(), body.replace, body.append))
+        job = _submit(engine.submit_ingest, IngestRequest(body.name, turns, body.settings(), body.replace, body.append))
         return job_document(job)
 
     @app.get("/kvchat/jobs/{job_id}", dependencies=[key])
@@ -185,18 +185,10 @@ def job_document(job: Job) -> dict:
 # ----- answering
 
 
-def _submit(engine: Engine, chat: ChatRequest) -> Job:
+def _submit(submit: Callable[..., Job], request: ChatRequest | IngestRequest) -> Job:
+    """`engine.submit_chat` or `engine.submit_ingest` of `request`, a full queue answered 429."""
     try:
-        return engine.submit_chat(chat, asyncio.get_running_loop())
-    except QueueFull as exc:
-        raise ApiError(429, str(exc), code="queue_full") from None
-    except Closed as exc:
-        raise ApiError(503, str(exc)) from None
-
-
-def _submit_ingest(engine: Engine, request: IngestRequest) -> Job:
-    try:
-        return engine.submit_ingest(request, asyncio.get_running_loop())
+        return submit(request, asyncio.get_running_loop())
     except QueueFull as exc:
         raise ApiError(429, str(exc), code="queue_full") from None
     except Closed as exc:
