@@ -3,6 +3,7 @@ warm server costs neither the server's stack nor torch in the asking process."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -10,6 +11,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvchat.errors import KvchatError, UserError
+
+
+class Unreachable(UserError):
+    """Nothing answers at the server's address."""
 
 
 class Client:
@@ -21,9 +26,10 @@ class Client:
         return self._request("GET", "/kvchat/conversations")["conversations"]
 
     def ask(self, conversation: str | None, question: str, *, episode: int | None = None, max_tokens: int = 64,
-            on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
-        """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams.
-        `conversation` None: the newest one."""
+            on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+        """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams, and `stop`,
+        asked after each piece, ends it (the connection closes, which stops the server's decoding; the
+        document's `finish_reason` is then "stopped"). `conversation` None: the newest one."""
         if conversation is None:
             listed = self.conversations()
             if not listed:
@@ -35,8 +41,19 @@ class Client:
         model = conversation if episode is None else f"{conversation}/{episode}"
         body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
-        text, finish, kvchat, usage = [], "stop", {}, {}
-        for event in self._events("/v1/chat/completions", body):
+        with contextlib.closing(self._events("/v1/chat/completions", body)) as events:  # a break hangs up at once
+            text, finish, kvchat, usage = self._read(events, on_text, stop)
+        return {"schema": 1, "question": question, "answer": "".join(text), **kvchat,
+                "prompt_tokens": usage.get("prompt_tokens"), "answer_tokens": usage.get("completion_tokens"),
+                "finish_reason": finish}
+
+    @staticmethod
+    def _read(events: Iterator[dict[str, Any]], on_text: Callable[[str], None],
+              stop: Callable[[], bool] | None) -> tuple[list[str], str, dict, dict]:
+        """A streamed answer's pieces, finish reason, `kvchat` fields and usage."""
+        text: list[str] = []
+        finish, kvchat, usage = "stop", {}, {}
+        for event in events:
             if "error" in event:
                 raise _error(500, event)
             for choice in event.get("choices") or []:
@@ -47,9 +64,9 @@ class Client:
                 if choice.get("finish_reason"):
                     finish, kvchat = choice["finish_reason"], event.get("kvchat", {})
             usage = event.get("usage") or usage
-        return {"schema": 1, "question": question, "answer": "".join(text), **kvchat,
-                "prompt_tokens": usage.get("prompt_tokens"), "answer_tokens": usage.get("completion_tokens"),
-                "finish_reason": finish}
+            if stop is not None and stop():
+                return text, "stopped", kvchat, usage
+        return text, finish, kvchat, usage
 
     def _open(self, method: str, path: str, body: dict | None):
         data = None if body is None else json.dumps(body).encode()
@@ -67,7 +84,7 @@ class Client:
             raise _error(exc.code, document) from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
-            raise UserError(f"cannot reach the kvchat server at {self.url}: {reason}") from None
+            raise Unreachable(f"cannot reach the kvchat server at {self.url}: {reason}") from None
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict[str, Any]:
         with self._open(method, path, body) as response:
