@@ -24,7 +24,7 @@ httpx = pytest.importorskip("httpx")
 from kvchat.ask import Session  # noqa: E402
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, ServeConfig  # noqa: E402
 from kvchat.ingest import ingest  # noqa: E402
-from kvchat.serve.announcement import ANNOUNCEMENT  # noqa: E402
+from kvchat.serve.announcement import ANNOUNCEMENT, write_announcement  # noqa: E402
 from kvchat.serve.engine import Engine  # noqa: E402
 from kvchat.serve.server import build_server  # noqa: E402
 from kvchat.serve.stops import TextGate  # noqa: E402
@@ -444,3 +444,81 @@ def test_follow_up_turns_longer_than_the_window_allows_are_400(server, tiny_lm):
         server.client.chat.completions.create(model="chat", max_tokens=2, messages=[
             {"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
             {"role": "user", "content": QUESTIONS[0]}])
+
+
+# ------------------------------------------------------------------------------- the commands: serve, ask --server
+
+
+def test_kvchat_ask_through_the_server(server, home, tiny_lm, encoder, monkeypatch):
+    from cli_helpers import run_main
+
+    expected = reference(home, tiny_lm, encoder, "trip", QUESTIONS[2], 6)
+    question = ["--conversation", "trip", QUESTIONS[2], "--max-new-tokens", "6"]
+    finished = server.engine.status()["finished"]["chat"]
+    result = run_main(home, "ask", "--server", server.url, "--api-key", KEY, *question)
+    assert result.returncode == 0 and result.stdout == expected.text + "\n", result.stderr
+    document = json.loads(run_main(home, "ask", "--server", server.url, "--api-key", KEY, "--json", *question).stdout)
+    assert document["answer"] == expected.text and document["episode"] == expected.episode
+    assert server.engine.status()["finished"]["chat"] == finished + 2
+
+    # Found through $KVCHAT_HOME/serve.json. The servers of other tests here share the home and this process's
+    # pid, and the last to stop removed it: announced again as the module's server wrote it at its start.
+    write_announcement(home, server.url)
+    monkeypatch.setenv("KVCHAT_API_KEY", KEY)
+    assert run_main(home, "ask", *question).stdout == expected.text + "\n"
+    assert server.engine.status()["finished"]["chat"] == finished + 3
+    assert run_main(home, "ask", "--local", "--no-log", *question).stdout == expected.text + "\n"
+    assert server.engine.status()["finished"]["chat"] == finished + 3  # answered in-process
+
+    refused = run_main(home, "ask", "--server", server.url, "--threads", "1", *question)
+    assert refused.returncode == 2 and "--threads" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    unknown = run_main(home, "ask", "--server", server.url, "--conversation", "nosuch", "hi?")
+    assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
+
+
+def test_kvchat_serve_runs_until_sigterm(tmp_path, tiny_lm, encoder):
+    """The command as users run it: a process that announces itself, answers, and on SIGTERM stops cleanly."""
+    import signal
+    import subprocess
+
+    from cli_helpers import KVCHAT, cli_env
+
+    from kvchat.serve.announcement import announced_url
+
+    home = tmp_path
+    _ingest(home, tiny_lm, encoder, "chat", seed=5)
+    expected = reference(home, tiny_lm, encoder, "chat", QUESTIONS[0], 6).text
+    process = subprocess.Popen([*KVCHAT, "serve", "--port", "0", "--no-log", "--threads", "1"],
+                               env=cli_env(home) | {"KVCHAT_API_KEY": KEY}, stderr=subprocess.PIPE, text=True)
+    try:
+        _until(lambda: announced_url(home) is not None or process.poll() is not None, timeout=300)
+        url = announced_url(home)
+        assert url is not None, process.stderr.read()
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
+        _until(lambda: httpx.get(url + "/kvchat/health").json()["status"] == "ok", timeout=300)  # preloaded
+        answer = client.chat.completions.create(model="chat", max_tokens=6,
+                                                messages=[{"role": "user", "content": QUESTIONS[0]}])
+        assert answer.choices[0].message.content == expected
+        process.send_signal(signal.SIGTERM)
+        process.wait(WAIT_S)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    stderr = process.stderr.read()
+    assert process.returncode in (0, 128 + signal.SIGTERM, -signal.SIGTERM), stderr
+    assert f"serving {home} at {url}" in stderr and "Traceback" not in stderr
+    assert not (home / ANNOUNCEMENT).exists()
+
+
+def test_kvchat_serve_refuses_an_address_in_use(tmp_path):
+    import socket
+
+    from cli_helpers import run
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run(tmp_path / "home", "serve", "--port", str(port))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "cannot listen on" in result.stderr
+    assert run(tmp_path / "home", "serve", "--queue-size", "0").returncode == 2

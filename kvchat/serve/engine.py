@@ -93,6 +93,7 @@ class Engine:
         self._lock = threading.Lock()  # the session table and the job registry, read from the event loop
         self._jobs: OrderedDict[str, Job] = OrderedDict()
         self._running: Job | None = None
+        self._finished = {"chat": 0, "ingest": 0}  # jobs that ran to their end, by kind
         self._closing = False
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -171,6 +172,7 @@ class Engine:
             "queued": self._queue.qsize(),
             "queue_size": self.config.queue_size,
             "running": None if running is None else running.id,
+            "finished": dict(self._finished),
             "resident": resident,
             "resident_bytes": sum(r["cache_bytes"] for r in resident),
             "max_memory": self.config.max_memory,
@@ -200,7 +202,9 @@ class Engine:
                 continue
             self._running, job.state = job, RUNNING
             try:
-                job.succeed(job.work(job))
+                result = job.work(job)
+                self._finished[job.kind] += 1  # before the client hears of it
+                job.succeed(result)
             except Exception as exc:  # the job's failure is its client's to see; the worker goes on
                 if not isinstance(exc, UserError):
                     _log.exception("kvchat serve: %s failed", job.id)
