@@ -9,6 +9,7 @@ the server is observed to be doing, never from sleeps.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -431,6 +432,12 @@ def test_the_client_imports_neither_torch_nor_the_server_stack(tmp_path):
             "print(sorted(m for m in ('torch', 'fastapi', 'uvicorn', 'transformers') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stderr
+    asking = ("import sys\nfrom kvchat.cli import run\n"
+              "try:\n    run(['ask', '--server', 'http://127.0.0.1:9', 'hi?'])\n"
+              "except SystemExit as exc:\n    print(exc.code, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", asking], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "KVCHAT_HOME": str(tmp_path)})
+    assert result.stdout.split() == ["2", "False", "False"] and "cannot reach" in result.stderr, result
     from kvchat.errors import UserError
     from kvchat.serve.client import Client
 
