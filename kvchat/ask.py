@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,11 +75,13 @@ class Session:
         first_recorder: Recorder | None = None,
         log: bool = True,
         stop: Callable[[], bool] | None = None,
+        earlier: Sequence[tuple[str, str]] = (),
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
         `first_recorder` the attention of that token's forward (the question's; evaluation reads where
-        full KV attends); `stop`, asked before each token, ends the answer early when it returns true."""
+        full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
+        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -108,7 +110,9 @@ class Session:
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
-        prompt_ids = self.lm.encode(self.layout.question(self.config.question_template.format(question=question)))
+        prompt_ids = self.lm.encode(
+            self.layout.question(self.config.question_template.format(question=question), earlier)
+        )
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",

@@ -205,3 +205,23 @@ class ProfileSettings:
     sink: int = 128              # leading tokens always visible (StreamingLLM sink)
     max_tokens: int = 3072       # the calibration text is cut to this many tokens
     suggested_alpha: float = 1.2  # EpiCache uses 1.1-1.3 for the LLaMA family
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`kvchat serve` (kvchat.serve): one process keeping the model, the encoder and recent episode caches warm."""
+
+    host: str = "127.0.0.1"     # loopback only unless asked: the API reads every stored conversation
+    port: int = 8000
+    api_key: str | None = None  # when set, every request but /kvchat/health needs `Authorization: Bearer KEY`
+    max_memory: int = 2**30     # bytes of episode caches kept resident (least recently used dropped first)
+    queue_size: int = 8         # answers waiting behind the running one; one more is refused with 429
+    max_body_bytes: int = 2**20  # larger request bodies are refused with 413
+    max_tokens: int = AskConfig.max_new_tokens  # an answer's length when the request names none
+    max_tokens_limit: int = 2048  # the most a request may ask for
+    threads: int | None = None  # torch threads of the answering worker (None: $OMP_NUM_THREADS, else the cores)
+    device: DeviceConfig = DeviceConfig()
+    weights: str = "float"      # AskConfig.weights
+    preload: bool = True        # load the stored conversations' models and the encoder at start, not at the first ask
+    log: bool = True            # record answers in `kvchat logs`
+    shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this are cut

@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 
 # Top to bottom. A module may import modules of its own layer or of layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal"),
+    ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal", "kvchat.serve"),
     ("kvchat.evaluate", "kvchat.report"),
     ("kvchat.batch",),
     ("kvchat.batch_worker",),
