@@ -1,31 +1,9 @@
 """kvchat's attention function, attached through transformers' public AttentionInterface.
 
-Why our own: (1) each layer may hold a different number of cached entries (per-layer budgets), so the
-causal mask must be built per layer from that layer's own length — transformers sizes one mask from
-layer 0; (2) scoring needs the patched prompt's attention weights over the cache, which SDPA does not
-return. The matching mask function returns None so transformers builds no mask at all; causality is
-enforced here: every cached entry precedes every new token, and new tokens see each other causally.
-A caller may still pass a prepared 4D `attention_mask` (transformers returns those as they are); it
-then replaces the causal mask.
+Why our own: each layer may hold a different number of entries (per-layer budgets, per-head
+lengths, retrieved pages), so masks are per layer, and scoring needs attention weights SDPA does not return.
 
-Ragged layers (head-wise budgets, see kvchat.kv.heads): `cache.update` then returns a `HeadList` per
-keys and values, one tensor per KV head holding only that head's entries. Attention runs per KV head
-over that head's own length (one SDPA call per KV head, its GQA group of query heads together), so no
-head is padded to the longest. Models have few KV heads (3 on SmolLM2-135M), so the loop is short.
-
-Decode (one query token) runs through `attend`, which picks the kernel (kvchat.kv.backends: flashinfer on
-CUDA when installed, else torch SDPA). Attention logit softcapping (Gemma2) is applied here; SDPA has no
-softcap, so those layers compute softmax(softcap(QK^T))V by hand (kvchat.kv.families says what each model
-family needs).
-
-Paged layers (IceCache, kvchat.kv.retrieval): `cache.update` returns `PagedKeys`, the resident entries per
-KV head plus a pool that retrieves each head's offloaded pages for the current queries. Softmax attention
-does not depend on the order of its keys, so the retrieved entries are placed between each head's cached
-entries and the forward's own tokens and the ragged path attends over them: cached and retrieved entries
-visible to every new token, new tokens causal. Retrieved keys carry the RoPE rotation of their original
-positions, like resident ones, so nothing is re-rotated. A decode token of a pool that has a paged decode
-(`PageSource.paged`: flashinfer's paged decode where it runs, kvchat.kv.paged_decode) attends through
-it instead, over a slot buffer kept up to date rather than entries concatenated at every step.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/attention.py".
 """
 
 from __future__ import annotations
