@@ -206,7 +206,8 @@ def attach_pages(
 
     `paged_decode`: decode tokens attend through a `PagedDecode` (one flashinfer wrapper and workspace for
     the cache's layers); None: where flashinfer runs for the cache's device and dtype (kvchat.kv.backends),
-    elsewhere the ragged path (on the CPU 3-5% faster than the paged one's torch reference, which tests use)."""
+    elsewhere the ragged path (on the CPU the faster of the two, benchmarks/results/icecache_speed.md; the paged
+    one's torch reference is what tests use)."""
     if len(pages) != len(cache.layers):
         raise ValueError(f"pages for {len(pages)} layers, the cache has {len(cache.layers)}")
     kernel = FlashinferPagedDecode()  # built at its first call, if flashinfer runs
