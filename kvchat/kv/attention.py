@@ -180,7 +180,8 @@ def attend(
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one new token, `query [1, q_heads, 1, D]` over `key/value [1, kv_heads, n, D]`, as
     `[1, q_heads, 1, D]`: each GQA group's queries as one matrix against its KV head, so every key and value
-    is read once (SDPA's CPU kernel took ~2.5x as long for one query over 8K entries). Softmax in float32."""
+    is read once (faster than SDPA's CPU kernel for one query: benchmarks/results/decode_speed.md). Softmax in
+    float32."""
     kv_heads, dim = key.shape[1], query.shape[-1]
     q = query.reshape(kv_heads, -1, dim)                                   # [kv_heads, group, D]
     logits = torch.matmul(q, key[0].transpose(1, 2)).float()                # [kv_heads, group, n]
