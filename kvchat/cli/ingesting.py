@@ -145,7 +145,7 @@ def _cache_options(command):
 @_cache_options
 def ingest(
     history: Annotated[Path, typer.Argument(
-        metavar="HISTORY", help='A chat history file (README, "History formats"). OpenAI messages JSON/JSONL, a '
+        metavar="HISTORY", help='A chat history file (docs/formats.md). OpenAI messages JSON/JSONL, a '
         'ChatGPT or Claude export, fine-tune JSONL, a "Name: text" transcript, LoCoMo or LongMemEval.')],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).",
                                              rich_help_panel=_INPUT)] = None,
@@ -301,7 +301,7 @@ def ingest_batch(
         help="Torch threads per worker; workers x threads may not exceed the CPUs.")] = BatchConfig.threads,
     address: Annotated[str | None, typer.Option(
         help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
-        "cluster needs: see the README).")] = BatchConfig.address,
+        "cluster needs: docs/batch.md).")] = BatchConfig.address,
     config: IngestConfig = IngestConfig(),
     max_memory: Annotated[int | None, typer.Option(
         help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "
