@@ -150,11 +150,11 @@ def ingest(
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).",
                                              rich_help_panel=_INPUT)] = None,
     history_format: Annotated[HistoryFormat | None, typer.Option(
-        "--format", help="The history's format, when detection guesses wrong (default: detected).",
+        "--format", help="Force the history's format (default: detected).",
         rich_help_panel=_INPUT)] = None,
     pick: Annotated[str | None, typer.Option(rich_help_panel=_INPUT,
-        help='Which conversation of an export or fine-tune JSONL: its number, its title, or "all". Number 1 is the '
-        'first in the file; "all" takes them oldest first.')] = None,
+        help='The conversation to take: its number, title or "all". From a ChatGPT or Claude export or fine-tune '
+        'JSONL holding several; number 1 is the first in the file, "all" takes them oldest first.')] = None,
     config: IngestConfig = IngestConfig(),
     memory: Annotated[bool, typer.Option(
         "--memory/--no-memory", rich_help_panel=_PAGES, help="indexmem: fold evicted entries into a latent "
