@@ -278,6 +278,17 @@ LOCOMO_QA_TEMPLATE = (
 
 
 @dataclass(frozen=True)
+class RagConfig:
+    """Retrieval of raw turns (kvchat.rag): what a user would run instead of a compressed cache. The history is
+    cut into chunks of consecutive turns; a question's top chunks by the sentence encoder are put back in
+    history order into the system prompt and prefilled with it. KV entries while answering: top_k x chunk_tokens
+    (plus the system prompt and the question)."""
+
+    chunk_tokens: int = 256  # at most this many tokens of consecutive turns per chunk (a longer turn is cut)
+    top_k: int = 4           # chunks prefilled per question
+
+
+@dataclass(frozen=True)
 class EvalConfig:
     """`kvchat eval`: which questions, and how answers are decoded."""
 

@@ -1,0 +1,139 @@
+"""Whole LoCoMo conversations (2-3x the embedded model's window): kvchat's caches against what a user would run
+instead, every system scored against the gold answers at equal KV entries.
+
+    KVCHAT_HOME=... /work/slot python benchmarks/whole_conversation.py DATA... [--questions N] \
+        [--systems rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024] \
+        --out benchmarks/results/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
+
+Each conversation is loaded whole (every session, every category 1-4 question with evidence; LoCoMo's QA prompt
+for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.gold, the
+library `kvchat eval --against gold` runs: F1 with a percentile bootstrap 95% interval (fixed seed), per
+category, seconds per answer in this one process, KV entries per layer and KV head the first answer token
+attends to (resident + read back + prefilled at question time), bytes on disk and resident. kvchat's caches
+are built in $KVCHAT_HOME's store as `<conversation>.<system>` and reused by later runs while their settings
+match (ingest seconds are the first build's); the results file resumes, so a run can be stopped and continued,
+and `--questions N` measures an evenly spread subset first.
+
+Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns), `recent@M` (sink + the
+last tokens, `streaming` at uniform layer budgets), `METHOD@M` (`kvchat ingest --method METHOD --budget M` at
+its other defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
+from kvchat.encoder import SentenceEncoder
+from kvchat.evaluate import EvalProgress, ResultsFile
+from kvchat.gold import (
+    GoldVariant,
+    evaluate_gold,
+    kvchat_variant,
+    rag_variant,
+    recent_variant,
+    summarize_gold,
+    verdict,
+)
+from kvchat.llm import load_model, use_threads
+from kvchat.qa import load_locomo
+from kvchat.store import Store
+
+SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
+_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?")
+
+
+def parse_system(spec: str) -> GoldVariant:
+    match = _SPEC.fullmatch(spec.strip())
+    if not match:
+        raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M)")
+    name, a, b = match["name"], int(match["a"]), match["b"]
+    if name == "rag":
+        return rag_variant(a * int(b or 256), int(b or 256))
+    if name == "recent":
+        return recent_variant(a)
+    layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
+    return kvchat_variant(CacheConfig(method=name, budget=a, layer_budgets=layer_budgets), f"{name}@{a}")
+
+
+class _Progress(EvalProgress):
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None:
+        print(f"[{dt.datetime.now():%H:%M:%S}] {qa_set} {key} ({index + 1}/{total})", file=sys.stderr, flush=True)
+
+    def question(self, done: int, total: int) -> None:
+        if done % 10 == 0 or done == total:
+            print(f"  {done}/{total}", file=sys.stderr, flush=True)
+
+
+def _mb(value: float | None) -> str:
+    return "" if value is None else f"{value / 2**20:.1f}"
+
+
+def markdown(records: list[dict], command: str, note: str) -> str:
+    rows = summarize_gold(records)
+    categories = ["multi-hop", "temporal", "open-domain", "single-hop"]
+    lines = [
+        "# Whole LoCoMo conversations against gold answers", "",
+        f"`{command}`", "", note, "",
+        "| system | entries attended | questions | F1 [95% interval] | " + " | ".join(categories)
+        + " | answer s | ingest s | disk MB | resident MB |",
+        "|---|---:|---:|---|" + "---:|" * len(categories) + "---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        low, high = r["f1_interval"]
+        cats = [r["f1_by_category"].get(c) for c in categories]
+        cells = ["" if c is None else f"{c[0]:.3f}" for c in cats]
+        ingest = "" if r["ingest_seconds"] is None else f"{r['ingest_seconds']:.0f}"
+        lines.append(
+            f"| {r['variant']} | {r['entries']:.0f} | {r['questions']} | {r['f1']:.3f} [{low:.3f}, {high:.3f}] | "
+            + " | ".join(cells)
+            + f" | {r['answer_seconds']:.2f} | {ingest} | {_mb(r['disk_bytes'])} | {_mb(r['resident_bytes'])} |"
+        )
+    lines += ["", *[f"- {line}" for line in verdict(records)], ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", nargs="+", type=Path)
+    parser.add_argument("--systems", default=SYSTEMS)
+    parser.add_argument("--questions", type=int, default=None, help="per conversation, spread over the file")
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines, resumed")
+    parser.add_argument("--report", type=Path, default=None)
+    parser.add_argument("--note", default="", help="a line for the report (machine load, ...)")
+    args = parser.parse_args()
+    use_threads()
+    variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
+    home = default_home()
+    store = Store(home)
+    lm = load_model("default", home / "models")
+    sets = [load_locomo(path) for path in args.data]
+    for s in sets:
+        print(f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions", file=sys.stderr)
+    results = ResultsFile(args.out)
+    records = evaluate_gold(
+        sets, variants, lm=lm, encoder=SentenceEncoder(), results=results,
+        config=EvalConfig(questions=args.questions), base=IngestConfig(), profile_dirs=[home / "profiles"],
+        progress=_Progress(), store=store,
+        conversation_name=lambda qa_set, v: f"{qa_set.name}.{v.key.replace('@', '-').replace('recent-', 'streaming-')}",
+    )
+    names = {s.name for s in sets}
+    records = [r for r in records if r.get("set") in names]
+    command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
+    note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
+            f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
+    text = markdown(records, command, note)
+    print(text)
+    if args.report is not None:
+        args.report.write_text(text)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
