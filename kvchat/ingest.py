@@ -218,6 +218,7 @@ class IngestPlan:
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+    episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
 
 
 @dataclass(frozen=True)
@@ -306,6 +307,10 @@ def plan_ingest(
     def estimate(select_from_full: bool) -> int:
         return estimate_bytes(config, lm, layout, total, budgets, heads, protected, select_from_full=select_from_full)
 
+    episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+    episode_ids = _routed_ids(turns, episodes, config, lm) if method(cache_cfg.method).routed else []
+    if episode_ids:  # each cache holds its episode's turns only: its window and prefill are the longest episode's
+        total = prefix_ids.shape[-1] + max(int(ids.shape[-1]) for ids in episode_ids)
     prefill = _prefill_mode(cache_cfg, strategy, total, lm.context_window, estimate(True), shape, available)
     peak_bytes = estimate(prefill == "full")
     if not force:
@@ -320,7 +325,6 @@ def plan_ingest(
             f"({total} tokens with the system prompt) must fit the model's window ({lm.context_window}) with "
             "--positions original"
         )
-    episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(
@@ -346,6 +350,7 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        episode_ids=episode_ids,
     )
 
 
@@ -394,7 +399,7 @@ def build_episode(
     result = block_prefill(
         lm.model,
         plan.prefix_ids,
-        plan.context_ids,
+        plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,
         block_size=cache_cfg.block_size,
         budgets=plan.budgets,
         scorer=scorer,
@@ -672,6 +677,8 @@ def _prefill_mode(
         return "block"  # full KV evicts nothing: both ways build the same cache
     if entry.in_forward:
         why_not = f"--method {entry.name} scores inside each block's forward"
+    elif entry.routed:
+        why_not = f"--method {entry.name} prefills each episode's own turns, not the whole history"
     elif strategy == "cake":
         why_not = "cake layer budgets come from each block's attention"
     elif window and history_tokens + ANSWER_ROOM > window:
@@ -713,6 +720,14 @@ def _episodes(
         token_cap=_medoid_cap(config, lm),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
+
+
+def _routed_ids(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel) -> list:
+    """Token ids of each episode's own turns (`--method routed`): the turns of its segments in history order,
+    rendered as the history is, so a session's date opens the first of its turns that the episode holds."""
+    w = config.episodes.window
+    return [lm.encode("\n".join(format_turns([t for s in sorted(e.segments) for t in turns[s * w : (s + 1) * w]])))
+            for e in episodes]  # fmt: skip
 
 
 def episode_scorer(

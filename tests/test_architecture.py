@@ -12,10 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 # Top to bottom. A module may import modules of its own layer or of layers below it.
 LAYERS: list[tuple[str, ...]] = [
     ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal"),
-    ("kvchat.evaluate", "kvchat.report"),
+    ("kvchat.evaluate", "kvchat.gold", "kvchat.report"),
     ("kvchat.batch",),
     ("kvchat.append",),
-    ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training"),
+    ("kvchat.ingest", "kvchat.ask", "kvchat.rag", "kvchat.profile", "kvchat.qa", "kvchat.training"),
     ("kvchat.llm", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings",
      "kvchat.device"),
     ("kvchat.kv", "kvchat.config"),
