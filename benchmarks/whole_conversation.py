@@ -16,12 +16,14 @@ and `--questions N` measures an evenly spread subset first.
 
 Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns), `recent@M` (sink + the
 last tokens, `streaming` at uniform layer budgets), `METHOD@M` (`kvchat ingest --method METHOD --budget M` at
-its other defaults).
+its other defaults; `:eE` with E episodes), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of
+CACHE's routed cache).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import os
 import platform
@@ -29,12 +31,13 @@ import re
 import sys
 from pathlib import Path
 
-from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
+from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, default_home
 from kvchat.encoder import SentenceEncoder
 from kvchat.evaluate import EvalProgress, ResultsFile
 from kvchat.gold import (
     GoldVariant,
     evaluate_gold,
+    hybrid_variant,
     kvchat_variant,
     rag_variant,
     recent_variant,
@@ -46,20 +49,26 @@ from kvchat.qa import load_locomo
 from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
-_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?")
+_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?")
 
 
 def parse_system(spec: str) -> GoldVariant:
+    if "+" in spec:  # a cache with retrieved turns prefilled on top of it
+        cache, rag = (parse_system(part) for part in spec.split("+", 1))
+        return hybrid_variant(cache, rag)
     match = _SPEC.fullmatch(spec.strip())
     if not match:
-        raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M)")
+        raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE], CACHE+rag@KxC)")
     name, a, b = match["name"], int(match["a"]), match["b"]
     if name == "rag":
         return rag_variant(a * int(b or 256), int(b or 256))
     if name == "recent":
         return recent_variant(a)
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
-    return kvchat_variant(CacheConfig(method=name, budget=a, layer_budgets=layer_budgets), f"{name}@{a}")
+    variant = kvchat_variant(CacheConfig(method=name, budget=a, layer_budgets=layer_budgets), spec.strip())
+    if match["e"]:
+        variant = dataclasses.replace(variant, episodes=EpisodeConfig(episodes=int(match["e"])))
+    return variant
 
 
 class _Progress(EvalProgress):
@@ -99,6 +108,12 @@ def markdown(records: list[dict], command: str, note: str) -> str:
     return "\n".join(lines)
 
 
+def _name(qa_set, variant: GoldVariant) -> str:
+    """`<conversation>.<system>` in the store; a hybrid's cache is its cache system's (shared)."""
+    key = variant.key.split("+")[0].replace("@", "-").replace(":", "-").replace("recent-", "streaming-")
+    return f"{qa_set.name}.{key}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", nargs="+", type=Path)
@@ -121,7 +136,7 @@ def main() -> None:
         sets, variants, lm=lm, encoder=SentenceEncoder(), results=results,
         config=EvalConfig(questions=args.questions), base=IngestConfig(), profile_dirs=[home / "profiles"],
         progress=_Progress(), store=store,
-        conversation_name=lambda qa_set, v: f"{qa_set.name}.{v.key.replace('@', '-').replace('recent-', 'streaming-')}",
+        conversation_name=_name,
     )
     names = {s.name for s in sets}
     records = [r for r in records if r.get("set") in names]

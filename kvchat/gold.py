@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from kvchat.ask import Session
-from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EvalConfig, IngestConfig, RagConfig
+from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import format_turns
@@ -45,14 +45,22 @@ BASELINES = ("rag", "recent")
 
 @dataclass(frozen=True)
 class GoldVariant:
-    """One system under evaluation against gold: a kvchat cache (`cache`) or retrieval of raw turns (`rag`).
-    `key` names it in results and tables; `entries` is the KV budget it is compared at."""
+    """One system under evaluation against gold: a kvchat cache (`cache`), retrieval of raw turns (`rag`), or
+    both (the question's retrieved turns prefilled on top of the routed cache). `key` names it in results and
+    tables; `entries` is the KV budget it is compared at (the cache's and the retrieved turns' together)."""
 
     key: str
     entries: int
     cache: CacheConfig | None = None
     rag: RagConfig | None = None
     baseline: bool = False   # a system a user would pick instead of kvchat's (rag, recent)
+    episodes: EpisodeConfig | None = None  # the cache's episodes, where not the base ingest's
+
+
+def hybrid_variant(cache: GoldVariant, rag: GoldVariant) -> GoldVariant:
+    """`cache`'s caches with `rag`'s retrieved turns prefilled on top of the routed one at each question."""
+    return dataclasses.replace(cache, key=f"{cache.key}+{rag.key}", entries=cache.entries + rag.entries,
+                               rag=rag.rag, baseline=False)  # fmt: skip
 
 
 def kvchat_variant(cache: CacheConfig, key: str) -> GoldVariant:
@@ -162,7 +170,7 @@ def evaluate_gold(
                     seconds = time.perf_counter() - clock
                     results.append({
                         "kind": "answer", "against": GOLD, "set": qa_set.name, "variant": variant.key,
-                        "method": "rag" if variant.rag else variant.cache.method, "entries_budget": variant.entries,
+                        "method": variant.cache.method if variant.cache else "rag", "entries_budget": variant.entries,
                         "baseline": variant.baseline, "qid": question.qid, "category": question.category,
                         "question": question.text, "gold": question.gold, "prediction": got.text,
                         "f1": round(score_answer(got.text, question), 4), "recall": contains_gold(got.text, question),
@@ -181,14 +189,18 @@ class _Got:
 
 
 class _KvchatAnswerer:
-    def __init__(self, session: Session, lm: LoadedModel, disk_bytes: int, retrieve: int) -> None:
-        self.session, self.lm, self.disk_bytes, self.retrieve = session, lm, disk_bytes, retrieve
+    def __init__(self, session: Session, lm: LoadedModel, disk_bytes: int, retrieve: int,
+                 recall: RagSession | None = None) -> None:  # fmt: skip
+        self.session, self.lm, self.disk_bytes, self.retrieve, self.recall = session, lm, disk_bytes, retrieve, recall
         shape = lm.model.config
         self.heads = lm.num_layers * shape.num_key_value_heads
         self.entry_bytes = _entry_bytes(lm)
 
     def ask(self, question: str) -> _Got:
-        answer = self.session.ask(question, log=False)
+        recalled = ""
+        if self.recall is not None:
+            recalled = "\n".join(self.recall.index.chunks[i].text for i in self.recall.retrieve(question))
+        answer = self.session.ask(question, log=False, recalled=recalled)
         record = self.session.conversation.episodes[answer.episode]
         held = record.n_tokens / self.heads + answer.prompt_tokens  # resident + the question prefilled
         return _Got(answer.text, {
@@ -225,26 +237,28 @@ def default_name(qa_set: QASet, variant: GoldVariant) -> str:
 
 def _prepare(variant, qa_set, name, lm, encoder, base, ask_config, store, results, profile_dirs, progress):
     """The variant's answerer for `qa_set`: its index built, or its caches ingested (or found in `store`)."""
+    recall = None
     if variant.rag is not None:
         clock = time.perf_counter()
         index = RagIndex.build(qa_set.turns, lm, encoder, variant.rag.chunk_tokens)
-        _note_ingest(results, qa_set.name, variant, seconds=time.perf_counter() - clock, disk_bytes=index.nbytes)
-        system_prompt = base.system_prompt
-        return _RagAnswerer(RagSession(index, lm, encoder, variant.rag, ask_config, system_prompt))
-    config = dataclasses.replace(base, cache=variant.cache)
+        recall = RagSession(index, lm, encoder, variant.rag, ask_config, base.system_prompt)
+        if variant.cache is None:
+            _note_ingest(results, qa_set.name, variant, seconds=time.perf_counter() - clock, disk_bytes=index.nbytes)
+            return _RagAnswerer(recall)
+    config = dataclasses.replace(base, cache=variant.cache, episodes=variant.episodes or base.episodes)
     conversation = _stored(store, name, qa_set, config, lm, encoder, profile_dirs)
     if conversation is None:
         ingest(qa_set.turns, name=name, config=config, store=store, lm=lm, encoder=encoder, source=qa_set.name,
                progress=progress.ingest, profile_dirs=profile_dirs, replace=True)  # fmt: skip
         conversation = store.get(name)
     stats = conversation.stats
-    disk = sum(f[1] for e in conversation.episodes for f in e.files())
+    disk = sum(f[1] for e in conversation.episodes for f in e.files()) + (recall.index.nbytes if recall else 0)
     _note_ingest(results, qa_set.name, variant, seconds=stats.get("seconds"), disk_bytes=disk,
                  history_tokens=stats.get("history_tokens"), peak_layer_entries=stats.get("peak_layer_entries"),
                  episodes=stats.get("episodes"), prefill=stats.get("prefill"))  # fmt: skip
     session = Session(store, conversation, lm, encoder, ask_config)
     retrieve = variant.cache.offload.retrieve if variant.cache.offload.enabled else 0
-    return _KvchatAnswerer(session, lm, disk, retrieve)
+    return _KvchatAnswerer(session, lm, disk, retrieve, recall)
 
 
 def _stored(store, name, qa_set, config, lm, encoder, profile_dirs):
