@@ -270,6 +270,8 @@ class AskConfig:
     weights: str = "float"  # float (as loaded) | int8 (weight-only, per channel: ~1.3x faster decode on a CPU)
 
 
+REFERENCES = ("auto", "full", "gold")  # EvalConfig.against
+
 # LoCoMo's own QA prompt (task_eval), "context" read as the conversation the cache holds.
 LOCOMO_QA_TEMPLATE = (
     "Based on the conversation, write an answer in the form of a short phrase for the following question. "
@@ -302,6 +304,10 @@ class EvalConfig:
     question_template: str = LOCOMO_QA_TEMPLATE
     synthetic_topics: int = 6          # planted-fact set (--synthetic): topics per conversation
     synthetic_turns_per_topic: int = 48
+    against: str = "auto"              # full: answers compared with full KV's; gold: scored against the gold
+                                       # answers beside rag and recent (kvchat.gold); auto: gold for a history
+                                       # that does not fit the model's window, else full
+    chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
 
 
 @dataclass(frozen=True)

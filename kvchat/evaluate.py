@@ -142,8 +142,9 @@ class ResultsFile:
 
     def done(self, qa_set: str, key: str) -> set[str]:
         return {
-            r["qid"] for r in self.records if r["kind"] == "answer" and r["set"] == qa_set and r["variant"] == key
-        }
+            r["qid"] for r in self.records
+            if r["kind"] == "answer" and r["set"] == qa_set and r["variant"] == key and r.get("against") != "gold"
+        }  # fmt: skip
 
     def append(self, record: dict) -> None:
         self.records.append(record)
@@ -335,7 +336,8 @@ class _SetRunner:
         return kept, protected, heads
 
     def _ingests(self) -> list[dict]:
-        return [r for r in self.results.records if r["kind"] == "ingest" and r["set"] == self.qa_set.name]
+        return [r for r in self.results.records
+                if r["kind"] == "ingest" and r["set"] == self.qa_set.name and r.get("against") != "gold"]  # fmt: skip
 
 
 @dataclass
@@ -465,8 +467,10 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
 
 # --- summary -----------------------------------------------------------------------------------------
 def skipped(records: Sequence[dict]) -> dict[tuple[str, str], str]:
-    """(set, variant) -> why it was skipped: a setting the model cannot take, not retried on resume."""
-    return {(r["set"], r["variant"]): r["reason"] for r in records if r["kind"] == "skipped"}
+    """(set, variant) -> why it was skipped: a setting the model cannot take, not retried on resume (compared
+    with full KV; kvchat.gold keeps its own)."""
+    return {(r["set"], r["variant"]): r["reason"] for r in records if r["kind"] == "skipped" and
+            r.get("against") != "gold"}  # fmt: skip
 
 
 def summarize(records: Sequence[dict]) -> list[dict]:
@@ -475,7 +479,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     answers: dict[str, list[dict]] = defaultdict(list)
     ingests: dict[str, list[dict]] = defaultdict(list)
     for r in records:
-        if r["kind"] != "skipped":
+        if r["kind"] != "skipped" and r.get("against") != "gold":  # answers against gold: kvchat.gold
             (answers if r["kind"] == "answer" else ingests)[r["variant"]].append(r)
     full_f1 = {(r["set"], r["qid"]): r["f1"] for r in answers.get(REFERENCE, [])}
     rows = []

@@ -86,6 +86,30 @@ def baselines(budgets: Iterable[int], chunk_tokens: int, base: CacheConfig = Cac
     return [v for b in budgets for v in (rag_variant(b, chunk_tokens), recent_variant(b, base))]
 
 
+def gold_variants(methods: Sequence[str], budgets: Sequence[int], chunk_tokens: int,
+                  base: CacheConfig = CacheConfig()) -> list[GoldVariant]:  # fmt: skip
+    """kvchat's `methods` at each of `budgets` (full KV, which has no budget, once), then `rag` and `recent` at
+    each budget: what `kvchat eval` runs against gold."""
+    ours = [kvchat_variant(dataclasses.replace(base, method=m, budget=b), f"{m}@{b}")
+            for m in methods if m != "full" for b in budgets]  # fmt: skip
+    full = [GoldVariant("full", 0, cache=dataclasses.replace(base, method="full"))] if "full" in methods else []
+    return full + ours + baselines(budgets, chunk_tokens, base)
+
+
+def by_reference(qa_sets: Sequence[QASet], lm: LoadedModel, against: str,
+                 system_prompt: str) -> tuple[list[QASet], list[QASet]]:  # fmt: skip
+    """(sets compared with full KV, sets scored against gold) for `EvalConfig.against`: auto sends a history
+    that does not fit the model's window to gold; full refuses one, in one line."""
+    if against == "gold":
+        return [], list(qa_sets)
+    fits = {s.name: fits_window(lm, s, system_prompt) for s in qa_sets}
+    too_long = [s.name for s in qa_sets if not fits[s.name]]
+    if against == "full" and too_long:
+        raise UserError(f"{', '.join(too_long)}: the history does not fit {lm.spec}'s window, so full KV cannot be "
+                        "the reference; use --against gold (or auto), or a smaller --max-context")  # fmt: skip
+    return [s for s in qa_sets if fits[s.name]], [s for s in qa_sets if not fits[s.name]]
+
+
 def fits_window(lm: LoadedModel, qa_set: QASet, system_prompt: str) -> bool:
     """Whether the whole history, its system prompt and room for an answer fit the model's window (full KV
     can be the reference only then)."""
@@ -96,11 +120,9 @@ def fits_window(lm: LoadedModel, qa_set: QASet, system_prompt: str) -> bool:
 
 
 class Results(Protocol):
-    """Where records go (kvchat.evaluate.ResultsFile): what is done, append-only."""
+    """Where records go (kvchat.evaluate.ResultsFile): append-only, and what is there already."""
 
     records: list[dict]
-
-    def done(self, qa_set: str, key: str) -> set[str]: ...
 
     def append(self, record: dict) -> None: ...
 
@@ -139,10 +161,6 @@ def evaluate_gold(
     `results` held before included. kvchat's caches are built in `store` and kept there for the next run
     (reused while their settings match; `conversation_name` names them, default `default_name`), else in a
     scratch store deleted afterwards."""
-    mixed = [r for r in results.records if r["kind"] == "answer" and r.get("against") != GOLD]
-    if mixed:
-        raise UserError("the results file holds answers compared with full KV; write answers against gold to "
-                        "another --out file")  # fmt: skip
     progress = progress or _Quiet()
     ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template)
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
@@ -150,9 +168,12 @@ def evaluate_gold(
         store = Store(Path(scratch)) if own else store
         for qa_set in qa_sets:
             questions = sample_questions(qa_set.questions, config.questions)
-            skips = {(r["set"], r["variant"]) for r in results.records if r["kind"] == "skipped"}
+            ours = gold_records(results.records)
+            skips = {(r["set"], r["variant"]) for r in ours if r["kind"] == "skipped"}
             for i, variant in enumerate(variant_list):
-                todo = [q for q in questions if q.qid not in results.done(qa_set.name, variant.key)]
+                done = {r["qid"] for r in ours if r["kind"] == "answer" and (r["set"], r["variant"]) == (
+                    qa_set.name, variant.key)}  # fmt: skip
+                todo = [q for q in questions if q.qid not in done]
                 if not todo or (qa_set.name, variant.key) in skips:
                     continue
                 progress.variant(qa_set.name, variant.key, i, len(variant_list))
@@ -245,6 +266,8 @@ def _prepare(variant, qa_set, name, lm, encoder, base, ask_config, store, result
         if variant.cache is None:
             _note_ingest(results, qa_set.name, variant, seconds=time.perf_counter() - clock, disk_bytes=index.nbytes)
             return _RagAnswerer(recall)
+    if variant.cache.method == "full" and not fits_window(lm, qa_set, base.system_prompt):
+        raise UserError("full KV: the history does not fit the model's window")
     config = dataclasses.replace(base, cache=variant.cache, episodes=variant.episodes or base.episodes)
     conversation = _stored(store, name, qa_set, config, lm, encoder, profile_dirs)
     if conversation is None:

@@ -34,7 +34,7 @@ from kvchat.store import Store
 SYSTEM = "You are a helpful assistant . Conversation :\n"
 BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                     episodes=EpisodeConfig(prompt_tokens=48), system_prompt=SYSTEM)  # fmt: skip
-QA = planted_sets(1, topics=4, turns_per_topic=16)[0]
+QA = planted_sets(1, topics=6, turns_per_topic=40)[0]
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +167,23 @@ def test_gold_eval_runs_every_system_on_a_history_3x_the_window(short_lm, encode
                           config=config, base=BASE, store=store)  # fmt: skip
     assert {c.name: c.created_at for c in store.conversations()} == built
     assert [r["prediction"] for r in again if r["kind"] == "answer"] == [r["prediction"] for r in answers]
+
+
+def test_auto_sends_only_histories_beyond_the_window_to_gold(short_lm):
+    from kvchat.errors import UserError
+    from kvchat.gold import by_reference
+
+    short = dataclasses.replace(QA, name="short", turns=QA.turns[:4])
+    assert by_reference([QA, short], short_lm, "auto", SYSTEM) == ([short], [QA])
+    assert by_reference([QA, short], short_lm, "gold", SYSTEM) == ([], [QA, short])
+    with pytest.raises(UserError, match="does not fit"):
+        by_reference([QA, short], short_lm, "full", SYSTEM)
+
+
+def test_gold_variants_put_rag_and_recent_at_each_budget():
+    from kvchat.gold import gold_variants
+
+    keys = [(v.key, v.entries, v.baseline) for v in gold_variants(["snapkv", "full"], [512, 1024], 256)]
+    assert keys == [("full", 0, False), ("snapkv@512", 512, False), ("snapkv@1024", 1024, False),
+                    ("rag@2x256", 512, True), ("recent@512", 512, True), ("rag@4x256", 1024, True),
+                    ("recent@1024", 1024, True)]  # fmt: skip
