@@ -14,7 +14,8 @@ are built in $KVCHAT_HOME's store as `<conversation>.<system>` and reused by lat
 match (ingest seconds are the first build's); the results file resumes, so a run can be stopped and continued,
 and `--questions N` measures an evenly spread subset first.
 
-Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns), `recent@M` (sink + the
+Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
+chunk opening with its date), `recent@M` (sink + the
 last tokens, `streaming` at uniform layer budgets), `METHOD@M` (`kvchat ingest --method METHOD --budget M` at
 its other defaults; `:eE` with E episodes), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of
 CACHE's routed cache).
@@ -60,8 +61,8 @@ def parse_system(spec: str) -> GoldVariant:
     if not match:
         raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE], CACHE+rag@KxC)")
     name, a, b = match["name"], int(match["a"]), match["b"]
-    if name == "rag":
-        return rag_variant(a * int(b or 256), int(b or 256))
+    if name in ("rag", "rag-dated"):
+        return rag_variant(a * int(b or 256), int(b or 256), dated=name == "rag-dated")
     if name == "recent":
         return recent_variant(a)
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets

@@ -288,6 +288,7 @@ class RagConfig:
 
     chunk_tokens: int = 256  # at most this many tokens of consecutive turns per chunk (a longer turn is cut)
     top_k: int = 4           # chunks prefilled per question
+    dated: bool = False      # each chunk opens with its first turn's date (plain rag: only a session's first turn)
 
 
 @dataclass(frozen=True)

@@ -75,10 +75,12 @@ def recent_variant(budget: int, base: CacheConfig = CacheConfig()) -> GoldVarian
     return GoldVariant(f"recent@{budget}", budget, cache=cache, baseline=True)
 
 
-def rag_variant(budget: int, chunk_tokens: int) -> GoldVariant:
-    """The top budget // chunk_tokens chunks: `budget` entries of retrieved turns (at least one chunk)."""
+def rag_variant(budget: int, chunk_tokens: int, dated: bool = False) -> GoldVariant:
+    """The top budget // chunk_tokens chunks: `budget` entries of retrieved turns (at least one chunk); `dated`,
+    each chunk opening with its date."""
     k = max(1, budget // chunk_tokens)
-    return GoldVariant(f"rag@{k}x{chunk_tokens}", k * chunk_tokens, rag=RagConfig(chunk_tokens, k), baseline=True)
+    return GoldVariant(f"rag{'-dated' if dated else ''}@{k}x{chunk_tokens}", k * chunk_tokens,
+                       rag=RagConfig(chunk_tokens, k, dated), baseline=True)  # fmt: skip
 
 
 def baselines(budgets: Iterable[int], chunk_tokens: int, base: CacheConfig = CacheConfig()) -> list[GoldVariant]:
@@ -261,7 +263,7 @@ def _prepare(variant, qa_set, name, lm, encoder, base, ask_config, store, result
     recall = None
     if variant.rag is not None:
         clock = time.perf_counter()
-        index = RagIndex.build(qa_set.turns, lm, encoder, variant.rag.chunk_tokens)
+        index = RagIndex.build(qa_set.turns, lm, encoder, variant.rag.chunk_tokens, variant.rag.dated)
         recall = RagSession(index, lm, encoder, variant.rag, ask_config, base.system_prompt)
         if variant.cache is None:
             _note_ingest(results, qa_set.name, variant, seconds=time.perf_counter() - clock, disk_bytes=index.nbytes)

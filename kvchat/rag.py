@@ -35,30 +35,30 @@ class Chunk:
     tokens: int
 
 
-def chunk_turns(lines: Sequence[str], count_tokens: Callable[[str], int], chunk_tokens: int,
-                cut: Callable[[str, int], str]) -> list[Chunk]:  # fmt: skip
-    """Consecutive `lines` (rendered turns) grouped while their joined text stays within `chunk_tokens`
-    tokens; a single turn longer than that is a chunk of its own, cut to its first `chunk_tokens` tokens by
-    `cut(text, n)`, so k chunks never hold more than k x chunk_tokens tokens."""
+def chunk_turns(turns: int, render: Callable[[int, int], str], count_tokens: Callable[[str], int],
+                chunk_tokens: int, cut: Callable[[str, int], str]) -> list[Chunk]:  # fmt: skip
+    """Consecutive turns `[first, end)` of `turns` grouped while their text, `render(first, end)`, stays within
+    `chunk_tokens` tokens; a single turn longer than that is a chunk of its own, cut to its first `chunk_tokens`
+    tokens by `cut(text, n)`, so k chunks never hold more than k x chunk_tokens tokens."""
     if chunk_tokens < 1:
         raise UserError(f"--chunk-tokens must be >= 1 (got {chunk_tokens})")
     chunks: list[Chunk] = []
     first, used = 0, 0
-    for i, line in enumerate(lines):
+    for i in range(turns):
         if i > first:
-            joined = count_tokens("\n".join(lines[first : i + 1]))
+            joined = count_tokens(render(first, i + 1))
             if joined <= chunk_tokens:
                 used = joined
                 continue
-            chunks.append(Chunk(first, i, "\n".join(lines[first:i]), used))
+            chunks.append(Chunk(first, i, render(first, i), used))
             first = i
-        used = count_tokens(line)
+        used = count_tokens(render(i, i + 1))
         if used > chunk_tokens:
-            text = cut(line, chunk_tokens)
+            text = cut(render(i, i + 1), chunk_tokens)
             chunks.append(Chunk(i, i + 1, text, count_tokens(text)))
             first, used = i + 1, 0
-    if first < len(lines):
-        chunks.append(Chunk(first, len(lines), "\n".join(lines[first:]), used))
+    if first < turns:
+        chunks.append(Chunk(first, turns, render(first, turns), used))
     return chunks
 
 
@@ -70,14 +70,22 @@ class RagIndex:
     embeddings: np.ndarray
 
     @classmethod
-    def build(cls, turns: Sequence[Turn], lm: LoadedModel, encoder: SentenceEncoder, chunk_tokens: int) -> RagIndex:
+    def build(cls, turns: Sequence[Turn], lm: LoadedModel, encoder: SentenceEncoder, chunk_tokens: int,
+              dated: bool = False) -> RagIndex:  # fmt: skip
+        """`dated`: each chunk opens with the date of its first turn (the history's rendering dates only the
+        first turn of each session)."""
+        lines = format_turns(turns)
+
+        def render(first: int, end: int) -> str:
+            return "\n".join(format_turns(turns[first:end]) if dated else lines[first:end])
+
         def count(text: str) -> int:
             return int(lm.encode(text).shape[-1])
 
         def cut(text: str, n: int) -> str:
             return lm.decode(lm.encode(text)[0, :n].tolist())
 
-        chunks = chunk_turns(format_turns(turns), count, chunk_tokens, cut)
+        chunks = chunk_turns(len(turns), render, count, chunk_tokens, cut)
         if not chunks:
             raise UserError("the history has no turns to retrieve from")
         return cls(chunks, encoder.embed([c.text for c in chunks]))

@@ -60,10 +60,21 @@ def test_chunks_are_consecutive_turns_within_the_token_cap():
     def count(text):
         return len(text.split())
 
-    chunks = chunk_turns(lines, count, 5, cut=lambda text, n: " ".join(text.split()[:n]))
+    chunks = chunk_turns(len(lines), lambda i, j: "\n".join(lines[i:j]), count, 5,
+                         cut=lambda text, n: " ".join(text.split()[:n]))  # fmt: skip
     assert [(c.first, c.end) for c in chunks] == [(0, 2), (2, 3), (3, 5)]
     assert chunks[1].text == "f g h i j" and chunks[1].tokens == 5  # a turn over the cap is cut to it
     assert all(c.tokens <= 5 for c in chunks) and chunks[0].text == "a b c\nd e"
+
+
+def test_dated_chunks_open_with_their_date(short_lm, encoder):
+    from kvchat.history import Turn
+
+    turns = [Turn("A", f"word {i}", time="1 May 2023" if i < 30 else "2 June 2023") for i in range(60)]
+    plain = RagIndex.build(turns, short_lm, encoder, chunk_tokens=24)
+    dated = RagIndex.build(turns, short_lm, encoder, chunk_tokens=24, dated=True)
+    assert sum(c.text.startswith("[") for c in plain.chunks) == 2  # a session's first turn only
+    assert all(c.text.startswith("[") and c.tokens <= 24 for c in dated.chunks)
 
 
 def test_rag_prefills_exactly_the_top_chunks_in_history_order(short_lm, encoder):
