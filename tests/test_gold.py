@@ -73,7 +73,8 @@ def test_dated_chunks_open_with_their_date(short_lm, encoder):
     turns = [Turn("A", f"word {i}", time="1 May 2023" if i < 30 else "2 June 2023") for i in range(60)]
     plain = RagIndex.build(turns, short_lm, encoder, chunk_tokens=24)
     dated = RagIndex.build(turns, short_lm, encoder, chunk_tokens=24, dated=True)
-    assert sum(c.text.startswith("[") for c in plain.chunks) == 2  # a session's first turn only
+    assert len(plain.chunks) > 4 and sum(c.text.startswith("[") for c in plain.chunks) == 1  # the first chunk only
+    assert sum(c.text.count("[") for c in plain.chunks) == 2  # a session's first turn only
     assert all(c.text.startswith("[") and c.tokens <= 24 for c in dated.chunks)
 
 
