@@ -38,12 +38,11 @@ from kvchat.evaluate import EvalProgress, ResultsFile
 from kvchat.gold import (
     GoldVariant,
     evaluate_gold,
+    gold_markdown,
     hybrid_variant,
     kvchat_variant,
     rag_variant,
     recent_variant,
-    summarize_gold,
-    verdict,
 )
 from kvchat.llm import load_model, use_threads
 from kvchat.qa import load_locomo
@@ -81,34 +80,6 @@ class _Progress(EvalProgress):
             print(f"  {done}/{total}", file=sys.stderr, flush=True)
 
 
-def _mb(value: float | None) -> str:
-    return "" if value is None else f"{value / 2**20:.1f}"
-
-
-def markdown(records: list[dict], command: str, note: str) -> str:
-    rows = summarize_gold(records)
-    categories = ["multi-hop", "temporal", "open-domain", "single-hop"]
-    lines = [
-        "# Whole LoCoMo conversations against gold answers", "",
-        f"`{command}`", "", note, "",
-        "| system | entries attended | questions | F1 [95% interval] | " + " | ".join(categories)
-        + " | answer s | ingest s | disk MB | resident MB |",
-        "|---|---:|---:|---|" + "---:|" * len(categories) + "---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        low, high = r["f1_interval"]
-        cats = [r["f1_by_category"].get(c) for c in categories]
-        cells = ["" if c is None else f"{c[0]:.3f}" for c in cats]
-        ingest = "" if r["ingest_seconds"] is None else f"{r['ingest_seconds']:.0f}"
-        lines.append(
-            f"| {r['variant']} | {r['entries']:.0f} | {r['questions']} | {r['f1']:.3f} [{low:.3f}, {high:.3f}] | "
-            + " | ".join(cells)
-            + f" | {r['answer_seconds']:.2f} | {ingest} | {_mb(r['disk_bytes'])} | {_mb(r['resident_bytes'])} |"
-        )
-    lines += ["", *[f"- {line}" for line in verdict(records)], ""]
-    return "\n".join(lines)
-
-
 def _name(qa_set, variant: GoldVariant) -> str:
     """`<conversation>.<system>` in the store; a hybrid's cache is its cache system's (shared)."""
     key = variant.key.split("+")[0].replace("@", "-").replace(":", "-").replace("recent-", "streaming-")
@@ -144,7 +115,7 @@ def main() -> None:
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
             f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
-    text = markdown(records, command, note)
+    text = gold_markdown(records, title="Whole LoCoMo conversations against gold answers", notes=[f"`{command}`", note])
     print(text)
     if args.report is not None:
         args.report.write_text(text)

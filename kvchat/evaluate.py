@@ -101,9 +101,9 @@ def variants(methods: Sequence[str], budgets: Sequence[int], base: CacheConfig =
 
 def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: EvalConfig) -> list[QASet]:
     """LoCoMo files cut to `config.max_context` tokens (default: what keeps full KV inside the model's
-    window), then `synthetic` planted-fact conversations."""
+    window; against gold: whole), then `synthetic` planted-fact conversations."""
     max_context = config.max_context
-    if max_context is None and lm.context_window:
+    if max_context is None and lm.context_window and config.against != "gold":  # gold: whole conversations
         max_context = lm.context_window - ANSWER_ROOM
     sets = [
         load_locomo(

@@ -393,3 +393,26 @@ def verdict(records: Sequence[dict]) -> list[str]:
             lines.append(f"{budget} entries: no winner between {a['variant']} and {b['variant']}: {gap} is "
                          "inside the noise")  # fmt: skip
     return lines
+
+
+def _mb(value: float | None) -> str:
+    return "" if value is None else f"{value / 2**20:.1f}"
+
+
+def gold_markdown(records: Sequence[dict], *, title: str, notes: Sequence[str] = ()) -> str:
+    """The report of an eval against gold: one row per system (F1 with its interval, per category, answer and
+    ingest seconds, KV entries attended, megabytes on disk and resident), then the verdict lines."""
+    rows = summarize_gold(records)
+    categories = [CATEGORIES[c] for c in (1, 2, 3, 4)]
+    lines = [f"# {title}", "", *[line for note in notes for line in (note, "")],
+             "| system | entries attended | questions | F1 [95% interval] | " + " | ".join(categories)
+             + " | answer s | ingest s | disk MB | resident MB |",
+             "|---|---:|---:|---|" + "---:|" * len(categories) + "---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        low, high = r["f1_interval"]
+        cells = [f"{r['f1_by_category'][c][0]:.3f}" if c in r["f1_by_category"] else "" for c in categories]
+        ingest = "" if r["ingest_seconds"] is None else f"{r['ingest_seconds']:.0f}"
+        lines.append(f"| {r['variant']} | {r['entries']:.0f} | {r['questions']} | {r['f1']:.3f} [{low:.3f}, {high:.3f}]"
+                     f" | {' | '.join(cells)} | {r['answer_seconds']:.2f} | {ingest} | {_mb(r['disk_bytes'])} | "
+                     f"{_mb(r['resident_bytes'])} |")  # fmt: skip
+    return "\n".join([*lines, "", *[f"- {line}" for line in verdict(records)], ""])
