@@ -15,10 +15,10 @@ match (ingest seconds are the first build's); the results file resumes, so a run
 and `--questions N` measures an evenly spread subset first.
 
 Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
-chunk opening with its date), `recent@M` (sink + the
-last tokens, `streaming` at uniform layer budgets), `METHOD@M` (`kvchat ingest --method METHOD --budget M` at
-its other defaults; `:eE` with E episodes), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of
-CACHE's routed cache).
+chunk opening with its date), `recent@M` (sink + the last tokens, `streaming` at uniform layer budgets),
+`METHOD@M` (`kvchat ingest --method METHOD --budget M` at its other defaults; `:eE` with E episodes, `:rR` with
+IceCache offload reading R entries), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's
+routed cache).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, default_home
+from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig, default_home
 from kvchat.encoder import SentenceEncoder
 from kvchat.evaluate import EvalProgress, ResultsFile
 from kvchat.gold import (
@@ -49,7 +49,7 @@ from kvchat.qa import load_locomo
 from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
-_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?")
+_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?")
 
 
 def parse_system(spec: str) -> GoldVariant:
@@ -65,7 +65,9 @@ def parse_system(spec: str) -> GoldVariant:
     if name == "recent":
         return recent_variant(a)
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
-    variant = kvchat_variant(CacheConfig(method=name, budget=a, layer_budgets=layer_budgets), spec.strip())
+    offload = OffloadConfig(mode="icecache", retrieve=int(match["r"])) if match["r"] else OffloadConfig()
+    cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload)
+    variant = kvchat_variant(cache, spec.strip())
     if match["e"]:
         variant = dataclasses.replace(variant, episodes=EpisodeConfig(episodes=int(match["e"])))
     return variant

@@ -64,7 +64,10 @@ def hybrid_variant(cache: GoldVariant, rag: GoldVariant) -> GoldVariant:
 
 
 def kvchat_variant(cache: CacheConfig, key: str) -> GoldVariant:
-    return GoldVariant(key, cache.budget, cache=cache)
+    """A kvchat cache, compared at its budget M (with offload: M, IceCache's resident window W and the R entries
+    read back)."""
+    offload = cache.offload
+    return GoldVariant(key, cache.budget + (offload.window + offload.retrieve if offload.enabled else 0), cache=cache)
 
 
 def recent_variant(budget: int, base: CacheConfig = CacheConfig()) -> GoldVariant:
