@@ -91,14 +91,11 @@ def baselines(budgets: Iterable[int], chunk_tokens: int, base: CacheConfig = Cac
     return [v for b in budgets for v in (rag_variant(b, chunk_tokens), recent_variant(b, base))]
 
 
-def gold_variants(methods: Sequence[str], budgets: Sequence[int], chunk_tokens: int,
+def gold_variants(caches: Sequence[tuple[str, CacheConfig]], budgets: Sequence[int], chunk_tokens: int,
                   base: CacheConfig = CacheConfig()) -> list[GoldVariant]:  # fmt: skip
-    """kvchat's `methods` at each of `budgets` (full KV, which has no budget, once), then `rag` and `recent` at
-    each budget: what `kvchat eval` runs against gold."""
-    ours = [kvchat_variant(dataclasses.replace(base, method=m, budget=b), f"{m}@{b}")
-            for m in methods if m != "full" for b in budgets]  # fmt: skip
-    full = [GoldVariant("full", 0, cache=dataclasses.replace(base, method="full"))] if "full" in methods else []
-    return full + ours + baselines(budgets, chunk_tokens, base)
+    """kvchat's caches (`(key, config)`, as `kvchat eval` plans them), then `rag` and `recent` at each of
+    `budgets`: what `kvchat eval` runs against gold."""
+    return [kvchat_variant(cache, key) for key, cache in caches] + baselines(budgets, chunk_tokens, base)
 
 
 def by_reference(qa_sets: Sequence[QASet], lm: LoadedModel, against: str,

@@ -193,9 +193,12 @@ def test_auto_sends_only_histories_beyond_the_window_to_gold(short_lm):
 
 
 def test_gold_variants_put_rag_and_recent_at_each_budget():
+    from kvchat.config import OffloadConfig
     from kvchat.gold import gold_variants
 
-    keys = [(v.key, v.entries, v.baseline) for v in gold_variants(["snapkv", "full"], [512, 1024], 256)]
-    assert keys == [("full", 0, False), ("snapkv@512", 512, False), ("snapkv@1024", 1024, False),
+    paged = CacheConfig(method="snapkv", budget=512, offload=OffloadConfig(mode="icecache", retrieve=192))
+    caches = [("snapkv@512", CacheConfig(method="snapkv", budget=512)), ("snapkv@512/paged", paged)]
+    keys = [(v.key, v.entries, v.baseline) for v in gold_variants(caches, [512, 1024], 256)]
+    assert keys == [("snapkv@512", 512, False), ("snapkv@512/paged", 512 + 32 + 192, False),
                     ("rag@2x256", 512, True), ("recent@512", 512, True), ("rag@4x256", 1024, True),
                     ("recent@1024", 1024, True)]  # fmt: skip
