@@ -35,7 +35,7 @@ from kvchat.kv.trained import TrainedIndexMem
 from kvchat.llm import ChatLayout, load_model
 from kvchat.profile import find_indexmem
 from kvchat.synthetic import planted_conversation
-from kvchat.training import make_chunks
+from kvchat.training.chunks import make_chunks
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 CONTINUATION = 48

@@ -37,7 +37,9 @@ from kvchat.history import Turn, format_turns
 from kvchat.kv.trained import TrainedIndexMem
 from kvchat.llm import ChatLayout, load_model
 from kvchat.synthetic import planted_conversation
-from kvchat.training import Chunk, capture, evaluate_memory, make_chunks, residual_removed
+from kvchat.training.chunks import Chunk, make_chunks
+from kvchat.training.memory_stage import evaluate_memory, residual_removed
+from kvchat.training.teacher import capture
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -121,12 +121,15 @@ def test_the_memory_stage_evicts_what_ingest_evicts(trained_home, tiny_lm, histo
     too, and not what the indexer alone would keep."""
     from kvchat.kv.indexer import IndexerScorer
     from kvchat.kv.prefill import block_prefill
-    from kvchat.training import capture, make_chunks, simulate_eviction
+    from kvchat.training.chunks import make_chunks
+    from kvchat.training.memory_stage import simulate_eviction
+    from kvchat.training.teacher import capture
 
     trained = TrainedIndexMem.load(next((trained_home / "profiles").glob("*.indexmem.safetensors")))
     config = dataclasses.replace(SMALL, chunk_tokens=160, memory_block=32)
     chunk = make_chunks(tiny_lm, config, [history])[0][0]
-    x0 = capture(tiny_lm, chunk).hidden[0].float()
+    captured = capture(tiny_lm, chunk)
+    x0, rope = captured.hidden[0].float(), captured.rope[0]
     model, sink, differs = tiny_lm.model, chunk.sink, []
     for budget in (40, 56, 80):
         ingest = block_prefill(model, chunk.ids[None, :sink], chunk.ids[None, sink:], block_size=config.memory_block,
@@ -134,17 +137,18 @@ def test_the_memory_stage_evicts_what_ingest_evicts(trained_home, tiny_lm, histo
                                scorer=IndexerScorer.for_cache(trained.indexer, model, config.simulated_cache()))
         kept = ingest.cache.layers[0].positions
         scorer = IndexerScorer.for_cache(trained.indexer, model, config.simulated_cache())
-        simulated = simulate_eviction(scorer, model, 0, x0, sink, budget, config.memory_block)
+        simulated = simulate_eviction(scorer, model, 0, x0, sink, budget, config.memory_block, rope=rope)
         assert kept.shape == (tiny_lm.model.config.num_key_value_heads, budget)
         assert [simulated[h].nonzero()[:, 0].tolist() for h in range(kept.shape[0])] == kept.tolist()
         alone = dataclasses.replace(config, memory_attention_mix=0.0).simulated_cache()
         differs.append(not torch.equal(simulated, simulate_eviction(
-            IndexerScorer.for_cache(trained.indexer, model, alone), model, 0, x0, sink, budget, config.memory_block)))
+            IndexerScorer.for_cache(trained.indexer, model, alone), model, 0, x0, sink, budget, config.memory_block,
+            rope=rope)))
     assert differs[0] is False and differs[-1] is True  # at 40 only the sink and the window fit
 
 
 def test_memory_budgets_within_the_system_prompt_are_refused_in_one_line(tiny_lm, history, tmp_path):
-    from kvchat.training import make_chunks
+    from kvchat.training.chunks import make_chunks
 
     sink = make_chunks(tiny_lm, SMALL, [history])[0][0].sink
     with pytest.raises(UserError, match=f"memory budgets {sink} must exceed the system prompt's {sink} tokens") as e:
@@ -365,7 +369,7 @@ def test_the_readout_scale_shrinks_the_readout_and_a_closed_layer_is_neither_wri
     """`readout_scale` multiplies what answering adds; a layer whose gate training shut (`close_gates`) keeps an
     empty state and adds nothing, while the other layers still remember."""
     from kvchat.kv.latent import gate_closed
-    from kvchat.training import close_gates
+    from kvchat.training.memory_stage import close_gates
 
     torch.manual_seed(0)
     shape = IndexMemShape(layers=2, q_heads=4, kv_heads=2, head_dim=8, hidden=32, index_heads=1, index_dim=1,

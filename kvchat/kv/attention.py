@@ -93,6 +93,8 @@ class LayerView:
     `queries`: those queries `[1, q_heads, rows, head_dim]`, after RoPE. `hidden`: the layer's attention
     input (after its norm) for every token of the forward, `[1, q, hidden]`, when the recorder asked
     (`needs_hidden`): a learned scorer computes its own keys and queries from them (kvchat.kv.indexer).
+    `scale` and `softcap`: what the model passed to attention, so a recorder can compute its logits as
+    attention does (`attention_logits`; the indexer's teacher, kvchat.training.teacher).
     """
 
     layer_idx: int
@@ -100,6 +102,8 @@ class LayerView:
     past: int
     queries: torch.Tensor
     hidden: torch.Tensor | None = None
+    scale: float | None = None
+    softcap: float | None = None
 
 
 class Recorder(Protocol):
@@ -159,7 +163,7 @@ def grouped_attention_weights(
 ) -> torch.Tensor:
     """Softmax attention weights for batch 1, shaped [kv_heads, group, q, kv] (GQA groups explicit).
     `softcap` (Gemma2's attention logit softcapping): logits become softcap * tanh(logits / softcap)."""
-    logits = _logits(query, key, scaling, softcap)
+    logits = attention_logits(query, key, scaling, softcap)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     return logits.softmax(dim=-1)
@@ -251,7 +255,8 @@ def kvchat_attention(
     else:
         out = attend(query, key, value, mask, scale, softcap)
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
-        kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden))
+        kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden, scale,
+                                          softcap))
     return _with_memory(out.transpose(1, 2).contiguous(), module, query, kvchat_memory, key, scale, mask, softcap), None
 
 
@@ -289,19 +294,19 @@ def attention_log_mass(
         group = query.shape[1] // kv_heads
         parts = []
         for h in range(kv_heads):
-            logits = _logits(query[:, h * group : (h + 1) * group], key[h], scale, softcap)
+            logits = attention_logits(query[:, h * group : (h + 1) * group], key[h], scale, softcap)
             head_mask = causal_mask(q_len, key[h].shape[2], query.device)
             if head_mask is not None:
                 logits = logits.masked_fill(~head_mask, float("-inf"))
             parts.append(logits.logsumexp(-1, keepdim=True).flatten(0, 1))
         return torch.cat(parts)[None]
-    logits = _logits(query, key, scale, softcap)
+    logits = attention_logits(query, key, scale, softcap)
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     return logits.logsumexp(-1, keepdim=True).flatten(0, 1)[None]
 
 
-def _logits(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+def attention_logits(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     """Attention logits `[kv_heads, group, q, n]` (float32) of `query [1, q_heads, q, D]` over `key [1, kv, n, D]`."""
     _, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
@@ -311,12 +316,13 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float
 
 
 def _view(
-    layer_idx: int, weights: torch.Tensor, past: int, query: torch.Tensor, hidden: dict[int, torch.Tensor] | None
+    layer_idx: int, weights: torch.Tensor, past: int, query: torch.Tensor, hidden: dict[int, torch.Tensor] | None,
+    scale: float, softcap: float | None,
 ) -> LayerView:
     """The recorder's view of a layer: the last `rows` queries (those `weights` cover) and the hidden states."""
     rows = weights.shape[-2]
     layer_hidden = hidden.pop(layer_idx, None) if hidden is not None else None
-    return LayerView(layer_idx, weights, past, query[:, :, query.shape[2] - rows :], layer_hidden)
+    return LayerView(layer_idx, weights, past, query[:, :, query.shape[2] - rows :], layer_hidden, scale, softcap)
 
 
 def _ragged_attention(
@@ -360,7 +366,7 @@ def _ragged_attention(
             own = w.shape[-1] - q_len
             padded[h, ..., :own] = w[..., :own]
             padded[h, ..., past:] = w[..., own:]
-        recorder.record(_view(module.layer_idx, padded, past, query, hidden))
+        recorder.record(_view(module.layer_idx, padded, past, query, hidden, scale, softcap))
     return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 

@@ -1,5 +1,5 @@
 """IndexMem's indexer (Yang et al. 2026, §3.1): a small learned module per layer that predicts which cached
-entries the frozen model's attention needs, read inside the block's forward (no probe pass).
+entries the frozen model's attention needs, read inside the block's forward, so eviction needs no probe pass.
 
 Per layer, with the backbone frozen: U_q down-projects pre-RoPE queries to `H_index` heads of `d_index`,
 U_k maps each token's hidden state (the attention input) to one key shared by the indexer heads, a gate G
@@ -8,32 +8,25 @@ s on key t is `A[s,t] = sum_j alpha_{s,j} act(q_{s,j} . k_t)` with `alpha = G x_
 an entry's importance is the max of A over the query set (causal). `H_index = H/4`, `d_index = d_head/8`
 (`IndexMemConfig`; at least 1 each).
 
-Where the paper is silent, kvchat chooses:
+Where the paper is silent, kvchat chooses (the figures behind each: benchmarks/results/indexmem_ablation.md):
 - **activation**: ReLU, as DeepSeek-V3.2's lightning indexer, which the paper builds on.
 - **heads**: one importance per KV head, because kvchat evicts per KV head. U_q reads the pre-RoPE queries
   of that KV head's GQA group (one U_q shared by the groups) and the teacher is the max over that group's
   query heads. Scores handed to eviction are per-head softmax distributions over the head's entries, so
   heads compare as attention weights do and adaptive (AdaKV) head budgets apply.
-- **query set while prefilling**: every query of the block (the paper: every query of the prompt). Only the
-  block's last 64 (`query_window`) changed nothing measurable on held-out data.
-- **blended with the block's own attention** (`attention_mix`, CacheConfig; not in the paper): the score
-  handed to eviction is `(1 - mix) * indexer + mix * attention`, the second term the attention of the block's
-  last 64 queries (SnapKV's observation window, max over queries and the GQA group, as kvchat's probes
-  aggregate), read from the same forward (`query_rows`), each term a distribution over the head's entries.
-  The indexer is distilled from the max attention *logit* over all queries: it keeps what any query
-  could want (more of the evidence) but not what the last queries attend to, on which the next tokens
-  depend. On planted-fact conversations and held-out chit-chat (benchmarks/indexmem_ablation.py, never
-  LoCoMo) mix 0.75 with no pooling and a 16-entry window had the lowest first-token KL of the blends, at
-  256 below SnapKV's, the gold answer's likelihood at 256 as high as with the indexer alone (at 128 lower:
-  there attention alone had lower KL still; the indexer's share is what keeps evidence SnapKV drops).
+- **query set while prefilling**: every query of the block (the paper: every query of the prompt).
+- **blended with the block's own attention** (`attention_mix`, CacheConfig; not in the paper): the indexer is
+  distilled from the max attention logit over all queries, so it keeps what any query could want but not what
+  the block's last queries attend to, on which the next tokens depend. Eviction therefore reads
+  `(1 - mix) * indexer + mix * attention`, the second term the attention of the block's last 64 queries
+  (SnapKV's observation window, aggregated as kvchat's probes are), from the same forward (`query_rows`).
 - **recent window**: each block's last `recent_window` entries are kept whatever they score (the paper's
-  inference keeps "the most recent local window" besides the budget). The indexer sees no positions, and
-  the tokens a question is asked right after are the ones no later query has scored yet. Alone, the indexer
-  needs a wide one (64: first-token KL 0.28 -> 0.117 at 256 on LoCoMo conv-26); blended with attention, which
-  sees recency, 16 is better (64 takes half of a 128 budget).
-- **pooling** (`indexer_pool_kernel`): off. Max-pooling neighbours (SnapKV practice, `pool_kernel` for the
-  probe methods) kept whole facts a little better but cost first-token KL here.
-- **teacher logits**: the model's own, `q . k / sqrt(d_head)` after RoPE (the paper writes sqrt(d_model)).
+  "most recent local window"): the indexer sees no positions, and the tokens a question comes right after are
+  the ones no later query has scored yet.
+- **pooling** (`indexer_pool_kernel`): off; pooling neighbours kept whole facts a little better but cost the
+  next token's fidelity.
+- **teacher logits**: the model's own attention logits, after its q/k norms, RoPE, scale and softcap
+  (kvchat.training.teacher; the paper writes sqrt(d_model) for the scale).
 
 Training (`kvchat.training`) distils `KL(softmax(max_q teacher) || softmax(max_q A))` per layer and KV head,
 sink positions (the system prompt) masked. The trained weights file is `kvchat.kv.trained`.

@@ -1,6 +1,7 @@
 """The trained IndexMem weights file: one safetensors file per base model (never pickle) holding the indexer
 (kvchat.kv.indexer) and, when trained, the latent memory's slow weights (kvchat.kv.latent), in half
-precision, with where they came from.
+precision, with where they came from: weights only fit the base weights they were distilled from, so the file
+names them, and it carries its recipe and held-out figures so a user can tell what they load.
 
 Tensors: `indexer.layers.{l}.*` and `memory.{phi,gate}.{l}.*` (the modules' state dicts; a mass-readout memory
 adds `memory.log_scale` and `memory.decay_rate`, `[layers]` each). Metadata (strings):
