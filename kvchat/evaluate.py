@@ -33,11 +33,21 @@ from pathlib import Path
 import torch
 
 from kvchat.ask import Session
-from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EvalConfig, IngestConfig, OffloadConfig
+from kvchat.config import (
+    ANSWER_ROOM,
+    CACHE_PRECISIONS,
+    METHODS,
+    OFFLOAD_MODES,
+    AskConfig,
+    CacheConfig,
+    EvalConfig,
+    IngestConfig,
+    OffloadConfig,
+)
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
-from kvchat.ingest import IngestProgress, ingest
+from kvchat.ingest import IngestProgress, ingest, validate
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
 from kvchat.llm import LoadedModel
@@ -97,6 +107,43 @@ def variants(methods: Sequence[str], budgets: Sequence[int], base: CacheConfig =
             continue
         out += [Variant(dataclasses.replace(base, method=method, budget=b)) for b in budgets]
     return out
+
+
+def plan_variants(
+    data: Sequence[Path], synthetic: int, config: EvalConfig, base: IngestConfig, *,
+    offloads: Sequence[str] = (), precisions: Sequence[str] = (), retrieve: int = _OFFLOAD_DEFAULTS.retrieve,
+) -> list[Variant]:
+    """The variants an eval of `data` (LoCoMo files) and `synthetic` planted-fact conversations runs: every
+    method and budget of `config` with each offload mode (default: none) and cache precision (default: full)
+    over `base`. Everything is checked here, before a model loads: a mistake raises UserError."""
+    if not data and synthetic < 1:
+        raise UserError("give LoCoMo files to evaluate, or --synthetic N")
+    for method in config.methods:
+        if method not in METHODS:
+            raise UserError(f"unknown method {method!r} in --methods (choose from {', '.join(METHODS)})")
+    if not config.budgets:
+        raise UserError("--budgets is empty")
+    if config.questions is not None and config.questions < 1:
+        raise UserError(f"--questions must be >= 1 (got {config.questions})")
+    if config.max_context is not None and config.max_context < 64:
+        raise UserError(f"--max-context must be >= 64 tokens (got {config.max_context})")
+    for mode in offloads:
+        if mode not in OFFLOAD_MODES:
+            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
+    for precision in precisions:
+        if precision not in CACHE_PRECISIONS:
+            raise UserError(f"unknown precision {precision!r} in --cache-precision (choose from "
+                            f"{', '.join(CACHE_PRECISIONS)})")  # fmt: skip
+    planned = [
+        v for mode in offloads or (_OFFLOAD_DEFAULTS.mode,) for precision in precisions or (_CACHE_DEFAULTS.precision,)
+        for v in variants(config.methods, config.budgets, dataclasses.replace(
+            base.cache, offload=OffloadConfig(mode=mode, retrieve=retrieve), precision=precision))
+    ]  # fmt: skip
+    for v in planned:
+        validate(dataclasses.replace(base, cache=v.cache))
+    for path in data:
+        load_locomo(path)  # a bad file fails here, before any model is loaded
+    return planned
 
 
 def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: EvalConfig) -> list[QASet]:

@@ -99,6 +99,27 @@ def profile_layers(
     )
 
 
+def read_calibration(path: Path | None) -> tuple[str, str]:
+    """The calibration text and where it came from: `path`, or the shipped text when None."""
+    if path is None:
+        return calibration_text(), "kvchat/data/calibration.txt"
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    return path.read_text(errors="replace"), str(path)
+
+
+def save_profile(profile: LayerProfile, home: Path, out: Path | None = None) -> tuple[Path, Path | None]:
+    """Save `profile` at `out` (default: `home`'s profiles dir, where ingest looks first). Returns where,
+    and the shipped profile for the same weights that ingest now passes over (None when none is)."""
+    user_dir = home / "profiles"
+    target = out or user_dir / f"{profile.weights}.json"
+    profile.save(target)
+    if target.parent != user_dir:
+        return target, None
+    hidden = [p for p in shipped_profiles() if json.loads(p.read_text()).get("weights") == profile.weights]
+    return target, hidden[0] if hidden else None
+
+
 def shipped_profiles() -> list[Path]:
     """Profiles that ship with kvchat (the repository's profiles/, installed as the package kvchat.profiles)."""
     return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(".json"))

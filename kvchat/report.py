@@ -31,6 +31,15 @@ def cell(row: dict, key: str, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
+def write(path: Path, rows: Sequence[dict], *, spec: str, sets: Sequence[str], notes: Sequence[str] = (),
+          synthetic: bool = False) -> None:
+    """The markdown report at `path` and its plot beside it (the same name, .png), for model `spec` on `sets`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    png = path.with_suffix(".png")
+    plot(rows, png, title=f"kvchat eval ({spec}): {', '.join(sorted(sets))}", synthetic=synthetic)
+    path.write_text(markdown(rows, title=f"kvchat eval ({spec})", notes=notes, plot=png.name))
+
+
 def markdown(rows: Sequence[dict], *, title: str, notes: Sequence[str] = (), plot: str | None = None) -> str:
     """The summary table, then F1 per question category, then `notes` (what was run, on what)."""
     lines = [f"# {title}", ""]

@@ -238,9 +238,9 @@ def test_history_text_and_paths_are_shown_as_text(hostile, monkeypatch, terminal
     home, model = hostile
     monkeypatch.setenv("TTY_COMPATIBLE", "1" if terminal else "0")  # rich's way to say "a terminal"
     monkeypatch.setenv("COLUMNS", "400")
-    from kvchat import cli
+    from kvchat.cli import render
 
-    monkeypatch.setattr(cli.out, "width", 400)  # a console made earlier in this process read COLUMNS then
+    monkeypatch.setattr(render.out, "width", 400)  # a console made earlier in this process read COLUMNS then
     for args in (("show", "h"), ("list",)):
         result = run_main(home, *args)
         assert result.returncode == 0, result.stderr
@@ -262,8 +262,9 @@ def test_piped_tables_are_tab_separated_and_whole(hostile):
 
 
 def test_streamed_answers_are_cleaned(monkeypatch, capsys):
-    from kvchat import cli
     from kvchat.ask import Answer
+    from kvchat.cli.asking import _Asker
+    from kvchat.config import AskConfig
 
     class FakeSession:
         def ask(self, question, *, episode, on_text, log, stop):
@@ -271,8 +272,8 @@ def test_streamed_answers_are_cleaned(monkeypatch, capsys):
                 on_text(piece)
             return Answer("", "c", 0, 1.0, 1, 4, False, finish_reason="length")
 
-    asker = cli._Asker.__new__(cli._Asker)
-    asker.session, asker.log, asker.config = FakeSession(), True, cli.AskConfig(4)
+    asker = _Asker.__new__(_Asker)
+    asker.session, asker.log, asker.config = FakeSession(), True, AskConfig(4)
     asker.answer("q?", None)
     captured = capsys.readouterr()
     assert captured.out == "a red [b]x[/b]  done\n"
@@ -393,3 +394,43 @@ def test_profile_layers_says_when_its_profile_overrides_a_shipped_one(tmp_path, 
     second = run_main(tmp_path, *args)
     assert json.loads(second.stdout)["overrides"] == str(shipped)
     assert "ingest now uses" in second.stderr and f"instead of the shipped {shipped}" in second.stderr
+
+
+# --------------------------------------------------------------------------- cold start: no model, no torch
+
+_STORE_IMPORTS_TORCH = pytest.mark.xfail(
+    strict=True, reason="kvchat.store imports torch, safetensors.torch, kv.codec and kv.tensorfile at module level")
+_NO_MODEL = [
+    pytest.param(("--help",), id="help"),
+    pytest.param(("ingest", "--help"), id="ingest-help"),
+    pytest.param(("list",), id="list", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("show", "chat"), id="show", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("show", "nope"), id="show-unknown", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("rm", "nope"), id="rm-unknown", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("logs",), id="logs", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("doctor",), id="doctor", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("ask", "why?", "--conversation", "nope"), id="ask-unknown", marks=_STORE_IMPORTS_TORCH),
+]
+
+
+def _heavy_imports(home: Path, *args: str) -> set[str]:
+    """Which of torch and transformers `kvchat ARGS` imports, from `python -X importtime`'s report."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvchat", *args], capture_output=True,
+                            text=True, env=cli_env(home), timeout=300)  # fmt: skip
+    assert result.returncode in (0, 2), result.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
+                if line.startswith("import time:")}  # fmt: skip
+    assert "kvchat.cli" in imported
+    return imported & {"torch", "transformers"}
+
+
+@pytest.mark.parametrize("args", [p.values[0] for p in _NO_MODEL], ids=[p.id for p in _NO_MODEL])
+def test_commands_without_a_model_do_not_import_transformers(ingested, args):
+    home, _ = ingested
+    assert "transformers" not in _heavy_imports(home, *args)
+
+
+@pytest.mark.parametrize("args", _NO_MODEL)
+def test_commands_without_a_model_do_not_import_torch(ingested, args):
+    home, _ = ingested
+    assert "torch" not in _heavy_imports(home, *args)

@@ -1,0 +1,161 @@
+"""kvchat's command line: parses options, calls the library, renders with rich.
+
+This module holds the Typer app, the command table and `main` (exit codes, signals); each command group
+lives in its own module, and the commands that need no model import none of torch or transformers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Annotated
+
+import typer
+
+from kvchat.cli import asking, calibration, evaluating, ingesting, stored
+from kvchat.cli.render import err, say
+from kvchat.errors import UserError
+
+app = typer.Typer(
+    help="Answer questions about chat histories far longer than your KV-cache budget.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            number = version("kvchat")
+        except PackageNotFoundError:
+            number = "unknown"
+        sys.stdout.write(f"kvchat {number}\n")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks of internal errors, and what kvchat's "
+                                        "library logs (where the model runs, its decode attention backend).")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print kvchat's version and exit.")] = False,
+) -> None:
+    """kvchat keeps one compressed KV cache per topical episode of a conversation, on disk
+    ($KVCHAT_HOME, default: the platform's user data dir), and answers from the nearest one."""
+
+
+# The commands, in the order --help lists them.
+app.command()(ingesting.ingest)
+app.command("ingest-batch")(ingesting.ingest_batch)
+app.command()(asking.ask)
+app.command("profile-layers")(calibration.profile_layers_command)
+app.command("train-indexer")(calibration.train_indexer_command)
+app.command("eval")(evaluating.eval_command)
+app.command("list")(stored.list_conversations)
+app.command()(stored.show)
+app.command()(stored.rm)
+app.command()(stored.logs)
+app.command()(stored.doctor)
+
+
+def main() -> None:
+    """Entry point: usage errors and user mistakes exit 2 with one line (usage errors with click's usage
+    line); internal failures exit 1 and point to --debug; a closed pipe ends quietly, as in git."""
+    if hasattr(signal, "SIGPIPE"):  # `kvchat ask ... | head -c1`: die of SIGPIPE like any Unix filter
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    for name in ("SIGTERM", "SIGHUP"):  # unwind, so an ingest or a model conversion removes its temp dir
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _terminate)
+    run()
+
+
+class _Terminated(SystemExit):
+    """SIGTERM or SIGHUP: leave through every `finally` and context manager, then exit 128 + signal."""
+
+
+def _terminate(signum: int, frame) -> None:
+    signal.signal(signum, signal.SIG_IGN)  # a second one must not cut the clean-up short
+    raise _Terminated(128 + signum)
+
+
+def run(argv: Sequence[str] | None = None) -> None:
+    """main() without the process-wide signal setup (tests call this in-process)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    _quiet_libraries()
+    with _debug_log(debug):
+        _run(args, debug)
+
+
+@contextlib.contextmanager
+def _debug_log(enabled: bool):
+    """With --debug, the `kvchat` loggers' debug records go to stderr as `kvchat: debug: ...` lines."""
+    if not enabled:
+        yield
+        return
+    logger = logging.getLogger("kvchat")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("kvchat: debug: %(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(args: list[str], debug: bool) -> None:
+    try:
+        status = app(args=args, prog_name="kvchat", standalone_mode=False)  # returns typer.Exit's code
+    except _Terminated as exc:
+        err.print("kvchat: terminated", markup=False)
+        sys.exit(exc.code)
+    except UserError as exc:
+        say(f"kvchat: error: {exc}", console=err)
+        sys.exit(2)
+    except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
+        if getattr(exc, "ctx", False) is None:  # raised by the parser before it had a context
+            exc.ctx = _usage_context(args)
+        exc.show()
+        sys.exit(exc.exit_code)
+    except (typer.Abort, KeyboardInterrupt):
+        status = 130
+    except Exception as exc:  # an internal failure: say so, traceback only on request
+        if debug:
+            raise
+        say(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+            console=err)
+        sys.exit(1)
+    if status == 130:  # typer turns Ctrl-C into Exit(130)
+        err.print("kvchat: interrupted", markup=False)
+    if isinstance(status, int) and status:
+        sys.exit(status)
+
+
+def _usage_context(args: Sequence[str]):
+    """A context for the command `args` name (or the root), so a usage error shows that command's usage."""
+    root = typer.main.get_command(app)
+    context = root.make_context("kvchat", [], resilient_parsing=True)
+    name = next((a for a in args if not a.startswith("-")), None)
+    command = root.get_command(context, name) if name else None
+    if command is None:
+        return context
+    return command.make_context(name, [], parent=context, resilient_parsing=True)
+
+
+def _quiet_libraries() -> None:
+    """transformers' load-time progress bars and advice belong in logs, not in a CLI's output."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own bar

@@ -1,0 +1,167 @@
+"""`kvchat ask`: one question, stdin lines, or the REPL."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from kvchat import documents
+from kvchat.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    ThreadsOpt,
+    Weights,
+    complete_conversation,
+    load_encoder,
+    load_model,
+    open_store,
+)
+from kvchat.cli.render import emit_json, err, out, say
+from kvchat.config import AskConfig, DeviceConfig
+from kvchat.errors import UserError
+from kvchat.terminal import StreamCleaner
+
+
+def ask(
+    question: Annotated[str | None, typer.Argument(
+        metavar="QUESTION",
+        help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
+    conversation: Annotated[str | None, typer.Option(
+        help="Conversation name (default: the latest).", autocompletion=complete_conversation)] = None,
+    episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
+    retrieve: Annotated[int | None, typer.Option(
+        help="Conversations ingested with --offload: entries per layer and KV head read from the pages (R; "
+        "default: the conversation's).")] = None,
+    threads: ThreadsOpt = None,
+    weights: Annotated[Weights, typer.Option(
+        help="float: the model's weights as loaded; int8: its Linear weights as int8 (per channel), ~1.3x faster "
+        "answers on a CPU, first-token KL ~0.006 vs float (README, Decode speed).")] = AskConfig.weights,
+    device: DeviceOpt = DeviceConfig.device,
+    dtype: DtypeOpt = DeviceConfig.dtype,
+    no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object per question (JSON Lines).")] = False,
+) -> None:
+    """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL).
+
+    Every question and answer is recorded in the store (`kvchat logs` shows them) unless --no-log."""
+    if question is not None and not question.strip():
+        raise UserError("the question is empty")
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1 (got {max_new_tokens})")
+    if question is None and (sys.stdin is None or sys.stdin.closed):
+        raise UserError("no question: give one as an argument, or one per line on stdin")
+    if retrieve is not None and retrieve < 0:
+        raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
+    store = open_store()
+    if store.read_only and not no_log:
+        say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
+            console=err)
+    asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve, weights=weights),
+                   log=not no_log and not store.read_only, threads=threads, device=DeviceConfig(device, dtype))
+    if question is not None:
+        asker.answer(question, episode, as_json=as_json)
+    elif sys.stdin.isatty() and out.is_terminal and not as_json:
+        from kvchat.repl import Repl, prompt_reader
+
+        if episode is not None:
+            asker.check_episode(episode)
+        name = asker.session.conversation.name
+        say((name, "bold"), f": {asker.episode_count()} episodes. /help for help; exit, quit or Ctrl-D ends.",
+            console=err)
+        history_file = None if store.read_only else store.home / "repl-history"
+        repl = Repl(prompt_reader(history_file), asker, lambda m: say(m, console=err))
+        repl.episode = episode
+        repl.run()
+    else:
+        for line in sys.stdin:
+            if line.strip():
+                asker.answer(line, episode, as_json=as_json)
+
+
+class _Asker:
+    """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
+
+    def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
+                 device: DeviceConfig = DeviceConfig()) -> None:
+        self.store, self.config, self.log = store, config, log
+        record = store.get(conversation) if conversation else store.latest()  # an unknown name: before torch loads
+        from kvchat.ask import Session
+
+        self.threads, self.device = threads, device
+        lm = load_model(record.model, store, threads=threads, device=device, weights=config.weights)
+        self.session = Session(store, record, lm, load_encoder(), config)
+
+    def episode_count(self) -> int:
+        return len(self.session.conversation.episodes)
+
+    def check_episode(self, episode: int) -> None:
+        if not 0 <= episode < self.episode_count():
+            raise UserError(f"--episode {episode} does not exist (conversation "
+                            f"'{self.session.conversation.name}' has episodes 0..{self.episode_count() - 1})")
+
+    def switch(self, name: str) -> int:
+        from kvchat.ask import Session
+
+        record = self.store.get(name)
+        same = record.model == self.session.lm.spec
+        lm = self.session.lm if same else load_model(record.model, self.store, threads=self.threads, device=self.device,
+                                                     weights=self.config.weights)
+        self.session = Session(self.store, record, lm, self.session.encoder, self.config)
+        return self.episode_count()
+
+    def answer(self, question: str, episode: int | None, *, as_json: bool = False) -> None:
+        """Stream the answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it."""
+        question = question.strip()
+        if as_json:
+            result = self.session.ask(question, episode=episode, log=self.log)
+            emit_json(documents.answer(question, result))
+            return
+        cleaner = StreamCleaner()
+
+        def write(text: str) -> None:
+            sys.stdout.write(cleaner.feed(text))
+            sys.stdout.flush()
+
+        with _ctrl_c_stops() as stopping:
+            result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping)
+        sys.stdout.write(cleaner.flush() + "\n")
+        sys.stdout.flush()
+        if result.finish_reason == "length":
+            say(f"[answer cut at --max-new-tokens {self.config.max_new_tokens}]", console=err)
+        elif result.finish_reason == "stopped":
+            say("[stopped]", console=err)
+        if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
+            reuse = ", resident" if result.reused_cache else ""
+            err.print(Text(f"episode {result.episode} (similarity {result.similarity:.2f}{reuse})", style="dim"))
+
+
+class _ctrl_c_stops:
+    """While an answer streams on a terminal, a first Ctrl-C asks it to stop (the answer ends after the
+    current token and the session stays); a second one interrupts at once."""
+
+    def __enter__(self):
+        self.requested = False
+        self.previous = None
+        if sys.stdin is not None and sys.stdin.isatty() and _main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._handle)
+        return lambda: self.requested
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

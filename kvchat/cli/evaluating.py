@@ -1,0 +1,126 @@
+"""`kvchat eval`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvchat import documents
+from kvchat.cli.options import (
+    DeviceOpt,
+    DtypeOpt,
+    JsonOpt,
+    Prefill,
+    ThreadsOpt,
+    int_list,
+    load_encoder,
+    load_model,
+    open_store,
+)
+from kvchat.cli.progress import RichEvalProgress, progress_bars
+from kvchat.cli.render import emit_json, err, say, table
+from kvchat.config import (
+    CacheConfig,
+    DeviceConfig,
+    EvalConfig,
+    IngestConfig,
+    OffloadConfig,
+)
+from kvchat.report import COLUMNS as EVAL_COLUMNS
+from kvchat.report import cell as eval_cell
+
+
+def eval_command(
+    data: Annotated[list[Path] | None, typer.Argument(
+        metavar="DATA", help="LoCoMo-format conversation files with QA.")] = None,
+    methods: Annotated[str, typer.Option(help="Comma-separated methods; full KV always runs as the reference.")] = (
+        ",".join(EvalConfig.methods)
+    ),
+    budgets: Annotated[str, typer.Option(help="Comma-separated budgets M.")] = ",".join(map(str, EvalConfig.budgets)),
+    max_context: Annotated[int | None, typer.Option(
+        help="Keep whole sessions from the start up to this many tokens (default: the model's window minus "
+        "room for the answer) and only questions whose evidence is all inside.")] = EvalConfig.max_context,
+    questions: Annotated[int | None, typer.Option(
+        help="At most N questions per conversation, spread evenly over the file.")] = EvalConfig.questions,
+    categories: Annotated[str, typer.Option(
+        help="LoCoMo categories: 1 multi-hop, 2 temporal, 3 open-domain, 4 single-hop, 5 adversarial.")] = (
+        ",".join(map(str, EvalConfig.categories))
+    ),
+    synthetic: Annotated[int, typer.Option(help="Also run N planted-fact conversations (deterministic).")] = 0,
+    model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
+        IngestConfig.model
+    ),
+    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
+    offload: Annotated[str, typer.Option(
+        help="Comma-separated offload modes, each run with every method and budget: none, icecache (with "
+        "icecache, full KV runs once more, paged past the system prompt and the last tokens).")] = "none",
+    retrieve: Annotated[int, typer.Option(help="--offload icecache: entries per layer and KV head read (R).")] = (
+        OffloadConfig.retrieve
+    ),
+    prefill: Annotated[Prefill, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
+        CacheConfig.prefill
+    ),
+    cache_precision: Annotated[str, typer.Option(
+        help="Comma-separated cache precisions, each run with every method and budget: full, int8, int4 (as for "
+        "ingest; quantized variants are named .../precision=int8 or .../precision=int4).")] = CacheConfig.precision,
+    out_path: Annotated[Path | None, typer.Option("--out", help="Append per-question records here (JSON lines); "
+                                                  "a re-run skips what the file already has.")] = None,
+    report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
+    per_conversation: Annotated[bool, typer.Option(
+        help="One row per conversation and variant in the table and --json (the report stays pooled).")] = False,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = DeviceConfig.device,
+    dtype: DtypeOpt = DeviceConfig.dtype,
+    as_json: JsonOpt = False,
+) -> None:
+    """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
+    from kvchat import evaluate
+
+    config = EvalConfig(
+        methods=_names(methods), budgets=int_list(budgets, "--budgets"), max_context=max_context,
+        questions=questions, categories=int_list(categories, "--categories"),
+    )
+    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
+    variant_list = evaluate.plan_variants(data or [], synthetic, config, base, offloads=_names(offload),
+                                          precisions=_names(cache_precision), retrieve=retrieve)
+    results = evaluate.ResultsFile(out_path)
+    store = open_store()
+    lm = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype))
+    sets = evaluate.qa_sets(data or [], synthetic, lm, config)
+    for s in sets:
+        if s.sessions_total:
+            say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
+                f"{len(s.questions)} questions with all evidence inside", console=err)
+    with progress_bars(hidden=as_json) as bars:
+        records = evaluate.evaluate(
+            sets, variant_list, lm=lm, encoder=load_encoder(), config=config, base=base, results=results,
+            profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
+        )
+    names = {s.name for s in sets}
+    rows = evaluate.summarize([r for r in records if r["set"] in names])
+    skips = [f"{key} on {name} skipped: {reason}" for (name, key), reason in evaluate.skipped(records).items()
+             if name in names]
+    for line in skips:
+        say(f"kvchat: {line}", console=err)
+    if report is not None:
+        from kvchat import report as eval_report
+
+        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data,
+                          notes=[s.describe(config.questions) for s in sets] + skips)
+    columns = EVAL_COLUMNS
+    if per_conversation:
+        rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
+        columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]
+    if as_json:
+        emit_json(documents.eval_rows(rows))
+        return
+    headers = [header for _, header, _ in columns]
+    table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
+          title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """A comma-separated option's names, blanks dropped."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())

@@ -1,0 +1,309 @@
+"""`kvchat ingest` and `kvchat ingest-batch`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kvchat import documents
+from kvchat.cli.options import (
+    CachePrecision,
+    DeviceOpt,
+    DtypeOpt,
+    ForceOpt,
+    HeadBudgets,
+    JsonOpt,
+    LayerBudgets,
+    Method,
+    Offload,
+    Positions,
+    Prefill,
+    ThreadsOpt,
+    TrustOpt,
+    load_encoder,
+    load_model,
+    open_store,
+)
+from kvchat.cli.progress import (
+    LineBatchProgress,
+    LineIngestProgress,
+    RichBatchProgress,
+    RichIngestProgress,
+    progress_bars,
+)
+from kvchat.cli.render import emit_json, err, head_budgets_text, say, table
+from kvchat.config import (
+    BatchConfig,
+    CacheConfig,
+    CakeConfig,
+    DeviceConfig,
+    EpisodeConfig,
+    IngestConfig,
+    OffloadConfig,
+    PagingConfig,
+)
+from kvchat.errors import UserError
+from kvchat.kv.methods import REGISTRY
+
+_METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
+
+
+def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
+
+
+# The cache options of `ingest` and `ingest-batch`, which `_cache_options` gives a command.
+_CACHE_OPTIONS = [
+    _option("model", Annotated[str, typer.Option(
+        help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")], IngestConfig.model),
+    _option("budget", Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")], CacheConfig.budget),
+    _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).")], CacheConfig.block_size),
+    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).")], EpisodeConfig.episodes),
+    _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).")], EpisodeConfig.window),
+    _option("method", Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)], CacheConfig.method),
+    _option("positions", Annotated[Positions, typer.Option(
+        help="original, compact (re-rotate kept keys) or auto.")], CacheConfig.positions),
+    _option("layer_budgets", Annotated[LayerBudgets, typer.Option(
+        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
+        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
+        "attention; with --method cake, layers are evicted one by one in the forward).")], CacheConfig.layer_budgets),
+    _option("alpha", Annotated[float | None, typer.Option(
+        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")], CacheConfig.alpha),
+    _option("tau1", Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")], CakeConfig.tau1),
+    _option("tau2", Annotated[float, typer.Option(
+        help="cake budgets: temperature of attention shift (smaller = weighs it more).")], CakeConfig.tau2),
+    _option("head_budgets", Annotated[HeadBudgets, typer.Option(
+        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
+        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
+        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")],
+        CacheConfig.head_budgets),
+    _option("prefill", Annotated[Prefill, typer.Option(
+        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
+        "(full when the history fits the model's window and its full KV fits memory).")], CacheConfig.prefill),
+    _option("cache_precision", Annotated[CachePrecision, typer.Option(
+        help="full (the model's dtype), int8 or int4 (KIVI: keys per channel, values per token, in 8 bits with "
+        "a float32 scale and zero point per group of 32, or in 4 bits, two per byte, with float16 ones per group "
+        "of 16; each head's last entries and the answer stay in full precision): stored and resident caches take "
+        "about a third (int8) or a fifth (int4) of float32's bytes, 64% or 38% of bfloat16's, dequantized while "
+        "answering. Not with --offload.")], CacheConfig.precision),
+]
+
+
+def _cache_options(command):
+    """Give `command`, in place of its parameter `config: IngestConfig`, the cache options (`_CACHE_OPTIONS`),
+    and call it with the IngestConfig they describe: one list of options for every command that ingests."""
+    signature = inspect.signature(command, eval_str=True)
+    params = list(signature.parameters.values())
+    at = [p.name for p in params].index("config")
+
+    @functools.wraps(command)
+    def with_config(**options):
+        o = {p.name: options.pop(p.name) for p in _CACHE_OPTIONS}
+        config = IngestConfig(
+            model=o["model"],
+            episodes=EpisodeConfig(episodes=o["episodes"], window=o["window"]),
+            cache=CacheConfig(method=o["method"], budget=o["budget"], block_size=o["block_size"],
+                              positions=o["positions"], layer_budgets=o["layer_budgets"], alpha=o["alpha"],
+                              cake=CakeConfig(tau1=o["tau1"], tau2=o["tau2"]), head_budgets=o["head_budgets"],
+                              prefill=o["prefill"], precision=o["cache_precision"]),
+        )  # fmt: skip
+        return command(config=config, **options)
+
+    with_config.__signature__ = signature.replace(parameters=[*params[:at], *_CACHE_OPTIONS, *params[at + 1 :]])
+    return with_config
+
+
+@_cache_options
+def ingest(
+    history: Annotated[Path, typer.Argument(
+        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
+    name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
+    config: IngestConfig = IngestConfig(),
+    memory: Annotated[bool, typer.Option(
+        "--memory/--no-memory", help="indexmem: fold evicted entries into a latent memory stored with each episode "
+        "and read while answering (IndexMem).")] = CacheConfig.memory,
+    max_memory: Annotated[int | None, typer.Option(
+        help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
+        "pre-flight check.")] = None,
+    offload: Annotated[Offload, typer.Option(
+        help="icecache: keep what eviction drops on disk, in pages of similar keys, and answer with the pages "
+        "that match the question beside the kept cache (IceCache); with --method full, everything but the "
+        "system prompt and the last tokens is paged. none: drop it.")] = OffloadConfig.mode,
+    retrieve: Annotated[int, typer.Option(
+        help="--offload icecache: entries per layer and KV head read from the pages while answering (R).")] = (
+        OffloadConfig.retrieve
+    ),
+    page_size: Annotated[int, typer.Option(help="--offload icecache: entries per page at most.")] = (
+        PagingConfig.page_size
+    ),
+    offload_window: Annotated[int, typer.Option(
+        help="--offload icecache: the last W history tokens stay resident in every layer and KV head whatever "
+        "the method scores them, beside --budget (IceCache's window pages).")] = OffloadConfig.window,
+    replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
+    append: Annotated[bool, typer.Option(
+        help="Add the history's turns to conversation --name: every episode cache continues from where it "
+        "stopped, with the settings it was built with (cache options are not taken); the past is not ingested "
+        "again.")] = False,
+    reingest: Annotated[bool, typer.Option(
+        help="With --append: ingest the stored histories and this one again from the start, episodes clustered "
+        "anew.")] = False,
+    trust_remote_code: TrustOpt = False,
+    force: ForceOpt = False,
+    threads: ThreadsOpt = None,
+    device: DeviceOpt = DeviceConfig.device,
+    dtype: DtypeOpt = DeviceConfig.dtype,
+    as_json: JsonOpt = False,
+) -> None:
+    """Split a history into episodes and store one compressed KV cache per episode."""
+    from kvchat.history import load_history
+    from kvchat.ingest import ingest as run_ingest
+    from kvchat.ingest import validate
+    from kvchat.store import validate_name
+
+    model = config.model
+    offloading = OffloadConfig(mode=offload, retrieve=retrieve, window=offload_window,
+                               paging=PagingConfig(page_size=page_size))
+    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading, memory=memory))
+    if max_memory is not None and max_memory < 1:
+        raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
+    validate(config)
+    if append and name is None:
+        raise UserError("--append needs --name, the conversation to continue")
+    if name is None:
+        try:
+            name = validate_name(history.stem)
+        except UserError as exc:
+            raise UserError(f"{exc}; name it with --name") from None
+    else:
+        name = validate_name(name)
+    turns = load_history(history)  # a bad file fails here, before any model is loaded
+    if append or reingest:
+        _check_append(append, reingest, replace, config, model)
+    store = open_store()
+    store.check_writable()
+    spec = store.get(name).model if append else model
+    lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype))
+    encoder = load_encoder()
+    with progress_bars() as bars:
+        progress = RichIngestProgress(bars) if err.is_terminal else LineIngestProgress()
+        if append:
+            from kvchat import append as appending
+
+            run = appending.reingest if reingest else appending.append
+            extra = {} if reingest else {"source": str(history.resolve())}
+            report = run(history if reingest else turns, name=name, store=store, lm=lm, encoder=encoder,
+                         progress=progress, force=force, **extra)  # fmt: skip
+        else:
+            report = run_ingest(
+                turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
+                progress=progress, source=str(history.resolve()), force=force,
+                max_memory=None if max_memory is None else max_memory * 2**20,
+            )
+    for note in report.notes:
+        say(f"kvchat: note: {note}", console=err)
+    if as_json:
+        emit_json(documents.ingest(report))
+    else:
+        say(
+            "appended to " if append and not reingest else "ingested ", (report.name, "bold"),
+            f": {report.turns} turns, {report.history_tokens} tokens -> "
+            f"{report.episodes} episodes x budget {round(sum(report.budgets) / len(report.budgets))} "
+            f"({report.method}, {report.prefill} prefill, "
+            f"{report.layer_budgets} layer budgets, "
+            f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
+            f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
+            f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}, {report.seconds:.1f}s",
+        )
+
+
+def _offload_text(report) -> str:
+    """What `--offload` added: entries paged and their disk use, per history token too."""
+    if report.offload == "none":
+        return ""
+    per_token = report.pages_bytes / max(report.history_tokens, 1)
+    return (f" + {report.pages_bytes / 2**20:.1f} MiB of pages ({report.offloaded_entries} offloaded entries, "
+            f"{per_token / 1024:.1f} KiB per history token)")
+
+
+def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str) -> None:
+    """--append takes the conversation's own settings: refuse options that would be silently ignored."""
+    if reingest and not append:
+        raise UserError("--reingest goes with --append (a plain ingest always starts from the start)")
+    if replace:
+        raise UserError("--append continues a conversation and --replace starts it over: give one of them")
+    if config != IngestConfig(model=model):
+        raise UserError("--append continues with the settings the conversation was built with; drop the cache "
+                        "options (to change them, ingest the whole history again with --replace)")
+    if model != IngestConfig.model:
+        raise UserError("--append uses the model the conversation was built with; drop --model")
+
+
+@_cache_options
+def ingest_batch(
+    files: Annotated[list[Path] | None, typer.Argument(
+        metavar="HISTORY", help="History files; each becomes the conversation named after its stem.")] = None,
+    manifest: Annotated[list[Path] | None, typer.Option(
+        help="A file of NAME PATH lines (a relative PATH is relative to the manifest; # comments). Repeatable."
+    )] = None,
+    workers: Annotated[int | None, typer.Option(
+        help="Ray workers, each ingesting one history at a time (default: the CPUs Ray has / --threads; a local "
+        "Ray has this machine's usable cores).")] = BatchConfig.workers,
+    threads: Annotated[int, typer.Option(
+        help="Torch threads per worker; workers x threads may not exceed the CPUs.")] = BatchConfig.threads,
+    address: Annotated[str | None, typer.Option(
+        help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
+        "cluster needs: see the README).")] = BatchConfig.address,
+    config: IngestConfig = IngestConfig(),
+    max_memory: Annotated[int | None, typer.Option(
+        help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "
+        "workers there); decides auto prefill and the pre-flight check.")] = None,
+    replace: Annotated[bool, typer.Option(
+        help="Replace conversations stored with other settings (without it such a history fails; one stored "
+        "with the same settings is skipped either way).")] = False,
+    trust_remote_code: TrustOpt = False,
+    force: ForceOpt = False,
+    device: DeviceOpt = DeviceConfig.device,
+    dtype: DtypeOpt = DeviceConfig.dtype,
+    as_json: JsonOpt = False,
+) -> None:
+    """Ingest many histories on Ray workers (the optional extra 'batch'); a re-run skips what is already stored.
+
+    Exit status 2 when any history failed (each is reported; the others go on).
+    """
+    from kvchat import batch as batching
+
+    sources = batching.histories(files or [], manifest or [])
+    store = open_store()
+    with progress_bars(markup=False) as bars:
+        progress = RichBatchProgress(bars) if err.is_terminal else LineBatchProgress()
+        report = batching.ingest_batch(
+            sources, store=store, config=config,
+            batch=BatchConfig(workers=workers, threads=threads, address=address, device=DeviceConfig(device, dtype)),
+            replace=replace, force=force, max_memory=None if max_memory is None else max_memory * 2**20,
+            trust_remote_code=trust_remote_code, progress=progress,
+        )
+    notes = dict.fromkeys(n for h in report.histories if h.report is not None for n in h.report.notes)
+    for note in notes:
+        say(f"kvchat: note: {note}", console=err)
+    if as_json:
+        emit_json(documents.batch(report))
+    else:
+        table(("conversation", "status", "episodes", "MiB", "seconds", "tries", "error"),
+              [(h.name, h.status, h.report.episodes if h.report else "",
+                f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
+                h.error or "") for h in report.histories],
+              right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
+        say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
+            f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
+            f"{report.threads} thread{'s' * (report.threads != 1)} "
+            f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
+    failed = report.count("failed")
+    if failed:
+        raise UserError(f"{failed} of {len(report.histories)} histories failed")

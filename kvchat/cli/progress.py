@@ -1,0 +1,210 @@
+"""Progress of long commands on stderr: rich bars on a terminal, a line now and then in a log."""
+
+from __future__ import annotations
+
+import time
+
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from kvchat.cli.render import err, say
+from kvchat.terminal import clean
+
+
+def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
+    """The bars every long command draws on stderr: description, bar, n/total, elapsed, remaining; drawn only
+    on a terminal (and not when `hidden`), gone when done."""
+    return Progress(
+        TextColumn("{task.description}", markup=markup), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=err, transient=True, disable=hidden or not err.is_terminal,
+    )  # fmt: skip
+
+
+class LineIngestProgress:
+    """Where stderr is not a terminal: one line per episode, so a log shows the ingest is alive."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def history(self, done: int, total: int) -> None:
+        if done == total:
+            err.print(f"kvchat: history prefilled once ({total} blocks, {self._elapsed()}); selecting episodes",
+                      markup=False, soft_wrap=True)  # fmt: skip
+
+    def episode(self, index: int, total: int) -> None:
+        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()})", markup=False, soft_wrap=True)
+
+    def _elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:.1f} s elapsed"
+
+    def block(self, done: int, total: int) -> None:
+        pass
+
+
+class RichIngestProgress:
+    """Per-episode and per-block bars on a TTY."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.episodes = progress.add_task("episodes", total=None)
+        self.blocks = progress.add_task("blocks", total=None)
+
+    def history(self, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total, description="history (full prefill)")
+
+    def episode(self, index: int, total: int) -> None:
+        self.progress.update(self.episodes, completed=index, total=total, description=f"episode {index + 1}")
+        self.progress.update(self.blocks, description="blocks")
+
+    def block(self, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total)
+        if done == total:
+            self.progress.advance(self.episodes)
+
+
+class LineBatchProgress:
+    """Where stderr is not a terminal: a line per history done (with the tally and an ETA) or retried."""
+
+    def __init__(self) -> None:
+        self.started: float | None = None  # when the first history went to a worker: the ETA leaves out loading
+        self.total = 0
+        self.done = 0
+
+    def start(self, total: int, workers: int) -> None:
+        self.total = total
+        say(f"kvchat: {total} histories on {workers} worker{'s' * (workers != 1)} (each loads the model once)",
+            console=err)  # fmt: skip
+
+    def running(self, name: str, attempt: int, worker) -> None:
+        if self.started is None:
+            self.started = time.monotonic()
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        pass
+
+    def retrying(self, name: str, why: str) -> None:
+        say(f"kvchat: retrying {name} on another worker: {why}", console=err)
+
+    def finished(self, result) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - (self.started or time.monotonic())
+        eta = elapsed / self.done * (self.total - self.done)
+        say(f"kvchat: [{self.done}/{self.total}] {result.status} {result.name}: {_batch_outcome(result)} "
+            f"({elapsed:.0f} s elapsed, ETA {eta:.0f} s)", console=err)  # fmt: skip
+
+
+class RichBatchProgress:
+    """On a TTY: a bar over all histories (done, failed, running, ETA) and one per running history."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.overall = progress.add_task("histories", total=None)
+        self.running_tasks: dict[str, TaskID] = {}
+        self.tally = {"committed": 0, "skipped": 0, "failed": 0}
+
+    def start(self, total: int, workers: int) -> None:
+        self.progress.update(self.overall, total=total, description=f"starting {workers} workers")
+
+    def running(self, name: str, attempt: int, worker) -> None:
+        label = f"  {clean(name)}" + (f" (try {attempt})" if attempt > 1 else "")
+        self.running_tasks[name] = self.progress.add_task(label, total=None)
+        self._describe()
+
+    def episode(self, name: str, done: int, total: int) -> None:
+        if name in self.running_tasks:
+            self.progress.update(self.running_tasks[name], completed=done, total=total)
+
+    def retrying(self, name: str, why: str) -> None:
+        self._stop(name)
+        say(f"kvchat: retrying {name} on another worker: {why}", console=self.progress.console)
+
+    def finished(self, result) -> None:
+        self._stop(result.name)
+        self.tally[result.status] += 1
+        self.progress.advance(self.overall)
+        self._describe()
+        if result.status == "failed":
+            say(f"kvchat: failed {result.name}: {result.error}", console=self.progress.console)
+
+    def _stop(self, name: str) -> None:
+        task = self.running_tasks.pop(name, None)
+        if task is not None:
+            self.progress.remove_task(task)
+
+    def _describe(self) -> None:
+        t = self.tally
+        done = f"{t['committed']} done" + (f", {t['skipped']} skipped" if t["skipped"] else "")
+        self.progress.update(self.overall, description=f"{done}, {t['failed']} failed, "
+                                                       f"{len(self.running_tasks)} running")  # fmt: skip
+
+
+def _batch_outcome(result) -> str:
+    """What became of one history, in a few words."""
+    if result.status == "committed":
+        report = result.report
+        return f"{report.episodes} episodes, {report.cache_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s"
+    if result.status == "skipped":
+        return "stored with the same settings"
+    return result.error or "failed"
+
+
+class RichTrainProgress:
+    """Bars for `train-indexer`: the frozen model's pass over the chunks, then each stage's steps."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.tasks: dict[str, int] = {}
+
+    def prepare(self, done: int, total: int) -> None:
+        self._update("chunks through the model", done, total)
+
+    def step(self, stage: str, done: int, total: int, loss: float) -> None:
+        self._update(f"{stage} (loss {loss:.4f})", done, total, key=stage)
+
+    def _update(self, description: str, done: int, total: int, key: str | None = None) -> None:
+        key = key or description
+        if key not in self.tasks:
+            self.tasks[key] = self.progress.add_task(description, total=total)
+        self.progress.update(self.tasks[key], completed=done, total=total, description=description)
+
+
+class LineTrainProgress:
+    """Where stderr is not a terminal: a line when the data is ready and every 25 steps, so a log shows it is alive."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def prepare(self, done: int, total: int) -> None:
+        if done == total:
+            self._say(f"{total} chunks through the model")
+
+    def step(self, stage: str, done: int, total: int, loss: float) -> None:
+        if done % 25 == 0 or done == total:
+            self._say(f"{stage} step {done}/{total}, loss {loss:.4f}")
+
+    def _say(self, text: str) -> None:
+        err.print(f"kvchat: {text} ({time.monotonic() - self.started:.1f} s elapsed)", markup=False, soft_wrap=True)
+
+
+class RichEvalProgress:
+    """A bar per conversation x variant, with the ingest's blocks and the questions under it."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.variants = progress.add_task("variants", total=None)
+        self.questions = progress.add_task("questions", total=None)
+        self.ingest = RichIngestProgress(progress)
+
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None:
+        self.progress.update(self.variants, completed=index, total=total, description=f"{qa_set} {key}")
+        self.progress.reset(self.questions)
+
+    def question(self, done: int, total: int) -> None:
+        self.progress.update(self.questions, completed=done, total=total)

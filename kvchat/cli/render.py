@@ -1,0 +1,56 @@
+"""How commands print: the consoles, one line of user data, tables (TSV when piped), JSON documents."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvchat.terminal import cell, clean
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def emit_json(document: dict) -> None:
+    """One JSON document on one line (JSON Lines when a command prints several)."""
+    sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
+    sys.stdout.flush()
+
+
+def say(*parts: str | tuple[str, str], console: Console | None = None) -> None:
+    """One line to a console: user data shown as its characters (no markup, no escape sequences), never
+    hard-wrapped; a part given as (text, style) is styled."""
+    text = Text()
+    for part in parts:
+        value, style = part if isinstance(part, tuple) else (part, "")
+        text.append(clean(value), style=style)
+    (console or out).print(text, soft_wrap=True)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,
+          right: Sequence[str] = ()) -> None:
+    """A table: with rich's rules on a terminal (folded, never cut), tab-separated values otherwise
+    (a header line, then one line per row: plain for cut, awk and sort)."""
+    if not out.is_terminal:
+        for line in [headers, *rows]:
+            sys.stdout.write("\t".join(cell(v) for v in line) + "\n")
+        sys.stdout.flush()
+        return
+    grid = Table(title=clean(title) if title else None)
+    for header in headers:
+        grid.add_column(header, justify="right" if header in right else "left", overflow="fold")
+    for row in rows:
+        grid.add_row(*(Text(cell(v)) for v in row))
+    out.print(grid)
+
+
+def head_budgets_text(mode: str, entries: list[int]) -> str:
+    """'uniform head budgets', or 'adaptive head budgets (12-301 entries per head)'."""
+    if mode == "adaptive" and len(entries) == 2:
+        return f"{mode} head budgets ({entries[0]}-{entries[1]} entries per head)"
+    return f"{mode} head budgets"
