@@ -38,6 +38,7 @@ from kvchat.config import (
     CACHE_PRECISIONS,
     METHODS,
     OFFLOAD_MODES,
+    REFERENCES,
     AskConfig,
     CacheConfig,
     EvalConfig,
@@ -127,6 +128,10 @@ def plan_variants(
         raise UserError(f"--questions must be >= 1 (got {config.questions})")
     if config.max_context is not None and config.max_context < 64:
         raise UserError(f"--max-context must be >= 64 tokens (got {config.max_context})")
+    if config.against not in REFERENCES:
+        raise UserError(f"unknown --against {config.against!r} (choose from {', '.join(REFERENCES)})")
+    if config.chunk_tokens < 1:
+        raise UserError(f"--chunk-tokens must be >= 1 (got {config.chunk_tokens})")
     for mode in offloads:
         if mode not in OFFLOAD_MODES:
             raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")

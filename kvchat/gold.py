@@ -41,6 +41,12 @@ GOLD = "gold"            # the `against` of every record this module writes
 RESAMPLES = 2000         # bootstrap resamples
 SEED = 0                 # bootstrap seed: the same records give the same intervals
 BASELINES = ("rag", "recent")
+COLUMNS = (  # the table of `summarize_gold` rows: key, header, format
+    ("variant", "system", "{}"), ("entries", "entries", "{:.0f}"), ("questions", "questions", "{}"),
+    ("f1", "F1", "{:.3f}"), ("f1_low", "95% from", "{:.3f}"), ("f1_high", "95% to", "{:.3f}"),
+    ("answer_seconds", "answer s", "{:.2f}"), ("ingest_seconds", "ingest s", "{:.0f}"),
+    ("disk_mb", "disk MB", "{:.1f}"), ("resident_mb", "resident MB", "{:.1f}"),
+)
 
 
 @dataclass(frozen=True)
@@ -348,10 +354,11 @@ def summarize_gold(records: Sequence[dict]) -> list[dict]:
         f1 = [r["f1"] for r in rs]
         disks = [i["disk_bytes"] for i in ingests.get(key, []) if i.get("disk_bytes") is not None]
         seconds = [i["seconds"] for i in ingests.get(key, []) if i.get("seconds") is not None]
+        low, high = bootstrap_interval(f1)
         rows.append({
             "variant": key, "method": rs[0]["method"], "baseline": rs[0]["baseline"],
             "entries_budget": rs[0]["entries_budget"], "questions": len(rs),
-            "f1": float(np.mean(f1)), "f1_interval": bootstrap_interval(f1),
+            "f1": float(np.mean(f1)), "f1_interval": (low, high), "f1_low": low, "f1_high": high,
             "f1_by_category": {
                 CATEGORIES.get(c, str(c)): (float(np.mean(v)), *bootstrap_interval(v))
                 for c in sorted({r["category"] for r in rs}) for v in [[r["f1"] for r in rs if r["category"] == c]]
@@ -360,7 +367,9 @@ def summarize_gold(records: Sequence[dict]) -> list[dict]:
             "answer_seconds": float(np.mean([r["seconds"] for r in rs])),
             "entries": float(np.mean([r["entries"] for r in rs])),
             "resident_bytes": float(np.mean([r["resident_bytes"] for r in rs])),
+            "resident_mb": float(np.mean([r["resident_bytes"] for r in rs])) / 2**20,
             "disk_bytes": float(np.mean(disks)) if disks else None,
+            "disk_mb": float(np.mean(disks)) / 2**20 if disks else None,
             "ingest_seconds": float(np.mean(seconds)) if seconds else None,
         })  # fmt: skip
     return sorted(rows, key=lambda r: (r["entries_budget"], r["baseline"], -r["f1"], r["variant"]))

@@ -38,10 +38,8 @@ QA = planted_sets(1, topics=6, turns_per_topic=40)[0]
 
 
 @pytest.fixture(scope="module")
-def short_lm(tmp_path_factory):
+def short_model_dir(tmp_path_factory):
     """The tiny Llama with a window a third of the planted history's length."""
-    from kvchat.llm import load_model
-
     tokenizer = tiny_tokenizer()
     history_tokens = len(tokenizer("\n".join(format_turns(QA.turns)))["input_ids"])
     path = tmp_path_factory.mktemp("short-llama")
@@ -49,8 +47,15 @@ def short_lm(tmp_path_factory):
     model.config.max_position_embeddings = history_tokens // 3
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    lm = load_model(str(path), tmp_path_factory.mktemp("models"))
-    assert 3 * lm.context_window <= history_tokens
+    return path
+
+
+@pytest.fixture(scope="module")
+def short_lm(short_model_dir, tmp_path_factory):
+    from kvchat.llm import load_model
+
+    lm = load_model(str(short_model_dir), tmp_path_factory.mktemp("models"))
+    assert 3 * lm.context_window <= len(lm.encode("\n".join(format_turns(QA.turns)))[0])
     return lm
 
 
@@ -202,3 +207,28 @@ def test_gold_variants_put_rag_and_recent_at_each_budget():
     assert keys == [("snapkv@512", 512, False), ("snapkv@512/paged", 512 + 32 + 192, False),
                     ("rag@2x256", 512, True), ("recent@512", 512, True), ("rag@4x256", 1024, True),
                     ("recent@1024", 1024, True)]  # fmt: skip
+
+
+def test_cli_eval_scores_a_history_beyond_the_window_against_gold(tmp_path, short_model_dir):
+    import json
+
+    from cli_helpers import run_main
+
+    out, report = tmp_path / "r.jsonl", tmp_path / "report.md"
+    args = ("eval", "--synthetic", "1", "--model", str(short_model_dir), "--methods", "snapkv", "--budgets", "96",
+            "--block-size", "48", "--chunk-tokens", "32", "--questions", "3", "--out", str(out), "--report",
+            str(report), "--json")  # fmt: skip
+    result = run_main(tmp_path / "home", *args)  # --against auto: the history does not fit, so gold
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document["rows"] == []  # nothing compared with full KV, nothing refused
+    rows = {r["variant"]: r for r in document["gold"]["rows"]}
+    assert set(rows) == {"snapkv@96/block_size=48", "rag@3x32", "recent@96"}
+    assert all(r["questions"] == 3 and r["f1_low"] <= r["f1"] <= r["f1_high"] for r in rows.values())
+    [line] = document["gold"]["verdict"]
+    assert line.startswith("96 entries: ") and "snapkv@96/block_size=48" in line and "rag@3x32" in line
+    assert "| recent@96 |" in report.read_text() and line in report.read_text()
+    again = run_main(tmp_path / "home", *args)  # everything is in the file: nothing is recomputed
+    assert again.returncode == 0 and json.loads(again.stdout) == document
+    refused = run_main(tmp_path / "home", *args, "--against", "full")
+    assert refused.returncode == 2 and "does not fit" in refused.stderr and "--against gold" in refused.stderr
