@@ -232,9 +232,10 @@ class _KvchatAnswerer:
         answer = self.session.ask(question, log=False, recalled=recalled)
         record = self.session.conversation.episodes[answer.episode]
         held = record.n_tokens / self.heads + answer.prompt_tokens  # resident + the question prefilled
+        # resident bytes: the episode file's tensors (as held), the question's entries and the R read back
         return _Got(answer.text, {
             "entries": round(held + self.retrieve, 1), "resident_bytes": record.bytes + int(
-                answer.prompt_tokens * self.heads * self.entry_bytes), "disk_bytes": self.disk_bytes,
+                (answer.prompt_tokens + self.retrieve) * self.heads * self.entry_bytes), "disk_bytes": self.disk_bytes,
             "prompt_tokens": answer.prompt_tokens, "answer_tokens": answer.answer_tokens, "episode": answer.episode,
         })  # fmt: skip
 
