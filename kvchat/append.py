@@ -123,7 +123,7 @@ def append(
         appended=(*record.settings.get("appended", []), *([source_now] if source_now else [])),
     )
     stats, records = [], []
-    with store.begin(name, replace=True) as pending:
+    with store.begin(name, replace=True, expect=record.ingest_id) as pending:  # no lost update
         for episode, stored in zip(episodes, record.episodes, strict=True):
             progress.episode(episode.index, len(episodes))
             cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device)

@@ -398,18 +398,16 @@ def test_profile_layers_says_when_its_profile_overrides_a_shipped_one(tmp_path, 
 
 # --------------------------------------------------------------------------- cold start: no model, no torch
 
-_STORE_IMPORTS_TORCH = pytest.mark.xfail(
-    strict=True, reason="kvchat.store imports torch, safetensors.torch, kv.codec and kv.tensorfile at module level")
 _NO_MODEL = [
     pytest.param(("--help",), id="help"),
     pytest.param(("ingest", "--help"), id="ingest-help"),
-    pytest.param(("list",), id="list", marks=_STORE_IMPORTS_TORCH),
-    pytest.param(("show", "chat"), id="show", marks=_STORE_IMPORTS_TORCH),
-    pytest.param(("show", "nope"), id="show-unknown", marks=_STORE_IMPORTS_TORCH),
-    pytest.param(("rm", "nope"), id="rm-unknown", marks=_STORE_IMPORTS_TORCH),
-    pytest.param(("logs",), id="logs", marks=_STORE_IMPORTS_TORCH),
-    pytest.param(("doctor",), id="doctor", marks=_STORE_IMPORTS_TORCH),
-    pytest.param(("ask", "why?", "--conversation", "nope"), id="ask-unknown", marks=_STORE_IMPORTS_TORCH),
+    pytest.param(("list",), id="list"),
+    pytest.param(("show", "chat"), id="show"),
+    pytest.param(("show", "nope"), id="show-unknown"),
+    pytest.param(("rm", "nope"), id="rm-unknown"),
+    pytest.param(("logs",), id="logs"),
+    pytest.param(("doctor",), id="doctor"),
+    pytest.param(("ask", "why?", "--conversation", "nope"), id="ask-unknown"),
 ]
 
 

@@ -89,13 +89,31 @@ def temp_writer_pid(path: Path) -> int | None:
 
 
 def discard(path: Path, caches_dir: Path) -> None:
-    """Best-effort delete that makes `path` vanish at once (rename), then removes it."""
+    """Best-effort delete that makes `path` vanish at once (rename), then removes it. A `path` reached
+    through a link below `caches_dir` is left alone (`without_links`)."""
+    if not without_links(path, caches_dir):
+        return
     target = new_temp_path(caches_dir)
     try:
         os.rename(path, target)
     except OSError:
         target = path
     shutil.rmtree(target, ignore_errors=True)
+
+
+def without_links(path: Path, root: Path) -> bool:
+    """Whether `path` lies below `root` with no symbolic link on the way (`path` itself included): only such
+    a path may be renamed or deleted, so nothing outside the home is ever touched, whatever the links."""
+    try:
+        parts = path.relative_to(root).parts
+    except ValueError:
+        return False
+    current = root
+    for part in parts:
+        current = current / part
+        if current.is_symlink():
+            return False
+    return bool(parts)
 
 
 def try_rmdir(path: Path) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.store.files import new_temp_path, temp_writer_pid, try_rmdir
+from kvchat.store.manifest import manifest_of
 
 ORPHAN_GRACE_S = 60.0
 
@@ -59,7 +60,7 @@ def remove_dead_temp_dirs(directory: Path) -> None:
 def dead_temp_dirs(directory: Path) -> list[Path]:
     """`directory/.tmp-<pid>-*` dirs whose writer `pid` no longer exists."""
     found = []
-    for entry in sorted(_subdirs(directory)):
+    for entry in sorted(real_subdirs(directory)):
         pid = temp_writer_pid(entry)
         if pid is not None and not _pid_alive(pid):
             found.append(entry)
@@ -79,12 +80,13 @@ def stale_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
 
     `caches/<name>/<ingest_id>` is an orphan when no conversation row references `ingest_id`
     (`referenced`: every row's; ingest ids are unique uuids, so any row will do) and its mtime is over
-    `ORPHAN_GRACE_S` old. Such a dir comes from a crash between rename and row commit, from a `remove`
-    or `--replace` that died before deleting files, or from a failed best-effort delete.
+    `ORPHAN_GRACE_S` old, and it holds no valid manifest (`manifest.manifest_of`): a dir that does is a
+    conversation, which kvchat.db may lack (`reindex`), never a leftover. An orphan comes from an ingest from
+    before manifests, or from a failed delete that got as far as removing the manifest.
     """
     found: list[Path] = []
     cutoff = time.time() - ORPHAN_GRACE_S
-    for name_dir in _subdirs(caches_dir):
+    for name_dir in real_subdirs(caches_dir):
         if name_dir.name.startswith("."):
             continue
         try:
@@ -97,10 +99,11 @@ def stale_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
             if not child.is_dir() or child.is_symlink() or child.name in referenced:
                 continue
             try:
-                if child.stat().st_mtime < cutoff:
-                    found.append(child)
+                old = child.stat().st_mtime < cutoff
             except OSError:
                 continue
+            if old and manifest_of(child) is None:
+                found.append(child)
     return found
 
 
@@ -126,8 +129,9 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
     """What lies in caches/ that no row refers to and no live process writes.
 
     `live_dirs`: every conversation row's `caches/<name>/<ingest_id>`; `live_files`: every file a row
-    refers to. Exact under the write lock (pass `grace_s=0`). Without it, an ingest may be between its
-    rename and its row commit: ingest dirs and empty name dirs younger than `grace_s` are not reported,
+    refers to. An ingest dir with a valid manifest is a conversation, not a leftover, listed or not (`reindex`).
+    Exact under the write lock (pass `grace_s=0`). Without it, an ingest may be between its rename and its row
+    commit: ingest dirs and empty name dirs younger than `grace_s` are not reported,
     and a dir that vanishes while being looked at (an `rm` deleting it) is skipped.
     """
     found: list[Problem] = []
@@ -146,7 +150,7 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
             leftover("stray", entry, "stray file")
             continue
         children = _entries(entry)
-        if not children and _older_than(entry, cutoff):
+        if not children and older_than(entry, cutoff):
             leftover("orphan", entry, "empty conversation dir")
         for child in children:
             if child in live_dirs and _is_dir(child):
@@ -154,7 +158,7 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
                     if file not in live_files:
                         leftover("stray", file, "file no episode refers to")
             elif _is_dir(child):
-                if _older_than(child, cutoff):
+                if older_than(child, cutoff) and manifest_of(child) is None:  # a manifest: a conversation
                     leftover("orphan", child, "ingest dir no conversation refers to (a crashed or replaced ingest)")
             else:
                 leftover("stray", child, "stray file")
@@ -169,7 +173,8 @@ def _entries(directory: Path) -> list[Path]:
         return []
 
 
-def _older_than(path: Path, cutoff: float | None) -> bool:
+def older_than(path: Path, cutoff: float | None) -> bool:
+    """Whether `path`'s mtime is before `cutoff` (None: no cutoff); False when it is gone."""
     if cutoff is None:
         return True
     try:
@@ -213,9 +218,10 @@ def delete_trees(paths: Iterable[Path]) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _subdirs(caches_dir: Path) -> list[Path]:
+def real_subdirs(directory: Path) -> list[Path]:
+    """Subdirs of `directory` that are dirs themselves, not links to one (never followed), sorted."""
     try:
-        return [p for p in caches_dir.iterdir() if _is_dir(p)]
+        return sorted(p for p in directory.iterdir() if _is_dir(p))
     except OSError:
         return []
 

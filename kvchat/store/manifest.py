@@ -16,9 +16,10 @@ import json
 import os
 from pathlib import Path
 
-from kvchat.store.files import open_regular, write_file
+from kvchat.store.files import FileMismatch, open_regular, write_file
 
 MANIFEST_NAME = "conversation.json"
+RETIRED_NAME = ".conversation.json.retired"  # a removed version's: its dir is an orphan, never listed again
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 64 * 2**20  # far above any real one (centroids of every episode); bounds what is read
 
@@ -137,3 +138,32 @@ def _well_formed(doc: dict) -> bool:
 def _pages_well_formed(pages: object) -> bool:
     return (isinstance(pages, dict) and isinstance(pages.get("path"), str) and isinstance(pages.get("bytes"), int)
             and isinstance(pages.get("sha256"), str))
+
+
+def manifest_of(ingest_dir: Path) -> dict | None:
+    """The document of `ingest_dir`'s manifest when it is valid and describes that very dir
+    (`caches/<name>/<ingest_id>`); None otherwise. Such a dir is a conversation, whatever kvchat.db says."""
+    try:
+        doc = read_manifest(ingest_dir)
+    except (OSError, ValueError, FileMismatch):
+        return None
+    return doc if doc["name"] == ingest_dir.parent.name and doc["ingest_id"] == ingest_dir.name else None
+
+
+def retire_manifest(ingest_dir: Path) -> bool:
+    """Rename `ingest_dir`'s manifest out of the way (inside the write transaction that removes its rows), so
+    that a crash before its files are deleted leaves an orphan, not a conversation to list again. Whether
+    there was one."""
+    try:
+        os.rename(ingest_dir / MANIFEST_NAME, ingest_dir / RETIRED_NAME)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def restore_manifest(ingest_dir: Path) -> None:
+    """Undo `retire_manifest` (the transaction failed), best effort."""
+    try:
+        os.rename(ingest_dir / RETIRED_NAME, ingest_dir / MANIFEST_NAME)
+    except OSError:
+        pass

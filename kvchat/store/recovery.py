@@ -14,7 +14,8 @@ must be re-ingested: its dir is moved aside with the damaged database (kept, nev
 command that rebuilds it is given, with its settings when its conversation row still reads. Of the ask
 log, the rows that still read are kept.
 
-Nothing here writes to the new database; the store does (`kvchat.store.repair`).
+`plan_rebuild` looks and changes nothing (`kvchat doctor`, through `damage_problems`); `rebuild` writes the
+new database beside the damaged one and puts it in its place (`kvchat doctor --fix`).
 """
 
 from __future__ import annotations
@@ -29,9 +30,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from kvchat.settings import rebuild_command
-from kvchat.store.files import FileMismatch, fsync_dir, try_rmdir, verify_file
+from kvchat.store.asklog import ASK_FIELDS
+from kvchat.store.errors import BUSY_TIMEOUT_MS
+from kvchat.store.files import FileMismatch, fsync_dir, new_temp_path, try_rmdir, verify_file
+from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, show
+from kvchat.store.leftovers import Problem, model_leftovers
 from kvchat.store.manifest import digest, document_from_rows, read_manifest
-from kvchat.store.schema import connect_read_only
+from kvchat.store.records import insert_document
+from kvchat.store.schema import connect, connect_read_only, migrate
 
 FROM_ROWS = "its rows in the damaged database"
 FROM_MANIFEST = "its manifest"
@@ -150,6 +156,66 @@ def move_aside(home: Path, db_path: Path, lost: list[Lost]) -> Path:
     fsync_dir(aside)
     fsync_dir(home)
     return aside
+
+
+def damage_problems(home: Path, damage: str) -> list[Problem]:
+    """A damaged kvchat.db as `kvchat doctor` reports it: one "database" problem saying what a rebuild
+    restores, one "lost" problem per conversation it cannot (with the command that builds it again)."""
+    db_path = home / DB_NAME
+    plan = plan_rebuild(home, db_path, home / CACHES_DIR)
+    restores = ", ".join(f"{show(r.document['name'])} (from {r.source})" for r in plan.restorable)
+    problems = [Problem(
+        "database", None, None, db_path,
+        f"{db_path} is damaged ({damage}); --fix moves it aside (kept) and rebuilds it, restoring "
+        f"{restores or 'no conversation'}; {_asks_summary(plan)}",
+    )]  # fmt: skip
+    problems += [
+        Problem("lost", item.name, None, item.ingest_dir or home / CACHES_DIR / item.name,
+                f"{item.describe()}; --fix keeps its files aside; re-ingest it with `{item.rebuild}`")
+        for item in plan.lost
+    ]  # fmt: skip
+    return problems + model_leftovers(home / MODELS_DIR)
+
+
+def _asks_summary(plan: RebuildPlan) -> str:
+    if not plan.asks and not plan.asks_complete:
+        return "the ask log cannot be read: it is lost"
+    kept = f"{len(plan.asks)} logged question{'' if len(plan.asks) == 1 else 's'} of the ask log can be kept"
+    return kept + ("" if plan.asks_complete else "; the rest cannot be read")
+
+
+def rebuild(home: Path, damage: str) -> list[str]:
+    """Build a new kvchat.db from what survives of the damaged one (`damage` says how) and the manifests,
+    then put it in the damaged one's place (moved aside, kept); one line per action."""
+    db_path, caches_dir = home / DB_NAME, home / CACHES_DIR
+    plan = plan_rebuild(home, db_path, caches_dir)
+    caches_dir.mkdir(parents=True, exist_ok=True)
+    building = new_temp_path(caches_dir)  # a dead rebuild's leftovers are swept like an ingest's
+    building.mkdir()
+    try:
+        fresh = building / DB_NAME
+        db = connect(fresh, read_only=False, busy_timeout_ms=BUSY_TIMEOUT_MS)
+        try:
+            migrate(db, fresh)
+            with db.atomic():
+                for item in plan.restorable:
+                    insert_document(db, item.document)
+                fields = ("id", *ASK_FIELDS)
+                db["asks"].insert_all({f: row.get(f) for f in fields} for row in plan.asks)
+        finally:
+            db.close()  # checkpoints: the new database is one file
+        aside = move_aside(home, db_path, plan.lost)
+        os.replace(fresh, db_path)
+        fsync_dir(home)
+    finally:
+        shutil.rmtree(building, ignore_errors=True)
+    lines = [f"moved the damaged {db_path} ({damage}) aside to {aside / DB_NAME} (kept)"]
+    lines += [f"restored conversation {show(r.document['name'])} ({len(r.document['episodes'])} episodes) "
+              f"from {r.source}" for r in plan.restorable]  # fmt: skip
+    lines += [f"{item.describe()}; its files are kept in {aside}; re-ingest it with `{item.rebuild}`"
+              for item in plan.lost]  # fmt: skip
+    lines.append(_asks_summary(plan).replace("can be kept", "kept").replace("cannot be read", "could not be read"))
+    return lines
 
 
 def _new_aside_dir(home: Path) -> Path:

@@ -1,0 +1,142 @@
+"""The doctor's look at a store it could open (`kvchat doctor`, `--fix`): is kvchat.db sound, does every file of
+every conversation verify, and what lies in caches/ and models/ that nothing refers to. `Store.check`,
+`Store.fix` and `Store.database_damage` are these functions; a kvchat.db too damaged to open is `recovery`'s.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvchat.store.errors import DamagedDatabase, database_error
+from kvchat.store.files import FileMismatch, verify_file
+from kvchat.store.layout import show
+from kvchat.store.leftovers import ORPHAN_GRACE_S, Problem, delete_leftovers, delete_trees, leftovers, model_leftovers
+from kvchat.store.manifest import MANIFEST_NAME
+from kvchat.store.reindex import newer_than_listed, unlisted_versions
+
+if TYPE_CHECKING:
+    from kvchat.store import Store
+
+
+def database_damage(store: Store) -> str | None:
+    """How kvchat.db is damaged (SQLite's integrity check, rows against their digests, the ask log
+    read through), or None when it is sound. Reads only: no lock."""
+    try:
+        result = [row[0] for row in store._db.execute("PRAGMA quick_check").fetchall()]
+        if result != ["ok"]:
+            return f"integrity check: {result[0]}"
+        store.conversations()
+        store.asks(limit=2**62)
+    except DamagedDatabase as e:
+        return e.what
+    except sqlite3.DatabaseError as e:
+        meant = database_error(store.db_path, e)
+        return meant.what if isinstance(meant, DamagedDatabase) else str(e)
+    return None
+
+
+def check(store: Store) -> list[Problem]:
+    """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; the database
+    itself is `database_damage`'s).
+
+    Damaged conversations: an episode file missing, not a regular file, of the wrong size, or failing
+    its checksum (a flipped byte, a truncation, another conversation's file swapped in). Conversations on
+    disk that kvchat.db lacks or lists in an older version ("unlisted", `reindex`). Leftovers:
+    ingest dirs no row refers to, stray files, temp dirs of dead processes (ingests and model
+    conversions). Takes no lock: an ingest dir younger than `ORPHAN_GRACE_S` that no row refers to yet
+    may be an ingest committing right now, and is left for a later look.
+    """
+    problems: list[Problem] = []
+    for conversation in store.conversations():
+        for episode in conversation.episodes:
+            for path, size, sha256, what in episode.files():
+                found = _file_problem(store.caches_dir, path, size, sha256)
+                if found is not None:
+                    kind, wrong = found
+                    shown = "" if what == "cache" else f" {what}"
+                    problems.append(Problem(
+                        kind, conversation.name, episode.index, path,
+                        f"conversation {show(conversation.name)} episode {episode.index}{shown} {wrong}; "
+                        "--fix removes the conversation",
+                    ))  # fmt: skip
+    if problems:  # an `rm` or `--replace` may have retired those files while we hashed them
+        current = {
+            (c.name, e.index, path) for c in store.conversations() for e in c.episodes for path, *_ in e.files()
+        }
+        problems = [p for p in problems if (p.conversation, p.episode, p.path) in current]
+    listed = store._listed()
+    problems += [
+        Problem("unlisted", None, None, v.path,
+                f"conversation {show(v.name)} in {v.path} is missing from kvchat.db or listed in an older version (a "
+                "missing, older or restored database); --fix lists it again from its manifest, as the next command "
+                "does")
+        for v in newer_than_listed(unlisted_versions(store.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
+    ]  # fmt: skip
+    return problems + leftovers_of(store, grace_s=ORPHAN_GRACE_S)
+
+
+def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
+    """Repair what `check` found; returns one line per action taken.
+
+    A damaged conversation is removed whole (rows first, then files): a partial conversation must
+    never be visible, and its history can be ingested again (the line says how). A conversation kvchat.db
+    lacks is listed again from its manifest. A leftover is deleted only if it is still one when looked at
+    again under the write lock; nothing reached through a symbolic link is deleted.
+    """
+    problems = [p for p in problems if p.kind not in ("database", "lost")]  # `repair`'s to handle
+    done: list[str] = []
+    for name in sorted({p.conversation for p in problems if p.conversation is not None}):
+        with store._db.atomic():
+            row = store._row(name)
+            rows = store._episode_rows(name)
+            paths = {store.home / p for r in rows for p in (r["path"], r.get("pages_path")) if p}
+        damaged = {p.path for p in problems if p.conversation == name}
+        if row is None or not paths & damaged:
+            continue  # removed, or replaced by a new version, since `check`
+        command = store._rebuild_hint(name, replace=False)
+        if not store.remove(name, ingest_id=row["ingest_id"]):
+            continue
+        done.append(
+            f"removed conversation {show(name)} (a damaged conversation is removed whole, never "
+            f"kept partial); re-ingest it with `{command}`"
+        )
+    unlisted = {p.path for p in problems if p.kind == "unlisted"}
+    wanted = {p.path for p in problems if p.conversation is None and p.kind != "unlisted"}
+    with store._write_lock():
+        done += [f"listed conversation {show(v.name)} again from its manifest ({v.path})"
+                 for v in store._list_again(grace_s=0.0, only=unlisted)]  # fmt: skip
+        found = [p for p in leftovers_of(store, grace_s=0.0) if p.path in wanted]
+        lines, moved = delete_leftovers(store.caches_dir, found)
+    done += lines
+    delete_trees(moved)
+    return done
+
+
+def _file_problem(caches_dir: Path, path: Path, size: int, sha256: str) -> tuple[str, str] | None:
+    """(kind, what is wrong) for one episode file, or None if it is the file that was committed."""
+    try:
+        verify_file(path, size, sha256, within=caches_dir)
+    except FileMismatch as e:
+        return e.kind, str(e)
+    except OSError as e:
+        return "unreadable", f"cannot be read ({e.strerror or e})"
+    return None
+
+
+def leftovers_of(store: Store, *, grace_s: float) -> list[Problem]:
+    """What lies in caches/ that no row refers to and no live process writes, and models/' dead temp
+    dirs. Exact under the write lock; without it, `grace_s` spares dirs an ingest may be committing."""
+    with store._db.atomic():
+        rows = list(store._db.query("select name, ingest_id from conversations"))
+        live_files = {
+            store.home / path
+            for row in store._db.query("select path, pages_path from episodes")
+            for path in (row["path"], row["pages_path"]) if path is not None
+        }
+    live_dirs = {store.caches_dir / row["name"] / row["ingest_id"] for row in rows}
+    live_files |= {d / MANIFEST_NAME for d in live_dirs}
+    found = leftovers(store.caches_dir, live_dirs, live_files, grace_s=grace_s) if store.caches_dir.is_dir() else []
+    return found + model_leftovers(store.models_dir)
