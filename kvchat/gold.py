@@ -220,9 +220,8 @@ class _Got:
 class _KvchatAnswerer:
     def __init__(self, session: Session, lm: LoadedModel, disk_bytes: int, retrieve: int,
                  recall: RagSession | None = None) -> None:  # fmt: skip
-        self.session, self.lm, self.disk_bytes, self.retrieve, self.recall = session, lm, disk_bytes, retrieve, recall
-        shape = lm.model.config
-        self.heads = lm.num_layers * shape.num_key_value_heads
+        self.session, self.disk_bytes, self.retrieve, self.recall = session, disk_bytes, retrieve, recall
+        self.heads = lm.num_layers * lm.model.config.num_key_value_heads
         self.entry_bytes = _entry_bytes(lm)
 
     def ask(self, question: str) -> _Got:
@@ -243,11 +242,13 @@ class _KvchatAnswerer:
 class _RagAnswerer:
     def __init__(self, session: RagSession) -> None:
         self.session = session
+        lm = session.lm
+        self.entry_bytes = _entry_bytes(lm) * lm.num_layers * lm.model.config.num_key_value_heads  # all layers, heads
 
     def ask(self, question: str) -> _Got:
-        answer = self.session.ask(question)
+        answer = self.session.ask(question)  # everything it attends to is the prompt's keys and values
         return _Got(answer.text, {
-            "entries": answer.entries, "resident_bytes": answer.resident_bytes,
+            "entries": answer.entries, "resident_bytes": int(answer.entries * self.entry_bytes),
             "disk_bytes": self.session.index.nbytes, "prompt_tokens": answer.prompt_tokens,
             "answer_tokens": answer.answer_tokens, "chunks": list(answer.chunks),
         })  # fmt: skip

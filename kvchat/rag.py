@@ -109,7 +109,6 @@ class RagAnswer:
     prompt_tokens: int          # everything prefilled at question time: system prompt, chunks, question
     answer_tokens: int
     entries: int                # keys the first answer token attends to, per layer and KV head
-    resident_bytes: int         # the prompt's keys and values while answering
     timings_ms: dict[str, float] = field(default_factory=dict)  # embed, prefill_decode
 
 
@@ -145,11 +144,7 @@ class RagSession:
         tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits))
         timings["prefill_decode"] = _ms_since(clock)
         n = int(ids.shape[-1])
-        config = self.lm.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        element = torch.finfo(self.lm.dtype).bits // 8
-        resident = 2 * n * self.lm.num_layers * config.num_key_value_heads * head_dim * element
-        return RagAnswer(self.lm.decode(tokens).strip(), tuple(chunks), n, len(tokens), n, resident, timings)
+        return RagAnswer(self.lm.decode(tokens).strip(), tuple(chunks), n, len(tokens), n, timings)
 
 
 def _ms_since(start: float) -> float:
