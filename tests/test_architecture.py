@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.llm", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings",
      "kvchat.device"),
     ("kvchat.kv", "kvchat.config"),
-    ("kvchat.history", "kvchat.encoder", "kvchat.errors", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.formats", "kvchat.errors"),
 ]
 
 

@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import inspect
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -48,8 +48,10 @@ from kvchat.config import (
     PagingConfig,
 )
 from kvchat.errors import UserError
+from kvchat.history import FORMAT_NAMES
 from kvchat.kv.methods import REGISTRY
 
+HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
 _METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
@@ -123,8 +125,14 @@ def _cache_options(command):
 @_cache_options
 def ingest(
     history: Annotated[Path, typer.Argument(
-        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
+        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, a ChatGPT or Claude export, fine-tune "
+        'JSONL, a "Name: text" transcript, LoCoMo or LongMemEval (README, "History formats").')],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
+    history_format: Annotated[HistoryFormat | None, typer.Option(
+        "--format", help="The history's format, when detection guesses wrong (default: detected).")] = None,
+    pick: Annotated[str | None, typer.Option(
+        help="Which conversation of a ChatGPT or Claude export or fine-tune JSONL: its number (1 = first in the "
+        'file), its title, or "all" (oldest first).')] = None,
     config: IngestConfig = IngestConfig(),
     memory: Annotated[bool, typer.Option(
         "--memory/--no-memory", help="indexmem: fold evicted entries into a latent memory stored with each episode "
@@ -183,7 +191,10 @@ def ingest(
             raise UserError(f"{exc}; name it with --name") from None
     else:
         name = validate_name(name)
-    turns = load_history(history)  # a bad file fails here, before any model is loaded
+    if reingest and (history_format or pick):
+        raise UserError("--append --reingest reads the stored histories and this one by detection; "
+                        "--format and --pick cannot be used with it")
+    turns = load_history(history, format=history_format, pick=pick)  # fails before a model loads
     if append or reingest:
         _check_append(append, reingest, replace, config, model)
     store = open_store()
