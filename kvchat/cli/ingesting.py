@@ -154,6 +154,8 @@ def ingest(
     offload_window: Annotated[int, typer.Option(
         help="--offload icecache: the last W history tokens stay resident in every layer and KV head whatever "
         "the method scores them, beside --budget (IceCache's window pages).")] = OffloadConfig.window,
+    setting: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="A saved setting without an "
+        "option of its own, VALUE in JSON (rebuild commands carry them; keys as `kvchat list --json` shows).")] = None,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     append: Annotated[bool, typer.Option(
         help="Add the history's turns to conversation --name: every episode cache continues from where it "
@@ -173,12 +175,14 @@ def ingest(
     from kvchat.history import load_history
     from kvchat.ingest import ingest as run_ingest
     from kvchat.ingest import validate
+    from kvchat.settings import with_settings
     from kvchat.store import validate_name
 
     model = config.model
     offloading = OffloadConfig(mode=offload, retrieve=retrieve, window=offload_window,
                                paging=PagingConfig(page_size=page_size))
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading, memory=memory))
+    config = with_settings(config, setting or [])
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
