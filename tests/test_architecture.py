@@ -18,10 +18,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training", "kvchat.training.pipeline",
      "kvchat.training.chunks", "kvchat.training.teacher", "kvchat.training.indexer_stage",
      "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
-    ("kvchat.llm", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings",
-     "kvchat.device"),
+    ("kvchat.llm", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight",
+     "kvchat.settings", "kvchat.device"),
     ("kvchat.kv", "kvchat.config"),
-    ("kvchat.history", "kvchat.encoder", "kvchat.errors", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.history", "kvchat.encoder", "kvchat.errors", "kvchat.checked_files", "kvchat.synthetic",
+     "kvchat.__init__"),
 ]
 
 

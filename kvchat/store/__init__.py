@@ -42,7 +42,7 @@ from kvchat.errors import CacheIntegrityError as CacheIntegrityError  # raised b
 from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
-from kvchat.store.asklog import ask_row, read_asks
+from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
 from kvchat.store.errors import BUSY_TIMEOUT_MS, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
@@ -420,6 +420,8 @@ class Store:
     @_index_errors
     def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
         """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
+        if not 1 <= limit <= MAX_LISTED:  # SQLite's integers are 64-bit
+            raise UserError(f"-n must be within 1..{MAX_LISTED} (got {limit})")
         return read_asks(self._db, self.db_path, limit, conversation)
 
 

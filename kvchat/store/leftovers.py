@@ -34,6 +34,7 @@ class Problem:
     """
 
     kind: str  # missing | not-a-file | size | checksum | outside | unreadable | orphan | stray | stale-temp
+    #          | special-file (a FIFO or device in profiles/)
     conversation: str | None
     episode: int | None
     path: Path
