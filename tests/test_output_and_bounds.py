@@ -46,3 +46,24 @@ def test_an_answer_longer_than_the_models_context_is_refused_before_anything_is_
     context = tiny_lm.model.config.max_position_embeddings
     with pytest.raises(UserError, match=f"--max-new-tokens must be within 1..{context}"):
         next(generate(tiny_lm, None, torch.zeros(1, 1, dtype=torch.long), 10**9))
+
+
+def test_a_disk_io_error_on_a_nearly_full_disk_says_disk_full(tmp_path, monkeypatch):
+    """SQLite says only "disk I/O error" when it cannot create its WAL files on a full disk (issue 29, case 6)."""
+    import shutil
+    import sqlite3
+
+    from kvchat.store import files
+    from kvchat.store.errors import database_error
+
+    error = sqlite3.OperationalError("disk I/O error")
+    error.sqlite_errorname = "SQLITE_IOERR_SHMOPEN"
+    assert "disk full" not in str(database_error(tmp_path / "kvchat.db", error))
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda where: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    assert str(database_error(tmp_path / "kvchat.db", error)).startswith("disk full: cannot open")
+
+
+def test_train_indexer_data_given_a_directory_says_what_it_takes(tmp_path):
+    result = run_main(tmp_path / "home", "train-indexer", "--data", str(tmp_path))
+    assert result.returncode == 2, result.stderr
+    assert "a directory; --data takes files (chat histories or .txt)" in result.stderr

@@ -63,6 +63,18 @@ def disk_full(where: Path) -> UserError:
     return UserError(f"no space left on device while writing caches to {where}: free space or lower --budget")
 
 
+def nearly_full(where: Path) -> bool:
+    """Whether the file system of `where` has less room than SQLite needs to open a WAL database (its 32 KiB
+    shared-memory file): SQLite then says only "disk I/O error"."""
+    try:
+        return shutil.disk_usage(where).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+NEARLY_FULL_BYTES = 1 << 20
+
+
 # --------------------------------------------------------------------------- temp dirs and deletion
 
 
