@@ -25,7 +25,6 @@ import torch
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, TrainConfig, default_home
 from kvchat.history import Turn, format_turns
-from kvchat.ingest import resolve_layer_budgets
 from kvchat.kv.forward import forward
 from kvchat.kv.indexer import IndexerScorer
 from kvchat.kv.latent import LatentMemory
@@ -33,6 +32,7 @@ from kvchat.kv.methods import REGISTRY, ScorerInputs
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.trained import TrainedIndexMem
 from kvchat.llm import ChatLayout, load_model
+from kvchat.plan import resolve_layer_budgets
 from kvchat.profile import find_indexmem
 from kvchat.synthetic import planted_conversation
 from kvchat.training.chunks import make_chunks

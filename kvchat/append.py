@@ -21,38 +21,27 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvchat import preflight
+from kvchat import features
 from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
-from kvchat.episodes import Episode, segment
+from kvchat.episodes import Episode
 from kvchat.errors import UserError
-from kvchat.history import Turn, format_turns, load_history
-from kvchat.ingest import (
-    BuiltEpisode,
-    IngestPlan,
-    IngestProgress,
-    IngestReport,
-    commit_ingest,
-    episode_scorer,
-    estimate_bytes,
-    finish_cache,
-    ingest,
-    offload_budgets,
-    resident_window,
-    resolve_layer_budgets,
-    spill_writer,
-    write_episode,
-)
-from kvchat.kv import codec, pagefile
-from kvchat.kv.heads import HeadBudgets
+from kvchat.history import Turn, load_history
+from kvchat.ingest import IngestProgress, IngestReport, build_episodes, commit_ingest, ingest, write_episode
+from kvchat.kv import codec
+from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import method
-from kvchat.kv.prefill import block_prefill
-from kvchat.llm import ChatLayout, LoadedModel
+from kvchat.llm import LoadedModel
+from kvchat.plan import Continuation, plan_ingest
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
+
+if TYPE_CHECKING:
+    from kvchat.features.feature import StoredFile
 
 
 def append(
@@ -69,79 +58,37 @@ def append(
 ) -> IngestReport:
     """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`)."""
     started = time.perf_counter()
-    progress = progress or IngestProgress()
     record = _record(store, name, lm)
     config = from_settings(record.settings, record.model)
-    if config.cache.offload.enabled and config.cache.method == "full":
-        raise UserError(
-            f"conversation '{name}' pages everything past its last tokens (--method full --offload): new turns "
-            "would be prefilled without the paged past; use --append --reingest"
-        )
+    features.check_append(config.cache, name)
     if method(config.cache.method).trained:
         raise UserError(f"conversation '{name}' was built with --method {config.cache.method}, whose caches cannot "
                         "be continued (the indexer's keys of stored entries are not kept); use --append --reingest")
-    from_file = isinstance(history, (str, os.PathLike))
-    turns = load_history(history) if from_file else list(history)
-    lines = format_turns(turns)
-    layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
-    prefix_ids = lm.encode(layout.before_conversation)
-    new_ids = lm.encode("\n" + "\n".join(lines))  # the stored history's last line ends without a newline
-    old_tokens = int(record.stats.get("history_tokens", 0))
-    notes: list[str] = []
-    episodes, members = _moved_episodes(record, segment(lines, config.episodes.window), encoder, notes)
-    protected = prefix_ids.shape[-1]
-    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
-    _, budgets, _ = (None, None, None) if config.cache.method == "full" else resolve_layer_budgets(
-        config.cache, lm, dirs, protected, notes
-    )
-    budgets = offload_budgets(config.cache, budgets, protected + old_tokens + new_ids.shape[-1])
-    heads = HeadBudgets(config.cache.head_budgets)
-    # A cache under budget costs what an ingest of the new turns alone would; full KV holds the old ones too.
-    context = protected + new_ids.shape[-1] + (old_tokens if budgets is None else 0)
-    peak_bytes = estimate_bytes(config, lm, layout, context, budgets, heads, protected)
-    if not force:
-        shape = preflight.ModelShape.of(lm.model)
-        preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=preflight.available_bytes(lm.device),
-                             device=lm.device)
-    source_now = str(Path(history).resolve()) if from_file else source
-    plan = IngestPlan(
-        name=name,
-        config=config,
+    source_now = str(Path(history).resolve()) if isinstance(history, (str, os.PathLike)) else source
+    appended = (*record.settings.get("appended", []), *([source_now] if source_now else []))
+    continuing = Continuation(
+        turns=int(record.stats.get("turns", 0)), history_tokens=int(record.stats.get("history_tokens", 0)),
         source=record.settings.get("source"),
-        turns=int(record.stats.get("turns", 0)) + len(turns),
-        layout=layout,
-        prefix_ids=prefix_ids,
-        context_ids=new_ids,
-        history_tokens=old_tokens + int(new_ids.shape[-1]),
-        budgets=budgets,
-        heads=heads,
-        prefill="block",
-        episodes=episodes,
-        estimated_peak_bytes=peak_bytes,
-        notes=notes,
-        episode_segments=members,
-        appended=(*record.settings.get("appended", []), *([source_now] if source_now else [])),
-    )
+        place=lambda segments, notes: _moved_episodes(record, segments, encoder, notes),
+    )  # fmt: skip
+    plan = plan_ingest(
+        history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True, force=force,
+        profile_dirs=profile_dirs, appended=appended, continuing=continuing,
+    )  # fmt: skip
+    side_file = features.side_file_name(config.cache)
+
+    def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
+        stored = record.episodes[episode.index]
+        cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device)
+        cache.dequantize()  # a quantized cache continues in full precision, and is quantized again when done
+        return cache, (lambda: store.load_pages(stored, lm.fingerprint)) if side_file else None
+
     stats, records = [], []
     with store.begin(name, replace=True, expect=record.ingest_id) as pending:  # no lost update
-        for episode, stored in zip(episodes, record.episodes, strict=True):
-            progress.episode(episode.index, len(episodes))
-            cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device)
-            cache.dequantize()  # a quantized cache continues in full precision, and is quantized again when done
-            with pending.disk_full_guard():  # with --offload: the stored pages and the new evictions, spilled
-                spill = spill_writer(plan, lm, pending, episode.index)
-                if spill is not None:
-                    spill.spill_pages(pagefile.decode(*store.load_pages(stored, lm.fingerprint)))
-                result = block_prefill(
-                    lm.model, None, new_ids, block_size=config.cache.block_size, budgets=budgets,
-                    scorer=episode_scorer(config, episode, lm, layout), compact=config.cache.positions == "compact",
-                    on_block=progress.block, heads=heads, resume=cache, on_evict=spill,
-                    recent=resident_window(config.cache),
-                )  # fmt: skip
-            finish_cache(result.cache, config.cache)
-            built = BuiltEpisode(episode, result.cache, result.peak_layer_entries, result.peak_total_entries, spill)
-            records.append(write_episode(pending, plan, built, lm))
-            stats.append(built.stats())
+        with pending.disk_full_guard():  # with --offload: the stored pages and the new evictions, spilled
+            for built in build_episodes(plan, lm, scratch=pending.scratch_dir, progress=progress, resume=resume):
+                records.append(write_episode(pending, plan, built, lm))
+                stats.append(built.stats())
         return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
 
 

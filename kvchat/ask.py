@@ -9,20 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from kvchat import features
 from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.kv import codec, families, pagefile
+from kvchat.features import UnreadableFile, retrieved_positions
+from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store
@@ -74,11 +75,13 @@ class Session:
         first_recorder: Recorder | None = None,
         log: bool = True,
         stop: Callable[[], bool] | None = None,
+        earlier: Sequence[tuple[str, str]] = (),
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
         `first_recorder` the attention of that token's forward (the question's; evaluation reads where
-        full KV attends); `stop`, asked before each token, ends the answer early when it returns true."""
+        full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
+        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -107,7 +110,9 @@ class Session:
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
-        prompt_ids = self.lm.encode(self.layout.question(self.config.question_template.format(question=question)))
+        prompt_ids = self.lm.encode(
+            self.layout.question(self.config.question_template.format(question=question), earlier)
+        )
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",
@@ -167,14 +172,7 @@ class Session:
         """Per layer of the resident cache, the original positions each KV head is attending to from its
         offloaded pages right now (None for a layer without pages); empty before any question. Read it
         while answering (e.g. from `ask`'s `on_first_logits`): the pool empties when the answer ends."""
-        if self._resident is None:
-            return []
-        out: list[list[torch.Tensor] | None] = []
-        for layer in self._resident[1].layers:
-            pool = getattr(layer, "pool", None)
-            current = pool.current if isinstance(pool, PagePool) else None
-            out.append(None if current is None else [got.positions for got in current])
-        return out
+        return [] if self._resident is None else retrieved_positions(self._resident[1])
 
     def _check_length(self, question: str) -> None:
         """Refuse a question longer than a quarter of the model's window before it costs anything: its
@@ -213,18 +211,11 @@ class Session:
             cache, _ = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
             raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
-        offload = from_settings(self.conversation.settings).cache.offload
-        if offload.enabled:  # the pages file is memory-mapped: only page tables and centroids are read now
-            tensors, metadata = self.store.load_pages(record, self.lm.fingerprint)
-            try:
-                attach_pages(
-                    cache, pagefile.decode(tensors, metadata),
-                    budget=self.config.retrieve if self.config.retrieve is not None else offload.retrieve,
-                    scorer=page_scorer(offload.scorer, offload.candidates), refresh=offload.refresh,
-                    pinned_share=offload.pinned_share,
-                )
-            except ValueError as e:
-                raise self._unreadable(index, "pages file", f"does not hold pages of this cache ({e})") from None
+        try:  # what the cache features stored beside it (IceCache's pages, memory-mapped)
+            features.attach(cache, from_settings(self.conversation.settings).cache,
+                            lambda: self.store.load_pages(record, self.lm.fingerprint), self.config.retrieve)
+        except UnreadableFile as e:
+            raise self._unreadable(index, e.what, e.problem) from None
         self._resident = (index, cache)
         return cache
 

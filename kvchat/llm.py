@@ -16,7 +16,7 @@ import shutil
 import stat
 import struct
 import uuid
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +72,10 @@ class ChatLayout:
         middle, tail = rest.split(_QUESTION_MARK)
         return cls(head, middle, tail)
 
-    def question(self, text: str) -> str:
-        return self.before_question + text + self.after_question
+    def question(self, text: str, earlier: Sequence[tuple[str, str]] = ()) -> str:
+        """The question's turns; `earlier` (question, answer) pairs come first as the follow-up they are."""
+        turns = "".join(self.before_question + q + self.after_question + a for q, a in earlier)
+        return turns + self.before_question + text + self.after_question
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """A conversation's saved ingest settings, both ways: the `IngestConfig` that built it <-> the flat dict
-the store keeps with it, and the command line that builds it again.
+the store keeps with it, and the command line that builds it again (every setting: those without an option
+of their own as `--setting KEY=VALUE`).
 
 The store keeps the *resolved* settings (what ran: `auto` positions and layer budgets replaced by the
 choice made, the alpha used), so the same settings rebuild the same caches. Keys are stable across
@@ -9,23 +10,70 @@ versions; a key an older kvchat did not write takes its default here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 from collections.abc import Sequence
+from typing import Any
 
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
+from kvchat import features
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.errors import UserError
+from kvchat.kv.config import saved_keys
 
-# Settings keys of CAKE's knobs: with `cake` layer budgets, and with the `cake` method's scorer.
-_CAKE_BUDGET_KEYS = {"tau1": "tau1", "tau2": "tau2", "cake_floor_fraction": "floor_fraction", "cake_cascade": "cascade"}
-_CAKE_SCORER_KEYS = {"cake_gamma": "gamma", "cake_pool_kernel": "pool_kernel"}
+# Settings keys of CAKE's knobs (its fields' metadata): with `cake` layer budgets, and with the `cake` method's
+# scorer; its window with either.
+_CAKE_KEYS = saved_keys(CakeConfig)
+_CAKE_SCORER_KEYS = {key: _CAKE_KEYS[key] for key in ("cake_gamma", "cake_pool_kernel")}
+_CAKE_BUDGET_KEYS = {key: name for key, name in _CAKE_KEYS.items() if key not in (*_CAKE_SCORER_KEYS, "cake_window")}
 _FULL = "full"  # what `layer_budgets` records for full KV, which has none
-# Settings keys of IceCache's knobs (`--offload icecache`): OffloadConfig's fields, then PagingConfig's.
-_OFFLOAD_KEYS = {
-    "retrieve": "retrieve", "page_scorer": "scorer", "refresh": "refresh", "pinned_share": "pinned_share",
-    "page_candidates": "candidates", "offload_window": "window", "first_paged_layer": "first_paged_layer",
-    "pages_dtype": "dtype",
-}  # fmt: skip
-_PAGING_KEYS = {"page_size": "page_size", "cluster_size": "cluster_size", "kmeans_iterations": "iterations",
-                "paging_seed": "seed"}  # fmt: skip
+_NOT_SETTINGS = ("source", "appended", "layer_budgets")  # kept apart, or (layer_budgets) an option's own
+
+
+def setting_paths(config_class: type = IngestConfig, path: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
+    """Every saved settings key -> the path of the `IngestConfig` field it holds (e.g. "page_size" ->
+    ("cache", "offload", "paging", "page_size")), from the config dataclasses' field metadata."""
+    found = {key: (*path, name) for key, name in saved_keys(config_class).items()}
+    for f in dataclasses.fields(config_class):
+        if dataclasses.is_dataclass(f.default):
+            nested = setting_paths(type(f.default), (*path, f.name))
+            if found.keys() & nested.keys():
+                raise ValueError(f"settings keys {sorted(found.keys() & nested.keys())} name two fields each")
+            found |= nested
+    return found
+
+
+def _get(config: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        config = getattr(config, name)
+    return config
+
+
+def _set(config: Any, path: tuple[str, ...], value: Any) -> Any:
+    if len(path) == 1:
+        return dataclasses.replace(config, **{path[0]: value})
+    return dataclasses.replace(config, **{path[0]: _set(getattr(config, path[0]), path[1:], value)})
+
+
+def with_settings(config: IngestConfig, pairs: Sequence[str]) -> IngestConfig:
+    """`config` with saved settings given as `KEY=VALUE` (`kvchat ingest --setting`, which rebuild commands use
+    for settings without an option of their own): VALUE is JSON, or else a plain string. Unknown keys and
+    values of the wrong type are user errors; `ingest.validate` checks the values."""
+    paths = setting_paths()
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or key not in paths or key in _NOT_SETTINGS:
+            raise UserError(f"--setting {pair!r}: expected KEY=VALUE with KEY one of {', '.join(sorted(paths))}")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        current = _get(config, paths[key])
+        if current is not None and not isinstance(value, type(current)) and not (
+            isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool)
+        ):
+            raise UserError(f"--setting {key}: expected a {type(current).__name__}, got {raw!r}")
+        config = _set(config, paths[key], float(value) if isinstance(current, float) else value)
+    return config
 
 
 def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
@@ -50,11 +98,6 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         "instruction": config.instruction,
         "source": source,
     }
-    if cache.method == "indexmem":
-        settings["memory"] = cache.memory
-        settings["recent_window"] = cache.recent_window
-        settings["attention_mix"] = cache.attention_mix
-        settings["indexer_pool_kernel"] = cache.indexer_pool_kernel
     if appended:
         settings["appended"] = list(appended)
     if strategy == "sensitivity" and cache.alpha is not None:
@@ -68,13 +111,7 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
-    if cache.precision != "full":  # the group of that precision only (the other's default changes nothing)
-        group_key = "quant_group_4bit" if cache.precision == "int4" else "quant_group"
-        settings |= {group_key: cache.active_quant_group, "quant_residual": cache.quant_residual}
-    if cache.offload.enabled:
-        settings |= {key: getattr(cache.offload, field) for key, field in _OFFLOAD_KEYS.items()}
-        settings |= {key: getattr(cache.offload.paging, field) for key, field in _PAGING_KEYS.items()}
-    return settings
+    return settings | features.settings(cache)  # the settings of the features it turns on (kvchat.features)
 
 
 def from_settings(settings: dict, model: str = "default") -> IngestConfig:
@@ -89,18 +126,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         window=get("cake_window", cake_d.window),
         **{field: get(key, getattr(cake_d, field)) for key, field in (_CAKE_BUDGET_KEYS | _CAKE_SCORER_KEYS).items()},
     )
-    offload_d = cache_d.offload
-    paging = {field: get(key, getattr(offload_d.paging, field)) for key, field in _PAGING_KEYS.items()}
-    offload = OffloadConfig(
-        mode=get("offload", offload_d.mode),  # stores written before --offload existed offload nothing
-        paging=PagingConfig(**paging),
-        **{field: get(key, getattr(offload_d, field)) for key, field in _OFFLOAD_KEYS.items()},
-    )
     strategy = get("layer_budgets", cache_d.layer_budgets)
-    # an indexmem store written before the blend existed: the indexer alone, pooled with pool_kernel
-    unrecorded_mix, unrecorded_pool = cache_d.attention_mix, cache_d.indexer_pool_kernel
-    if get("method", cache_d.method) == "indexmem":
-        unrecorded_mix, unrecorded_pool = 0.0, get("pool_kernel", cache_d.pool_kernel)
     cache = CacheConfig(
         method=get("method", cache_d.method),
         budget=get("budget", cache_d.budget),
@@ -112,16 +138,9 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         cake=cake,
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
-        offload=offload,
-        memory=get("memory", cache_d.memory),
-        recent_window=get("recent_window", cache_d.recent_window),
-        attention_mix=get("attention_mix", unrecorded_mix),
-        indexer_pool_kernel=get("indexer_pool_kernel", unrecorded_pool),
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
-        quant_group=get("quant_group", cache_d.quant_group),
-        quant_group_4bit=get("quant_group_4bit", cache_d.quant_group_4bit),
-        quant_residual=get("quant_residual", cache_d.quant_residual),
     )
+    cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(
         episodes=get("episodes", episodes_d.episodes),
         window=get("window", episodes_d.window),
@@ -155,16 +174,23 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         options |= {"tau1": cache.cake.tau1, "tau2": cache.cake.tau2}
     options["head-budgets"] = cache.head_budgets
     options["prefill"] = cache.prefill
-    if cache.offload.enabled:
-        options |= {"offload": cache.offload.mode, "retrieve": cache.offload.retrieve,
-                    "page-size": cache.offload.paging.page_size, "offload-window": cache.offload.window}  # fmt: skip
-    if cache.precision != "full":
-        options["cache-precision"] = cache.precision
-    for option, value in options.items():
-        words += [f"--{option}", str(value)]
-    if cache.method == "indexmem":
-        words.append("--memory" if cache.memory else "--no-memory")
+    options |= features.options(cache)  # the options of the features it turns on (kvchat.features)
+    flags = {option: value for option, value in options.items() if isinstance(value, bool)}
+    for option, value in options.items():  # valued options first, then on/off flags
+        if option not in flags:
+            words += [f"--{option}", str(value)]
+    words += [f"--{option}" if on else f"--no-{option}" for option, on in flags.items()]
+    words += [f"--setting={pair}" for pair in _library_only(config, {o.replace("-", "_") for o in options})]
     if replace:
         words.append("--replace")
     appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]
     return " && ".join([shlex.join(words), *appends])
+
+
+def _library_only(config: IngestConfig, expressed: set[str]) -> list[str]:
+    """`KEY=VALUE` for each saved setting of `config` that no option in `expressed` carries and whose value
+    differs from what the command would take without it (its default)."""
+    saved, paths, default = to_settings(config, source=None), setting_paths(), IngestConfig()
+    return [f"{key}={json.dumps(value)}" for key, value in saved.items()
+            if key in paths and key not in expressed and key not in _NOT_SETTINGS
+            and value != _get(default, paths[key])]  # fmt: skip

@@ -1,4 +1,5 @@
-"""Dependencies point one way (ARCHITECTURE.md): no module imports a module of a layer above its own."""
+"""Dependencies point one way (ARCHITECTURE.md): no module imports a module of a layer above its own, and no
+modules import each other in a circle, inside a package (`kv/`, `features/`, `store/`) too."""
 
 from __future__ import annotations
 
@@ -11,23 +12,26 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 
 # Top to bottom. A module may import modules of its own layer or of layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal"),
+    ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal", "kvchat.serve"),
     ("kvchat.evaluate", "kvchat.report"),
     ("kvchat.batch",),
+    ("kvchat.batch_worker",),
     ("kvchat.append",),
-    ("kvchat.ingest", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training", "kvchat.training.pipeline",
-     "kvchat.training.chunks", "kvchat.training.teacher", "kvchat.training.indexer_stage",
+    ("kvchat.ingest", "kvchat.plan", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training",
+     "kvchat.training.pipeline", "kvchat.training.chunks", "kvchat.training.teacher", "kvchat.training.indexer_stage",
      "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
     ("kvchat.llm", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight",
-     "kvchat.settings", "kvchat.device"),
-    ("kvchat.kv", "kvchat.config"),
-    ("kvchat.history", "kvchat.encoder", "kvchat.errors", "kvchat.checked_files", "kvchat.synthetic",
-     "kvchat.__init__"),
+     "kvchat.settings", "kvchat.device", "kvchat.features"),
+    ("kvchat.config",),
+    ("kvchat.kv",),
+    ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
 ]
 
 
 def _layer(module: str) -> int:
     """The index of `module`'s layer: the longest listed name it equals or lies under."""
+    module = "kvchat.__init__" if module == "kvchat" else module
     best = None
     for index, names in enumerate(LAYERS):
         for name in names:
@@ -38,28 +42,88 @@ def _layer(module: str) -> int:
     return best[0]
 
 
-def _imports(path: Path) -> set[str]:
+def _module_name(path: Path) -> str:
+    """`kvchat.kv.cache` for kvchat/kv/cache.py; a package's `__init__.py` is the package itself."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+NAMES = {_module_name(path) for path in MODULES}
+
+
+def _imports(path: Path, *, type_only: bool = True) -> set[str]:
+    """Every kvchat module `path` imports, wherever the import sits (module level, in a function, and unless
+    `type_only` is False under TYPE_CHECKING): `from kvchat.kv import codec` is `kvchat.kv.codec`."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    skipped = set() if type_only else {
+        id(inner) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for inner in ast.walk(node)
+    }  # fmt: skip
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "kvchat":
-            if node.module in ("kvchat", "kvchat.kv"):  # `from kvchat import store`
-                found |= {f"{node.module}.{alias.name}" for alias in node.names}
-            else:
-                found.add(node.module)
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in NAMES else node.module)
         elif isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "kvchat"}
     return found
 
 
-MODULES = sorted(PACKAGE.rglob("*.py"))
-
-
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
 def test_no_module_imports_one_above_it(path: Path):
-    module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    module = _module_name(path)
     own = _layer(module)
     above = sorted(dep for dep in _imports(path) if _layer(dep) < own)
     assert not above, f"{module} (layer {own}) imports {above} from layers above it"
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan): each is a circle of imports."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in sorted(graph[node]):
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circles():
+    """Not even through a package's own modules (kv/, features/, store/) or a function-level import: a
+    module depends on the ones it imports, never the other way round too. (Imports for type annotations only,
+    under TYPE_CHECKING, are left out here; the layer test above counts them.)"""
+    graph = {_module_name(p): (_imports(p, type_only=False) & NAMES) - {_module_name(p)} for p in MODULES}
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_finds_circles():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 def test_every_package_ships_in_the_wheel():

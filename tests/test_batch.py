@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import run_main
 
-from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig
 from kvchat.errors import UserError
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
@@ -135,6 +136,36 @@ def test_four_histories_and_a_bad_file_on_two_workers(ray_instance, files, tmp_p
         assert metadata == expected_metadata
         assert tensors.keys() == expected.keys()
         assert all(torch.equal(tensors[key], expected[key]) for key in tensors)
+
+
+@needs_ray
+def test_a_batch_with_offload_stores_the_pages_and_answers_from_them(ray_instance, files, tmp_path, tiny_model_dir,
+                                                                     tiny_lm, encoder):  # fmt: skip
+    """Workers run the ingest's own episode loop: with --offload icecache every episode's pages file is stored
+    (paged by the worker, written by the driver), as `kvchat ingest` stores it, and questions are answered."""
+    from kvchat.ask import Session
+    from kvchat.batch import histories, ingest_batch
+    from kvchat.ingest import ingest
+
+    plain = _config(tiny_model_dir)
+    config = replace(plain, cache=replace(plain.cache, offload=OffloadConfig(mode="icecache", retrieve=32)))
+    report = ingest_batch(histories(files[:2]), store=Store(tmp_path / "home"), config=config,
+                          batch=BatchConfig(workers=2))  # fmt: skip
+    assert [h.status for h in report.histories] == ["committed", "committed"]
+    assert all(h.report.offloaded_entries > 0 and h.report.pages_bytes > 0 for h in report.histories)
+    store = Store(tmp_path / "home")
+    assert store.check() == []
+    record = store.get("h0")
+    alone = Store(tmp_path / "alone")
+    ingest(files[0], name="h0", config=config, store=alone, lm=tiny_lm, encoder=encoder)
+    alone_record = alone.get("h0")
+    assert record.settings == alone_record.settings and record.settings["offload"] == "icecache"
+    for ours, theirs in zip(record.episodes, alone_record.episodes, strict=True):
+        pages, _ = store.load_pages(ours, record.fingerprint)  # size, sha256, header, fingerprint
+        expected, _ = alone.load_pages(theirs, alone_record.fingerprint)
+        assert pages.keys() == expected.keys() and all(torch.equal(pages[k], expected[k]) for k in pages)
+    answer = Session(store, record, tiny_lm, encoder).ask("Where did Alice go?", log=False)
+    assert answer.answer_tokens > 0
 
 
 @needs_ray

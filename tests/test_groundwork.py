@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import random_ids as _ids
 
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
@@ -217,3 +217,52 @@ def test_the_rebuild_command_replaces_when_asked():
     words = shlex.split(rebuild_command("chat", "m", settings, replace=True))
     assert words[:5] == ["kvchat", "ingest", "/h/my chat.json", "--name", "chat"] and words[-1] == "--replace"
     assert dataclasses.replace(RESOLVED[0]).cache.alpha == float(words[words.index("--alpha") + 1])
+
+
+@pytest.mark.parametrize("config", [
+    IngestConfig(cache=CacheConfig(budget=64, block_size=32, positions="original", layer_budgets="uniform",
+                                   prefill="block", pool_kernel=5, offload=OffloadConfig(
+                                       mode="icecache", retrieve=32, scorer="centroid", refresh=4, candidates=2,
+                                       dtype="float32", paging=PagingConfig(page_size=8, iterations=3, seed=1))),
+                 episodes=EpisodeConfig(episodes=2, prompt_tokens=48, seed=2), system_prompt="Be brief.\n",
+                 instruction="Find the facts."),
+    IngestConfig(cache=CacheConfig(method="cake", budget=64, block_size=32, positions="original",
+                                   layer_budgets="cake", prefill="block", precision="int4", quant_group_4bit=8,
+                                   quant_residual=2, cake=CakeConfig(tau1=0.5, gamma=100.0, cascade=False)),
+                 episodes=EpisodeConfig(episodes=2, window=2)),
+], ids=["icecache", "cake-int4"])  # fmt: skip
+def test_the_rebuild_command_builds_the_same_settings_through_the_cli(config, tmp_path, tiny_model_dir, history):
+    """Library-only settings too (`--setting KEY=VALUE`): the conversation the printed command builds has
+    exactly the settings of the one it rebuilds."""
+    from cli_helpers import run_main
+
+    from kvchat.store import Store
+
+    config = dataclasses.replace(config, model=str(tiny_model_dir))
+    settings = to_settings(config, source=str(history))
+    command = rebuild_command("chat", config.model, settings)
+    assert "--setting" in command
+    done = run_main(tmp_path, *shlex.split(command)[1:])
+    assert done.returncode == 0, done.stderr
+    assert Store(tmp_path).get("chat").settings == settings
+
+
+def test_a_setting_of_the_wrong_kind_or_name_is_a_user_error():
+    from kvchat.errors import UserError
+    from kvchat.settings import with_settings
+
+    assert with_settings(IngestConfig(), ["page_scorer=centroid", "cake_gamma=3"]).cache.offload.scorer == "centroid"
+    for pair in ("no_such_key=1", "budget", "budget=\"many\"", "source=\"x\""):
+        with pytest.raises(UserError, match="--setting"):
+            with_settings(IngestConfig(), [pair])
+
+
+FEATURED = IngestConfig(cache=CacheConfig(method="indexmem", precision="int8", offload=OffloadConfig(mode="icecache")))
+
+
+@pytest.mark.parametrize("config", [*RESOLVED, FEATURED], ids=lambda c: c.cache.method)
+def test_every_saved_key_names_one_config_field(config):
+    from kvchat.settings import setting_paths
+
+    saved = to_settings(config, source="/h.json", appended=["/a.json"])
+    assert set(saved) - {"source", "appended"} <= set(setting_paths())

@@ -112,9 +112,9 @@ def test_estimate_grows_with_budget_and_block_not_with_the_history():
 
 
 def test_estimate_sizes_attention_by_the_longest_head_layer_and_head_budgets_allow():
-    from kvchat.ingest import _longest_head
     from kvchat.kv.cascade import CakeBudgets
     from kvchat.kv.heads import HeadBudgets
+    from kvchat.plan import _longest_head
 
     uniform, adaptive = HeadBudgets("uniform"), HeadBudgets("adaptive")
     sensitivity = [512] * 20 + [2048] * 10  # mean 1024

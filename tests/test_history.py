@@ -12,8 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvchat import history
 from kvchat.errors import UserError
+from kvchat.formats import common
 from kvchat.history import MAX_FILE_BYTES, MAX_TURNS, Turn, format_turns, load_history, parse_history
 
 DATA = Path(__file__).parent / "data"
@@ -229,7 +229,7 @@ def test_too_many_turns() -> None:
 
 @pytest.mark.parametrize("suffix", [".json", ".jsonl"])
 def test_too_many_turns_in_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suffix: str) -> None:
-    monkeypatch.setattr(history, "MAX_TURNS", 10)
+    monkeypatch.setattr(common, "MAX_TURNS", 10)
     path = tmp_path / f"many{suffix}"
     items = TWO * 6
     path.write_text(json.dumps(items) if suffix == ".json" else "\n".join(map(json.dumps, items)))

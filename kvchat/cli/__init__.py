@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from kvchat.cli import asking, calibration, evaluating, ingesting, stored
+from kvchat.cli import asking, calibration, evaluating, ingesting, serving, stored
 from kvchat.cli.render import err, say
 from kvchat.errors import UserError
 
@@ -53,6 +53,7 @@ def _root(
 app.command()(ingesting.ingest)
 app.command("ingest-batch")(ingesting.ingest_batch)
 app.command()(asking.ask)
+app.command()(serving.serve)
 app.command("profile-layers")(calibration.profile_layers_command)
 app.command("train-indexer")(calibration.train_indexer_command)
 app.command("eval")(evaluating.eval_command)

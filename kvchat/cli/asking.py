@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Annotated
@@ -45,8 +46,15 @@ def ask(
     dtype: DtypeOpt = DeviceConfig.dtype,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per question (JSON Lines).")] = False,
+    server: Annotated[str | None, typer.Option(
+        envvar="KVCHAT_SERVER", help="Ask the `kvchat serve` at this URL. Default: the server running on this "
+        "$KVCHAT_HOME, if any, unless --local or an option only this process honours is given (--retrieve, "
+        "--weights, --threads, --device, --dtype, --no-log).")] = None,
+    local: Annotated[bool, typer.Option("--local", help="Answer in this process even when a server runs.")] = False,
+    api_key: Annotated[str | None, typer.Option(envvar="KVCHAT_API_KEY", help="The server's API key.")] = None,
 ) -> None:
-    """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL).
+    """Answer a question from the nearest episode's cache (one-shot, stdin lines, or a REPL), in this process or
+    through a running `kvchat serve`.
 
     Every question and answer is recorded in the store (`kvchat logs` shows them) unless --no-log."""
     if question is not None and not question.strip():
@@ -57,12 +65,20 @@ def ask(
         raise UserError("no question: give one as an argument, or one per line on stdin")
     if retrieve is not None and retrieve < 0:
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
-    store = open_store()
-    if store.read_only and not no_log:
-        say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
-            console=err)
-    asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve, weights=weights),
-                   log=not no_log and not store.read_only, threads=threads, device=DeviceConfig(device, dtype))
+    given = {"--retrieve": retrieve is not None, "--weights": weights != AskConfig.weights,
+             "--threads": threads is not None, "--device": device != DeviceConfig.device,
+             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log}
+    own = [option for option, set_ in given.items() if set_]  # what only this process honours
+    if server is not None and (local or own):
+        raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
+    asker = _remote_asker(server, conversation, max_new_tokens, api_key) if not (local or own) else None
+    if asker is None:
+        store = open_store()
+        if store.read_only and not no_log:
+            say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
+                console=err)
+        asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve, weights=weights),
+                       log=not no_log and not store.read_only, threads=threads, device=DeviceConfig(device, dtype))
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -70,11 +86,9 @@ def ask(
 
         if episode is not None:
             asker.check_episode(episode)
-        name = asker.session.conversation.name
-        say((name, "bold"), f": {asker.episode_count()} episodes. /help for help; exit, quit or Ctrl-D ends.",
+        say((asker.name, "bold"), f": {asker.episode_count()} episodes. /help for help; exit, quit or Ctrl-D ends.",
             console=err)
-        history_file = None if store.read_only else store.home / "repl-history"
-        repl = Repl(prompt_reader(history_file), asker, lambda m: say(m, console=err))
+        repl = Repl(prompt_reader(asker.history_file), asker, lambda m: say(m, console=err))
         repl.episode = episode
         repl.run()
     else:
@@ -96,13 +110,19 @@ class _Asker:
         lm = load_model(record.model, store, threads=threads, device=device, weights=config.weights)
         self.session = Session(store, record, lm, load_encoder(), config)
 
+    @property
+    def name(self) -> str:
+        return self.session.conversation.name
+
+    @property
+    def history_file(self):
+        return None if self.store.read_only else self.store.home / "repl-history"
+
     def episode_count(self) -> int:
         return len(self.session.conversation.episodes)
 
     def check_episode(self, episode: int) -> None:
-        if not 0 <= episode < self.episode_count():
-            raise UserError(f"--episode {episode} does not exist (conversation "
-                            f"'{self.session.conversation.name}' has episodes 0..{self.episode_count() - 1})")
+        _check_episode(episode, self.name, self.episode_count())
 
     def switch(self, name: str) -> int:
         from kvchat.ask import Session
@@ -121,23 +141,102 @@ class _Asker:
             result = self.session.ask(question, episode=episode, log=self.log)
             emit_json(documents.answer(question, result))
             return
-        cleaner = StreamCleaner()
 
-        def write(text: str) -> None:
-            sys.stdout.write(cleaner.feed(text))
-            sys.stdout.flush()
-
-        with _ctrl_c_stops() as stopping:
+        def run(write, stopping) -> dict:
             result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping)
-        sys.stdout.write(cleaner.flush() + "\n")
+            return {"finish_reason": result.finish_reason, "episode": result.episode,
+                    "similarity": result.similarity, "reused_cache": result.reused_cache}
+
+        _print_streamed(run, self.config.max_new_tokens)
+
+
+class _RemoteAsker:
+    """`ask` through a running `kvchat serve` (kvchat.serve.client): the same output, and the REPL's Actions."""
+
+    def __init__(self, client, conversation: str | None, max_new_tokens: int) -> None:
+        self.client, self.max_new_tokens = client, max_new_tokens
+        self._episodes = {c["name"]: c["episode_count"] for c in client.conversations()}
+        if not self._episodes:
+            raise UserError(f"no conversations yet on the server at {client.url}; run `kvchat ingest HISTORY` first")
+        self.name = conversation or next(iter(self._episodes))  # newest first: the latest
+        self.switch(self.name)
+
+    @property
+    def history_file(self):
+        from kvchat.config import default_home
+
+        home = default_home()
+        return home / "repl-history" if os.access(home, os.W_OK) else None
+
+    def episode_count(self) -> int:
+        return self._episodes[self.name]
+
+    def check_episode(self, episode: int) -> None:
+        _check_episode(episode, self.name, self.episode_count())
+
+    def switch(self, name: str) -> int:
+        if name not in self._episodes:
+            self._episodes = {c["name"]: c["episode_count"] for c in self.client.conversations()}
+        if name not in self._episodes:
+            raise UserError(f"unknown conversation {name!r} on the server at {self.client.url}")
+        self.name = name
+        return self.episode_count()
+
+    def answer(self, question: str, episode: int | None, *, as_json: bool = False) -> None:
+        question = question.strip()
+        if as_json:
+            emit_json(self.client.ask(self.name, question, episode=episode, max_tokens=self.max_new_tokens))
+            return
+        _print_streamed(lambda write, stopping: self.client.ask(
+            self.name, question, episode=episode, max_tokens=self.max_new_tokens, on_text=write, stop=stopping,
+        ), self.max_new_tokens)
+
+
+def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int,
+                  api_key: str | None) -> _RemoteAsker | None:
+    """An asker through the server at `url`, else through the one announced in $KVCHAT_HOME (None when none
+    runs, or it does not answer: then this process answers)."""
+    from kvchat.config import default_home
+    from kvchat.serve.announcement import announced_url
+    from kvchat.serve.client import Client, Unreachable
+
+    if url is not None:
+        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens)
+    found = announced_url(default_home())
+    if found is None:
+        return None
+    try:
+        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens)
+    except Unreachable:
+        return None
+
+
+def _check_episode(episode: int, name: str, count: int) -> None:
+    if not 0 <= episode < count:
+        raise UserError(f"--episode {episode} does not exist (conversation '{name}' has episodes 0..{count - 1})")
+
+
+def _print_streamed(run, max_new_tokens: int) -> None:
+    """Stream an answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it. `run(write,
+    stopping)` answers, giving text to `write` and asking `stopping()` between tokens; it returns the answer's
+    finish_reason, episode, similarity and (where known) reused_cache."""
+    cleaner = StreamCleaner()
+
+    def write(text: str) -> None:
+        sys.stdout.write(cleaner.feed(text))
         sys.stdout.flush()
-        if result.finish_reason == "length":
-            say(f"[answer cut at --max-new-tokens {self.config.max_new_tokens}]", console=err)
-        elif result.finish_reason == "stopped":
-            say("[stopped]", console=err)
-        if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
-            reuse = ", resident" if result.reused_cache else ""
-            err.print(Text(f"episode {result.episode} (similarity {result.similarity:.2f}{reuse})", style="dim"))
+
+    with _ctrl_c_stops() as stopping:
+        result = run(write, stopping)
+    sys.stdout.write(cleaner.flush() + "\n")
+    sys.stdout.flush()
+    if result["finish_reason"] == "length":
+        say(f"[answer cut at --max-new-tokens {max_new_tokens}]", console=err)
+    elif result["finish_reason"] == "stopped":
+        say("[stopped]", console=err)
+    if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
+        reuse = ", resident" if result.get("reused_cache") else ""
+        err.print(Text(f"episode {result['episode']} (similarity {result['similarity']:.2f}{reuse})", style="dim"))
 
 
 class _ctrl_c_stops:

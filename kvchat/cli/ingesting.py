@@ -6,7 +6,7 @@ import dataclasses
 import functools
 import inspect
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -48,8 +48,10 @@ from kvchat.config import (
     PagingConfig,
 )
 from kvchat.errors import UserError
+from kvchat.history import FORMAT_NAMES
 from kvchat.kv.methods import REGISTRY
 
+HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
 _METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
@@ -123,8 +125,14 @@ def _cache_options(command):
 @_cache_options
 def ingest(
     history: Annotated[Path, typer.Argument(
-        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, LoCoMo or LongMemEval.")],
+        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, a ChatGPT or Claude export, fine-tune "
+        'JSONL, a "Name: text" transcript, LoCoMo or LongMemEval (README, "History formats").')],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
+    history_format: Annotated[HistoryFormat | None, typer.Option(
+        "--format", help="The history's format, when detection guesses wrong (default: detected).")] = None,
+    pick: Annotated[str | None, typer.Option(
+        help="Which conversation of a ChatGPT or Claude export or fine-tune JSONL: its number (1 = first in the "
+        'file), its title, or "all" (oldest first).')] = None,
     config: IngestConfig = IngestConfig(),
     memory: Annotated[bool, typer.Option(
         "--memory/--no-memory", help="indexmem: fold evicted entries into a latent memory stored with each episode "
@@ -146,6 +154,8 @@ def ingest(
     offload_window: Annotated[int, typer.Option(
         help="--offload icecache: the last W history tokens stay resident in every layer and KV head whatever "
         "the method scores them, beside --budget (IceCache's window pages).")] = OffloadConfig.window,
+    setting: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="A saved setting without an "
+        "option of its own, VALUE in JSON (rebuild commands carry them; keys as `kvchat list --json` shows).")] = None,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
     append: Annotated[bool, typer.Option(
         help="Add the history's turns to conversation --name: every episode cache continues from where it "
@@ -165,12 +175,14 @@ def ingest(
     from kvchat.history import load_history
     from kvchat.ingest import ingest as run_ingest
     from kvchat.ingest import validate
+    from kvchat.settings import with_settings
     from kvchat.store import validate_name
 
     model = config.model
     offloading = OffloadConfig(mode=offload, retrieve=retrieve, window=offload_window,
                                paging=PagingConfig(page_size=page_size))
     config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading, memory=memory))
+    config = with_settings(config, setting or [])
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -183,7 +195,10 @@ def ingest(
             raise UserError(f"{exc}; name it with --name") from None
     else:
         name = validate_name(name)
-    turns = load_history(history)  # a bad file fails here, before any model is loaded
+    if reingest and (history_format or pick):
+        raise UserError("--append --reingest reads the stored histories and this one by detection; "
+                        "--format and --pick cannot be used with it")
+    turns = load_history(history, format=history_format, pick=pick)  # fails before a model loads
     if append or reingest:
         _check_append(append, reingest, replace, config, model)
     store = open_store()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,6 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvchat.kv import backends
-
-if TYPE_CHECKING:
-    from kvchat.kv.retrieval import Retrieved
 
 ATTENTION_NAME = "kvchat"
 
@@ -55,6 +52,17 @@ class HeadList(tuple):
     """
 
     __slots__ = ()
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """The entries one KV head loaded: keys/values `[r, D]`, original positions `[r]`, and their rows in the
+    head's pages (best first)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    rows: torch.Tensor
 
 
 class PageSource(Protocol):

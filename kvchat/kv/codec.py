@@ -193,7 +193,7 @@ def _encode_memory(memory) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int):
-    from kvchat.config import IndexMemConfig
+    from kvchat.kv.config import IndexMemConfig
     from kvchat.kv.indexer import IndexMemShape
     from kvchat.kv.latent import LatentMemory, MemoryWeights
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvchat.config import HEAD_BUDGETS, HEAD_FLOOR_FRACTION
+from kvchat.kv.config import HEAD_BUDGETS, HEAD_FLOOR_FRACTION
 from kvchat.kv.scoring import select_top
 
 

@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.config import CacheConfig, IndexMemConfig
 from kvchat.kv.attention import LayerView
-from kvchat.kv.methods import SNAPKV_WINDOW
+from kvchat.kv.config import SNAPKV_WINDOW, CacheConfig, IndexMemConfig
 from kvchat.kv.scoring import BlockScorer, pool_scores
 
 

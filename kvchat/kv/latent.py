@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvchat.config import MEMORY_READOUTS, IndexMemConfig
+from kvchat.kv.config import MEMORY_READOUTS, IndexMemConfig
 from kvchat.kv.indexer import IndexMemShape
 from kvchat.kv.layers import EvictedHead
 from kvchat.kv.rope import rotate_keys

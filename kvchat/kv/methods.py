@@ -15,14 +15,12 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from kvchat.config import CacheConfig
+    from kvchat.kv.config import CacheConfig
     from kvchat.kv.scoring import Scorer
 
-# Prompts and windows of the baselines as EpiCache adapts them to block prefill (its appendix A.2).
-INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
-KVZIP_PROMPT = "Repeat the part of the previous context exactly."
-SNAPKV_WINDOW = 64        # SnapKV's observation window: the block's last tokens
-STREAMING_SINK = 128      # StreamingLLM sink tokens, scaled down to budget // 4 for small budgets
+from kvchat.kv.config import INFINIPOT_PROMPT, KVZIP_PROMPT, SNAPKV_WINDOW, STREAMING_SINK
+
+__all__ = ["INFINIPOT_PROMPT", "KVZIP_PROMPT", "SNAPKV_WINDOW", "STREAMING_SINK"]  # where they were first
 
 
 class PromptLayout(Protocol):

@@ -35,7 +35,7 @@ import torch
 from kvchat.kv import backends
 
 if TYPE_CHECKING:
-    from kvchat.kv.retrieval import Retrieved
+    from kvchat.kv.attention import Retrieved
 
 # Entries of room each head's range gets beyond what it holds when laid out (an answer's tokens); a head
 # that outgrows its range lays the buffer out again with more.

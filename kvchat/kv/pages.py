@@ -21,7 +21,7 @@ import torch
 from sklearn.cluster import KMeans
 from sklearn.exceptions import ConvergenceWarning
 
-from kvchat.config import PagingConfig
+from kvchat.kv.config import PagingConfig
 
 
 @dataclass(frozen=True)

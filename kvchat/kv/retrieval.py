@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvchat.kv import backends
+from kvchat.kv.attention import Retrieved as Retrieved  # defined beside PageSource, which returns it
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import PagedLayer
 from kvchat.kv.paged_decode import FlashinferPagedDecode, PagedDecode
@@ -128,17 +129,6 @@ def select_pages(scores: torch.Tensor, lengths: torch.Tensor, budget: int) -> to
     (ties: the lower page id first)."""
     order = torch.sort(scores, descending=True, stable=True).indices
     return order[torch.cumsum(lengths[order], 0) <= budget]
-
-
-@dataclass(frozen=True)
-class Retrieved:
-    """The entries one KV head loaded: keys/values `[r, D]`, original positions `[r]`, and their rows in the
-    head's pages (best first)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor
-    rows: torch.Tensor
 
 
 def retrieve(

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvchat.config import PagingConfig
+from kvchat.kv.config import PagingConfig
 from kvchat.kv.pagefile import LayerPages, pages_metadata, write_layers
 from kvchat.kv.pages import HeadPages, semantic_pages
 

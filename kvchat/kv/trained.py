@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load, save_file
 
 from kvchat.checked_files import MAX_HEADER_BYTES, FileMismatch, check_safetensors_header, open_regular, read_bounded
-from kvchat.config import IndexMemConfig
+from kvchat.kv.config import IndexMemConfig
 from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 

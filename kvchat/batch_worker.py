@@ -1,0 +1,177 @@
+"""A batch ingest's worker (kvchat.batch): one Ray actor's state and the steps it sends its driver.
+
+The worker loads the model and the encoder once, then ingests the histories it is given one at a time
+with the pipeline's own steps (`plan_ingest`, `build_episodes`, `encode_episode`), sending each episode as
+soon as it is built; it never touches the store, whose only writer is the driver. IceCache's evictions are
+spilled into a temp dir of the worker's own and its pages file travels with the episode.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvchat import preflight
+from kvchat.config import DeviceConfig, IngestConfig
+from kvchat.device import resolve
+from kvchat.encoder import SentenceEncoder
+from kvchat.errors import UserError
+from kvchat.history import Turn
+from kvchat.ingest import EpisodeStats, IngestPlan, build_episodes, encode_episode, plan_ingest
+from kvchat.llm import LoadedModel, ModelIdentity, load_model, use_threads
+from kvchat.settings import to_settings
+
+
+@dataclass(frozen=True)
+class StoredIngest:
+    """What the store holds of a conversation, to tell whether a re-run may skip its history."""
+
+    settings: dict
+    fingerprint: str
+    turns: int | None
+    history_tokens: int | None
+
+
+@dataclass(frozen=True)
+class HistoryJob:
+    """One history as the driver hands it to a worker."""
+
+    name: str
+    source: str  # the history's path, recorded for rebuild commands
+    turns: list[Turn]
+    config: IngestConfig
+    stored: StoredIngest | None
+    replace: bool
+    force: bool
+    max_memory: int | None  # bytes this ingest may use; None: the memory available / workers on the node
+    workers_on_node: int
+
+
+# A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, then Finished.
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The history will be ingested: the driver opens its pending conversation."""
+
+    episodes: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Stored already with the same settings, model and history."""
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every episode was sent: what the driver needs to commit."""
+
+    plan: IngestPlan
+    stats: list[EpisodeStats]
+    model: ModelIdentity
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the driver once loaded."""
+
+    fingerprint: str
+    node: str  # Ray node id: workers on one node share its memory
+
+
+class HistoryWorker:
+    """The state of one Ray actor: the model and encoder, loaded once, and the history in progress.
+
+    The driver calls `start(job)` and then `advance()` until it returns `Finished` (or `Skipped`); each
+    call returns one step (`Planned`, an `EncodedEpisode`, ...), so an episode reaches the driver as soon
+    as it is built and a worker holds one episode cache at a time, as `kvchat ingest` does.
+    """
+
+    def __init__(self) -> None:
+        self._lm: LoadedModel | None = None
+        self._encoder: SentenceEncoder | None = None
+        self._profiles: tempfile.TemporaryDirectory | None = None
+        self._steps: Iterator[Any] = iter(())
+
+    def load(
+        self, spec: str, models_dir: str, threads: int, trust_remote_code: bool, profiles: dict[str, str],
+        device: DeviceConfig = DeviceConfig(),
+    ) -> WorkerInfo:
+        """Load the model and encoder with `threads` torch threads, on the device `device` resolves to here (Ray
+        shows an actor only the GPUs it was given, `gpu_share`). `profiles` are the driver's own layer
+        profiles (file name -> JSON), so a worker on another machine resolves budgets as the driver would."""
+        import ray
+
+        use_threads(threads)
+        self._lm = load_model(spec, Path(models_dir), trust_remote_code=trust_remote_code, placement=resolve(device))
+        self._encoder = SentenceEncoder()
+        self._profiles = tempfile.TemporaryDirectory(prefix="kvchat-profiles-")
+        for file_name, text in profiles.items():
+            (Path(self._profiles.name) / Path(file_name).name).write_text(text)
+        return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id())
+
+    def start(self, job: HistoryJob) -> Any:
+        """Begin `job` (dropping any unfinished one) and return its first step."""
+        self._steps = self._ingest(job)
+        return self.advance()
+
+    def advance(self) -> Any:
+        step = next(self._steps)
+        if isinstance(step, (Finished, Skipped)):
+            self._steps = iter(())  # release the history's tensors now, not at the next start
+        return step
+
+    def _ingest(self, job: HistoryJob) -> Iterator[Any]:
+        lm, encoder = self._lm, self._encoder
+        if lm is None or encoder is None or self._profiles is None:
+            raise RuntimeError("HistoryWorker.load must run first")
+        available = job.max_memory
+        if available is None:
+            free = preflight.available_bytes(lm.device)
+            available = None if free is None else free // job.workers_on_node
+        plan = plan_ingest(
+            job.turns, name=job.name, config=job.config, store=None, lm=lm, encoder=encoder, replace=True,
+            source=job.source, force=True, profile_dirs=[Path(self._profiles.name)], max_memory=available,
+        )  # fmt: skip
+        if job.stored is not None:
+            differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
+            if not differences:
+                yield Skipped()
+                return
+            if not job.replace:
+                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use --replace")
+        if not job.force:
+            shape = preflight.ModelShape.of(lm.model)
+            preflight.check_fits(plan.estimated_peak_bytes, resident=shape.weight_bytes, available=available)
+        yield Planned(len(plan.episodes))
+        stats: list[EpisodeStats] = []
+        with tempfile.TemporaryDirectory(prefix="kvchat-episode-") as scratch:  # IceCache's spilled evictions
+
+            def episode_dir(index: int) -> Path:
+                (Path(scratch) / str(index)).mkdir(exist_ok=True)
+                return Path(scratch) / str(index)
+
+            for built in build_episodes(plan, lm, scratch=episode_dir):
+                stats.append(built.stats())
+                encoded = encode_episode(plan, built, lm, side_file_at=Path(scratch) / f"{built.episode.index}.side")
+                del built  # one episode cache at a time
+                yield encoded
+        yield Finished(plan, stats, lm.identity)
+
+
+def stored_differences(stored: StoredIngest, plan: IngestPlan, fingerprint: str, requested: IngestConfig) -> list[str]:
+    """What differs between a stored conversation and `plan` (empty: the same ingest), in words."""
+    settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source)))  # as the store returns them
+    if requested.cache.prefill == "auto" and stored.settings.get("prefill") in ("block", "full"):
+        settings["prefill"] = stored.settings["prefill"]
+    keys = sorted(k for k in set(settings) | set(stored.settings) if settings.get(k) != stored.settings.get(k))
+    differences = [f"settings ({', '.join(keys)})"] if keys else []
+    if stored.fingerprint != fingerprint:
+        differences.append("model")
+    if (stored.turns, stored.history_tokens) != (plan.turns, plan.history_tokens):
+        differences.append(f"history ({stored.turns} turns stored, {plan.turns} now)")
+    return differences

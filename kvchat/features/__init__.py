@@ -1,0 +1,134 @@
+"""The cache features, registered, and the calls the pipelines make on all of them at once.
+
+A feature (kvchat.features.feature.Feature) is an optional part of how episode caches are built, stored and
+answered from. `FEATURES` lists them; ingest, append, a batch worker and ask call the functions below and
+never a feature's own module. Adding an offload scheme or a cache precision is one module beside these and
+one line in `FEATURES` (and its name in the option's choices, kvchat.kv.config); ARCHITECTURE.md says more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
+from kvchat.features.icecache import IceCache
+from kvchat.features.icecache import retrieved_positions as retrieved_positions  # what answering read
+from kvchat.features.indexmem import IndexMem
+from kvchat.features.precision import Precision
+from kvchat.kv.config import CacheConfig
+
+if TYPE_CHECKING:
+    from kvchat.features.feature import Budgets, SideFileWriter, StoredFile
+    from kvchat.kv.cache import EpisodeCache
+
+__all__ = ["EpisodeSetup", "EpisodeParts", "Feature", "UnreadableFile", "FEATURES"]
+
+FEATURES: tuple[Feature, ...] = (
+    IceCache(),
+    IndexMem(),
+    Precision("int8", bits=8, group="quant_group"),
+    Precision("int4", bits=4, group="quant_group_4bit"),
+)
+
+
+def active(cache: CacheConfig) -> list[Feature]:
+    """The features `cache` turns on, in registry order."""
+    return [f for f in FEATURES if f.active(cache)]
+
+
+def validate(cache: CacheConfig) -> None:
+    """Every feature's settings, whether it is on or not (errors.UserError)."""
+    for feature in FEATURES:
+        feature.validate(cache)
+
+
+def resolve(cache: CacheConfig, trained: Any, notes: list[str]) -> CacheConfig:
+    for feature in active(cache):
+        cache = feature.resolve(cache, trained, notes)
+    return cache
+
+
+def resident_window(cache: CacheConfig) -> int:
+    """History tokens at the end that stay resident whatever the scorer says (IceCache's window; else none)."""
+    return max((f.resident_window(cache) for f in active(cache)), default=0)
+
+
+def budgets(cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
+    for feature in active(cache):
+        budgets = feature.budgets(cache, budgets, entries)
+    return budgets
+
+
+def check_plan(cache: CacheConfig, *, positions: str, history_tokens: int, context_window: int) -> None:
+    for feature in active(cache):
+        feature.check_plan(cache, positions=positions, history_tokens=history_tokens, context_window=context_window)
+
+
+def check_append(cache: CacheConfig, name: str) -> None:
+    for feature in active(cache):
+        feature.check_append(cache, name)
+
+
+def side_file_name(cache: CacheConfig) -> str | None:
+    """What the side file stored beside each episode file is called ("pages file"), if the features write one."""
+    return next((f.side_file_name for f in active(cache) if f.side_file_name), None)
+
+
+def attach(cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retrieve: int | None = None) -> None:
+    """Make a loaded episode `cache` answer with what its features stored (`stored`: its side file, loaded when
+    a feature asks for it). UnreadableFile when that file does not fit the cache."""
+    for feature in active(config):
+        feature.attach(cache, config, stored, retrieve)
+
+
+def settings(cache: CacheConfig) -> dict:
+    """The saved settings of the features `cache` turns on."""
+    out: dict = {}
+    for feature in active(cache):
+        out |= feature.settings(cache)
+    return out
+
+
+def options(cache: CacheConfig) -> dict[str, object]:
+    """`kvchat ingest`'s options (without `--`) for the features `cache` turns on; True/False: a `--x/--no-x` flag."""
+    out: dict[str, object] = {}
+    for feature in active(cache):
+        out |= feature.options(cache)
+    return out
+
+
+def from_settings(saved: Mapping[str, Any], cache: CacheConfig) -> dict:
+    """`CacheConfig` fields every feature reads from `saved` (those it finds; `cache`, the rest as read)."""
+    fields: dict = {}
+    for feature in FEATURES:
+        fields |= feature.from_settings(saved, cache)
+    return fields
+
+
+class EpisodeParts:
+    """The active features' parts in building one episode: one eviction observer for all of them, their last
+    changes to the finished cache, its side file."""
+
+    def __init__(self, setup: EpisodeSetup) -> None:
+        parts = (f.episode(setup) for f in active(setup.config))
+        self.parts: list[EpisodePart] = [p for p in parts if p is not None]
+        observers = [p.on_evict for p in self.parts if p.on_evict is not None]
+        self.on_evict = observers[0] if len(observers) == 1 else (
+            (lambda layer, heads: [observe(layer, heads) for observe in observers]) if observers else None
+        )
+
+    def finish(self, cache: EpisodeCache, *, evicted: bool) -> EpisodeCache:
+        """Hand the built cache to each part in registry order (offload first, precision last; the observer is
+        still set, for what they evict), then clear the observer: the cache is as stored and answered from."""
+        for part in self.parts:
+            part.finish(cache, evicted=evicted)
+        cache.on_evict = None
+        return cache
+
+    @property
+    def offloaded(self) -> int:
+        return sum(p.offloaded for p in self.parts)
+
+    def side_file(self, fingerprint: str) -> SideFileWriter | None:
+        return next((w for w in (p.side_file(fingerprint) for p in self.parts) if w is not None), None)

@@ -1,0 +1,171 @@
+"""IceCache offload (`--offload icecache`): what eviction drops is kept on disk, paged by key similarity, and read
+back while answering.
+
+During an episode's prefill its evicted entries are spilled to the episode's scratch dir (kvchat.kv.spill);
+when the cache is done they are paged into the episode's pages file (kvchat.kv.pagefile), written beside its
+cache file. Every head keeps its last `window` entries resident beside its budget M (budgets M + W). An
+append spills the stored pages again first, so old and new evictions are paged together. While answering,
+each layer becomes a paged layer over its own page pool (kvchat.kv.retrieval).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvchat.errors import UserError
+from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
+from kvchat.kv.config import CacheConfig, IceCacheConfig, PagingConfig, saved_keys
+
+if TYPE_CHECKING:  # torch and the KV core are imported where an episode is built or answered
+    import torch
+
+    from kvchat.features.feature import Budgets, SideFileWriter, StoredFile
+    from kvchat.kv.cache import EpisodeCache
+    from kvchat.kv.spill import SpillWriter
+
+# Saved settings keys (kvchat.kv.config's field metadata): IceCacheConfig's fields but the mode, which every
+# conversation saves ("offload"), then PagingConfig's.
+OFFLOAD_KEYS = {key: name for key, name in saved_keys(IceCacheConfig).items() if name != "mode"}
+PAGING_KEYS = saved_keys(PagingConfig)
+
+
+class IceCache(Feature):
+    name = "icecache"
+    side_file_name = "pages file"
+
+    def active(self, cache: CacheConfig) -> bool:
+        return cache.offload.mode == self.name
+
+    def validate(self, cache: CacheConfig) -> None:
+        """`--page-size` and the library-only settings that field metadata does not cover."""
+        from kvchat.kv.spill import PAGE_DTYPES
+
+        offload = cache.offload  # its mode, scorer, retrieve and window: checked by their fields' metadata
+        if offload.dtype not in PAGE_DTYPES:
+            raise UserError(f"unknown pages dtype {offload.dtype!r} (choose from {', '.join(PAGE_DTYPES)})")
+        paging = offload.paging
+        if paging.page_size < 1 or paging.cluster_size < 1 or paging.iterations < 1:
+            raise UserError(f"--page-size must be >= 1 (got {paging.page_size}), and so must the cluster size and "
+                            "k-means iterations")
+        if offload.refresh < 0 or offload.first_paged_layer < 0 or offload.candidates < 1:
+            raise UserError("offload refresh and first paged layer must be >= 0, page candidates >= 1")
+        if not 0 <= offload.pinned_share <= 1:
+            raise UserError(f"pinned share must be in [0, 1] (got {offload.pinned_share})")
+
+    def resident_window(self, cache: CacheConfig) -> int:
+        return cache.offload.window
+
+    def budgets(self, cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
+        """The window W beside each layer's M, and the layers below `first_paged_layer` keeping all their
+        `entries` (nothing evicted or paged there, as IceCache keeps layers 0-1)."""
+        from kvchat.kv.cascade import CakeBudgets
+
+        if budgets is None:
+            return budgets
+        first, window = cache.offload.first_paged_layer, cache.offload.window
+        if isinstance(budgets, CakeBudgets):
+            if first:
+                raise UserError("a first paged layer above 0 needs fixed layer budgets, not --layer-budgets cake")
+            return dataclasses.replace(budgets, budget=budgets.budget + window)
+        return [max(entries, b) if i < first else b + window for i, b in enumerate(budgets)]
+
+    def check_plan(self, cache: CacheConfig, *, positions: str, history_tokens: int, context_window: int) -> None:
+        if positions == "compact":
+            raise UserError(
+                f"--offload {cache.offload.mode} keeps evicted entries at their original positions, so the history "
+                f"({history_tokens} tokens with the system prompt) must fit the model's window ({context_window}) "
+                "with --positions original"
+            )
+
+    def check_append(self, cache: CacheConfig, name: str) -> None:
+        if cache.method == "full":
+            raise UserError(
+                f"conversation '{name}' pages everything past its last tokens (--method full --offload): new turns "
+                "would be prefilled without the paged past; use --append --reingest"
+            )
+
+    def episode(self, setup: EpisodeSetup) -> EpisodePart:
+        from kvchat.kv import pagefile
+        from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
+        from kvchat.preflight import ModelShape
+
+        if setup.scratch is None:
+            raise ValueError("IceCache spills an episode's evictions into a scratch dir; none was given")
+        shape = ModelShape.of(setup.model)
+        spill = SpillWriter(setup.scratch, num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                            dtype=PAGE_DTYPES[setup.config.offload.dtype])  # fmt: skip
+        if setup.stored is not None:  # an append: the stored pages are paged again with the new evictions
+            spill.spill_pages(pagefile.decode(*setup.stored()))
+        return _Spill(spill, setup.config.offload)
+
+    def attach(self, cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retrieve: int | None) -> None:
+        """The pages file is memory-mapped: only page tables and centroids are read now."""
+        from kvchat.kv import pagefile
+        from kvchat.kv.retrieval import attach_pages, page_scorer
+
+        offload = config.offload
+        tensors, metadata = stored()
+        try:
+            attach_pages(
+                cache, pagefile.decode(tensors, metadata),
+                budget=retrieve if retrieve is not None else offload.retrieve,
+                scorer=page_scorer(offload.scorer, offload.candidates), refresh=offload.refresh,
+                pinned_share=offload.pinned_share,
+            )
+        except ValueError as e:
+            raise UnreadableFile(self.side_file_name, f"does not hold pages of this cache ({e})") from None
+
+    def settings(self, cache: CacheConfig) -> dict:
+        offload = cache.offload
+        return ({key: getattr(offload, field) for key, field in OFFLOAD_KEYS.items()}
+                | {key: getattr(offload.paging, field) for key, field in PAGING_KEYS.items()})  # fmt: skip
+
+    def options(self, cache: CacheConfig) -> dict[str, object]:
+        offload = cache.offload
+        return {"offload": offload.mode, "retrieve": offload.retrieve, "page-size": offload.paging.page_size,
+                "offload-window": offload.window}  # fmt: skip
+
+    def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
+        defaults = IceCacheConfig()
+        paging = {field: settings.get(key, getattr(defaults.paging, field)) for key, field in PAGING_KEYS.items()}
+        return {"offload": IceCacheConfig(
+            mode=settings.get("offload", defaults.mode),  # stores written before --offload existed offload nothing
+            paging=PagingConfig(**paging),
+            **{field: settings.get(key, getattr(defaults, field)) for key, field in OFFLOAD_KEYS.items()},
+        )}  # fmt: skip
+
+
+class _Spill(EpisodePart):
+    """The episode's evictions on disk (kvchat.kv.spill), paged into its pages file when it is written."""
+
+    def __init__(self, spill: SpillWriter, offload: IceCacheConfig) -> None:
+        self.spill, self.offload = spill, offload
+        self.on_evict = spill
+
+    @property
+    def offloaded(self) -> int:
+        return self.spill.entries
+
+    def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
+        from kvchat.kv.prefill import keep_sink_and_window
+
+        if not evicted:  # full KV evicted nothing: page everything but the system prompt and the window
+            keep_sink_and_window(cache, self.offload.window, self.offload.first_paged_layer)
+
+    def side_file(self, fingerprint: str) -> SideFileWriter:
+        return lambda path: self.spill.write_pages(path, self.offload.paging, {"fingerprint": fingerprint})
+
+
+def retrieved_positions(cache: EpisodeCache) -> list[list[torch.Tensor] | None]:
+    """Per layer of `cache`, the original positions each KV head is attending to from its pages right now (None
+    for a layer without pages). The pools empty when an answer ends."""
+    from kvchat.kv.retrieval import PagePool
+
+    out: list[list[torch.Tensor] | None] = []
+    for layer in cache.layers:
+        pool = getattr(layer, "pool", None)
+        current = pool.current if isinstance(pool, PagePool) else None
+        out.append(None if current is None else [got.positions for got in current])
+    return out

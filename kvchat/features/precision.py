@@ -1,0 +1,62 @@
+"""Cache precision (`--cache-precision int8|int4`): a finished episode cache is held, stored and answered from
+in 8 or 4 bits (KIVI: keys per channel, values per token, in groups with a scale and minimum; kvchat.kv.quantize).
+
+Quantizing is the last step of an episode's build: every layer becomes a `QuantizedLayer` (kvchat.kv.layers),
+whose file layout the codec writes (kvchat.kv.codec: `precision` in the metadata gives the bits back). Each
+precision has its own group size setting; an append dequantizes a stored cache, continues it in full
+precision and quantizes it again here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from kvchat.errors import UserError
+from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
+from kvchat.kv.config import CacheConfig
+
+if TYPE_CHECKING:
+    from kvchat.kv.cache import EpisodeCache
+
+
+class Precision(Feature):
+    """`--cache-precision NAME`: codes of `bits` bits, keys grouped by the CacheConfig field `group`."""
+
+    def __init__(self, name: str, bits: int, group: str) -> None:
+        self.name, self.bits, self.group = name, bits, group
+
+    def active(self, cache: CacheConfig) -> bool:
+        return cache.precision == self.name
+
+    def validate(self, cache: CacheConfig) -> None:
+        """Its group size and the residual (the precision's name: by its field's metadata), and no offload."""
+        group = getattr(cache, self.group)
+        if group < 1 or cache.quant_residual < 0:
+            raise UserError(f"quantization group sizes must be >= 1 and residual >= 0 (got {self.group} {group}, "
+                            f"quant_residual {cache.quant_residual})")  # fmt: skip
+        if self.active(cache) and cache.offload.enabled:
+            raise UserError(f"--cache-precision {cache.precision} does not combine with --offload {cache.offload.mode} "
+                            "(its pages are stored at half precision and attached to full-precision layers); "
+                            "choose one")  # fmt: skip
+
+    def episode(self, setup: EpisodeSetup) -> EpisodePart:
+        return _Quantize(self, setup.config)
+
+    def settings(self, cache: CacheConfig) -> dict:
+        """The group of this precision only (the other's setting changes nothing)."""
+        return {self.group: getattr(cache, self.group), "quant_residual": cache.quant_residual}
+
+    def options(self, cache: CacheConfig) -> dict[str, object]:
+        return {"cache-precision": self.name}
+
+    def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
+        return {key: settings[key] for key in (self.group, "quant_residual") if key in settings}
+
+
+class _Quantize(EpisodePart):
+    def __init__(self, precision: Precision, config: CacheConfig) -> None:
+        self.precision, self.config = precision, config
+
+    def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
+        cache.quantize(getattr(self.config, self.precision.group), self.config.quant_residual, self.precision.bits)

@@ -1,0 +1,189 @@
+"""The KV core's settings: how one episode cache is built (`CacheConfig` and its parts), IceCache's offload
+and paging, IndexMem's sizes and update rule. Dataclasses and constants only (no torch).
+
+A field's `metadata` says what is not its type or default: `key`, its key in a conversation's saved settings
+when that is not the field's name (kvchat.settings; keys are stable across versions); `option`, its name in
+messages (the command-line option); `choices` or `min`, the values ingest accepts (kvchat.plan.validate).
+
+They live here, at the KV core's level, so that `kvchat.kv` never imports upwards; `kvchat.config`, which
+holds every other default, re-exports them, and callers import them from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+
+LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
+POSITION_MODES = ("original", "compact", "auto")
+PREFILL_MODES = ("auto", "block", "full")
+HEAD_BUDGETS = ("uniform", "adaptive")
+OFFLOAD_MODES = ("none", "icecache")  # kvchat.features registers a feature for each but "none"
+CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a feature for each but "full"
+OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
+MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
+
+
+
+def saved_keys(config_class: type) -> dict[str, str]:
+    """A config dataclass's saved-settings keys -> its plain fields' names (nested configs left out): each
+    field's `metadata["key"]`, else its name; a field whose key is None is not saved."""
+    return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(config_class)
+            if f.metadata.get("key", f.name) is not None and not dataclasses.is_dataclass(f.default)}  # fmt: skip
+
+
+# Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
+# (AdaKV's safeguard alpha = 0.2), and never less than the protected system prompt, so a head whose
+# attention is focused is not starved to nothing by heads that spread theirs.
+HEAD_FLOOR_FRACTION = 0.2
+
+# `--cache-precision int8|int4`: each KV head's last history entries stay in full precision beside the quantized
+# ones (KIVI's residual; the answer's tokens are appended to it). Chosen on planted-fact conversations
+# (benchmarks/int8.py --choose), never on the LoCoMo ones.
+QUANT_RESIDUAL = 0
+
+# Prompts and windows of the baselines as EpiCache adapts them to block prefill (its appendix A.2).
+INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
+KVZIP_PROMPT = "Repeat the part of the previous context exactly."
+SNAPKV_WINDOW = 64        # SnapKV's observation window: the block's last tokens
+STREAMING_SINK = 128      # StreamingLLM sink tokens, scaled down to budget // 4 for small budgets
+
+
+@dataclass(frozen=True)
+class CakeConfig:
+    """CAKE (Qin et al., ICLR 2025): `--layer-budgets cake` and `--method cake` (kvchat.kv.cascade)."""
+
+    tau1: float = 1.0      # temperature of attention dispersion in the layer preference (eq. 6); the paper
+    tau2: float = 1.0      # grid-searches both per model (appendix C), its code's values lie around 1
+    window: int = field(default=32, metadata={"key": "cake_window"})  # S_w: the block's last queries that
+    # measure preferences and score (appendix C)
+    gamma: float = field(default=200.0, metadata={"key": "cake_gamma"})  # weight of the attention variance in
+    # the eviction indicator (eq. 11, appendix C)
+    pool_kernel: int = field(default=5, metadata={"key": "cake_pool_kernel"})  # average pool of the indicator
+    # over neighbouring entries (CAKE's code)
+    floor_fraction: float = field(default=0.25, metadata={"key": "cake_floor_fraction"})  # each layer keeps at
+    # least M/4 (and the system prompt plus the window)
+    cascade: bool = field(default=True, metadata={"key": "cake_cascade"})  # evict layer by layer during the
+    # block's forward (False: once at its end)
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """How one KV head's offloaded entries become pages (kvchat.kv.pages)."""
+
+    page_size: int = 16     # entries per page at most (IceCache's official page: a 16-entry tree leaf)
+    cluster_size: int = 16  # target entries per k-means cluster; clusters over page_size are cut into pages
+    iterations: int = field(default=8, metadata={"key": "kmeans_iterations"})  # Lloyd iterations of k-means
+    # (random initialisation)
+    seed: int = field(default=0, metadata={"key": "paging_seed"})  # k-means initialisation and the projection
+    # that orders entries in a cluster
+
+
+@dataclass(frozen=True)
+class IceCacheConfig:
+    """IceCache (`--offload icecache`, kvchat.features.icecache): the entries eviction drops are kept on disk,
+    grouped into pages of similar keys; while answering, each layer and KV head reads the pages that match
+    the question and attends to them beside the resident cache. Defaults chosen in benchmarks/icecache_pages.py
+    (its results: benchmarks/results/)."""
+
+    mode: str = field(default="none", metadata={"key": "offload", "option": "--offload", "choices": OFFLOAD_MODES})
+    retrieve: int = field(default=192, metadata={"option": "--retrieve", "min": 0})  # R: entries per layer and
+    # KV head read from the pages while answering
+    scorer: str = field(default="entries", metadata={"key": "page_scorer", "option": "page scorer",
+                                                     "choices": OFFLOAD_SCORERS})  # what is read (kvchat.kv.retrieval)
+    refresh: int = 8            # decoded tokens between re-choosing the pages beyond the question's pinned ones
+    pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
+    candidates: int = field(default=8, metadata={"key": "page_candidates"})  # two-stage, entries: centroids
+    # choose pages of up to candidates x R entries, whose keys are scored exactly
+    window: int = field(default=32, metadata={"key": "offload_window", "option": "--offload-window", "min": 0})
+    # W: every head's last W entries are kept
+    # at every eviction whatever the scorer says, beside M (budgets M + W), so the cache ends with the history's
+    # last W tokens; --method full: system prompt + W resident, the rest paged
+    first_paged_layer: int = 0  # layers below keep every entry (nothing evicted or paged; IceCache keeps 0-1)
+    paging: PagingConfig = PagingConfig()
+    dtype: str = field(default="float16", metadata={"key": "pages_dtype"})  # pages on disk: float16 | float32
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+
+OffloadConfig = IceCacheConfig  # its name before kvchat.features: a generic name for IceCache's settings
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How one episode's compressed cache is built by block prefill."""
+
+    method: str = "epicache"   # "epicache" (patched-prompt scoring) or "full" (keep everything)
+    budget: int = field(default=1024, metadata={"option": "--budget", "min": 1})  # M: kept KV entries per layer
+    # and KV head, system prompt included
+    block_size: int = field(default=512, metadata={"option": "--block-size", "min": 16})  # B: tokens fed per
+    # block before evicting back to M
+    positions: str = field(default="auto", metadata={"option": "--positions", "choices": POSITION_MODES})
+    # original | compact | auto (compact only when the history exceeds the window)
+    pool_kernel: int = 7       # max-pool of scores over neighbouring tokens (SnapKV practice); 1 = off
+    layer_budgets: str = field(default="auto", metadata={"option": "--layer-budgets", "choices": LAYER_BUDGETS})
+    # auto (sensitivity when the model has a profile, else uniform) | uniform | sensitivity | pyramid | cake (from
+    # each block's attention)
+    alpha: float | None = None   # sharpness of sensitivity budgets; None = the profile's suggestion
+    cake: CakeConfig = CakeConfig()
+    head_budgets: str = field(default="uniform", metadata={"option": "--head-budgets", "choices": HEAD_BUDGETS})
+    # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's top M_l x kv_heads (head, token)
+    # pairs, floor HEAD_FLOOR_FRACTION x M_l)
+    memory: bool = True    # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
+    recent_window: int = 16  # indexmem: each block's last entries are always kept (IndexMem §4 keeps a recent
+                             # local window besides the budget; its indexer has no positions to see recency by)
+    attention_mix: float = 0.75  # indexmem: share of the block's last 64 queries' attention (SnapKV's window)
+                                 # blended into the indexer's importance; 0 = the indexer alone (the paper)
+    indexer_pool_kernel: int = 1  # indexmem: max-pool of its scores (pool_kernel is the probe methods'); 1 = off
+    prefill: str = field(default="auto", metadata={"option": "--prefill", "choices": PREFILL_MODES})
+    # block (evict after every block: peak flat in the history) | full (keep the whole history, then each episode
+    # keeps its top entries: one prefill for all episodes) | auto (full when the history fits the model's window
+    # and its full KV fits memory)
+    offload: IceCacheConfig = IceCacheConfig()
+    precision: str = field(default="full", metadata={"key": "cache_precision", "option": "--cache-precision",
+                                                     "choices": CACHE_PRECISIONS})  # full (the model's dtype) |
+    # int8 | int4 (KIVI: keys per channel, values per token, in 8 or 4 bits; kvchat.kv.quantize), applied to each
+    # finished episode cache, stored and resident
+    quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
+    quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser
+    quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision
+
+    @property
+    def active_quant_group(self) -> int:
+        """The key group of `precision`: `quant_group_4bit` for int4, else `quant_group`."""
+        return self.quant_group_4bit if self.precision == "int4" else self.quant_group
+
+
+@dataclass(frozen=True)
+class IndexMemConfig:
+    """IndexMem (Yang et al. 2026): sizes of the trained indexer and latent memory, relative to the model, and
+    the memory's update rule. The paper's ratios; kvchat.kv.indexer and kvchat.kv.latent say what each is."""
+
+    index_head_ratio: int = 4      # H_index = query heads / 4 (at least 1)
+    index_dim_ratio: int = 8       # d_index = head_dim / 8 (at least 1)
+    memory_dim_ratio: int = 8      # d_mem = hidden size / 8 (the paper's "d/8", d read as d_model)
+    decay: float = 1.0             # lambda: 1 = an old evicted fact weighs as much as a recent one
+    write_strength: float = 1.0    # eta
+    eps: float = 1e-6              # readout denominator floor
+    readout_scale: float = 0.5     # additive readout: answering adds this share of it (its errors compound over
+                                   # the layers, see kvchat.kv.latent)
+    readout: str = "mass"          # mass: the memory's entries join attention's softmax as extra mass, weighed
+                                   # against the resident entries' (kvchat.kv.latent); additive: the paper's
+                                   # o_attn + g m(q)
+    mass_scale: float = 0.5        # mass readout: answering adds this share of its correction
+
+    def stored(self) -> dict:
+        """As weights and episode files store it: without `readout` when it is the paper's additive one, so
+        files that do not use the mass readout stay readable by kvchat from before it."""
+        out = asdict(self)
+        if out["readout"] == "additive":
+            del out["readout"], out["mass_scale"]
+        return out
+
+    @classmethod
+    def from_stored(cls, stored: dict) -> IndexMemConfig:
+        """What `stored` wrote (TypeError on unknown keys): no `readout` is the additive one, whatever the
+        default is now."""
+        return cls(**{"readout": "additive", **stored})

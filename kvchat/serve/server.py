@@ -1,0 +1,93 @@
+"""Running the app on uvicorn: the bound address announced in `$KVCHAT_HOME/serve.json` while it serves.
+
+uvicorn turns SIGTERM and SIGINT into a graceful shutdown: no new connections, answers still streaming get
+`ServeConfig.shutdown_grace_s` to finish, then the engine cancels what is left and the announcement is removed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import uvicorn
+
+from kvchat.config import ServeConfig, default_home
+from kvchat.errors import UserError
+from kvchat.serve.announcement import ANNOUNCEMENT, remove_announcement, write_announcement
+from kvchat.serve.app import create_app
+from kvchat.serve.engine import Engine
+
+_log = logging.getLogger(__name__)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server that writes where it listens into `home` once it does, and removes it when it stops."""
+
+    def __init__(self, config: uvicorn.Config, home: Path, on_ready: Callable[[str], None] | None = None) -> None:
+        super().__init__(config)
+        self.home, self.on_ready = home, on_ready
+        self.url: str | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.should_exit or not self.servers:
+            return
+        host, port = self.servers[0].sockets[0].getsockname()[:2]
+        self.url = f"http://{_url_host(host)}:{port}"
+        try:
+            write_announcement(self.home, self.url)
+        except OSError as exc:  # a read-only home still serves; `kvchat ask` just cannot find it by itself
+            _log.warning("kvchat serve: cannot write %s: %s", self.home / ANNOUNCEMENT, exc)
+        if self.on_ready is not None:
+            self.on_ready(self.url)
+
+    async def shutdown(self, sockets=None) -> None:
+        try:
+            await super().shutdown(sockets)
+        finally:
+            remove_announcement(self.home, os.getpid())
+
+
+def build_server(config: ServeConfig, *, home: Path | None = None, engine: Engine | None = None,
+                 log_level: str = "warning", on_ready: Callable[[str], None] | None = None) -> Server:
+    """uvicorn serving `create_app(config)` on `config.host`:`config.port` (0: a free port); `on_ready(url)` is
+    called once it listens."""
+    home = Path(home) if home is not None else default_home()
+    app = create_app(config, home=home, engine=engine)
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
+                        timeout_graceful_shutdown=int(config.shutdown_grace_s) or None, access_log=False)
+    return Server(uv, home, on_ready)
+
+
+def serve(config: ServeConfig, *, home: Path | None = None, log_level: str = "warning",
+          on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. An address that cannot be listened on is the user's to fix (UserError),
+    found before anything loads."""
+    sock = listen(config.host, config.port)
+    try:
+        build_server(config, home=home, log_level=log_level, on_ready=on_ready).run(sockets=[sock])
+    finally:
+        sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to `host`:`port` (uvicorn listens on it)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)") from None
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
