@@ -420,7 +420,7 @@ class Store:
     @_index_errors
     def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
         """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
-        if not 1 <= limit <= MAX_LISTED:  # SQLite's integers are 64-bit
+        if not 0 <= limit <= MAX_LISTED:  # SQLite's integers are 64-bit
             raise UserError(f"-n must be within 1..{MAX_LISTED} (got {limit})")
         return read_asks(self._db, self.db_path, limit, conversation)
 
