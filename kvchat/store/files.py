@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -31,17 +32,48 @@ _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 # --------------------------------------------------------------------------- writing
 
 
+CRASH_AT = "KVCHAT_CRASH_AT"
+CRASH_LOG = "KVCHAT_CRASH_LOG"
+CRASH_EXIT = 77
+_crash_points = itertools.count(1)  # the one piece of process state here: a test hook's counter
+
+
+def crash_point(what: str) -> None:
+    """A test hook in the manner of SQLite's crash tests (tests/test_crash_points.py): with KVCHAT_CRASH_AT=N the
+    process dies at once (os._exit, no clean-up) at the N-th write, fsync, rename or commit of the store, before
+    it happens; KVCHAT_CRASH_LOG=FILE appends each point reached (`what`), so a first run counts them. Neither
+    set (every real run): nothing."""
+    at, log = os.environ.get(CRASH_AT), os.environ.get(CRASH_LOG)
+    if at is None and log is None:
+        return
+    n = next(_crash_points)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{n} {what}\n")
+    if at is not None and n == int(at):
+        os._exit(CRASH_EXIT)
+
+
 def write_file(path: Path, data: bytes) -> None:
     """Write a new file and fsync it. Our own write, not safetensors' save_file: that one did not
     report a failed write (saving to /dev/full "succeeds"), and a full disk must fail loudly."""
+    crash_point(f"write {path.name}")
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
+        crash_point(f"fsync {path.name}")
         os.fsync(f.fileno())
+
+
+def rename(source: Path, target: Path) -> None:
+    """`os.replace`, a crash point (`crash_point`) first: every rename of the store goes through here."""
+    crash_point(f"rename {Path(source).name}")
+    os.replace(source, target)
 
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable (a no-op where dirs cannot be opened)."""
+    crash_point(f"fsync dir {path.name}")
     if os.name == "nt":
         return
     fd = os.open(path, os.O_RDONLY)
@@ -96,7 +128,7 @@ def discard(path: Path, caches_dir: Path) -> None:
         return
     target = new_temp_path(caches_dir)
     try:
-        os.rename(path, target)
+        rename(path, target)
     except OSError:
         target = path
     shutil.rmtree(target, ignore_errors=True)

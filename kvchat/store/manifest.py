@@ -17,7 +17,7 @@ import math
 import os
 from pathlib import Path
 
-from kvchat.store.files import FileMismatch, open_regular, write_file
+from kvchat.store.files import FileMismatch, open_regular, rename, write_file
 
 MANIFEST_NAME = "conversation.json"
 RETIRED_NAME = ".conversation.json.retired"  # a removed version's: its dir is an orphan, never listed again
@@ -178,7 +178,7 @@ def retire_manifest(ingest_dir: Path) -> bool:
     that a crash before its files are deleted leaves an orphan, not a conversation to list again. Whether
     there was one."""
     try:
-        os.rename(ingest_dir / MANIFEST_NAME, ingest_dir / RETIRED_NAME)
+        rename(ingest_dir / MANIFEST_NAME, ingest_dir / RETIRED_NAME)
     except FileNotFoundError:
         return False
     return True
@@ -187,6 +187,6 @@ def retire_manifest(ingest_dir: Path) -> bool:
 def restore_manifest(ingest_dir: Path) -> None:
     """Undo `retire_manifest` (the transaction failed), best effort."""
     try:
-        os.rename(ingest_dir / RETIRED_NAME, ingest_dir / MANIFEST_NAME)
+        rename(ingest_dir / RETIRED_NAME, ingest_dir / MANIFEST_NAME)
     except OSError:
         pass
