@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -121,7 +123,7 @@ MAX_DIM = 1 << 20  # no model dimension comes near this
 def read_metadata(path: Path) -> dict[str, str]:
     """The file's metadata, read from its header alone; ValueError when it is not an IndexMem weights file.
     `shape` is checked too (`read_shape` parses it)."""
-    try:
+    with _reading(path, ""):
         with open_regular(path) as f:  # never a FIFO: a blocking open would hang
             size = os.fstat(f.fileno()).st_size
             head = f.read(8)
@@ -129,12 +131,6 @@ def read_metadata(path: Path) -> dict[str, str]:
             if size > MAX_FILE_BYTES or n > min(MAX_HEADER_BYTES, size - 8):
                 raise ValueError("not a safetensors file (its header claims more than the file holds)")
             header = f.read(n)
-    except FileMismatch as exc:
-        raise ValueError(f"{path}: {exc}") from None
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from None
     try:
         meta = json.loads(header).get("__metadata__") or {}
     except (ValueError, AttributeError, RecursionError):
@@ -175,16 +171,23 @@ def _json(path: Path, meta: dict[str, str], key: str) -> dict:
 
 
 def _read(path: Path) -> bytes:
-    try:
+    with _reading(path, "not a safetensors file: "):
         data = read_bounded(Path(path), MAX_FILE_BYTES)
         check_safetensors_header(data)
+    return data
+
+
+@contextmanager
+def _reading(path: Path, invalid: str) -> Iterator[None]:
+    """Reading `path`: every failure a ValueError naming it (`invalid` prefixes what a bad header says)."""
+    try:
+        yield
     except FileMismatch as exc:
         raise ValueError(f"{path}: {exc}") from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     except ValueError as exc:
-        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
-    return data
+        raise ValueError(f"{path}: {invalid}{exc}") from None
 
 
 def _metadata(path: Path, data: bytes) -> dict[str, str]:
