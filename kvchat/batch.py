@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -234,18 +236,25 @@ def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
         yield
         return
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    session_dir = None  # a local Ray's session files (sockets, logs): its own dir, removed afterwards; under /tmp
+    # as Ray's own default is, since a socket's path has at most 107 bytes
     try:
         if address is None:  # "local": a new instance, never a cluster someone else started on this machine
-            ray.init(address="local", num_cpus=preflight.usable_cores(), **options)
+            session_dir = tempfile.mkdtemp(prefix="kvchat-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            ray.init(address="local", num_cpus=preflight.usable_cores(), _temp_dir=session_dir, **options)
         else:
             ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
+        if session_dir is not None:
+            shutil.rmtree(session_dir, ignore_errors=True)
         where = f"the Ray cluster at {address}" if address else "a local Ray"
         raise UserError(f"cannot start {where}: {_first_line(exc)}") from None
     try:
         yield
     finally:
         ray.shutdown()
+        if session_dir is not None:
+            shutil.rmtree(session_dir, ignore_errors=True)
 
 
 class _Workers:

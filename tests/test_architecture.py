@@ -21,12 +21,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.ingest", "kvchat.plan", "kvchat.ask", "kvchat.rag", "kvchat.profile", "kvchat.qa", "kvchat.training",
      "kvchat.training.pipeline", "kvchat.training.chunks", "kvchat.training.teacher", "kvchat.training.indexer_stage",
      "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
-    ("kvchat.llm", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings",
-     "kvchat.device", "kvchat.features"),
+    ("kvchat.llm", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight",
+     "kvchat.settings", "kvchat.device", "kvchat.features"),
     ("kvchat.config",),
     ("kvchat.kv",),
     ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),
-    ("kvchat.formats", "kvchat.errors"),
+    ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
 ]
 
 
