@@ -27,6 +27,7 @@ from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history import load_history
 from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate
+from kvchat.profile import profile_texts
 from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
@@ -279,8 +280,7 @@ class _Workers:
     def start(self, spec: str, store: Store, trust_remote_code: bool) -> None:
         """Start the workers and load the model in each; refuse workers that would build different caches."""
         self.handles = [self.actor.remote() for _ in range(self.count)]
-        profile_dir = store.home / "profiles"
-        profiles = {p.name: p.read_text() for p in sorted(profile_dir.glob("*.json"))} if profile_dir.is_dir() else {}
+        profiles = profile_texts(store.home / "profiles")
         calls = [h.load.remote(spec, str(store.models_dir), self.threads, trust_remote_code, profiles, self.device)
                  for h in self.handles]  # fmt: skip
         try:

@@ -29,6 +29,20 @@ PROFILE_VERSION = 1
 MAX_PROFILE_BYTES = 1 << 24  # a profile is a few numbers per layer; more is not one
 
 
+def profile_texts(directory: Path) -> dict[str, str]:
+    """The user's layer profiles as text by file name (what batch workers are sent): regular files of bounded
+    size only, so a FIFO or a huge file among them is refused instead of hanging or filling memory."""
+    if not directory.is_dir():
+        return {}
+    texts = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            texts[path.name] = read_bounded(path, MAX_PROFILE_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError, FileMismatch) as exc:
+            raise UserError(f"{path}: not a kvchat layer profile ({exc})") from None
+    return texts
+
+
 @dataclass(frozen=True)
 class LayerProfile:
     model: str

@@ -23,7 +23,7 @@ from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
 from kvchat.llm import weights_fingerprint
-from kvchat.profile import find_indexmem, find_profile
+from kvchat.profile import find_indexmem, find_profile, profile_texts
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
 
@@ -52,6 +52,15 @@ def test_a_fifo_among_the_layer_profiles_is_refused_not_waited_on(tmp_path, tiny
     os.mkfifo(tmp_path / "x.json")
     error = _unless_blocked(lambda: find_profile(tiny_lm, [tmp_path]), tmp_path / "x.json")
     assert isinstance(error, UserError) and "not a regular file but a FIFO" in str(error)
+
+
+def test_a_fifo_among_the_profiles_sent_to_batch_workers_is_refused_not_waited_on(tmp_path):
+    (tmp_path / "a.json").write_text("{}")
+    os.mkfifo(tmp_path / "x.json")
+    error = _unless_blocked(lambda: profile_texts(tmp_path), tmp_path / "x.json")
+    assert isinstance(error, UserError) and "not a regular file but a FIFO" in str(error)
+    (tmp_path / "x.json").unlink()
+    assert profile_texts(tmp_path) == {"a.json": "{}"}
 
 
 def test_a_fifo_among_the_indexmem_weights_is_refused_not_waited_on(tmp_path, tiny_lm):
