@@ -156,9 +156,12 @@ def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: Eval
         )
         for path in paths
     ]
-    return sets + planted_sets(
-        synthetic, topics=config.synthetic_topics, turns_per_topic=config.synthetic_turns_per_topic
-    )
+    sets += planted_sets(synthetic, topics=config.synthetic_topics, turns_per_topic=config.synthetic_turns_per_topic)
+    if not any(qa_set.questions for qa_set in sets):
+        categories = ", ".join(str(c) for c in config.categories)
+        raise UserError(f"no question to score: {', '.join(str(p) for p in paths)} holds no question of categories "
+                        f"{categories} with evidence (--categories chooses others)")
+    return sets
 
 
 class EvalProgress:
