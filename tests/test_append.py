@@ -203,3 +203,20 @@ def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     with pytest.raises(UserError, match="--append --reingest"):
         append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+
+
+def test_cli_appends_a_single_new_turn(tmp_path, halves, tiny_model_dir):
+    """A history to ingest needs two turns, but one new turn is a natural thing to append."""
+    first, _ = halves
+    home = tmp_path / "home"
+    model = ("--model", str(tiny_model_dir))
+    assert run_main(home, "ingest", str(first), "--name", "chat", *model, "--budget", "64", "--block-size", "32",
+                    "--episodes", "2").returncode == 0
+    before = Store(home).get("chat").stats["turns"]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"role": "user", "content": "By the way, the gate changed to 52."}]))
+    done = run_main(home, "ingest", str(one), "--name", "chat", "--append", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["turns"] == before + 1
+    refused = run_main(home, "ingest", str(one), "--name", "other", *model)
+    assert refused.returncode == 2 and "needs at least 2 turns" in refused.stderr
