@@ -220,3 +220,15 @@ def test_cli_appends_a_single_new_turn(tmp_path, halves, tiny_model_dir):
     assert json.loads(done.stdout)["turns"] == before + 1
     refused = run_main(home, "ingest", str(one), "--name", "other", *model)
     assert refused.returncode == 2 and "needs at least 2 turns" in refused.stderr
+
+
+def test_appending_the_same_file_twice_says_so(tmp_path, halves, tiny_model_dir):
+    first, second = halves
+    home = tmp_path / "home"
+    assert run_main(home, "ingest", str(first), "--name", "chat", "--model", str(tiny_model_dir), "--budget", "64",
+                    "--block-size", "32", "--episodes", "2").returncode == 0
+    once = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    assert once.returncode == 0 and not any("before" in n for n in json.loads(once.stdout)["notes"])
+    twice = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    assert twice.returncode == 0, twice.stderr
+    assert any(f"{second.resolve()} was ingested into 'chat' before" in n for n in json.loads(twice.stdout)["notes"])
