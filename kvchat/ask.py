@@ -76,12 +76,15 @@ class Session:
         log: bool = True,
         stop: Callable[[], bool] | None = None,
         earlier: Sequence[tuple[str, str]] = (),
+        recalled: str = "",
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
         `first_recorder` the attention of that token's forward (the question's; evaluation reads where
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
-        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up."""
+        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
+        `recalled`, turns of the history prefilled after the cache and before the question (retrieved for it,
+        kvchat.rag), so the answer sees them in the conversation."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -113,6 +116,8 @@ class Session:
         prompt_ids = self.lm.encode(
             self.layout.question(self.config.question_template.format(question=question), earlier)
         )
+        if recalled:  # the cached history's last line ends without a newline
+            prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",

@@ -55,8 +55,11 @@ _SEVERAL = ("chatgpt", "claude", "finetune")  # the formats that hold several co
 # Reading the file
 
 
-def load_history(path: str | os.PathLike[str], *, format: str | None = None, pick: Pick = None) -> list[Turn]:
+def load_history(path: str | os.PathLike[str], *, format: str | None = None, pick: Pick = None,
+                 min_turns: int = 2) -> list[Turn]:
     """Read and validate a history file; every problem with the file is a UserError naming it.
+
+    `min_turns`: a history to ingest needs 2 turns; new turns appended to a stored one may be a single turn.
 
     `format` forces one of FORMAT_NAMES instead of detecting it; `pick` chooses among several conversations.
     """
@@ -66,7 +69,7 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
                        f"{', '.join(FORMAT_NAMES)})")
     text = _read_text(Path(source), source)
     if format in ("jsonl", "finetune", "transcript"):
-        return _at_least_two(_parse_text(format, text, source, pick), source)
+        return _at_least(min_turns, _parse_text(format, text, source, pick), source)
     try:
         data = json.loads(text)
     except RecursionError:
@@ -74,8 +77,8 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
     except ValueError as exc:
         if format is not None:
             raise refuse(source, _json_error(text, exc)) from None
-        return _at_least_two(_parse_text(_text_format(text, source, exc), text, source, pick), source)
-    return parse_history(data, source, format=format, pick=pick)
+        return _at_least(min_turns, _parse_text(_text_format(text, source, exc), text, source, pick), source)
+    return parse_history(data, source, format=format, pick=pick, min_turns=min_turns)
 
 
 def _read_text(path: Path, source: str) -> str:
@@ -160,7 +163,7 @@ def _json_error(text: str, error: ValueError) -> str:
 
 
 def parse_history(data: object, source: str = "<input>", *, format: str | None = None,
-                  pick: Pick = None) -> list[Turn]:
+                  pick: Pick = None, min_turns: int = 2) -> list[Turn]:
     """Validate an already-parsed JSON value; `source` names it in error messages."""
     if format is not None and format not in _JSON_FORMATS:
         raise one_line(source, f"format {quote(format, 20)} is not a JSON document format (expected one of "
@@ -168,12 +171,13 @@ def parse_history(data: object, source: str = "<input>", *, format: str | None =
     if format is None:
         format, data = _detect_json(data, source)
     _check_pick(format, pick, source)
-    return _at_least_two(_parse_json(format, data, source, pick), source)
+    return _at_least(min_turns, _parse_json(format, data, source, pick), source)
 
 
-def _at_least_two(turns: list[Turn], source: str) -> list[Turn]:
-    if len(turns) < 2:
-        raise refuse(source, f"needs at least 2 turns to be a chat history, found {len(turns)}")
+def _at_least(count: int, turns: list[Turn], source: str) -> list[Turn]:
+    if len(turns) < count:
+        what = "a chat history" if count > 1 else "new turns"
+        raise refuse(source, f"needs at least {count} turn{'s' * (count > 1)} to be {what}, found {len(turns)}")
     return turns
 
 

@@ -154,7 +154,8 @@ def build_episode(
         peaks = cache.peak_layer_entries, cache.peak_total_entries
     else:
         result = block_prefill(
-            lm.model, None if resume is not None else plan.prefix_ids, plan.context_ids,
+            lm.model, None if resume is not None else plan.prefix_ids,
+            plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,  # routed: its own turns
             block_size=cache_cfg.block_size, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=on_block,
             heads=plan.heads, on_evict=parts.on_evict, recent=recent, resume=resume,
         )  # fmt: skip

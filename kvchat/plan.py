@@ -104,6 +104,7 @@ class IngestPlan:
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+    episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def plan_ingest(
         store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
-    turns = load_history(history) if from_file else list(history)
+    turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)
@@ -166,8 +167,15 @@ def plan_ingest(
             "layer keeps; raise --budget"
         )
     notes: list[str] = []
+    episode_ids: list[torch.Tensor] = []
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
+    else:
+        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+        members = [len(e.segments) for e in episodes]
+        if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
+            episode_ids = _routed_ids(turns, episodes, config, lm)
+            total = protected + max(int(ids.shape[-1]) for ids in episode_ids)
     dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
     trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
     cache_cfg = features.resolve(cache_cfg, trained, notes)
@@ -198,8 +206,6 @@ def plan_ingest(
         positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
         families.check_positions(lm.model.config, positions, lm.spec)
         features.check_plan(cache_cfg, positions=positions, history_tokens=total, context_window=lm.context_window)
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
-        members = [len(e.segments) for e in episodes]
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(
@@ -225,6 +231,7 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        episode_ids=episode_ids,
     )
 
 
@@ -312,6 +319,8 @@ def _prefill_mode(
         return "block"  # full KV evicts nothing: both ways build the same cache
     if entry.in_forward:
         why_not = f"--method {entry.name} scores inside each block's forward"
+    elif entry.routed:
+        why_not = f"--method {entry.name} prefills each episode's own turns, not the whole history"
     elif strategy == "cake":
         why_not = "cake layer budgets come from each block's attention"
     elif window and history_tokens + ANSWER_ROOM > window:
@@ -324,6 +333,14 @@ def _prefill_mode(
         return "full"
     fits = available is None or full_bytes - shape.weight_bytes <= available
     return "full" if why_not is None and fits else "block"
+
+
+def _routed_ids(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel) -> list:
+    """Token ids of each episode's own turns (`--method routed`): the turns of its segments in history order,
+    rendered as the history is, so a session's date opens the first of its turns that the episode holds."""
+    w = config.episodes.window
+    return [lm.encode("\n".join(format_turns([t for s in sorted(e.segments) for t in turns[s * w : (s + 1) * w]])))
+            for e in episodes]  # fmt: skip
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
