@@ -100,9 +100,6 @@ class Repl:
         if stripped.lower() in _BARE_COMMANDS:  # a word the REPL knows is never a question for the model
             self._command("/" + stripped.lower())
             return None
-        if stripped == "!end":
-            self.say("error: !end without !multi (a question over several lines starts with !multi)")
-            return None
         if stripped == "!multi":
             return self._until(lambda s: s.strip() == "!end", keep_last=False)
         if stripped == "!end":  # closes a `!multi` question; alone it is a slip, not a question

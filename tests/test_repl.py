@@ -186,4 +186,4 @@ def test_words_the_repl_knows_never_reach_the_model(word):
     if word.lower() == "help":
         assert HELP in said
     if word == "!end":
-        assert any("!end without !multi" in s for s in said)
+        assert any("nothing to close" in s for s in said)
