@@ -267,7 +267,7 @@ def test_streamed_answers_are_cleaned(monkeypatch, capsys):
     from kvchat.config import AskConfig
 
     class FakeSession:
-        def ask(self, question, *, episode, on_text, log, stop):
+        def ask(self, question, *, episode, on_text, log, stop, earlier=()):
             for piece in ["a \x1b[3", "1mred\x1b", "[0m [b]x[/b] \x1b]0;t", "itle\x07 done"]:
                 on_text(piece)
             return Answer("", "c", 0, 1.0, 1, 4, False, finish_reason="length")

@@ -53,3 +53,10 @@ def test_root_help_lists_commands_whole(monkeypatch):
     shown = _help(monkeypatch, "-h")
     assert "...\n" not in shown.split("\n", 1)[1] and not _BOX.search(shown)
     assert re.search(r"^  ingest-batch\s", shown, re.M) and re.search(r"^  -h, --help\s", shown, re.M)
+
+
+def test_path_and_rm_of_several(tmp_path):
+    shown = run_main(tmp_path, "path").stdout.splitlines()
+    assert shown[0] == f"home\t{tmp_path}" and shown[1].startswith("models\t")
+    result = run_main(tmp_path, "rm", "nope", "other")
+    assert result.returncode == 2 and "unknown conversation" in result.stderr

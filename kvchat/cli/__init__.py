@@ -63,6 +63,7 @@ app.command("eval", cls=HelpCommand)(evaluating.eval_command)
 app.command("list", cls=HelpCommand)(stored.list_conversations)
 app.command(cls=HelpCommand)(stored.show)
 app.command(cls=HelpCommand)(stored.rm)
+app.command(cls=HelpCommand)(stored.path)
 app.command(cls=HelpCommand)(stored.logs)
 app.command(cls=HelpCommand)(stored.doctor)
 
