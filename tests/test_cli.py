@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import KVCHAT, cli_env, run, run_main
 
+from kvchat.errors import UserError
 from kvchat.synthetic import planted_conversation
 
 
@@ -432,3 +433,22 @@ def test_commands_without_a_model_do_not_import_transformers(ingested, args):
 def test_commands_without_a_model_do_not_import_torch(ingested, args):
     home, _ = ingested
     assert "torch" not in _heavy_imports(home, *args)
+
+
+def test_a_batch_ask_reports_a_bad_line_by_number_and_goes_on(monkeypatch, capsys):
+    from kvchat.cli.asking import _answer_lines
+
+    class FakeAsker:
+        def __init__(self):
+            self.asked = []
+
+        def answer(self, question, episode, *, as_json):
+            if "bad" in question:
+                raise UserError("the question is too long")
+            self.asked.append(question.strip())
+
+    asker = FakeAsker()
+    with pytest.raises(UserError, match="1 of 3 questions failed"):
+        _answer_lines(asker, ["first?\n", "\n", "bad one\n", "third?\n"], None, False)
+    assert asker.asked == ["first?", "third?"]
+    assert "kvchat: error: line 3: the question is too long" in capsys.readouterr().err

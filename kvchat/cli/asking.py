@@ -93,9 +93,24 @@ def ask(
         repl.episode = episode
         repl.run()
     else:
-        for line in sys.stdin:
-            if line.strip():
-                asker.answer(line, episode, as_json=as_json)
+        _answer_lines(asker, sys.stdin, episode, as_json)
+
+
+def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
+    """One question per line; a question refused (too long, say) is reported with its line number and the others
+    go on; exit status 2 at the end when any was refused."""
+    failed = asked = 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        asked += 1
+        try:
+            asker.answer(line, episode, as_json=as_json)
+        except UserError as exc:
+            failed += 1
+            say(f"kvchat: error: line {number}: {exc}", console=err)
+    if failed:
+        raise UserError(f"{failed} of {asked} questions failed (each reported above)")
 
 
 class _Asker:
