@@ -28,7 +28,7 @@ from kvchat.formats.common import (
 )
 from kvchat.formats.finetune import parse_finetune
 from kvchat.formats.jsonl import first_object, looks_jsonl, parse_jsonl
-from kvchat.formats.locomo import looks_locomo, parse_locomo
+from kvchat.formats.locomo import looks_locomo, parse_locomo, parse_locomo_samples
 from kvchat.formats.longmemeval import parse_longmemeval
 from kvchat.formats.openai import parse_messages, parse_wrapper
 from kvchat.formats.transcript import looks_transcript, parse_transcript
@@ -48,7 +48,7 @@ FORMAT_NAMES = {
     "transcript": 'a plain "Name: text" transcript, optionally timestamped',
 }
 _JSON_FORMATS = ("openai", "chatgpt", "claude", "locomo", "longmemeval")
-_SEVERAL = ("chatgpt", "claude", "finetune")  # the formats that hold several conversations: pick applies
+_SEVERAL = ("chatgpt", "claude", "finetune", "locomo")  # the formats that hold several conversations: pick applies
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def _parse_text(format: str, text: str, source: str, pick: Pick) -> list[Turn]:
 def _check_pick(format: str, pick: Pick, source: str) -> None:
     if pick is not None and format not in _SEVERAL:
         raise one_line(source, f"holds one conversation ({FORMAT_NAMES[format]}): pick applies to "
-                       "ChatGPT and Claude exports and fine-tune JSONL")
+                       "ChatGPT and Claude exports and fine-tune JSONL, and to LoCoMo files of several conversations")
 
 
 def _json_error(text: str, error: ValueError) -> str:
@@ -217,6 +217,8 @@ def _detect_json(data: object, source: str) -> tuple[str, object]:
         if kind != first:
             raise refuse(source, f"mixes formats: item 1 is {first} but item {i + 1} is {kind} "
                          "(expected one format per file)")
+    if first == "a LoCoMo conversation" and len(data) > 1:  # the official locomo10.json: pick chooses
+        return "locomo", data
     if first in ("a LongMemEval instance", "a LoCoMo conversation"):
         if len(data) > 1:
             raise refuse(source, f"holds {len(data)} {first.removeprefix('a ')}s; "
@@ -259,6 +261,9 @@ def _parse_json(format: str, data: object, source: str, pick: Pick) -> list[Turn
         return parse_messages(data, source, lambda i: f"message {i + 1}")
     if format == "openai" and isinstance(data, dict) and "messages" in data:
         return parse_wrapper(data, source)
+    if format == "locomo" and isinstance(data, list) and len(data) > 1 and all(
+            isinstance(item, dict) and ("conversation" in item or looks_locomo(item)) for item in data):
+        return parse_locomo_samples(data, source, pick)
     if isinstance(data, list) and len(data) == 1 and format in ("locomo", "longmemeval"):
         data = data[0]
     if format == "longmemeval" and isinstance(data, dict) and "haystack_sessions" in data:
