@@ -123,8 +123,8 @@ def _unlabel_flags(params: list[click.Parameter]) -> None:
             param.metavar = ""
 
 
-class HelpCommand(TyperCommand):
-    """A Typer command whose help is plain (see the module docstring) unless a wide terminal shows it."""
+class _PlainHelp:
+    """Plain help (see the module docstring) unless a wide terminal shows rich's; flags without `<bool>`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -142,20 +142,9 @@ class HelpCommand(TyperCommand):
         formatter.write(plain_help(self, ctx))
 
 
-class HelpGroup(TyperGroup):
-    """The root command, with the same plain help as its commands."""
+class HelpCommand(_PlainHelp, TyperCommand):
+    """A command of kvchat's."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        _unlabel_flags(self.params)
 
-    def get_help_option(self, ctx: click.Context):
-        option = super().get_help_option(ctx)
-        if option is not None:
-            _unlabel_flags([option])
-        return option
-
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        if not _plain_wanted():
-            return super().format_help(ctx, formatter)
-        formatter.write(plain_help(self, ctx))
+class HelpGroup(_PlainHelp, TyperGroup):
+    """The root command, with the same help as its commands."""
