@@ -227,9 +227,9 @@ def ingest(
                         "--format and --pick cannot be used with it")
     turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
                          min_turns=1 if append else 2)
-    if append or reingest:
-        _check_append(append, reingest, replace, config, model)
     store = open_store()
+    if append or reingest:
+        _check_append(append, reingest, replace, config, model, store.get(name) if append else None)
     store.check_writable()
     spec = store.get(name).model if append else model
     lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype))
@@ -275,17 +275,22 @@ def _offload_text(report) -> str:
             f"{per_token / 1024:.1f} KiB per history token)")
 
 
-def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str) -> None:
-    """--append takes the conversation's own settings: refuse options that would be silently ignored."""
+def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str, record) -> None:
+    """--append takes the conversation's own settings: options equal to them are fine, others would be silently
+    ignored, so they are refused by name."""
+    from kvchat.settings import differing_options
+
     if reingest and not append:
         raise UserError("--reingest goes with --append (a plain ingest always starts from the start)")
     if replace:
         raise UserError("--append continues a conversation and --replace starts it over: give one of them")
-    if config != IngestConfig(model=model):
-        raise UserError("--append continues with the settings the conversation was built with; drop the cache "
-                        "options (to change them, ingest the whole history again with --replace)")
-    if model != IngestConfig.model:
-        raise UserError("--append uses the model the conversation was built with; drop --model")
+    differing = differing_options(config, record.settings, record.model)
+    if differing:
+        raise UserError(f"--append continues with the settings the conversation was built with, and "
+                        f"{'; '.join(differing)}: drop the cache options that differ (to change them, ingest the "
+                        "whole history again with --replace)")
+    if model not in (IngestConfig.model, record.model):
+        raise UserError(f"--append uses the model the conversation was built with ({record.model}); drop --model")
 
 
 @_cache_options
