@@ -17,6 +17,7 @@ quantization's error, and at most one more half step (groups are formed anew fro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvchat import features
+from kvchat import features, sources
 from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
@@ -76,6 +77,9 @@ def append(
         profile_dirs=profile_dirs, appended=appended, continuing=continuing,
     )  # fmt: skip
     side_file = features.side_file_name(config.cache)
+    stored_spans = sources.from_metadata(store.load_episode(record.episodes[0], lm.fingerprint)[1])
+    # receipts need every turn's span: none when the stored caches predate them
+    plan = dataclasses.replace(plan, turn_spans=(*stored_spans, *plan.turn_spans) if stored_spans else ())
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat import features
+from kvchat import features, sources
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
@@ -221,6 +221,8 @@ def encode_episode(
         cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
     )
     tensors, metadata = codec.encode(cache, meta)
+    if plan.turn_spans:  # what `ask --sources` maps cached positions to
+        metadata[sources.METADATA_KEY] = sources.to_metadata(plan.turn_spans)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
     if writer is not None:

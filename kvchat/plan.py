@@ -35,6 +35,7 @@ from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, meth
 from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_indexmem, find_profile
+from kvchat.sources import TurnSpan, turn_spans
 from kvchat.store import Store, validate_name
 
 
@@ -104,6 +105,8 @@ class IngestPlan:
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+    # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only
+    turn_spans: tuple[TurnSpan, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,9 @@ def plan_ingest(
             prefill=cache_cfg.prefill if continuing else prefill,
         ),
     )
+    spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "")
+    if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts rather than wrong ones
+        spans = []
     return IngestPlan(
         name=name,
         config=resolved,
@@ -225,6 +231,7 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        turn_spans=tuple(spans),
     )
 
 
