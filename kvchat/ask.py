@@ -26,7 +26,7 @@ from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.settings import from_settings, rebuild_command
-from kvchat.sources import Source, SourceRecorder, TurnSpan, from_metadata, rank
+from kvchat.sources import METADATA_KEY, Source, SourceRecorder, from_metadata, rank
 from kvchat.store import ConversationRecord, Store
 
 
@@ -68,7 +68,7 @@ class Session:
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
         self._centroids = np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
         self._resident: tuple[int, EpisodeCache] | None = None
-        self._spans: list[TurnSpan] | None = None  # the resident episode's turn spans (kvchat.sources)
+        self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
         self._positions = "original"  # the resident episode's positions mode
 
     def ask(
@@ -197,13 +197,14 @@ class Session:
 
     def _source_recorder(self, cache: EpisodeCache) -> tuple[SourceRecorder | None, str | None]:
         """A recorder of the answer's attention per turn, or why there can be none."""
-        if self._spans is None:
+        spans = from_metadata(self._turns)
+        if spans is None:
             c = self.conversation
             return None, (f"no sources: conversation '{c.name}' was ingested before kvchat recorded turn spans; "
                           f"rebuild it with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`")
         if self._positions == "compact":
             return None, "no sources: this conversation's caches were re-rotated to compact positions"
-        return SourceRecorder(cache, self._spans), None
+        return SourceRecorder(cache, spans), None
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its
@@ -254,7 +255,8 @@ class Session:
         except UnreadableFile as e:
             raise self._unreadable(index, e.what, e.problem) from None
         self._resident = (index, cache)
-        self._spans, self._positions = from_metadata(metadata), meta.positions
+        self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
+        self._positions = meta.positions
         return cache
 
     def _unreadable(self, index: int, what: str, problem: str) -> CacheIntegrityError:
