@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--histories", type=int, default=10)
     parser.add_argument("--budget", type=int, default=256)  # compressed: ~1.2K history tokens
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--source-layers-from", type=float, default=AskConfig.source_layers_from,
+                        help="AskConfig.source_layers_from: 0 counts every layer's attention")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true",
                         help="the report again from the measurements beside --out (e.g. after a new threshold)")
@@ -51,6 +53,7 @@ def main() -> None:
         records = [json.loads(line) for line in measured.read_text().splitlines()]
         run = next(r for r in records if r.get("kind") == "run")
         args.histories, args.budget, args.max_new_tokens = run["histories"], run["budget"], run["max_new_tokens"]
+        args.source_layers_from = run["source_layers_from"]
         rows = [r for r in records if r.get("kind") == "answer"]
         off_topic = [r["similarity"] for r in records if r.get("kind") == "off_topic"]
         _write(_report(rows, [r["similarity"] for r in rows], off_topic, args), args.out)
@@ -68,7 +71,8 @@ def main() -> None:
             ingest([_turn(m) for m in messages], name=f"planted{seed}", config=config, store=store, lm=lm,
                    encoder=encoder, source="synthetic")
             session = Session(store, store.get(f"planted{seed}"), lm, encoder,
-                              AskConfig(max_new_tokens=args.max_new_tokens, source_count=TOP))
+                              AskConfig(max_new_tokens=args.max_new_tokens, source_count=TOP,
+                                        source_layers_from=args.source_layers_from))
             for fact in facts:
                 answer = session.ask(fact.question, sources=True, log=False)
                 turns = [s.turn for s in answer.sources or []]
@@ -79,7 +83,8 @@ def main() -> None:
                 in_topic.append(answer.similarity)
             off_topic += [session.route(q)[1] for q in OFF_TOPIC_QUESTIONS]
             print(f"history {seed + 1}/{args.histories}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    run = {"kind": "run", "histories": args.histories, "budget": args.budget, "max_new_tokens": args.max_new_tokens}
+    run = {"kind": "run", "histories": args.histories, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
+           "source_layers_from": args.source_layers_from}
     off = [{"kind": "off_topic", "similarity": round(s, 4)} for s in off_topic]
     measured.write_text("".join(json.dumps(r) + "\n" for r in [run, *rows, *off]))
     _write(_report(rows, in_topic, off_topic, args), args.out)
@@ -112,7 +117,8 @@ def _report(rows: list[dict], in_topic: list[float], off_topic: list[float], arg
         "",
         f"SmolLM2-135M-Instruct, {args.histories} planted-fact histories (kvchat.synthetic seeds "
         f"0..{args.histories - 1}, 4 topics x 24 turns), default ingest settings with --budget {args.budget}, "
-        f"answers of at most {args.max_new_tokens} tokens; `benchmarks/receipts.py`.",
+        f"answers of at most {args.max_new_tokens} tokens, sources from the layers from "
+        f"{args.source_layers_from:.0%} of the depth up; `benchmarks/receipts.py`.",
         "",
         "| measure | result | target |",
         "|---|---|---|",

@@ -204,7 +204,8 @@ class Session:
                           f"rebuild it with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`")
         if self._positions == "compact":
             return None, "no sources: this conversation's caches were re-rotated to compact positions"
-        return SourceRecorder(cache, spans), None
+        first = int(self.config.source_layers_from * len(cache.layers))
+        return SourceRecorder(cache, spans, first_layer=first), None
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its

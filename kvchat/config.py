@@ -177,6 +177,9 @@ class AskConfig:
     off_topic_similarity: float = OFF_TOPIC_SIMILARITY
     refuse_off_topic: bool = False
     source_count: int = 3       # `--sources`: the turns shown, most attended first (kvchat.sources)
+    # Sources count the attention of the layers from this fraction of the model's depth up: lower layers attend
+    # by position more than by content (benchmarks/results/receipts.md compares it with every layer, 0.0).
+    source_layers_from: float = 0.5
     quote_chars: int = 100      # a source's quote, cut at a word boundary
 
 

@@ -4,7 +4,8 @@ At ingest every turn's token range is recorded (`turn_spans`, stored in each epi
 `turns`): every episode cache holds the whole history at its original positions, each entry carrying its
 position (`pos` tensors), so a cached entry belongs to the turn whose range holds its position. While an
 answer is decoded a `SourceRecorder` sees each forward that picks an answer token (the question's last
-query, then every decode step) and adds, per layer and KV head, the attention each resident or retrieved
+query, then every decode step) and adds, per layer (the upper ones: lower layers attend by position more
+than by content) and KV head, the attention each resident or retrieved
 (IceCache) entry gets to its turn. The turns with the most attention are the answer's sources; a turn's
 share is of the attention paid to the history's turns (the system prompt, the question and the answer so
 far are left out: an attention sink would dwarf everything else), and `kept_tokens` says how much of the
@@ -109,13 +110,13 @@ def quote(text: str, limit: int) -> str:
 
 class SourceRecorder:
     """A `kvchat.kv.attention.Recorder` summing, over the forwards it is passed to, the attention each turn's
-    entries get from the forward's last query (the one that picks the next answer token), over every layer,
-    KV head and query head."""
+    entries get from the forward's last query (the one that picks the next answer token), over the layers from
+    `first_layer` up, every KV head and query head."""
 
     query_rows = 1
 
-    def __init__(self, cache: EpisodeCache, spans: Sequence[TurnSpan]) -> None:
-        self.cache, self.spans = cache, list(spans)
+    def __init__(self, cache: EpisodeCache, spans: Sequence[TurnSpan], first_layer: int = 0) -> None:
+        self.cache, self.spans, self.first_layer = cache, list(spans), first_layer
         self.turns = len(spans)
         end = max((s.end for s in spans), default=0)
         owner = torch.full((end,), self.turns, dtype=torch.long)  # `turns`: no turn (the system prompt)
@@ -131,6 +132,8 @@ class SourceRecorder:
         return torch.where(inside, self._owner[positions.clamp(max=max(len(self._owner) - 1, 0))], self.turns)
 
     def record(self, view: LayerView) -> None:
+        if view.layer_idx < self.first_layer:
+            return
         layer = self.cache.layers[view.layer_idx]
         current = getattr(getattr(layer, "pool", None), "current", None)  # IceCache: retrieved this forward
         weights = view.weights[:, :, -1].sum(dim=1)  # [kv_heads, columns]: cached, retrieved, then this forward's

@@ -66,6 +66,9 @@ def test_the_turn_the_answer_attends_to_is_the_top_source():
     assert top[0].turn == 1 and top[0].speaker == "Tom" and top[0].tokens == 4 and top[0].attention_share > 0.8
     every = rank(recorder.spans, recorder.mass, kept, 3, 40)
     assert sum(s.attention_share for s in every) == pytest.approx(1, abs=1e-3)
+    upper = SourceRecorder(cache, _spans(), first_layer=1)  # layers below first_layer are not counted
+    upper.record(LayerView(0, weights, 8, torch.zeros(1, 4, 1, 4)))
+    assert not upper.mass.any() and rank(upper.spans, upper.mass, kept, 3, 40) == []
 
 
 def test_retrieved_entries_count_for_their_turn():

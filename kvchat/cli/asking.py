@@ -102,17 +102,19 @@ def ask(
         for line in sys.stdin:
             if line.strip():
                 asker.answer(line, episode, as_json=as_json)
-    if getattr(asker, "refused", 0):
+    if asker.refused:
         raise typer.Exit(3)
 
 
 class _Asker:
     """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
 
+    sources = False  # --sources (the REPL's /sources)
+    refused = 0      # questions refused as off-topic (--refuse-off-topic)
+
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
                  device: DeviceConfig = DeviceConfig()) -> None:
         self.store, self.config, self.log = store, config, log
-        self.sources, self.refused = False, 0  # --sources (the REPL's /sources); questions refused as off-topic
         record = store.get(conversation) if conversation else store.latest()  # an unknown name: before torch loads
         from kvchat.ask import Session
 
@@ -148,7 +150,7 @@ class _Asker:
         """Stream the answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it."""
         question = question.strip()
         if as_json:
-            result = self.session.ask(question, episode=episode, log=self.log, sources=self.sources)
+            result = self.session.ask(question, episode=episode, log=self.log, **self._receipts())
             self._off_topic(result)
             emit_json(documents.answer(question, result))
             return
@@ -156,7 +158,7 @@ class _Asker:
 
         def run(write, stopping) -> dict:
             result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping,
-                                      sources=self.sources)
+                                      **self._receipts())
             answered.append(result)
             return {"finish_reason": result.finish_reason, "episode": result.episode,
                     "similarity": result.similarity, "reused_cache": result.reused_cache}
@@ -165,6 +167,9 @@ class _Asker:
         self._off_topic(answered[-1])
         if self.sources and answered[-1].finish_reason != "refused":
             show_sources(answered[-1])
+
+    def _receipts(self) -> dict:
+        return {"sources": True} if self.sources else {}
 
     def _off_topic(self, result) -> None:
         """The line that says no episode matched well, and the count of refusals."""
