@@ -5,7 +5,7 @@
         [--out results.jsonl]
 
 `quality`: `kvchat eval`'s measurement (first-token KL and agreement against full KV, LoCoMo F1, evidence
-kept) on the README's LoCoMo setting (conv-26 and conv-30 cut to 4096 tokens, 10 questions each) for
+kept) on docs/benchmarks.md's LoCoMo setting (conv-26 and conv-30 cut to 4096 tokens, 10 questions each) for
 indexmem with and without its latent memory, then snapkv and epicache at the same budgets, in that order,
 appending to `--out` (a rerun resumes). `timing`: block prefill of one history with full KV, indexmem and
 snapkv, interleaved rounds, minimum of each (ingest seconds relative to full prefill). `report`: the
@@ -50,7 +50,7 @@ def log(message: str) -> None:
 
 def grid(budgets: tuple[int, ...]) -> list[Variant]:
     """indexmem with memory, without, then the baselines: the order they run in."""
-    base = dataclasses.replace(CacheConfig(), prefill="block")  # as the README's LoCoMo table ran
+    base = dataclasses.replace(CacheConfig(), prefill="block")  # as docs/benchmarks.md's LoCoMo table ran
     out = [Variant(dataclasses.replace(base, method="indexmem", budget=b, memory=m))
            for m in (True, False) for b in budgets]
     out += [Variant(dataclasses.replace(base, method=m, budget=b)) for m in ("snapkv", "epicache") for b in budgets]

@@ -7,7 +7,7 @@ For the embedded model, epicache caches built with uniform, sensitivity, pyramid
 each with uniform and adaptive (AdaKV) head budgets, at each budget; every question is answered from
 each and compared with full KV: KL(full || variant) of the first answer token and the agreement of the
 answers (EpiCache Fig. 4b reports sensitivity budgets lowering that KL vs uniform). It is `kvchat eval`
-with a different grid, so results resume the same way. The defaults reproduce the README's table
+with a different grid, so results resume the same way. The defaults reproduce docs/benchmarks.md's table
 (about half an hour a conversation on 2 CPUs).
 """
 
@@ -47,7 +47,7 @@ def grid(budgets: tuple[int, ...], method: str = "epicache") -> list[Variant]:
 
 
 def pivot(rows: list[dict], variants: list[Variant], budgets: tuple[int, ...]) -> str:
-    """KL and agreement per layer strategy x head mode (rows) and budget (columns): the README's table."""
+    """KL and agreement per layer strategy x head mode (rows) and budget (columns): docs/benchmarks.md's table."""
     by_key = {r["variant"]: r for r in rows}
     kl = " | ".join(f"KL @{b}" for b in budgets)
     agreement = " | ".join(f"agree @{b}" for b in budgets)

@@ -7,12 +7,7 @@ episode, whose centroid moves to the mean of its members' embeddings; when they 
 episode, a note says that `--reingest` (cluster everything again) would route them better. The new
 version is committed atomically: until then questions are answered from the old one.
 
-The caches equal those of ingesting the whole history at once with the same episodes when the stored
-history ended on a block boundary; otherwise its last, shorter block was evicted at its own length before
-the new turns came (kvchat.kv.prefill). With `--offload icecache`, each episode's stored pages and what
-the new turns evict are paged again together into its new pages file. A quantized cache (`--cache-precision
-int8|int4`) is dequantized, continued in full precision and quantized again: its old entries carry the first
-quantization's error, and at most one more half step (groups are formed anew from what is kept).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/append.py".
 """
 
 from __future__ import annotations

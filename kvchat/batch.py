@@ -1,28 +1,9 @@
 """Batch ingest of many histories on Ray (`kvchat ingest-batch`; the optional extra `kvchat[batch]`).
 
 One kvchat process per history stops scaling when an assistant has many users; Ray spreads the histories
-over workers, on this machine or on a cluster, and kvchat does no scheduling of its own:
+over workers, on this machine or on a cluster, and kvchat does no scheduling of its own.
 
-- Each worker is a Ray actor (`HistoryWorker`) that loads the model and the encoder once, with its own
-  torch threads (workers x threads never exceed the CPUs Ray has), and then ingests one history after
-  another with the pipeline's own steps: `plan_ingest`, `build_episodes`, `encode_episode`.
-- The driver (the process that calls `ingest_batch`) alone touches the store. It reads each history file
-  and sends the worker its turns; the worker sends back each episode as soon as it is built, which the
-  driver writes into a `PendingConversation` (fsync'd files in the store's private temp dir) and commits
-  after the last one (`commit_ingest`): the all-or-nothing guarantee of `kvchat ingest`, unchanged. So a
-  cluster needs no shared file system, the SQLite index is written by one process, and every temp dir in
-  the store names a live pid of the store's own host (kvchat.store.leftovers relies on that).
-- A worker that dies (`ray.kill`, a lost node, the OOM killer) breaks its history's stream: the driver
-  aborts that pending conversation, so the history stays absent and nothing of it is left in the store,
-  and gives the history once more to another worker. A dead worker is not replaced.
-- Ctrl-C, or any exception, unwinds: pending conversations are aborted, workers are killed, and a Ray
-  that `ingest_batch` started is shut down.
-- A history whose conversation is already stored with the same resolved settings (kvchat.settings), the
-  same model and the same number of turns and tokens is skipped; `--prefill auto` accepts either prefill
-  it resolved to (the choice depends on the memory free at the time). Stored with other settings, it
-  fails unless `replace`.
-
-Ray is imported here only, and only when a batch runs: a plain `pip install kvchat` has no Ray.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/batch.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """The JSON documents kvchat prints with `--json`: one vocabulary across commands, and a schema version.
 
 Every document is a JSON object with `"schema": SCHEMA`; `kvchat ask --json` prints one such object per
-question (JSON Lines). One vocabulary (the README's "JSON output" section lists every shape):
+question (JSON Lines). One vocabulary across commands (docs/scripting.md shows every shape).
 
-- `episodes` is always a list of episode objects; a number of episodes is `episode_count`.
-- sizes on disk are `cache_bytes` (an `--offload` conversation's pages files: `pages_bytes`); durations
-  are milliseconds in `timings_ms` (a dict of phases; ingest's one phase is `total`) or in a key ending
-  in `_ms`.
-- an answer's text is `answer`, next to the `question` it answers.
-- where the model ran: `device` and `dtype`; decode attention's kernel: `attention_backend` (`torch` or
-  `flashinfer`, kvchat.kv.backends), in `ingest` and `ask` documents.
-
-SCHEMA changes when a key is removed or changes meaning; new keys may appear within a version.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/documents.py".
 """
 
 from __future__ import annotations

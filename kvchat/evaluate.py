@@ -7,17 +7,7 @@ the LoCoMo score against the gold answer, **agreement** (token F1 between the va
 full-KV answer) and the KL divergence KL(full || variant) of the first answer token. Records are
 appended as they are produced; a re-run skips every (set, variant, question) already in the file.
 
-To tell routing from scoring when a method loses, each record also says how much of the question's
-evidence survived eviction: the fraction of the evidence turns' (layer, head, token) entries kept in the
-routed episode's cache (`evidence_kept`) and in the best of the variant's episodes (`evidence_kept_best`).
-With offload (IceCache) the answer also attends to entries read back from the pages: `evidence_recalled`
-is the fraction of the evidence's (layer, head, token) entries that are resident in the routed episode
-or retrieved by the question's forward, the one that gives the first answer token (without offload it
-equals `evidence_kept`). Most layers and heads never attend to the evidence, so that count stays low for
-any retrieval driven by attention; `evidence_attention_recalled` weighs each entry by the attention full KV
-pays it instead: of the attention mass that the full-KV model's last question token (the query that gives
-the first answer token) puts on the evidence entries, summed over every layer, KV head and the query heads
-of its group, the share that falls on entries the variant holds or retrieved (full KV: 1.0).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/evaluate.py".
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ modules import each other in a circle, inside a package (`kv/`, `features/`, `st
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -136,3 +137,35 @@ def test_every_package_ships_in_the_wheel():
         ".".join(init.parent.relative_to(PACKAGE.parent).parts) for init in PACKAGE.rglob("__init__.py")
     }
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
+
+
+def _module_table() -> dict[str, str]:
+    """ARCHITECTURE.md's module table: its module column (the names in backticks, `store/layout.py`,
+    `store/errors.py` in one cell counted apart) -> that row's description."""
+    rows: dict[str, str] = {}
+    text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
+    table = text.split("## Modules, in layers", 1)[1].split("\n## ", 1)[0]
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[1].startswith("`"):
+            continue
+        for name in re.findall(r"`([^`]+)`", cells[1]):
+            rows[name] = cells[2]
+    return rows
+
+
+def test_every_module_is_in_the_architecture_table():
+    """A module missing from ARCHITECTURE.md's table is one a newcomer cannot place. A package's row
+    (`serve/`, `features/`) may name its modules in its description instead of a row each; an empty
+    `__init__.py` only marks a package."""
+    table = _module_table()
+    missing = []
+    for path in MODULES:
+        relative = path.relative_to(PACKAGE).as_posix()
+        package = f"{path.parent.relative_to(PACKAGE).as_posix()}/"
+        if relative in table or (path.name == "__init__.py" and not path.read_text().strip()):
+            continue
+        if package in table and (f"`{path.name}`" in table[package] or f"`{relative}`" in table[package]):
+            continue
+        missing.append(relative)
+    assert missing == [], f"add these to ARCHITECTURE.md's module table: {missing}"

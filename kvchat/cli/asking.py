@@ -40,8 +40,8 @@ def ask(
         "default: the conversation's).")] = None,
     threads: ThreadsOpt = None,
     weights: Annotated[Weights, typer.Option(
-        help="float: the model's weights as loaded; int8: its Linear weights as int8 (per channel), ~1.3x faster "
-        "answers on a CPU, first-token KL ~0.006 vs float (README, Decode speed).")] = AskConfig.weights,
+        help="float: the model's weights as loaded; int8: its Linear weights as int8 (per channel), faster "
+        "answers on a CPU at a small cost in fidelity (docs/benchmarks.md).")] = AskConfig.weights,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,

@@ -126,7 +126,7 @@ def _cache_options(command):
 def ingest(
     history: Annotated[Path, typer.Argument(
         metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, a ChatGPT or Claude export, fine-tune "
-        'JSONL, a "Name: text" transcript, LoCoMo or LongMemEval (README, "History formats").')],
+        'JSONL, a "Name: text" transcript, LoCoMo or LongMemEval (docs/formats.md).')],
     name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
     history_format: Annotated[HistoryFormat | None, typer.Option(
         "--format", help="The history's format, when detection guesses wrong (default: detected).")] = None,
@@ -274,7 +274,7 @@ def ingest_batch(
         help="Torch threads per worker; workers x threads may not exceed the CPUs.")] = BatchConfig.threads,
     address: Annotated[str | None, typer.Option(
         help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
-        "cluster needs: see the README).")] = BatchConfig.address,
+        "cluster needs: docs/batch.md).")] = BatchConfig.address,
     config: IngestConfig = IngestConfig(),
     max_memory: Annotated[int | None, typer.Option(
         help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "

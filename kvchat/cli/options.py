@@ -24,7 +24,7 @@ from kvchat.config import (
 from kvchat.errors import UserError
 from kvchat.kv.methods import METHODS
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts; see the README).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts; see docs/scripting.md).")]
 DeviceOpt = Annotated[Literal[DEVICES], typer.Option(  # type: ignore[valid-type]
     help="Where the model runs: auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda.")]
 DtypeOpt = Annotated[Literal[DTYPES], typer.Option(  # type: ignore[valid-type]

@@ -1,31 +1,9 @@
 """kvchat's attention function, attached through transformers' public AttentionInterface.
 
-Why our own: (1) each layer may hold a different number of cached entries (per-layer budgets), so the
-causal mask must be built per layer from that layer's own length — transformers sizes one mask from
-layer 0; (2) scoring needs the patched prompt's attention weights over the cache, which SDPA does not
-return. The matching mask function returns None so transformers builds no mask at all; causality is
-enforced here: every cached entry precedes every new token, and new tokens see each other causally.
-A caller may still pass a prepared 4D `attention_mask` (transformers returns those as they are); it
-then replaces the causal mask.
+Why our own: each layer may hold a different number of entries (per-layer budgets, per-head
+lengths, retrieved pages), so masks are per layer, and scoring needs attention weights SDPA does not return.
 
-Ragged layers (head-wise budgets, see kvchat.kv.heads): `cache.update` then returns a `HeadList` per
-keys and values, one tensor per KV head holding only that head's entries. Attention runs per KV head
-over that head's own length (one SDPA call per KV head, its GQA group of query heads together), so no
-head is padded to the longest. Models have few KV heads (3 on SmolLM2-135M), so the loop is short.
-
-Decode (one query token) runs through `attend`, which picks the kernel (kvchat.kv.backends: flashinfer on
-CUDA when installed, else torch SDPA). Attention logit softcapping (Gemma2) is applied here; SDPA has no
-softcap, so those layers compute softmax(softcap(QK^T))V by hand (kvchat.kv.families says what each model
-family needs).
-
-Paged layers (IceCache, kvchat.kv.retrieval): `cache.update` returns `PagedKeys`, the resident entries per
-KV head plus a pool that retrieves each head's offloaded pages for the current queries. Softmax attention
-does not depend on the order of its keys, so the retrieved entries are placed between each head's cached
-entries and the forward's own tokens and the ragged path attends over them: cached and retrieved entries
-visible to every new token, new tokens causal. Retrieved keys carry the RoPE rotation of their original
-positions, like resident ones, so nothing is re-rotated. A decode token of a pool that has a paged decode
-(`PageSource.paged`: flashinfer's paged decode where it runs, kvchat.kv.paged_decode) attends through
-it instead, over a slot buffer kept up to date rather than entries concatenated at every step.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/attention.py".
 """
 
 from __future__ import annotations
@@ -202,7 +180,8 @@ def attend(
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one new token, `query [1, q_heads, 1, D]` over `key/value [1, kv_heads, n, D]`, as
     `[1, q_heads, 1, D]`: each GQA group's queries as one matrix against its KV head, so every key and value
-    is read once (SDPA's CPU kernel took ~2.5x as long for one query over 8K entries). Softmax in float32."""
+    is read once (faster than SDPA's CPU kernel for one query: benchmarks/results/decode_speed.md). Softmax in
+    float32."""
     kv_heads, dim = key.shape[1], query.shape[-1]
     q = query.reshape(kv_heads, -1, dim)                                   # [kv_heads, group, D]
     logits = torch.matmul(q, key[0].transpose(1, 2)).float()                # [kv_heads, group, n]

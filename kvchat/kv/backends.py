@@ -1,17 +1,6 @@
 """Which kernel runs decode attention (one query token over an episode cache), and running it.
 
-Decode is where answering spends its time: one new token attends over every kept entry of every layer.
-On CUDA, with the optional `flashinfer` extra installed (`pip install kvchat[flashinfer]`), the uniform
-layer's heads go through `flashinfer.single_decode_with_kv_cache` (the cache's `[kv_heads, n, head_dim]`
-tensors are its HND layout, GQA handled by the kernel) and a ragged layer's through one call per KV head
-over that head's own entries (kvchat.kv.attention loops over heads); a paged layer's (IceCache offload)
-through one `BatchDecodeWithPagedKVCacheWrapper` call for the layer (kvchat.kv.paged_decode, same backend).
-flashinfer computes in half precision only, so a float32 model on CUDA, the CPU, a model without the extra,
-and every forward of more than one token (prefill blocks, the question) use torch's
-scaled_dot_product_attention: `torch`.
-
-The backend is a pure function of where the model is: `decode_backend(device, dtype)`, which `ingest --json`
-and `ask --json` report as `attention_backend` and `--debug` prints.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/backends.py".
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
 """CAKE in block prefill (Qin et al., ICLR 2025): layer preferences from each block's last window, and
 cascading eviction during the block's forward pass.
 
-**Preferences.** For each block, layer l's attention of the block's last S_w queries over the keys before
-them (`A[-S_w:, :-S_w]`: the entries cached from earlier blocks and the block's own earlier tokens) gives
-its dispersion H (entropy, eq. 4), shift V (column variance, eq. 5) and preference
-`P_l = H^(1/tau1) * V^(1/tau2)` (eq. 6), computed from its logarithm as an exact `budgets.Preference`, so that
-any temperature in the valid range works (`1e-300` included). The block's budgets are `floor + spare * P_l / sum P`
-(eq. 7, `budgets.cake_budgets`), summing to `L * M`; a layer holding fewer entries than its share
-passes the rest on to the others. They are recomputed every block, so they follow the input and
-differ between episodes.
-
-**Where eviction happens: in the pass whose attention supplies the scores.** `BlockWindow` is the
-attention recorder of the block's forward (kvchat's attention function calls it once a layer's
-attention output is computed, so a layer's cache can be cut right after its last use in that pass).
-- Scores from the same window (`--method cake`, `CakeScorer`): when layer m's attention is done, layers
-  0..m are evicted to their cascade budgets (eq. 9, `budgets.cascade_budgets`); the scores computed at
-  layer m are kept, restricted to the survivors, for the later stages (Alg. 1). After the last layer
-  every layer is at its final budget. With fixed budgets (uniform, sensitivity, pyramid) layer m is
-  simply evicted to its budget right after its attention.
-- Scores from a probe pass after the block (epicache, snapkv, infinipot, kvzip) or from the keys
-  (streaming, keydiff): the block's forward only records preferences; the prefill loop then scores and
-  evicts every layer once to the final budgets. A cascade inside the probe pass would be the same
-  eviction: by then every layer's preference is known, so each stage budget already is the final one.
-
-**Exactness (Theorem 1).** Each layer's cascade budgets never increase from stage to stage and end at
-the one-shot budgets (both computed in exact rationals, see `budgets.cascade_budgets`), and every
-eviction ranks by score, then position (`scoring.select_top`, the same total order at every stage).
-So a layer keeps exactly what one eviction of the whole block to the final budgets keeps.
-
-**Memory.** CAKE bounds a one-shot prefill at about `B_total` plus one layer's prompt because layers not
-reached yet hold nothing. In block prefill they still hold what they kept from the previous block, and a
-seen layer may not go below the most it could still end with. When layer m appends its block, the total
-is at most `B_total + B + sum_{k >= m} (n_k - floor)` (n_k: what layer k kept from the last block; plus
-one entry per seen layer for rounding), and never more than without cascading, `B_total + L * B`.
-No exact scheme can promise `B_total + B` here: when the budgets move towards lower layers, those must
-grow before the higher layers have run and can shrink. With fixed budgets and `CakeScorer` the peak is
-`B_total + B`. `EpisodeCache.peak_total_entries` measures it.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/cascade.py".
 """
 
 from __future__ import annotations

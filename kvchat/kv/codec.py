@@ -1,54 +1,11 @@
 """The episode file format, in one place: the tensors and metadata an episode cache is stored as.
 
-An episode file is a safetensors file (never pickle). Per layer l:
-- uniform layer (`UniformLayer`): `k.{l}`, `v.{l}` `[kv_heads, n, head_dim]` in the model's dtype and
-  `pos.{l}` `[kv_heads, n]` int32, the original token position of every entry;
-- ragged layer (`RaggedLayer`, `--head-budgets adaptive`): `k.{l}`, `v.{l}` `[total, head_dim]` with the
-  heads' rows concatenated in head order, `pos.{l}` `[total]` int32 and `len.{l}` `[kv_heads]` int32, each
-  head's row count. Only kept entries are written.
-
-- 8-bit layer (`QuantizedLayer`, `--cache-precision int8`, kvchat.kv.quantize), uniform or ragged as above:
-  `k.{l}`, `v.{l}` hold only the full-precision residual (each head's last entries; ragged: the heads' residual
-  rows concatenated), `pos.{l}` every entry's position (per head: the 8-bit entries, then the residual),
-  `len.{l}` (ragged) every head's total, and `qlen.{l}` `[kv_heads]` int32 each head's 8-bit entries `q_h`
-  (a multiple of the key group G). The 8-bit entries: `kq.{l}`, `vq.{l}` uint8 codes `[kv_heads, q, D]`
-  (ragged: `[sum q_h, D]`); keys per channel, `ks.{l}` scales and `kz.{l}` minima `[kv_heads, q / G, D]`
-  (ragged: `[sum q_h / G, D]`); values per token, `vs.{l}`, `vz.{l}` `[kv_heads, q, D / g]` (ragged:
-  `[sum q_h, D / g]`), g the value group. Scales and minima are float32; a number is `code * scale + min`.
-  G and g are read from the shapes; metadata `precision` says "int8".
-- 4-bit layer (`--cache-precision int4`): the same tensors, with metadata `precision` "int4" (which says the
-  bits), the codes `kq.{l}`, `vq.{l}` packed two per byte (uint8 `[..., D / 2]`: channel 2j in the low nibble,
-  2j + 1 in the high one, codes 0..15) and scales and minima float16.
-
-Latent memory (IndexMem, kvchat.kv.latent), when the cache has one: per layer l, `mem.m.{l}`
-`[kv_heads, d_mem, head_dim]` and `mem.b.{l}` `[kv_heads, d_mem]` float32 (the fast state), `mem.phi.{l}`
-`[d_mem, head_dim]`, `mem.gate_w.{l}` `[1, head_dim]` and `mem.gate_b.{l}` `[1]` (the slow weights that wrote
-it, so the file reads back exactly what was written whatever is retrained later), and metadata `memory`:
-the shape and update rule as JSON (its `config` names a `readout` only when it is "mass"; then `mem.b.{l}`
-holds the normaliser z = sum phi(k), and `[layers]` float32 tensors `mem.log_scale` the log-scales c,
-`mem.decay_rate` the distance decays (gamma = |decay_rate|) and `mem.ref` each layer's reference position).
-
-Keys and values are written in the dtype of the model that built the cache and read back in the dtype of
-the model that answers (`decode(dtype=, device=)`): the format does not record a dtype of its own, the
-safetensors header does.
-
-Format versions (metadata `format_version`):
-- "1": uniform layers only.
-- "2": as "1", plus ragged layers. A "1" file is a "2" file without ragged layers.
-- "3": as "2", plus an optional latent memory.
-- "4": as "3", plus 8-bit layers and the `precision` metadata entry (absent: full precision).
-- "5": as "4", plus 4-bit layers (`precision` "int4").
-- "6": as "5", plus a latent memory with the mass readout (`readout` "mass" in its config, `mem.log_scale`,
-  `mem.decay_rate`, `mem.ref`).
-kvchat writes the oldest version that describes a file (`format_version`): "6" for caches with a mass-readout
-memory, else "5" for 4-bit caches, else `FORMAT_VERSION` ("4"), so full and 8-bit files stay readable by kvchat
-before 4 bits, and files without a mass readout by kvchat before it; it reads
-`READABLE_FORMAT_VERSIONS`. The store (kvchat.store) stamps the
-version on every file it writes and refuses unreadable versions and foreign model fingerprints before a
-tensor is allocated; everything about the content is decoded here.
-
-Metadata (strings, a safetensors rule): `EpisodeMeta`'s fields. A new layer type adds its tensor names
-and a version here, and nowhere else (ARCHITECTURE.md, "Where things go").
+One safetensors file per episode (never pickle): per-layer keys, values and positions, the 8- and 4-bit
+codes with their scales, an optional latent memory, and `EpisodeMeta` as string metadata. Keeping every
+tensor name and format version here means a new layer type changes one module. kvchat writes the oldest
+format version that describes a file, so older kvchat keeps reading what it can; the store stamps and
+checks it before anything is decoded. The tensors, shapes and versions "1" to "6" are described in
+ARCHITECTURE.md, "The episode file format".
 
 Importing this module loads torch only (the cache classes load transformers, which takes seconds), so
 the store and `kvchat list` can use the format versions without it.

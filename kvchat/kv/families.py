@@ -1,22 +1,9 @@
 """Which model families kvchat's attention answers correctly with, and the one line that refuses the rest.
 
 kvchat replaces a model's attention function (kvchat.kv.attention) and keeps a subset of the history's
-entries at their RoPE positions. What that takes of a model, and what each family brings:
+entries at their RoPE positions; a family it cannot answer correctly with is refused, never approximated.
 
-- rotary position embeddings in `model.model.rotary_emb` (kept keys carry their rotation): Llama, Qwen2,
-  Qwen3, Mistral, Gemma2, Gemma3. A model without (absolute or ALiBi positions) is refused at load.
-- attention biases (Qwen2) and q/k norms (Qwen3, Gemma3) live in the attention module, before the cache: they
-  need nothing of kvchat.
-- `query_pre_attn_scalar` (Gemma2/3) reaches the attention function as `scaling`, which kvchat applies.
-- attention logit softcapping (Gemma2's `attn_logit_softcapping`) reaches it as `softcap`: kvchat applies
-  `cap * tanh(logits / cap)` (kvchat.kv.attention), so those layers run the eager path, not SDPA.
-- sliding-window layers (Mistral v0.1, Gemma2/3's local layers, Qwen2 with `use_sliding_window`): kvchat keeps
-  every chosen entry visible to every later token, so a layer that should only see its last W tokens is
-  answered right only while the whole context (system prompt, history, question and answer) fits in W. An
-  ingest whose history with ANSWER_ROOM exceeds the smallest window is refused (`check_context`), and so is a
-  forward that would go past it (a long question on a long history). Gemma3's local layers also rotate with
-  their own RoPE base, which `--positions compact`'s re-rotation does not know, so compact positions are
-  refused on sliding-window models (they would only be used beyond the window anyway).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/families.py".
 """
 
 from __future__ import annotations

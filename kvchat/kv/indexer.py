@@ -1,35 +1,7 @@
 """IndexMem's indexer (Yang et al. 2026, §3.1): a small learned module per layer that predicts which cached
 entries the frozen model's attention needs, read inside the block's forward, so eviction needs no probe pass.
 
-Per layer, with the backbone frozen: U_q down-projects pre-RoPE queries to `H_index` heads of `d_index`,
-U_k maps each token's hidden state (the attention input) to one key shared by the indexer heads, a gate G
-maps the query token's hidden state to `H_index` weights, RMSNorm on q and k (QK-norm). The score of query
-s on key t is `A[s,t] = sum_j alpha_{s,j} act(q_{s,j} . k_t)` with `alpha = G x_s / sqrt(H_index d_index)`;
-an entry's importance is the max of A over the query set (causal). `H_index = H/4`, `d_index = d_head/8`
-(`IndexMemConfig`; at least 1 each).
-
-Where the paper is silent, kvchat chooses (the figures behind each: benchmarks/results/indexmem_ablation.md):
-- **activation**: ReLU, as DeepSeek-V3.2's lightning indexer, which the paper builds on.
-- **heads**: one importance per KV head, because kvchat evicts per KV head. U_q reads the pre-RoPE queries
-  of that KV head's GQA group (one U_q shared by the groups) and the teacher is the max over that group's
-  query heads. Scores handed to eviction are per-head softmax distributions over the head's entries, so
-  heads compare as attention weights do and adaptive (AdaKV) head budgets apply.
-- **query set while prefilling**: every query of the block (the paper: every query of the prompt).
-- **blended with the block's own attention** (`attention_mix`, CacheConfig; not in the paper): the indexer is
-  distilled from the max attention logit over all queries, so it keeps what any query could want but not what
-  the block's last queries attend to, on which the next tokens depend. Eviction therefore reads
-  `(1 - mix) * indexer + mix * attention`, the second term the attention of the block's last 64 queries
-  (SnapKV's observation window, aggregated as kvchat's probes are), from the same forward (`query_rows`).
-- **recent window**: each block's last `recent_window` entries are kept whatever they score (the paper's
-  "most recent local window"): the indexer sees no positions, and the tokens a question comes right after are
-  the ones no later query has scored yet.
-- **pooling** (`indexer_pool_kernel`): off; pooling neighbours kept whole facts a little better but cost the
-  next token's fidelity.
-- **teacher logits**: the model's own attention logits, after its q/k norms, RoPE, scale and softcap
-  (kvchat.training.teacher; the paper writes sqrt(d_model) for the scale).
-
-Training (`kvchat.training`) distils `KL(softmax(max_q teacher) || softmax(max_q A))` per layer and KV head,
-sink positions (the system prompt) masked. The trained weights file is `kvchat.kv.trained`.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/indexer.py".
 """
 
 from __future__ import annotations

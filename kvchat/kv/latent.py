@@ -1,54 +1,11 @@
 """IndexMem's latent memory (Yang et al. 2026, §3.2): evicted entries are folded into a fixed-size state
-instead of being forgotten, and read back as a residual while answering.
+instead of being forgotten, and read back while answering.
 
-Per layer, slow weights (trained, `MemoryWeights`): a feature map `phi: head_dim -> d_mem` (linear, no
-bias) and a gate `g(q) = sigmoid(w . q + c)` in [0, 1]. Fast state, per layer **and KV head** (`LatentMemory`):
-`M [d_mem, head_dim]` and `b [d_mem]`, written on every eviction of that head,
-    M <- lambda M + eta sum_i phi(k_i) v_i^T,    b <- lambda b + eta sum_i phi(k_i)^2,
-and read by each query head of the KV head's GQA group,
-    m(q) = phi(q)^T M / (phi(q)^2 . b + eps),    o = o_attn + g(q) m(q).
-
-Choices where the paper is ambiguous:
-- **GQA, exact**: the paper keeps one memory per layer over d_model-wide keys and sums values across heads.
-  kvchat evicts per KV head, so each KV head has its own state, written with exactly the (k, v) that head
-  evicted, and each query head reads its own KV head's state: what a query head lost is its KV head's
-  evicted values, nothing else. phi and g are shared by a layer's heads.
-- **before o_proj**: the readout is added to each query head's attention output (`head_dim` wide), where
-  attention's own output lives; o_proj is linear, so this equals adding o_proj(readout) after it.
-- **d_mem = d_model / 8** (the paper's "d/8" with d = d_model = H d_head): 72 for SmolLM2-135M.
-- **keys and queries before RoPE**: phi sees content, not position (evicted keys are rotated back by their
-  stored positions, queries by theirs), so a question far after an evicted fact still matches it.
-- lambda = 1, eta = 1 (`IndexMemConfig`): in a conversation an early fact matters as much as a late one.
-- **readout scale** (`IndexMemConfig.readout_scale`, not in the paper; additive readout only, the mass
-  readout has its own `mass_scale`): answering adds that share of g(q) m(q).
-  phi and g are fitted per layer by MSE with teacher-forced inputs; at ingest the memory holds far more
-  entries than in training and each layer's readout error feeds every later layer. On planted-fact
-  conversations and held-out chit-chat (benchmarks/indexmem_ablation.py) half the readout kept the gain on
-  the next tokens without the loss on the first answer token that the full readout had.
-- **closed layers**: a layer whose gate is shut (`CLOSED_GATE`, set by training where the memory does not
-  reduce the held-out residual) is neither written nor read.
-Note the normaliser is the paper's: for one stored entry, `m(k) = v` holds exactly when k's features lie
-in {-1, 0, 1} (one-hot keys, say), not for every k; phi and g are trained around it.
-
-**Mass readout** (`IndexMemConfig.readout = "mass"`, the default and the shipped weights'; not the paper's:
-infini-attention's / linear attention's view of the memory as extra softmax mass; a memory reads as its
-weights were trained, `MemoryWeights.readout`). The additive readout cannot know how much attention mass the
-evicted entries would have taken from the kept ones: over kept entries K and evicted E, full attention is
-`o = (Z_K o_K + Z_E o_E) / (Z_K + Z_E)`, `Z = sum exp(scale q.k)`, so the exact correction
-`Z_E / (Z_K + Z_E) (o_E - o_K)` depends on `Z_K`, which only attention knows. Here phi is positive,
-`phi(x) = exp(W x)` (W the same `phi` linear map; capped at exp(FEATURE_CAP)), so `exp(c) phi(q).phi(k)`
-estimates `exp(scale q.k)` with a learned per-layer log-scale c (`MemoryWeights.log_scale`). The state is
-`M = sum phi(k) v^T` and `z = sum phi(k)` (z in b's slot), and with `L_K` attention's log-sum-exp over the
-entries the query attends to (kvchat.kv.attention passes it) the output is
-    o = (exp(L_K) o_attn + g(q) exp(c) phi(q)^T M) / (exp(L_K) + g(q) exp(c) phi(q)^T z),
-computed as `o_attn + w (m(q) - o_attn)`, `w = sigmoid(log g + c + log phi(q)^T z - L_K)`,
-`m(q) = phi(q)^T M / phi(q)^T z`. Nothing written, or g = 0: w = 0, o = o_attn exactly.
-phi sees content, not position, but attention's logits fall with distance (RoPE) and an ingest's memory holds
-entries much farther back than training's chunks, so each entry's mass also decays with its distance from
-the query, `exp(-gamma (t - p))` (gamma >= 0 learned per layer, `MemoryWeights.decay_rate`); the factor splits
-into `exp(-gamma (t - r)) exp(-gamma (r - p))`, r the last position written (`LatentMemory.ref`), so the state
-stays a sum: a write first decays it by `exp(-gamma (r' - r))`. Answering adds `mass_scale` (0.5) of the
-correction `w (m(q) - o_attn)`: chosen on planted facts, as the additive readout's scale was.
+Slow weights per layer (trained, `MemoryWeights`: a feature map phi and a gate g), fast state per layer and
+KV head (`LatentMemory`), so each query head reads exactly what its own KV head evicted. Two readouts: the
+paper's additive one, and the default "mass" readout, which weighs the memory against the resident entries
+as extra softmax mass using attention's own log-sum-exp. The update and readout formulas, and the choices
+made where the paper is ambiguous, are in docs/how-it-works.md, "IndexMem's latent memory in detail".
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Layer types of an episode cache: how one layer holds its kept entries.
 
-Every layer type keeps, per KV head, a subset of the entries fed so far, in position order (so "the
-first `protected` entries" of every head is the system prompt, never evicted), with the original token
-position of each entry. They differ in layout:
-- `UniformLayer`: keys/values `[1, kv_heads, n, head_dim]`, positions `[kv_heads, n]`. Heads may keep
-  different tokens but the same number of them.
-- `RaggedLayer` (head-wise budgets, kvchat.kv.heads): each KV head h keeps its own `n_h` entries, as
-  separate tensors `[1, 1, n_h, head_dim]` (a `HeadList`) with positions `[n_h]`: memory holds exactly the
-  kept entries. A uniform layer becomes ragged when it is asked to keep a different count per head.
-
-- `PagedLayer` (IceCache, answering only): a ragged layer whose keys carry a pool of the layer's offloaded
-  pages, so kvchat's attention adds each head's retrieved entries (kvchat.kv.retrieval). Never evicted
-  from nor written to an episode file: its pages live in the pages file (kvchat.kv.pagefile).
-
-- `QuantizedLayer` (`--cache-precision int8|int4`, answering only): a uniform or ragged layer whose entries are
-  held in 8 or 4 bits (kvchat.kv.quantize: keys per channel, values per token) except a full-precision residual
-  of the last ones, to which answering appends; attention gets the entries dequantized at every forward.
-
-A new layout is one more class implementing `CacheLayer`, plus its encoding in kvchat.kv.codec (see
-ARCHITECTURE.md, "Adding a layer type").
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/layers.py".
 """
 
 from __future__ import annotations

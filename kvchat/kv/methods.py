@@ -49,7 +49,7 @@ class Method:
     """One eviction method. `scorer` is None for a method that keeps everything."""
 
     name: str
-    summary: str                                   # one line for --help and the README
+    summary: str                                   # one line for --help and docs/commands.md
     scorer: Callable[[ScorerInputs], Scorer] | None
     across_heads: bool = False   # scores are attention weights, comparable across a layer's heads:
                                  # adaptive (AdaKV) head budgets apply

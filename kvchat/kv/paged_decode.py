@@ -3,25 +3,9 @@
 Today's ragged path (kvchat.kv.attention's `with_retrieved` + `_ragged_attention`) concatenates, at every
 decode step and for every KV head, the head's resident entries, its retrieved ones and the new token, then
 runs one attention call per head. This module lays the same entries out as a paged KV cache once and keeps
-it up to date instead, so a decode step writes only the new token and runs one call for the whole layer:
+it up to date instead, so a decode step writes only the new token and runs one call for the whole layer.
 
-- `PoolSlots`: one layer's entries in one slot buffer `[slots, 1, 1, D]` for keys and one for values
-  (flashinfer's NHD layout with page_size 1 and one KV head per request). Each KV head's cache entries
-  (resident, then the question and the answer so far) occupy a contiguous range with room to grow: they are
-  copied in at the answer's first decode step (once per question) and each later step writes only its new
-  token. Each head's retrieved entries occupy a second range, written when the pool chooses or refreshes
-  its pages (every `refresh` tokens), not at every step. `clear` (rollback after the answer) frees it all.
-- `PageTable`: one step's page table. Request h is KV head h (its page table is that head's, not the
-  layer's): its pages are the slots `indices[indptr[h]:indptr[h+1]]`, every page holds one entry
-  (`last_page_len` all ones), its queries are the head's GQA group (`[kv_heads, group, D]`).
-- `paged_decode_reference`: exactly that computation in torch (the CPU path and the tests' reference).
-- `FlashinferPagedDecode`: flashinfer's `BatchDecodeWithPagedKVCacheWrapper` over the same table, on CUDA
-  in half precision with the `flashinfer` extra (kvchat.kv.backends decides, as for every decode kernel).
-
-Why page_size 1: kvchat's pages are semantic (kvchat.kv.pages): a page holds *at most* `page_size` entries,
-grouped by key similarity, so a head's retrieved pages are partial pages. flashinfer's pages of more than
-one entry must be full except each request's last one, which kvchat's pages cannot express; one entry per
-page lets any set of entries be a page table (SGLang runs flashinfer this way).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/paged_decode.py".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The pages file: an episode's offloaded entries, grouped into pages, as a second safetensors file.
 
-Per layer l (every layer has all six tensors; a layer or head with nothing offloaded has zero rows):
-- `k.{l}`, `v.{l}` `[N_l, D]` (half precision by default): every head's pages, head after head, each
-  head's entries page after page (kvchat.kv.pages.HeadPages);
-- `pos.{l}` `[N_l]` int32, each entry's original token position;
-- `page_len.{l}` `[P_l]` int32, entries per page (>= 1), pages in the same order;
-- `head_pages.{l}` `[kv_heads]` int32, how many of the layer's pages belong to each head, in head order;
-- `centroid.{l}` `[P_l, D]`, the mean key of every page (what page scoring reads).
-Metadata: `pages_format` ("1"), `layers`, `kv_heads`, `head_dim`, `page_size`.
-
-`encode`/`decode` convert in memory; `write_layers` streams layer by layer (one layer in memory);
-`open_pages` memory-maps a file for answering: page tables and centroids are copied into memory, keys,
-values and positions stay on disk until retrieval gathers the chosen pages.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/pagefile.py".
 """
 
 from __future__ import annotations

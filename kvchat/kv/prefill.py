@@ -5,14 +5,7 @@ whatever the history's length (EpiCache Fig. 1c). Eviction happens after the blo
 probe pass has scored every layer, or during the block's forward when the scorer reads the block there
 (`Scorer.in_forward`, kvchat.kv.scoring) or CAKE budgets are computed from it (kvchat.kv.cascade).
 
-`select_from` is the other way to the same kind of cache (`--prefill full`): one cache holding the whole
-history is scored once per episode and each episode keeps a copy of its top entries, so every kept entry
-was computed with the whole history in view, at the cost of a peak that grows with the history.
-
-The loop can continue a cache built earlier (`resume`): blocks are cut from where that cache stopped, so
-prefilling A and then resuming with B gives exactly the cache of prefilling A + B in one call when A
-ends on a block boundary (a cache that was evicted after a partial last block has already chosen what
-the shorter block let it keep).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/prefill.py".
 """
 
 from __future__ import annotations

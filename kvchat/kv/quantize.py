@@ -6,20 +6,7 @@ KIVI found that keys have a few channels with large magnitudes while values do n
 (min-max): `code = round((x - min) / scale)`, `scale = (max - min) / L` with `L = 2^bits - 1` levels (255 or
 15), and `x ~ code * scale + min`, so every number comes back within half a step, `scale / 2`, of what it was.
 
-- 8 bits (`--cache-precision int8`): codes uint8, one per byte; scales and minima float32 (at groups of 32, a
-  quarter of a byte per number).
-- 4 bits (`--cache-precision int4`): codes packed two per byte (uint8; channel 2j in the low nibble, 2j + 1 in
-  the high one), scales and minima float16 (at groups of 16, a quarter of a byte per number: 0.75 bytes a
-  number in all, 38% of bfloat16). The minimum is rounded down and the scale up to float16 before the codes are
-  computed, so the half-step bound holds for the stored numbers. Float16 overflows past 65504: such a group is
-  refused (ValueError) rather than stored as infinities.
-
-Entries are quantized in whole key groups only: the tokens that do not fill a last group stay in full
-precision, as in KIVI, with the layer's residual (kvchat.kv.layers.QuantizedLayer). The value group is the
-key group when it divides the head dimension, else the whole head dimension (one group per token).
-
-This module is the arithmetic on tensors `[..., n, head_dim]`; the layer type holding its results is
-`QuantizedLayer` in kvchat.kv.layers, its file encoding is in kvchat.kv.codec.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/quantize.py".
 """
 
 from __future__ import annotations

@@ -2,25 +2,8 @@
 
 Per KV head, the queries of its GQA group (every query head of the group, every query token) score
 the head's pages; the best pages are loaded until R entries. Different heads load different pages.
-Page scorers (the issue's table compares the first two):
 
-- `centroid`: a page's estimated share of the attention, from its mean key: per query row,
-  softmax over pages of `scale * q.centroid + log(entries)`. One `[rows, P]` matmul on the centroids
-  held in memory; no key is read until the chosen pages are.
-- `top-keys`: the exact attention of every offloaded key (softmax over the head's entries per row),
-  a page scoring as its best key, so pages are taken in the order of their top keys (IceCache's
-  "top-k keys, then their pages" with an exact search). Reads every offloaded key of the head.
-- `two-stage`: centroids pick candidate pages holding `candidates x R` entries, whose keys are then
-  scored as `top-keys` does. Reads only the candidates' keys: an exact re-ranking of a coarse search,
-  the role IceCache's tree search plays.
-- `entries` (kvchat's default, `EntryScorer`): the same two stages, but the best R *entries* of the
-  candidates are read, not the pages of the best ones. Semantic pages stay the unit of search (their
-  centroids are what is held in memory and scored first); only the read is finer, so none of R goes to
-  a page's entries that the query does not need. IceCache App. B.2 retrieves the top keys' pages.
-
-All are softmax weights per query row, so rows with different query norms are comparable and the
-max over rows and the group's heads is EpiCache eq. 3's aggregation. Every scorer ends in the rows of
-the head's pages to read (`choose_rows`), best first.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/retrieval.py".
 """
 
 from __future__ import annotations
@@ -78,8 +61,8 @@ def _best_key_scores(queries: torch.Tensor, pages: HeadPages, chosen: torch.Tens
 class EntryScorer:
     """Centroid scores choose candidate pages of up to `candidates x R` entries; their keys are scored
     exactly (the softmax over the candidates' entries, max over query rows) and the best R entries are read.
-    On planted facts (benchmarks/icecache_pages.py, R = 192) KL to full KV 0.031 against whole pages' 0.059
-    (two-stage) and reading the exact top-R keys' 0.026 (an oracle that scores every key)."""
+    Closer to full KV than reading whole pages, near the oracle that scores every key
+    (benchmarks/results/icecache_pages_entries.md)."""
 
     candidates: int = 8
 
@@ -223,7 +206,8 @@ def attach_pages(
 
     `paged_decode`: decode tokens attend through a `PagedDecode` (one flashinfer wrapper and workspace for
     the cache's layers); None: where flashinfer runs for the cache's device and dtype (kvchat.kv.backends),
-    elsewhere the ragged path (on the CPU 3-5% faster than the paged one's torch reference, which tests use)."""
+    elsewhere the ragged path (on the CPU the faster of the two, benchmarks/results/icecache_speed.md; the paged
+    one's torch reference is what tests use)."""
     if len(pages) != len(cache.layers):
         raise ValueError(f"pages for {len(pages)} layers, the cache has {len(cache.layers)}")
     kernel = FlashinferPagedDecode()  # built at its first call, if flashinfer runs

@@ -1,16 +1,6 @@
 """Scorers: one score per (layer, KV head, cached entry); higher means keep.
 
-One protocol, two moments a scorer may read the block (a method's registry entry, kvchat.kv.methods,
-says which one it uses as `in_forward`):
-- **after the block** (`__call__`): the block is in the cache; score every layer at once, by a probe
-  pass whose queries attend to the cache (EpiCache's patched prompt, SnapKV, InfiniPot, KVzip) or from
-  the keys alone (StreamingLLM, KeyDiff). The prefill loop then evicts every layer.
-- **during the block's forward** (`layer_scores`): right after layer l's attention, from a `LayerView` of
-  the block's last `query_rows` queries (their attention weights, the queries themselves and, with
-  `needs_hidden`, the layer's input hidden states); the loop evicts layer l before layer l+1 runs (CAKE's
-  indicator; a learned indexer reads the hidden states the same way). No extra pass.
-`BlockScorer` holds the defaults; a plain object with `__call__` and `transient_tokens` is an after-block
-scorer too.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/scoring.py".
 """
 
 from __future__ import annotations

@@ -3,14 +3,7 @@
 precision, with where they came from: weights only fit the base weights they were distilled from, so the file
 names them, and it carries its recipe and held-out figures so a user can tell what they load.
 
-Tensors: `indexer.layers.{l}.*` and `memory.{phi,gate}.{l}.*` (the modules' state dicts; a mass-readout memory
-adds `memory.log_scale` and `memory.decay_rate`, `[layers]` each). Metadata (strings):
-`kind` ("kvchat-indexmem"), `version`, `weights` (the base model's weights fingerprint, kvchat.llm), `model`
-(its name), `shape` (`IndexMemShape` as JSON), `config` (the memory's update rule and readout, `IndexMemConfig`;
-no `readout` = "additive", so such files stay readable by kvchat from before the mass readout),
-`recipe` (training settings and data sources), `data_hash` (sha256 of the training and held-out token ids)
-and `metrics` (held-out figures). The weights for the embedded model ship in the repository's `profiles/`;
-`kvchat train-indexer` writes others to `$KVCHAT_HOME/profiles/` (kvchat.profile finds them).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/trained.py".
 """
 
 from __future__ import annotations

@@ -5,25 +5,7 @@ Nothing half-written is ever visible: an ingest's files and manifest are fsync'd
 renamed into `caches/<name>/<ingest_id>`, and only then are its rows inserted, under SQLite's write lock
 (`pending`). Readers find conversations through the rows, so they see one only once every file is complete.
 
-Files are checksummed and carry the model fingerprint; loading refuses anything that does not match, and
-checks the safetensors header by hand before a single tensor is allocated (`loading`). Rows carry the digest
-of their conversation's document, so a damaged row is refused too (`DamagedDatabase`, exit 2) rather than
-misread.
-
-Reading takes no lock: opening a home whose schema is current writes nothing, so `list`, `show`, `logs`,
-`ask`'s reads and `doctor` never wait behind a writer. A home that cannot be written (a read-only file
-system, no permission) opens read-only: it can be listed and asked, and every write is refused in one line.
-
-This module is the store proper: `Store` (open, the write lock, the startup sweep, reading and removing
-conversations, the doctor's checks of files and leftovers) and the doctor's `diagnose` and `repair`. Its
-submodules, each one concept: `layout` (the home's paths, names), `errors` (SQLite errors in the user's
-words), `records` (a conversation as records and rows), `pending` (an ingest in progress and its commit),
-`loading` (an episode's files read back), `asklog` (the ask log), `files` (fsync, verified reads, the header
-check), `schema` (opening, tables and migrations), `manifest` (the conversation document and its digest),
-`leftovers` (what crashes leave in caches/ and models/) and `recovery` (rebuilding a damaged kvchat.db).
-
-The episode file format (tensor names, metadata, versions) is kvchat.kv.codec's; the store stamps the
-version the codec writes on every file and refuses a version it cannot read, before decoding.
+Design notes (the details and the choices made): docs/internals.md, "kvchat/store/__init__.py".
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """A damaged kvchat.db: what can be rebuilt, from where, and what is lost.
 
-A damaged database (unreadable, corrupt pages, rows failing their digest, tables that are not kvchat's, a
-directory in its place) is never patched in place. `kvchat doctor --fix` moves it aside, kept, into
-`damaged-<timestamp>/`, and builds a new one from what survives, conversation by conversation:
-1. its rows in the damaged database, when they still read, match their digest and its files verify;
-2. else its manifest (`conversation.json` in its ingest dir, written by every ingest since kvchat keeps
-   one), when it matches its digest and the files verify.
-Anything else is lost. An ingest dir with neither still holds episode files with their model fingerprint
-and cache metadata, but not the centroids that route a question, the medoid texts, the model spec or the
-settings (the system prompt included) needed to answer from them. Even a single-episode conversation,
-which needs no routing, cannot be answered without its model and system prompt, so such a conversation
-must be re-ingested: its dir is moved aside with the damaged database (kept, never deleted), and the
-command that rebuilds it is given, with its settings when its conversation row still reads. Of the ask
-log, the rows that still read are kept.
-
-`plan_rebuild` looks and changes nothing (`kvchat doctor`, through `damage_problems`); `rebuild` writes the
-new database beside the damaged one and puts it in its place (`kvchat doctor --fix`).
+Design notes (the details and the choices made): docs/internals.md, "kvchat/store/recovery.py".
 """
 
 from __future__ import annotations
