@@ -143,6 +143,10 @@ def _report(rows: list[dict], in_topic: list[float], off_topic: list[float], arg
         f"{threshold}.",
         "",
     ]
+    if args.source_layers_from:
+        lines += ["Counting every layer's attention instead (`--source-layers-from 0`, 10 histories): "
+                  "`receipts_all_layers.md`; the lower layers attend by position (the history's first turns, the "
+                  "last ones) more than by content.", ""]
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from kvchat.kv.layers import UniformLayer
 from kvchat.llm import ChatLayout
 from kvchat.sources import SourceRecorder, TurnSpan, quote, rank, turn_spans
 from kvchat.store import Store
-from kvchat.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation
+from kvchat.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
 
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                      episodes=EpisodeConfig(prompt_tokens=48))
@@ -157,3 +157,37 @@ def test_cli_sources_json_and_refusal_exit_code(tmp_path, tiny_model_dir):
     refused = run_main(home, "ask", "--refuse-off-topic", stdin=f"{OFF_TOPIC_QUESTIONS[1]}\n{facts[0].question}\n")
     assert refused.returncode == 3, refused.stderr
     assert "not answered: no episode matches" in refused.stderr and refused.stdout.strip()  # the second answered
+
+
+def test_embedded_model_names_the_planted_turn_among_its_top_sources(tmp_path, default_lm, encoder):
+    """Integration: the default model at a budget that compresses the history (benchmarks/receipts.py runs more)."""
+    messages, facts = planted_conversation(seed=7, topics=4, turns_per_topic=24)
+    store = Store(tmp_path)
+    ingest([Turn(m["role"], m["content"]) for m in messages], name="planted", store=store, lm=default_lm,
+           encoder=encoder, config=IngestConfig(cache=CacheConfig(budget=256)), source="planted")
+    fact = next(f for f in facts if f.topic == "garden")
+    answer = Session(store, store.get("planted"), default_lm, encoder, AskConfig(max_new_tokens=24)).ask(
+        fact.question, sources=True, log=False)
+    assert recalled(answer.text, fact), answer.text
+    assert fact.turn in [s.turn for s in answer.sources]
+    assert answer.sources[0].kept_tokens <= answer.sources[0].tokens
+
+
+def test_the_repl_sources_command_turns_receipts_on_and_off():
+    from kvchat.repl import Repl
+
+    actions, said = SimpleNamespace(sources=False), []
+    lines = iter(["/sources", "/sources off", "/sources on", "/sources maybe"])
+
+    def read(prompt: str) -> str:
+        line = next(lines, None)
+        if line is None:
+            raise EOFError
+        return line
+
+    def say(message: str) -> None:
+        said.append((message, actions.sources))
+
+    Repl(read, actions, say).run()
+    assert [state for message, state in said[:3]] == [True, False, True]
+    assert said[3][0] == "error: /sources takes on or off" and actions.sources
