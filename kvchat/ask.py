@@ -83,6 +83,7 @@ class Session:
         stop: Callable[[], bool] | None = None,
         earlier: Sequence[tuple[str, str]] = (),
         sources: bool = False,
+        recalled: str = "",
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
@@ -90,8 +91,10 @@ class Session:
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
         `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs an attention
-        pass per step, nothing when off). An off-topic question is not answered when the config refuses them
-        (`finish_reason` "refused")."""
+        pass per step, nothing when off); `recalled`, turns of the history prefilled after the cache and before
+        the question (retrieved for it, kvchat.rag), so the answer sees them in the conversation (they are not
+        counted as sources). An off-topic question is not answered when the config refuses them (`finish_reason`
+        "refused")."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -119,6 +122,8 @@ class Session:
         prompt_ids = self.lm.encode(
             self.layout.question(self.config.question_template.format(question=question), earlier)
         )
+        if recalled:  # the cached history's last line ends without a newline
+            prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",

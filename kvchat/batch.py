@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
@@ -25,6 +27,7 @@ from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history import load_history
 from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate
+from kvchat.profile import profile_texts
 from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
@@ -234,18 +237,25 @@ def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
         yield
         return
     options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "logging_level": logging.ERROR}
+    session_dir = None  # a local Ray's session files (sockets, logs): its own dir, removed afterwards; under /tmp
+    # as Ray's own default is, since a socket's path has at most 107 bytes
     try:
         if address is None:  # "local": a new instance, never a cluster someone else started on this machine
-            ray.init(address="local", num_cpus=preflight.usable_cores(), **options)
+            session_dir = tempfile.mkdtemp(prefix="kvchat-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+            ray.init(address="local", num_cpus=preflight.usable_cores(), _temp_dir=session_dir, **options)
         else:
             ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
+        if session_dir is not None:
+            shutil.rmtree(session_dir, ignore_errors=True)
         where = f"the Ray cluster at {address}" if address else "a local Ray"
         raise UserError(f"cannot start {where}: {_first_line(exc)}") from None
     try:
         yield
     finally:
         ray.shutdown()
+        if session_dir is not None:
+            shutil.rmtree(session_dir, ignore_errors=True)
 
 
 class _Workers:
@@ -270,8 +280,7 @@ class _Workers:
     def start(self, spec: str, store: Store, trust_remote_code: bool) -> None:
         """Start the workers and load the model in each; refuse workers that would build different caches."""
         self.handles = [self.actor.remote() for _ in range(self.count)]
-        profile_dir = store.home / "profiles"
-        profiles = {p.name: p.read_text() for p in sorted(profile_dir.glob("*.json"))} if profile_dir.is_dir() else {}
+        profiles = profile_texts(store.home / "profiles")
         calls = [h.load.remote(spec, str(store.models_dir), self.threads, trust_remote_code, profiles, self.device)
                  for h in self.handles]  # fmt: skip
         try:

@@ -94,7 +94,7 @@ class HistoryWorker:
     def __init__(self) -> None:
         self._lm: LoadedModel | None = None
         self._encoder: SentenceEncoder | None = None
-        self._profiles: tempfile.TemporaryDirectory | None = None
+        self._profiles: dict[str, str] | None = None
         self._steps: Iterator[Any] = iter(())
 
     def load(
@@ -109,9 +109,7 @@ class HistoryWorker:
         use_threads(threads)
         self._lm = load_model(spec, Path(models_dir), trust_remote_code=trust_remote_code, placement=resolve(device))
         self._encoder = SentenceEncoder()
-        self._profiles = tempfile.TemporaryDirectory(prefix="kvchat-profiles-")
-        for file_name, text in profiles.items():
-            (Path(self._profiles.name) / Path(file_name).name).write_text(text)
+        self._profiles = dict(profiles)  # written out only while a history is planned: a killed actor leaves no dir
         return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id())
 
     def start(self, job: HistoryJob) -> Any:
@@ -133,10 +131,13 @@ class HistoryWorker:
         if available is None:
             free = preflight.available_bytes(lm.device)
             available = None if free is None else free // job.workers_on_node
-        plan = plan_ingest(
-            job.turns, name=job.name, config=job.config, store=None, lm=lm, encoder=encoder, replace=True,
-            source=job.source, force=True, profile_dirs=[Path(self._profiles.name)], max_memory=available,
-        )  # fmt: skip
+        with tempfile.TemporaryDirectory(prefix="kvchat-profiles-") as profile_dir:
+            for file_name, text in self._profiles.items():
+                (Path(profile_dir) / Path(file_name).name).write_text(text)
+            plan = plan_ingest(
+                job.turns, name=job.name, config=job.config, store=None, lm=lm, encoder=encoder, replace=True,
+                source=job.source, force=True, profile_dirs=[Path(profile_dir)], max_memory=available,
+            )  # fmt: skip
         if job.stored is not None:
             differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
             if not differences:

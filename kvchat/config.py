@@ -183,11 +183,25 @@ class AskConfig:
     quote_chars: int = 100      # a source's quote, cut at a word boundary
 
 
+REFERENCES = ("auto", "full", "gold")  # EvalConfig.against
+
 # LoCoMo's own QA prompt (task_eval), "context" read as the conversation the cache holds.
 LOCOMO_QA_TEMPLATE = (
     "Based on the conversation, write an answer in the form of a short phrase for the following question. "
     "Answer with exact words from the conversation whenever possible.\n\nQuestion: {question} Short answer:"
 )
+
+
+@dataclass(frozen=True)
+class RagConfig:
+    """Retrieval of raw turns (kvchat.rag): what a user would run instead of a compressed cache. The history is
+    cut into chunks of consecutive turns; a question's top chunks by the sentence encoder are put back in
+    history order into the system prompt and prefilled with it. KV entries while answering: top_k x chunk_tokens
+    (plus the system prompt and the question)."""
+
+    chunk_tokens: int = 256  # at most this many tokens of consecutive turns per chunk (a longer turn is cut)
+    top_k: int = 4           # chunks prefilled per question
+    dated: bool = False      # each chunk opens with its first turn's date (plain rag: only a session's first turn)
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,10 @@ class EvalConfig:
     question_template: str = LOCOMO_QA_TEMPLATE
     synthetic_topics: int = 6          # planted-fact set (--synthetic): topics per conversation
     synthetic_turns_per_topic: int = 48
+    against: str = "auto"              # full: answers compared with full KV's; gold: scored against the gold
+                                       # answers beside rag and recent (kvchat.gold); auto: gold for a history
+                                       # that does not fit the model's window, else full
+    chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
 
 
 @dataclass(frozen=True)

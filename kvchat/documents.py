@@ -102,12 +102,15 @@ def asks(rows) -> dict[str, Any]:
     ])
 
 
-def eval_rows(rows) -> dict[str, Any]:
-    """`kvchat eval --json`: one row per variant (`kvchat.evaluate.summarize`)."""
-    out = []
-    for row in rows:
-        row = dict(row)
-        seconds = row.pop("ingest_seconds", None)
-        row["ingest_ms"] = None if seconds is None else round(seconds * 1000, 1)
-        out.append(row)
-    return document(rows=out)
+def eval_rows(rows, gold_rows=(), verdict=()) -> dict[str, Any]:
+    """`kvchat eval --json`: one row per variant compared with full KV (`kvchat.evaluate.summarize`) and, for
+    histories scored against gold, one per system (`kvchat.gold.summarize_gold`) with the verdict lines."""
+    gold = {"gold": {"rows": [_ms(row) for row in gold_rows], "verdict": list(verdict)}} if gold_rows else {}
+    return document(rows=[_ms(row) for row in rows], **gold)
+
+
+def _ms(row: dict) -> dict:
+    row = dict(row)
+    seconds = row.pop("ingest_seconds", None)
+    row["ingest_ms"] = None if seconds is None else round(seconds * 1000, 1)
+    return row

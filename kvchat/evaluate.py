@@ -28,6 +28,7 @@ from kvchat.config import (
     CACHE_PRECISIONS,
     METHODS,
     OFFLOAD_MODES,
+    REFERENCES,
     AskConfig,
     CacheConfig,
     EvalConfig,
@@ -117,6 +118,10 @@ def plan_variants(
         raise UserError(f"--questions must be >= 1 (got {config.questions})")
     if config.max_context is not None and config.max_context < 64:
         raise UserError(f"--max-context must be >= 64 tokens (got {config.max_context})")
+    if config.against not in REFERENCES:
+        raise UserError(f"unknown --against {config.against!r} (choose from {', '.join(REFERENCES)})")
+    if config.chunk_tokens < 1:
+        raise UserError(f"--chunk-tokens must be >= 1 (got {config.chunk_tokens})")
     for mode in offloads:
         if mode not in OFFLOAD_MODES:
             raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
@@ -138,9 +143,9 @@ def plan_variants(
 
 def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: EvalConfig) -> list[QASet]:
     """LoCoMo files cut to `config.max_context` tokens (default: what keeps full KV inside the model's
-    window), then `synthetic` planted-fact conversations."""
+    window; against gold: whole), then `synthetic` planted-fact conversations."""
     max_context = config.max_context
-    if max_context is None and lm.context_window:
+    if max_context is None and lm.context_window and config.against != "gold":  # gold: whole conversations
         max_context = lm.context_window - ANSWER_ROOM
     sets = [
         load_locomo(
@@ -151,9 +156,12 @@ def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: Eval
         )
         for path in paths
     ]
-    return sets + planted_sets(
-        synthetic, topics=config.synthetic_topics, turns_per_topic=config.synthetic_turns_per_topic
-    )
+    sets += planted_sets(synthetic, topics=config.synthetic_topics, turns_per_topic=config.synthetic_turns_per_topic)
+    if not any(qa_set.questions for qa_set in sets):
+        categories = ", ".join(str(c) for c in config.categories)
+        raise UserError(f"no question to score: {', '.join(str(p) for p in paths)} holds no question of categories "
+                        f"{categories} with evidence (--categories chooses others)")
+    return sets
 
 
 class EvalProgress:
@@ -179,8 +187,9 @@ class ResultsFile:
 
     def done(self, qa_set: str, key: str) -> set[str]:
         return {
-            r["qid"] for r in self.records if r["kind"] == "answer" and r["set"] == qa_set and r["variant"] == key
-        }
+            r["qid"] for r in self.records
+            if r["kind"] == "answer" and r["set"] == qa_set and r["variant"] == key and r.get("against") != "gold"
+        }  # fmt: skip
 
     def append(self, record: dict) -> None:
         self.records.append(record)
@@ -372,7 +381,8 @@ class _SetRunner:
         return kept, protected, heads
 
     def _ingests(self) -> list[dict]:
-        return [r for r in self.results.records if r["kind"] == "ingest" and r["set"] == self.qa_set.name]
+        return [r for r in self.results.records
+                if r["kind"] == "ingest" and r["set"] == self.qa_set.name and r.get("against") != "gold"]  # fmt: skip
 
 
 @dataclass
@@ -502,8 +512,10 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
 
 # --- summary -----------------------------------------------------------------------------------------
 def skipped(records: Sequence[dict]) -> dict[tuple[str, str], str]:
-    """(set, variant) -> why it was skipped: a setting the model cannot take, not retried on resume."""
-    return {(r["set"], r["variant"]): r["reason"] for r in records if r["kind"] == "skipped"}
+    """(set, variant) -> why it was skipped: a setting the model cannot take, not retried on resume (compared
+    with full KV; kvchat.gold keeps its own)."""
+    return {(r["set"], r["variant"]): r["reason"] for r in records if r["kind"] == "skipped" and
+            r.get("against") != "gold"}  # fmt: skip
 
 
 def summarize(records: Sequence[dict]) -> list[dict]:
@@ -512,7 +524,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     answers: dict[str, list[dict]] = defaultdict(list)
     ingests: dict[str, list[dict]] = defaultdict(list)
     for r in records:
-        if r["kind"] != "skipped":
+        if r["kind"] != "skipped" and r.get("against") != "gold":  # answers against gold: kvchat.gold
             (answers if r["kind"] == "answer" else ingests)[r["variant"]].append(r)
     full_f1 = {(r["set"], r["qid"]): r["f1"] for r in answers.get(REFERENCE, [])}
     rows = []

@@ -154,7 +154,8 @@ def build_episode(
         peaks = cache.peak_layer_entries, cache.peak_total_entries
     else:
         result = block_prefill(
-            lm.model, None if resume is not None else plan.prefix_ids, plan.context_ids,
+            lm.model, None if resume is not None else plan.prefix_ids,
+            plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,  # routed: its own turns
             block_size=cache_cfg.block_size, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=on_block,
             heads=plan.heads, on_evict=parts.on_evict, recent=recent, resume=resume,
         )  # fmt: skip
@@ -221,8 +222,11 @@ def encode_episode(
         cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
     )
     tensors, metadata = codec.encode(cache, meta)
-    if plan.turn_spans:  # what `ask --sources` maps cached positions to
-        metadata[sources.METADATA_KEY] = sources.to_metadata(plan.turn_spans)
+    spans = plan.turn_spans  # routed: one per episode, of its own turns
+    if plan.episode_ids:
+        spans = spans[built.episode.index] if spans else ()
+    if spans:  # what `ask --sources` maps cached positions to
+        metadata[sources.METADATA_KEY] = sources.to_metadata(spans)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
     if writer is not None:

@@ -13,6 +13,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -26,9 +27,11 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvchat import preflight
+from kvchat.checked_files import FileMismatch, open_regular
 from kvchat.config import WEIGHT_MODES
 from kvchat.device import CPU_FLOAT32, Placement
 from kvchat.errors import UserError
+from kvchat.gguf_header import MAGIC, BadHeader, check_gguf_header
 from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
@@ -156,8 +159,8 @@ def default_gguf_path() -> Path:
 
 
 def _converted_dir(gguf: Path, models_dir: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    info = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{info.st_size}|{info.st_mtime_ns}".encode()).hexdigest()[:12]
     return models_dir / f"{gguf.stem}-{key}"
 
 
@@ -204,15 +207,33 @@ def _check_gguf(path: Path) -> None:
     transformers reads it: the magic, and every tensor's data inside the file."""
     from gguf import GGUFReader
 
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        what = "is empty" if not magic else "does not start with GGUF's magic bytes"
-        raise UserError(f"{path}: not a GGUF file (it {what})")
+    try:
+        with open_regular(path) as f:  # a FIFO in the file's place would block a plain open
+            magic = f.read(4)
+            if magic != MAGIC:
+                what = "is empty" if not magic else "does not start with GGUF's magic bytes"
+                raise UserError(f"{path}: not a GGUF file (it {what})")
+            check_gguf_header(path, f)  # every count against the file's size, before gguf allocates by it
+    except FileMismatch as exc:
+        raise UserError(f"{path}: {exc}") from None
+    except (BadHeader, RecursionError) as exc:
+        raise UserError(f"{path}: damaged GGUF file ({_first_line(exc) or 'metadata nested too deep'})") from None
     try:
         GGUFReader(path)  # maps the tensors: a file cut short fails here
     except (ValueError, KeyError, IndexError, struct.error, EOFError, OSError) as exc:
         raise UserError(f"{path}: damaged GGUF file ({_first_line(exc)})") from exc
+
+
+def _check_model_files(directory: Path) -> None:
+    """Every file of a model directory is a regular file: transformers opens them blocking, and a FIFO
+    in a weights file's place would hang the load."""
+    for entry in directory.iterdir():
+        try:
+            mode = entry.stat().st_mode
+        except OSError:
+            continue  # a dangling link: transformers says what is missing if it needs it
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UserError(f"{entry}: not a regular file; a model directory holds only files and directories")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -225,12 +246,13 @@ def _resolve(spec: str, models_dir: Path) -> tuple[str, Path | str]:
         return "SmolLM2-135M-Instruct", convert_gguf(default_gguf_path(), models_dir)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
+        if not path.exists():
             raise UserError(f"model file not found: {spec}")
         return path.stem, convert_gguf(path, models_dir)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{spec}: not a model directory (no config.json)")
+        _check_model_files(path)
         return path.name, path
     if path.exists():
         raise UserError(f"{spec}: expected 'default', a model directory or a .gguf file")
@@ -340,6 +362,11 @@ def load_model(
     return lm
 
 
+def longest_answer(lm: LoadedModel) -> int:
+    """The most tokens an answer may have: the model's context (positions it was trained on)."""
+    return int(getattr(lm.model.config, "max_position_embeddings", None) or 1 << 16)
+
+
 def generate(
     lm: LoadedModel,
     cache: EpisodeCache,
@@ -362,6 +389,9 @@ def generate(
     if first_recorder is not None and recorder is not None:
         raise ValueError("generate takes first_recorder or recorder, not both")
     stop = lm.stop_ids if stop_ids is None else stop_ids
+    longest = longest_answer(lm)
+    if not 1 <= max_new_tokens <= longest:  # the cache reserves room for it: never an absurd allocation
+        raise UserError(f"--max-new-tokens must be within 1..{longest}, the model's context (got {max_new_tokens})")
     cache.reserve(prompt_ids.shape[-1] + max_new_tokens)
     logits = forward(lm.model, cache, prompt_ids, recorder=first_recorder or recorder)
     if on_first_logits is not None:

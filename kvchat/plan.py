@@ -105,8 +105,10 @@ class IngestPlan:
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
-    # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only
-    turn_spans: tuple[TurnSpan, ...] = ()
+    # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only;
+    # routed: one tuple per episode, of its own turns
+    turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
+    episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,15 @@ def plan_ingest(
             "layer keeps; raise --budget"
         )
     notes: list[str] = []
+    episode_ids: list[torch.Tensor] = []
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
+    else:
+        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+        members = [len(e.segments) for e in episodes]
+        if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
+            episode_ids = _routed_ids(turns, episodes, config, lm)
+            total = protected + max(int(ids.shape[-1]) for ids in episode_ids)
     dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
     trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
     cache_cfg = features.resolve(cache_cfg, trained, notes)
@@ -201,8 +210,6 @@ def plan_ingest(
         positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
         families.check_positions(lm.model.config, positions, lm.spec)
         features.check_plan(cache_cfg, positions=positions, history_tokens=total, context_window=lm.context_window)
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
-        members = [len(e.segments) for e in episodes]
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(
@@ -210,9 +217,12 @@ def plan_ingest(
             prefill=cache_cfg.prefill if continuing else prefill,
         ),
     )
-    spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "")
-    if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts rather than wrong ones
-        spans = []
+    if episode_ids:  # routed: each episode's own turns, from the system prompt on
+        spans = _routed_spans(turns, episodes, config, lm, protected, episode_ids)
+    else:
+        spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "")
+        if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
+            spans = []
     return IngestPlan(
         name=name,
         config=resolved,
@@ -232,6 +242,7 @@ def plan_ingest(
         trained=trained,
         appended=tuple(appended),
         turn_spans=tuple(spans),
+        episode_ids=episode_ids,
     )
 
 
@@ -319,6 +330,8 @@ def _prefill_mode(
         return "block"  # full KV evicts nothing: both ways build the same cache
     if entry.in_forward:
         why_not = f"--method {entry.name} scores inside each block's forward"
+    elif entry.routed:
+        why_not = f"--method {entry.name} prefills each episode's own turns, not the whole history"
     elif strategy == "cake":
         why_not = "cake layer budgets come from each block's attention"
     elif window and history_tokens + ANSWER_ROOM > window:
@@ -331,6 +344,28 @@ def _prefill_mode(
         return "full"
     fits = available is None or full_bytes - shape.weight_bytes <= available
     return "full" if why_not is None and fits else "block"
+
+
+def _routed_ids(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel) -> list:
+    """Token ids of each episode's own turns (`--method routed`): the turns of its segments in history order,
+    rendered as the history is, so a session's date opens the first of its turns that the episode holds."""
+    w = config.episodes.window
+    return [lm.encode("\n".join(format_turns([t for s in sorted(e.segments) for t in turns[s * w : (s + 1) * w]])))
+            for e in episodes]  # fmt: skip
+
+
+def _routed_spans(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel,
+                  protected: int, episode_ids: list[torch.Tensor]) -> list[tuple[TurnSpan, ...]]:
+    """Each routed episode's turn spans, laid out as `_routed_ids` lays out its turns (none when they disagree)."""
+    w = config.episodes.window
+    out = []
+    for episode, ids in zip(episodes, episode_ids, strict=True):
+        held = [i for s in sorted(episode.segments) for i in range(s * w, min((s + 1) * w, len(turns)))]
+        spans = turn_spans(lm.tokenizer, [turns[i] for i in held], protected, indices=held)
+        if not spans or spans[-1].end != protected + int(ids.shape[-1]):
+            return []
+        out.append(tuple(spans))
+    return out
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:

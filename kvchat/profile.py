@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import math
 import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,12 +19,28 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.config import ProfileSettings
 from kvchat.errors import UserError
 from kvchat.llm import LoadedModel, weights_fingerprint, weights_ids
 
 DATA_DIR = Path(__file__).parent / "data"  # package data: the calibration text
 PROFILE_VERSION = 1
+MAX_PROFILE_BYTES = 1 << 24  # a profile is a few numbers per layer; more is not one
+
+
+def profile_texts(directory: Path) -> dict[str, str]:
+    """The user's layer profiles as text by file name (what batch workers are sent): regular files of bounded
+    size only, so a FIFO or a huge file among them is refused instead of hanging or filling memory."""
+    if not directory.is_dir():
+        return {}
+    texts = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            texts[path.name] = read_bounded(path, MAX_PROFILE_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError, FileMismatch) as exc:
+            raise UserError(f"{path}: not a kvchat layer profile ({exc})") from None
+    return texts
 
 
 @dataclass(frozen=True)
@@ -45,10 +62,18 @@ class LayerProfile:
     @classmethod
     def load(cls, path: Path) -> LayerProfile:
         try:
-            data = json.loads(Path(path).read_text())
-            return cls(**data)
-        except (OSError, ValueError, TypeError) as exc:
+            data = json.loads(read_bounded(Path(path), MAX_PROFILE_BYTES))
+            profile = cls(**data)
+        except (OSError, ValueError, TypeError, FileMismatch) as exc:
             raise UserError(f"{path}: not a kvchat layer profile ({exc})") from None
+        if not all(isinstance(v, list) and all(_is_number(x) for x in v)
+                   for v in (profile.similarity, profile.sensitivity)):
+            raise UserError(f"{path}: not a kvchat layer profile (similarity and sensitivity must be lists of numbers)")
+        return profile
+
+
+def _is_number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def block_prefill_mask(n: int, *, budget: int, block_size: int, sink: int) -> torch.Tensor:
@@ -148,7 +173,7 @@ def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
     `$KVCHAT_HOME/profiles`) first, then shipped. Refuses, naming the command that trains one, when none
     matches the weights and the model's shape."""
     from kvchat.kv.indexer import IndexMemShape
-    from kvchat.kv.trained import SUFFIX, TrainedIndexMem, read_metadata
+    from kvchat.kv.trained import SUFFIX, TrainedIndexMem, read_metadata, read_shape
 
     weights = weights_ids(lm.model)
     shape = IndexMemShape.of(lm.model.config).to_dict()
@@ -157,16 +182,17 @@ def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
     for path in candidates:
         try:
             meta = read_metadata(path)
-        except ValueError:
+        except ValueError as exc:  # a FIFO, a damaged header: never opened blocking, never allocated by
+            others.append(f"{path.name} (unreadable: {str(exc).removeprefix(f'{path}: ')})")
             continue
-        if meta["weights"] in weights and all(json.loads(meta["shape"]).get(k) == v for k, v in shape.items()
+        if meta["weights"] in weights and all(read_shape(meta).get(k) == v for k, v in shape.items()
                                               if k not in ("index_heads", "index_dim", "memory_dim")):
             try:
                 return TrainedIndexMem.load(path)
             except ValueError as exc:
                 raise UserError(f"{exc}; train another with `{train_command(lm.spec)}`") from None
         others.append(f"{path.name} (weights {meta['weights'][:8]})")
-    found = f"; found only indexers for other weights: {', '.join(others)}" if others else ""
+    found = f"; found only: {', '.join(others)}" if others else ""
     raise UserError(f"--method indexmem needs an indexer trained on {lm.spec}'s weights ({weights[0][:8]}){found}; "
                     f"train one with `{train_command(lm.spec)}`")
 

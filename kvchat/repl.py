@@ -82,6 +82,9 @@ class Repl:
             return _EXIT
         if stripped == "!multi":
             return self._until(lambda s: s.strip() == "!end", keep_last=False)
+        if stripped == "!end":  # closes a `!multi` question; alone it is a slip, not a question
+            self.say("!end closes a question started with !multi; nothing to close")
+            return None
         if stripped.startswith('"""'):
             rest = stripped[3:]
             if rest.endswith('"""') and len(rest) >= 3:  # """one line"""

@@ -35,6 +35,7 @@ class TurnSpan:
 
     start: int
     end: int
+    index: int                # the turn's 0-based index in the history
     speaker: str
     text: str                 # the turn's text, cut to _STORED_CHARS
     time: str | None = None
@@ -58,9 +59,11 @@ class Source:
         return asdict(self)
 
 
-def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "") -> list[TurnSpan]:
+def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "",
+               indices: Sequence[int] | None = None) -> list[TurnSpan]:
     """The token range of each turn when the history is tokenized as ingest does (`lead` + turn lines joined
-    by newlines; an append's new turns start with a newline), positions starting at `offset`. A token belongs
+    by newlines; an append's new turns start with a newline), positions starting at `offset`; `indices`, the
+    turns' places in the history (default: 0, 1, ...; a routed episode holds some turns only). A token belongs
     to the turn its last character lies in (a line's newline counts as its own). Empty when the tokenizer
     cannot give character offsets."""
     lines = format_turns(turns)
@@ -78,7 +81,8 @@ def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "")
     for i, turn in enumerate(turns):
         first = bisect.bisect_left(owner, i)
         last = bisect.bisect_right(owner, i)
-        spans.append(TurnSpan(offset + first, offset + last, turn.role, turn.text.strip()[:_STORED_CHARS],
+        index = indices[i] if indices is not None else i
+        spans.append(TurnSpan(offset + first, offset + last, index, turn.role, turn.text.strip()[:_STORED_CHARS],
                               turn.time, turn.turn_id))
     return spans
 
@@ -165,7 +169,7 @@ def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top:
         return []
     order = sorted(range(len(spans)), key=lambda i: (-float(turns[i]), i))[:top]
     return [
-        Source(turn=i, turn_id=spans[i].turn_id, speaker=spans[i].speaker, time=spans[i].time,
+        Source(turn=spans[i].index, turn_id=spans[i].turn_id, speaker=spans[i].speaker, time=spans[i].time,
                quote=quote(spans[i].text, quote_chars), attention_share=round(float(turns[i]) / total, 4),
                kept_tokens=int(round(float(kept[i]))), tokens=spans[i].end - spans[i].start)
         for i in order

@@ -14,19 +14,19 @@ PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 # Top to bottom. A module may import modules of its own layer or of layers below it.
 LAYERS: list[tuple[str, ...]] = [
     ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal", "kvchat.serve"),
-    ("kvchat.evaluate", "kvchat.report"),
+    ("kvchat.evaluate", "kvchat.gold", "kvchat.report"),
     ("kvchat.batch",),
     ("kvchat.batch_worker",),
     ("kvchat.append",),
-    ("kvchat.ingest", "kvchat.plan", "kvchat.ask", "kvchat.profile", "kvchat.qa", "kvchat.training",
+    ("kvchat.ingest", "kvchat.plan", "kvchat.ask", "kvchat.rag", "kvchat.profile", "kvchat.qa", "kvchat.training",
      "kvchat.training.pipeline", "kvchat.training.chunks", "kvchat.training.teacher", "kvchat.training.indexer_stage",
      "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
-    ("kvchat.llm", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings",
-     "kvchat.device", "kvchat.features", "kvchat.sources"),
+    ("kvchat.llm", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight",
+     "kvchat.settings", "kvchat.device", "kvchat.features", "kvchat.sources"),
     ("kvchat.config",),
     ("kvchat.kv",),
     ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),
-    ("kvchat.formats", "kvchat.errors"),
+    ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
 ]
 
 

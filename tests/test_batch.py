@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import sys
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,10 +37,21 @@ def _config(model_dir: Path, budget: int = 64) -> IngestConfig:
 
 
 @pytest.fixture(scope="module")
-def ray_instance():
+def worker_tmp() -> Path:
+    """The temp dir of the module's Ray workers (TMPDIR when Ray starts them): what they leave is seen there.
+    Short, under /tmp: Ray puts its sockets there, and a socket's path has at most 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="kvchat-test-", dir="/tmp" if os.path.isdir("/tmp") else None))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_instance(worker_tmp):
     """One local Ray for the module: starting one takes about 10 s."""
     ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TMPDIR", str(worker_tmp))
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
 
@@ -224,6 +238,16 @@ def test_a_history_whose_worker_dies_twice_fails_and_the_rest_is_intact(ray_inst
 
 
 @needs_ray
+def test_workers_leave_no_profiles_dir_behind(ray_instance, worker_tmp, files, tmp_path, tiny_model_dir):
+    """Issue 29, case 10: the actors are killed at the end of a batch, so nothing they hold is cleaned up then."""
+    home = tmp_path / "home"
+    (home / "profiles").mkdir(parents=True)
+    (home / "profiles" / "other.json").write_text("{}")  # a profile the workers are handed (for other weights)
+    _batch(files[:2], home, tiny_model_dir)
+    assert sorted(p.name for p in worker_tmp.glob("kvchat-profiles-*")) == []
+
+
+@needs_ray
 def test_ctrl_c_stops_the_batch_and_leaves_no_temp_dir(ray_instance, files, tmp_path, tiny_model_dir):
     home = tmp_path / "home"
 
@@ -275,6 +299,14 @@ def test_more_threads_than_cores_are_refused(files, tmp_path):
     run = run_main(tmp_path / "home", "ingest-batch", str(files[0]), "--workers", "100000")
     assert run.returncode == 2
     assert run.stderr.startswith("kvchat: error: --workers 100000 x --threads 1 needs 100000 CPUs but ")
+
+
+def test_the_batch_extra_installs_rays_client_for_a_ray_address():
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extra = project["optional-dependencies"]
+    assert [d.split("==")[0] for d in extra["batch"]] == ["ray[client]"]
 
 
 def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch):

@@ -247,3 +247,28 @@ def test_doctor_fix_deletes_nothing_through_a_symlink(tmp_path, link):
     assert fixed.returncode in (0, 1), fixed.stderr
     assert {p: p.read_bytes() for p in outside.rglob("*") if p.is_file()} == before
     assert "chat" not in [c.name for c in Store(home).conversations()]  # not kvchat's to serve from there
+
+
+# --------------------------------------------------------------------------- a manifest whose digest checks out
+
+
+def test_a_re_signed_manifest_with_a_wrong_centroid_is_not_restored(tmp_path):
+    """Issue 29, case 8: the digest proves only that the bytes are the ones written, not that they are right."""
+    from kvchat.store.manifest import MANIFEST_NAME, digest
+
+    home = tmp_path / "home"
+    store = Store(home)
+    record = _ingest(store, "chat")
+    ingest_dir = record.episodes[0].path.parent
+    _closed(store).unlink()
+    manifest = ingest_dir / MANIFEST_NAME
+    body = json.loads(manifest.read_text())
+    body["conversation"]["episodes"][1]["centroid"] = [0.5]
+    body["sha256"] = digest(body["conversation"])
+    manifest.write_text(json.dumps(body))
+    _age(ingest_dir)
+
+    problems = diagnose(home)
+    assert not any(p.kind == "unlisted" for p in problems)
+    repair(home, problems)
+    assert Store(home).conversations() == []

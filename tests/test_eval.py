@@ -315,6 +315,19 @@ def test_cli_eval_rejects_bad_options_before_loading_a_model(tmp_path):
         assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+def test_cli_eval_with_no_scorable_question_is_a_user_error(tmp_path, tiny_model_dir):
+    conv = {"conversation": {"speaker_a": "Tom", "speaker_b": "Ana", "session_1_date_time": "1:56 pm on 8 May, 2023",
+                             "session_1": [{"speaker": "Tom", "dia_id": "D1:1", "text": "I planted 12 tomatoes."},
+                                           {"speaker": "Ana", "dia_id": "D1:2", "text": "Where do they fit?"}]},
+            "qa": [{"question": "What did Ana plant?", "adversarial_answer": "roses", "category": 5,
+                    "evidence": ["D1:2"]}]}
+    (tmp_path / "conv.json").write_text(json.dumps(conv))
+    result = run_main(tmp_path / "home", "eval", str(tmp_path / "conv.json"), "--model", str(tiny_model_dir),
+                      "--methods", "streaming", "--budgets", "64")
+    assert result.returncode == 2 and "no question to score" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
 def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
     out, report = tmp_path / "r.jsonl", tmp_path / "rep" / "report.md"
     args = ("eval", "--synthetic", "1", "--model", str(tiny_model_dir), "--methods", "streaming",

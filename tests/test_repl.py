@@ -87,6 +87,11 @@ def test_multi_line_questions():
     assert read.prompts[:4] == ["> ", "... ", "... ", "... "]
 
 
+def test_a_stray_end_is_not_sent_as_a_question():
+    actions, said, _ = run("!end", "q?")
+    assert actions.asked == [("q?", None)] and any("nothing to close" in s for s in said)
+
+
 def test_a_pasted_block_stays_one_question():
     """prompt_toolkit's bracketed paste hands the loop one line holding newlines."""
     actions, _, _ = run("What did Maya say\nabout the gate?")

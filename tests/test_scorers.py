@@ -70,7 +70,8 @@ def test_cake_indicator_ranks_bursts_above_steady_attention():
     assert pooled[0] > 4 and pooled[2] > 4                         # the burst spreads to both neighbours
 
 
-@pytest.mark.parametrize("method", [m for m in METHODS if m not in ("epicache", "full") and not REGISTRY[m].trained])
+@pytest.mark.parametrize("method", [m for m in METHODS if m != "full" and not REGISTRY[m].episodic
+                                    and not REGISTRY[m].trained])  # episodic ones: tests/test_routed.py too
 def test_every_baseline_ingests_and_answers_within_its_bound(method, tmp_path, tiny_lm, encoder):
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=4, topics=2, turns_per_topic=16)[0]))

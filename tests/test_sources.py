@@ -46,8 +46,8 @@ def test_turn_spans_cover_the_history_as_ingest_tokenizes_it(tiny_lm):
 
 
 def _spans() -> list[TurnSpan]:  # a system prompt at 0..1, then three turns
-    return [TurnSpan(2, 5, "Maya", "hello there"), TurnSpan(5, 9, "Tom", "the gate is C42"),
-            TurnSpan(9, 12, "Maya", "thanks")]
+    return [TurnSpan(2, 5, 0, "Maya", "hello there"), TurnSpan(5, 9, 1, "Tom", "the gate is C42"),
+            TurnSpan(9, 12, 2, "Maya", "thanks")]
 
 
 def test_the_turn_the_answer_attends_to_is_the_top_source():
@@ -191,3 +191,19 @@ def test_the_repl_sources_command_turns_receipts_on_and_off():
     Repl(read, actions, say).run()
     assert [state for message, state in said[:3]] == [True, False, True]
     assert said[3][0] == "error: /sources takes on or off" and actions.sources
+
+
+def test_routed_episodes_name_the_history_turns_they_hold(tmp_path, tiny_lm, encoder):
+    """`--method routed`: an episode's cache holds its own turns from the system prompt on; its spans say so."""
+    store = Store(tmp_path)
+    turns, facts = _turns()
+    config = IngestConfig(cache=CacheConfig(method="routed", budget=4096, block_size=64),
+                          episodes=EpisodeConfig(prompt_tokens=48))
+    ingest(turns, name="routed", config=config, store=store, lm=tiny_lm, encoder=encoder, source="planted")
+    session = Session(store, store.get("routed"), tiny_lm, encoder, AskConfig(max_new_tokens=4))
+    for fact in facts:
+        answer = session.ask(fact.question, sources=True, log=False)
+        assert answer.sources, answer.sources_note
+        for s in answer.sources:  # a budget above every episode: each turn is held whole
+            assert s.kept_tokens == s.tokens and s.speaker == turns[s.turn].role
+            assert s.quote == quote(turns[s.turn].text, AskConfig.quote_chars)

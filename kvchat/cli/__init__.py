@@ -72,7 +72,71 @@ def main() -> None:
     for name in ("SIGTERM", "SIGHUP"):  # unwind, so an ingest or a model conversion removes its temp dir
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), _terminate)
-    run()
+    closed = _occupy_closed_streams()
+    if closed:
+        say(f"kvchat: error: standard {closed} is closed; redirect it to /dev/null to discard it", console=err)
+        sys.exit(2)
+    sys.stdout = _CheckedOutput(sys.stdout)
+    try:
+        run()
+    finally:
+        try:  # what is still buffered fails here, as one line, not in the interpreter's shutdown
+            sys.stdout.flush()
+        except UserError as exc:
+            say(f"kvchat: error: {exc}", console=err)
+            sys.exit(2)
+
+
+def _occupy_closed_streams() -> str | None:
+    """Put /dev/null on a closed stdout or stderr (`kvchat ask q >&-`): else the next file kvchat opens, the
+    database included, would get that descriptor and output would be written into it. Returns "output" when
+    stdout was closed (a command whose output goes nowhere is refused), else None."""
+    import os
+
+    closed = None
+    for fd, name in ((1, "output"), (2, "error")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            closed = closed or (name if fd == 1 else None)
+    return closed
+
+
+class _CheckedOutput:
+    """sys.stdout whose failed write or flush (a full disk, an I/O error) is one UserError line (exit 2), not an
+    internal error; stdout then goes to /dev/null so the interpreter's last flush does not fail again."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+    def _failed(self, exc: OSError) -> UserError:
+        import errno
+        import os
+
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+        full = " (disk full)" if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)) else ""
+        return UserError(f"cannot write standard output: {exc.strerror or exc}{full}")
 
 
 class _Terminated(SystemExit):

@@ -99,8 +99,10 @@ def train_indexer_command(
     from kvchat.training import default_out, train
 
     for path in data or []:
+        if path.is_dir():
+            raise UserError(f"{path}: a directory; --data takes files (chat histories or .txt), repeat it for each")
         if not path.is_file():
-            raise UserError(f"{path}: no such file")
+            raise UserError(f"{path}: no such file (--data takes chat histories or .txt files)")
     config = TrainConfig(stage=stage, steps=steps, train_chunks=chunks, chunk_tokens=chunk_tokens, seed=seed,
                          memory_budgets=int_list(memory_budgets, "--memory-budgets"))
     store = open_store()

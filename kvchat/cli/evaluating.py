@@ -70,17 +70,26 @@ def eval_command(
     report: Annotated[Path | None, typer.Option(help="Write a markdown report (and a PNG plot beside it).")] = None,
     per_conversation: Annotated[bool, typer.Option(
         help="One row per conversation and variant in the table and --json (the report stays pooled).")] = False,
+    against: Annotated[str, typer.Option(
+        help="full: compare with full KV's answers (the history must fit the model's window); gold: score every "
+        "system against the gold answers, whole conversations, beside rag and recent at equal KV entries; auto: "
+        "gold for a history that does not fit the window.")] = EvalConfig.against,
+    chunk_tokens: Annotated[int, typer.Option(help="Against gold: tokens per chunk of the rag baseline.")] = (
+        EvalConfig.chunk_tokens
+    ),
     threads: ThreadsOpt = None,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
     as_json: JsonOpt = False,
 ) -> None:
-    """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL)."""
-    from kvchat import evaluate
+    """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL), or against
+    the gold answers beside rag and recent where a history does not fit the model's window."""
+    from kvchat import evaluate, gold
 
     config = EvalConfig(
         methods=_names(methods), budgets=int_list(budgets, "--budgets"), max_context=max_context,
-        questions=questions, categories=int_list(categories, "--categories"),
+        questions=questions, categories=int_list(categories, "--categories"), against=against,
+        chunk_tokens=chunk_tokens,
     )
     base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
     variant_list = evaluate.plan_variants(data or [], synthetic, config, base, offloads=_names(offload),
@@ -93,18 +102,37 @@ def eval_command(
         if s.sessions_total:
             say(f"kvchat: {s.name}: {s.sessions_kept}/{s.sessions_total} sessions, "
                 f"{len(s.questions)} questions with all evidence inside", console=err)
+    full_sets, gold_sets = gold.by_reference(sets, lm, config.against, base.system_prompt)
+    encoder = load_encoder()
     with progress_bars(hidden=as_json) as bars:
         records = evaluate.evaluate(
-            sets, variant_list, lm=lm, encoder=load_encoder(), config=config, base=base, results=results,
+            full_sets, variant_list, lm=lm, encoder=encoder, config=config, base=base, results=results,
             profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
         )
+        if gold_sets:
+            systems = gold.gold_variants([(v.key, v.cache) for v in variant_list], config.budgets,
+                                         config.chunk_tokens, base.cache)  # fmt: skip
+            records = gold.evaluate_gold(
+                gold_sets, systems, lm=lm, encoder=encoder, results=results, config=config, base=base,
+                profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
+            )
+    gold_names = {s.name for s in gold_sets}
+    against_gold = [r for r in gold.gold_records(records) if r["set"] in gold_names]
+    gold_rows, verdict = gold.summarize_gold(against_gold), gold.verdict(against_gold)
+    sets = full_sets
     names = {s.name for s in sets}
     rows = evaluate.summarize([r for r in records if r["set"] in names])
     skips = [f"{key} on {name} skipped: {reason}" for (name, key), reason in evaluate.skipped(records).items()
              if name in names]
+    skips += [f"{r['variant']} on {r['set']} skipped: {r['reason']}" for r in against_gold if r["kind"] == "skipped"]
     for line in skips:
         say(f"kvchat: {line}", console=err)
-    if report is not None:
+    if report is not None and gold_rows:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        target = report if not sets else report.with_suffix(".gold.md")
+        target.write_text(gold.gold_markdown(against_gold, title=f"kvchat eval against gold ({lm.spec})",
+                                             notes=[s.describe(config.questions) for s in gold_sets]))  # fmt: skip
+    if report is not None and sets:
         from kvchat import report as eval_report
 
         eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data,
@@ -114,11 +142,18 @@ def eval_command(
         rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
         columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]
     if as_json:
-        emit_json(documents.eval_rows(rows))
+        emit_json(documents.eval_rows(rows, gold_rows, verdict))
         return
-    headers = [header for _, header, _ in columns]
-    table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
-          title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
+    if rows:
+        headers = [header for _, header, _ in columns]
+        table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in columns] for row in rows],
+              title=f"kvchat eval: {', '.join(sorted(names))}", right=headers[2 if per_conversation else 1:])
+    if gold_rows:
+        headers = [header for _, header, _ in gold.COLUMNS]
+        table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in gold.COLUMNS] for row in gold_rows],
+              title=f"kvchat eval against gold: {', '.join(sorted(gold_names))}", right=headers[1:])
+        for line in verdict:
+            say(f"kvchat: {line}")
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -56,6 +56,7 @@ class Method:
     in_forward: bool = False     # scores inside the block's forward, no probe pass (kvchat.kv.scoring)
     episodic: bool = False       # one cache per episode, each scored by that episode's patched prompt
     trained: bool = False        # needs trained weights shipped in profiles/ or made by a train command
+    routed: bool = False         # episodic, and each episode's cache prefills only its own segments' turns
 
 
 def _epicache(inputs: ScorerInputs) -> Scorer:
@@ -122,6 +123,9 @@ REGISTRY: dict[str, Method] = {
     for m in (
         Method("epicache", "episodic: each episode's patched prompt scores the cache (EpiCache, the default)",
                _epicache, across_heads=True, episodic=True),
+        Method("routed", "episodic, each episode's cache built from its own turns only, in history order (EpiCache's "
+               "episodes routed by their turns: one pass over the history in all)", _epicache, across_heads=True,
+               episodic=True, routed=True),
         Method("full", "keep everything: the reference", None),
         Method("streaming", f"sink min({STREAMING_SINK}, M/4) + most recent (StreamingLLM)", _streaming),
         Method("snapkv", f"prompt = the block's last {SNAPKV_WINDOW} tokens (SnapKV)", _snapkv, across_heads=True),

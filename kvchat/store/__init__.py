@@ -24,12 +24,12 @@ from kvchat.errors import CacheIntegrityError as CacheIntegrityError  # raised b
 from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
-from kvchat.store.asklog import ask_row, read_asks
+from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
 from kvchat.store.errors import BUSY_TIMEOUT_MS, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
 from kvchat.store.files import check_safetensors_header as check_safetensors_header
-from kvchat.store.files import discard, try_rmdir, without_links
+from kvchat.store.files import crash_point, discard, try_rmdir, without_links
 from kvchat.store.files import write_file as _write_file  # looked up here when an ingest begins: tests replace it
 from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, read_only_reason, validate_name
 from kvchat.store.layout import show as _show
@@ -44,7 +44,14 @@ from kvchat.store.leftovers import (
 )
 from kvchat.store.loading import check_fingerprint as _check_fingerprint  # noqa: F401 (tests import it here)
 from kvchat.store.loading import is_legacy_fingerprint
-from kvchat.store.manifest import digest, document_from_rows, restore_manifest, retire_manifest
+from kvchat.store.manifest import (
+    MANIFEST_NAME,
+    RETIRED_NAME,
+    digest,
+    document_from_rows,
+    restore_manifest,
+    retire_manifest,
+)
 from kvchat.store.pending import PendingConversation
 from kvchat.store.records import ConversationRecord, EpisodeRecord, PagesRecord, insert_document, record_of
 from kvchat.store.reindex import Version, newer_than_listed, unlisted_versions
@@ -190,6 +197,7 @@ class Store:
             return
         remove_dead_temp_dirs(self.caches_dir)
         listed = self._listed()
+        self._restore_retired(listed)
         unlisted = newer_than_listed(unlisted_versions(self.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
         if not unlisted and not stale_orphans(self.caches_dir, {ingest_id for ingest_id, _ in listed.values()}):
             return
@@ -222,6 +230,23 @@ class Store:
         """Every conversation row's name -> (ingest_id, created_at)."""
         rows = self._db.query("select name, ingest_id, created_at from conversations")
         return {row["name"]: (row["ingest_id"], row["created_at"]) for row in rows}
+
+    def _restore_retired(self, listed: dict[str, tuple[str, str]]) -> None:
+        """Put back the manifest of a listed conversation that an `rm` retired before it died uncommitted (its
+        rows stayed): decided again under the write lock, since a live `rm` retires before it commits."""
+        suspects = [name for name, (ingest_id, _) in listed.items()
+                    if (self.caches_dir / name / ingest_id / RETIRED_NAME).exists()]
+        if not suspects:
+            return
+        try:
+            with self._write_lock(wait=False):
+                for name in suspects:
+                    row = self._row(name)
+                    ingest_dir = self.caches_dir / name / row["ingest_id"] if row is not None else None
+                    if ingest_dir is not None and not (ingest_dir / MANIFEST_NAME).exists():
+                        restore_manifest(ingest_dir)
+        except _LockBusy:
+            pass  # a later open
 
     @_index_errors
     def _referenced_ingests(self) -> set[str]:
@@ -295,6 +320,7 @@ class Store:
                 db["conversations"].delete_where("name = ?", [name])
                 versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
                 retired = [d for d in versions if without_links(d, self.caches_dir) and retire_manifest(d)]
+                crash_point("commit")
         except BaseException:
             for ingest_dir in retired:
                 restore_manifest(ingest_dir)
@@ -402,6 +428,8 @@ class Store:
     @_index_errors
     def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
         """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
+        if not 0 <= limit <= MAX_LISTED:  # SQLite's integers are 64-bit
+            raise UserError(f"-n must be within 1..{MAX_LISTED} (got {limit})")
         return read_asks(self._db, self.db_path, limit, conversation)
 
 

@@ -11,6 +11,8 @@ import sqlite_utils
 from kvchat.store.errors import DamagedDatabase
 from kvchat.store.schema import utc_timestamp
 
+MAX_LISTED = 2**62  # the most asks read at once (SQLite integers are 64-bit)
+
 ASK_FIELDS = ("created_at", "conversation", "episode", "question", "answer", "similarity", "timings")
 
 

@@ -6,12 +6,15 @@ every conversation verify, and what lies in caches/ and models/ that nothing ref
 from __future__ import annotations
 
 import sqlite3
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvchat.checked_files import file_type
+from kvchat.store.asklog import MAX_LISTED
 from kvchat.store.errors import DamagedDatabase, database_error
-from kvchat.store.files import FileMismatch, verify_file
+from kvchat.store.files import FileMismatch, verify_file, without_links
 from kvchat.store.layout import show
 from kvchat.store.leftovers import ORPHAN_GRACE_S, Problem, delete_leftovers, delete_trees, leftovers, model_leftovers
 from kvchat.store.manifest import MANIFEST_NAME
@@ -29,7 +32,7 @@ def database_damage(store: Store) -> str | None:
         if result != ["ok"]:
             return f"integrity check: {result[0]}"
         store.conversations()
-        store.asks(limit=2**62)
+        store.asks(limit=MAX_LISTED)
     except DamagedDatabase as e:
         return e.what
     except sqlite3.DatabaseError as e:
@@ -75,7 +78,23 @@ def check(store: Store) -> list[Problem]:
                 "does")
         for v in newer_than_listed(unlisted_versions(store.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
     ]  # fmt: skip
-    return problems + leftovers_of(store, grace_s=ORPHAN_GRACE_S)
+    return problems + leftovers_of(store, grace_s=ORPHAN_GRACE_S) + special_profiles(store.home / "profiles")
+
+
+def special_profiles(directory: Path) -> list[Problem]:
+    """FIFOs, sockets and devices where ingest looks for layer profiles and IndexMem weights: ingest refuses
+    them (a blocking open would hang it), so they are problems; `fix` removes them (links, not targets)."""
+    found = []
+    for path in sorted(directory.iterdir()) if directory.is_dir() else []:
+        try:
+            mode = path.stat().st_mode
+        except OSError:
+            continue
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            found.append(Problem("special-file", None, None, path,
+                                 f"{path} is not a regular file but a {file_type(mode)}: ingest refuses it; "
+                                 "--fix removes it"))  # fmt: skip
+    return found
 
 
 def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
@@ -105,6 +124,10 @@ def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
         )
     unlisted = {p.path for p in problems if p.kind == "unlisted"}
     wanted = {p.path for p in problems if p.conversation is None and p.kind != "unlisted"}
+    for special in special_profiles(store.home / "profiles"):
+        if special.path in wanted and without_links(special.path.parent, store.home):
+            special.path.unlink(missing_ok=True)  # the entry itself: a link's target is left alone
+            done.append(f"removed {special.path} (not a regular file)")
     with store._write_lock():
         done += [f"listed conversation {show(v.name)} again from its manifest ({v.path})"
                  for v in store._list_again(grace_s=0.0, only=unlisted)]  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvchat.errors import KvchatError, UserError
-from kvchat.store.files import disk_full, is_disk_full
+from kvchat.store.files import disk_full, is_disk_full, nearly_full
 
 BUSY_TIMEOUT_MS = 30_000
 
@@ -54,6 +54,9 @@ def database_error(db_path: Path, e: sqlite3.Error) -> KvchatError | None:
     if name.startswith("SQLITE_READONLY"):
         return UserError(f"{db_path} cannot be written ({text})")
     if name.startswith("SQLITE_IOERR"):
+        if nearly_full(db_path.parent):  # SQLite could not create its WAL files: it says only "disk I/O error"
+            return UserError(f"disk full: cannot open {db_path} (SQLite needs room for its journal); free space "
+                             f"on the disk of {db_path.parent}")
         return UserError(f"cannot read or write {db_path}: disk I/O error")
     if name.startswith("SQLITE_CANTOPEN"):
         return UserError(f"cannot open {db_path} ({text})")

@@ -10,49 +10,70 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
-import math
+import itertools
 import os
 import re
 import shutil
 import sqlite3
-import stat
-import struct
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from kvchat.checked_files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # re-exported
+from kvchat.checked_files import FileMismatch as FileMismatch
+from kvchat.checked_files import check_safetensors_header as check_safetensors_header
+from kvchat.checked_files import open_regular as open_regular
+from kvchat.checked_files import read_bounded as read_bounded
 from kvchat.errors import UserError
-
-MAX_HEADER_BYTES = 100_000_000
 
 _TMP_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]+")
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
-# Bytes per element of every dtype safetensors' torch loader understands.
-_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "C64": 8,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1,
-}  # fmt: skip
-
-
 # --------------------------------------------------------------------------- writing
+
+
+CRASH_AT = "KVCHAT_CRASH_AT"
+CRASH_LOG = "KVCHAT_CRASH_LOG"
+CRASH_EXIT = 77
+_crash_points = itertools.count(1)  # the one piece of process state here: a test hook's counter
+
+
+def crash_point(what: str) -> None:
+    """A test hook in the manner of SQLite's crash tests (tests/test_crash_points.py): with KVCHAT_CRASH_AT=N the
+    process dies at once (os._exit, no clean-up) at the N-th write, fsync, rename or commit of the store, before
+    it happens; KVCHAT_CRASH_LOG=FILE appends each point reached (`what`), so a first run counts them. Neither
+    set (every real run): nothing."""
+    at, log = os.environ.get(CRASH_AT), os.environ.get(CRASH_LOG)
+    if at is None and log is None:
+        return
+    n = next(_crash_points)
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{n} {what}\n")
+    if at is not None and n == int(at):
+        os._exit(CRASH_EXIT)
 
 
 def write_file(path: Path, data: bytes) -> None:
     """Write a new file and fsync it. Our own write, not safetensors' save_file: that one did not
     report a failed write (saving to /dev/full "succeeds"), and a full disk must fail loudly."""
+    crash_point(f"write {path.name}")
     with open(path, "xb") as f:
         f.write(data)
         f.flush()
+        crash_point(f"fsync {path.name}")
         os.fsync(f.fileno())
+
+
+def rename(source: Path, target: Path) -> None:
+    """`os.replace`, a crash point (`crash_point`) first: every rename of the store goes through here."""
+    crash_point(f"rename {Path(source).name}")
+    os.replace(source, target)
 
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in `path` durable (a no-op where dirs cannot be opened)."""
+    crash_point(f"fsync dir {path.name}")
     if os.name == "nt":
         return
     fd = os.open(path, os.O_RDONLY)
@@ -72,6 +93,18 @@ def is_disk_full(e: BaseException) -> bool:
 def disk_full(where: Path) -> UserError:
     """The environment, not a bug: one line (exit 2) that says what to do."""
     return UserError(f"no space left on device while writing caches to {where}: free space or lower --budget")
+
+
+def nearly_full(where: Path) -> bool:
+    """Whether the file system of `where` has less room than SQLite needs to open a WAL database (its 32 KiB
+    shared-memory file): SQLite then says only "disk I/O error"."""
+    try:
+        return shutil.disk_usage(where).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+NEARLY_FULL_BYTES = 1 << 20
 
 
 # --------------------------------------------------------------------------- temp dirs and deletion
@@ -95,7 +128,7 @@ def discard(path: Path, caches_dir: Path) -> None:
         return
     target = new_temp_path(caches_dir)
     try:
-        os.rename(path, target)
+        rename(path, target)
     except OSError:
         target = path
     shutil.rmtree(target, ignore_errors=True)
@@ -127,43 +160,9 @@ def try_rmdir(path: Path) -> None:
 # --------------------------------------------------------------------------- reading
 
 
-class FileMismatch(Exception):
-    """A stored file is not the one that was committed. `kind` is the doctor's name for how
-    (outside | missing | not-a-file | size | checksum); the message says it, to follow "episode N"."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
 def is_inside(path: Path, directory: Path) -> bool:
     """Whether `path`, links resolved, lies below `directory`."""
     return os.path.realpath(path).startswith(os.path.realpath(directory) + os.sep)
-
-
-def open_regular(path: Path):
-    """`path` opened for reading if it is a regular file; FileMismatch("not-a-file") otherwise.
-
-    Opened without blocking and checked on the open descriptor: a FIFO put in a file's place would block a
-    plain open forever (until something writes to it), and checking before opening leaves a window for the swap.
-    """
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FileMismatch("not-a-file", f"is not a regular file but a {_file_type(mode)} ({path})")
-        if hasattr(os, "set_blocking"):
-            os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _file_type(mode: int) -> str:
-    kinds = ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"),
-             (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))  # fmt: skip
-    return next((name for test, name in kinds if test(mode)), "special file")
 
 
 def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
@@ -214,59 +213,3 @@ def _read_checked(
         raise FileMismatch("checksum", "failed its checksum (the file changed on disk)")
 
 
-def check_safetensors_header(data: bytes) -> dict[str, Any]:
-    """Parse and validate a safetensors header without trusting it; return the header dict.
-
-    Raises ValueError naming the first problem. A header must not be able to make the loader
-    allocate more than the file holds, so every tensor's byte span must lie inside the data
-    section, match dtype x shape exactly, and the spans must tile the data section.
-    """
-    size = len(data)
-    if size < 8:
-        raise ValueError("file is too short for a safetensors header")
-    (n,) = struct.unpack("<Q", data[:8])
-    if n > MAX_HEADER_BYTES:
-        raise ValueError(f"header claims {n} bytes (limit {MAX_HEADER_BYTES})")
-    if 8 + n > size:
-        raise ValueError("header extends past the end of the file")
-    try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise ValueError("header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    data_len = size - 8 - n
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise ValueError("header metadata is not a string map")
-    spans: list[tuple[int, int]] = []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise ValueError(f"tensor {key!r} has no description")
-        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dtype not in _DTYPE_BYTES:
-            raise ValueError(f"tensor {key!r} has unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(_is_uint(d) for d in shape):
-            raise ValueError(f"tensor {key!r} has an invalid shape")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_uint(o) for o in offsets):
-            raise ValueError(f"tensor {key!r} has invalid data offsets")
-        begin, end = offsets
-        if not begin <= end <= data_len:
-            raise ValueError(f"tensor {key!r} lies outside the file")
-        if end - begin != math.prod(shape) * _DTYPE_BYTES[dtype]:
-            raise ValueError(f"tensor {key!r} shape {shape} does not match its {end - begin} bytes")
-        spans.append((begin, end))
-    cursor = 0
-    for begin, end in sorted(spans):
-        if begin != cursor:
-            raise ValueError("tensor data overlaps or leaves gaps")
-        cursor = end
-    if cursor != data_len:
-        raise ValueError("tensor data does not fill the file")
-    return header
-
-
-def _is_uint(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

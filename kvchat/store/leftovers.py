@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.store.files import new_temp_path, temp_writer_pid, try_rmdir
+from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
 from kvchat.store.manifest import manifest_of
 
 ORPHAN_GRACE_S = 60.0
@@ -34,6 +34,7 @@ class Problem:
     """
 
     kind: str  # missing | not-a-file | size | checksum | outside | unreadable | orphan | stray | stale-temp
+    #          | special-file (a FIFO or device in profiles/)
     conversation: str | None
     episode: int | None
     path: Path
@@ -117,7 +118,7 @@ def move_aside_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
             continue
         target = new_temp_path(caches_dir)
         try:
-            os.rename(path, target)
+            rename(path, target)
         except OSError:
             continue
         doomed.append(target)
@@ -199,7 +200,7 @@ def delete_leftovers(caches_dir: Path, doomed: Iterable[Problem]) -> tuple[list[
         try:
             if _is_dir(path):
                 target = new_temp_path(caches_dir)
-                os.rename(path, target)
+                rename(path, target)
                 moved.append(target)
             else:
                 path.unlink()

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
-from kvchat.store.files import FileMismatch, open_regular, write_file
+from kvchat.store.files import FileMismatch, open_regular, rename, write_file
 
 MANIFEST_NAME = "conversation.json"
 RETIRED_NAME = ".conversation.json.retired"  # a removed version's: its dir is an orphan, never listed again
@@ -116,7 +117,29 @@ def read_manifest(directory: Path) -> dict:
         ok = False
     if not ok:
         raise ValueError("its manifest fails its checksum")
+    wrong = inconsistency(doc)
+    if wrong is not None:
+        raise ValueError(f"its manifest checks out but cannot be right: {wrong}")
     return doc
+
+
+def inconsistency(doc: dict) -> str | None:
+    """What in a well-formed document cannot describe a conversation kvchat built, or None. The digest only
+    proves the bytes are the ones written: a hand-edited manifest with a fresh digest must not be restored into
+    an index every `ask` then fails on. Episodes are numbered 0..n-1; their centroids are vectors of numbers
+    of one length (the encoder's); sizes are not negative."""
+    episodes = doc["episodes"]
+    if sorted(e["index"] for e in episodes) != list(range(len(episodes))):
+        return "its episodes are not numbered 0..n-1"
+    lengths = {len(e["centroid"]) for e in episodes}
+    if len(lengths) != 1 or 0 in lengths:
+        return "its episodes' centroids differ in length"
+    for e in episodes:
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in e["centroid"]):
+            return f"episode {e['index']}'s centroid is not a list of numbers"
+        if e["bytes"] < 0 or not isinstance(e.get("n_tokens", 0), int) or e.get("n_tokens", 0) < 0:
+            return f"episode {e['index']} has a negative size"
+    return None
 
 
 def _well_formed(doc: dict) -> bool:
@@ -155,7 +178,7 @@ def retire_manifest(ingest_dir: Path) -> bool:
     that a crash before its files are deleted leaves an orphan, not a conversation to list again. Whether
     there was one."""
     try:
-        os.rename(ingest_dir / MANIFEST_NAME, ingest_dir / RETIRED_NAME)
+        rename(ingest_dir / MANIFEST_NAME, ingest_dir / RETIRED_NAME)
     except FileNotFoundError:
         return False
     return True
@@ -164,6 +187,6 @@ def retire_manifest(ingest_dir: Path) -> bool:
 def restore_manifest(ingest_dir: Path) -> None:
     """Undo `retire_manifest` (the transaction failed), best effort."""
     try:
-        os.rename(ingest_dir / RETIRED_NAME, ingest_dir / MANIFEST_NAME)
+        rename(ingest_dir / RETIRED_NAME, ingest_dir / MANIFEST_NAME)
     except OSError:
         pass

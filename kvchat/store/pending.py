@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
 from kvchat.store.errors import ConversationChanged, database_error
-from kvchat.store.files import discard, disk_full, fsync_dir, is_disk_full, new_temp_path
+from kvchat.store.files import crash_point, discard, disk_full, fsync_dir, is_disk_full, new_temp_path, rename
 from kvchat.store.layout import EPISODE_SUFFIX, PAGES_SUFFIX, show
 from kvchat.store.manifest import document, write_manifest
 from kvchat.store.records import (
@@ -202,13 +202,15 @@ class PendingConversation:
                                     f"{caches}; remove the link")  # fmt: skip
                 name_dir.mkdir(exist_ok=True)
                 os.utime(self._tmp)  # fresh mtime: the orphan sweep leaves young dirs alone
-                os.rename(self._tmp, self._final)
+                rename(self._tmp, self._final)
                 renamed = True
                 fsync_dir(name_dir)
                 fsync_dir(caches)
                 db["episodes"].delete_where("conversation = ?", [self.name])
                 db["conversations"].delete_where("name = ?", [self.name])
                 insert_document(db, doc)
+                crash_point("commit")
+            crash_point("committed")
         except BaseException as e:
             self._state = "aborted"
             if renamed:

@@ -17,7 +17,7 @@ from pathlib import Path
 from kvchat.settings import rebuild_command
 from kvchat.store.asklog import ASK_FIELDS
 from kvchat.store.errors import BUSY_TIMEOUT_MS
-from kvchat.store.files import FileMismatch, fsync_dir, new_temp_path, try_rmdir, verify_file
+from kvchat.store.files import FileMismatch, fsync_dir, new_temp_path, rename, try_rmdir, verify_file
 from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, show
 from kvchat.store.leftovers import Problem, model_leftovers
 from kvchat.store.manifest import digest, document_from_rows, read_manifest
@@ -125,10 +125,10 @@ def move_aside(home: Path, db_path: Path, lost: list[Lost]) -> Path:
             continue
         target = aside / item.ingest_dir.parent.parent.name / item.ingest_dir.parent.name / item.ingest_dir.name
         target.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(item.ingest_dir, target)
+        rename(item.ingest_dir, target)
         try_rmdir(item.ingest_dir.parent)
     if db_path.is_dir() and not db_path.is_symlink():
-        os.rename(db_path, aside / db_path.name)
+        rename(db_path, aside / db_path.name)
     elif db_path.exists():
         try:
             os.link(db_path, aside / db_path.name)
@@ -137,7 +137,7 @@ def move_aside(home: Path, db_path: Path, lost: list[Lost]) -> Path:
     for suffix in _DB_SUFFIXES[1:]:
         companion = Path(f"{db_path}{suffix}")
         if companion.exists():
-            os.rename(companion, aside / companion.name)
+            rename(companion, aside / companion.name)
     fsync_dir(aside)
     fsync_dir(home)
     return aside
@@ -190,7 +190,7 @@ def rebuild(home: Path, damage: str) -> list[str]:
         finally:
             db.close()  # checkpoints: the new database is one file
         aside = move_aside(home, db_path, plan.lost)
-        os.replace(fresh, db_path)
+        rename(fresh, db_path)
         fsync_dir(home)
     finally:
         shutil.rmtree(building, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""Whole LoCoMo conversations (2-3x the embedded model's window): kvchat's caches against what a user would run
+instead, every system scored against the gold answers at equal KV entries.
+
+    KVCHAT_HOME=... /work/slot python benchmarks/whole_conversation.py DATA... [--questions N] \
+        [--systems rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024] \
+        --out benchmarks/results/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
+
+Each conversation is loaded whole (every session, every category 1-4 question with evidence; LoCoMo's QA prompt
+for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.gold, the
+library `kvchat eval --against gold` runs: F1 with a percentile bootstrap 95% interval (fixed seed), per
+category, seconds per answer in this one process, KV entries per layer and KV head the first answer token
+attends to (resident + read back + prefilled at question time), bytes on disk and resident. kvchat's caches
+are built in $KVCHAT_HOME's store as `<conversation>.<system>` and reused by later runs while their settings
+match (ingest seconds are the first build's); the results file resumes, so a run can be stopped and continued,
+and `--questions N` measures an evenly spread subset first.
+
+Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
+chunk opening with its date), `recent@M` (sink + the last tokens, `streaming` at uniform layer budgets),
+`METHOD@M` (`kvchat ingest --method METHOD --budget M` at its other defaults; `:eE` with E episodes, `:rR` with
+IceCache offload reading R entries), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's
+routed cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig, default_home
+from kvchat.encoder import SentenceEncoder
+from kvchat.evaluate import EvalProgress, ResultsFile
+from kvchat.gold import (
+    GoldVariant,
+    evaluate_gold,
+    gold_markdown,
+    hybrid_variant,
+    kvchat_variant,
+    rag_variant,
+    recent_variant,
+)
+from kvchat.llm import load_model, use_threads
+from kvchat.qa import load_locomo
+from kvchat.store import Store
+
+SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
+_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?")
+
+
+def parse_system(spec: str) -> GoldVariant:
+    if "+" in spec:  # a cache with retrieved turns prefilled on top of it
+        cache, rag = (parse_system(part) for part in spec.split("+", 1))
+        return hybrid_variant(cache, rag)
+    match = _SPEC.fullmatch(spec.strip())
+    if not match:
+        raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE], CACHE+rag@KxC)")
+    name, a, b = match["name"], int(match["a"]), match["b"]
+    if name in ("rag", "rag-dated"):
+        return rag_variant(a * int(b or 256), int(b or 256), dated=name == "rag-dated")
+    if name == "recent":
+        return recent_variant(a)
+    layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
+    offload = OffloadConfig(mode="icecache", retrieve=int(match["r"])) if match["r"] else OffloadConfig()
+    cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload)
+    variant = kvchat_variant(cache, spec.strip())
+    if match["e"]:
+        variant = dataclasses.replace(variant, episodes=EpisodeConfig(episodes=int(match["e"])))
+    return variant
+
+
+class _Progress(EvalProgress):
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None:
+        print(f"[{dt.datetime.now():%H:%M:%S}] {qa_set} {key} ({index + 1}/{total})", file=sys.stderr, flush=True)
+
+    def question(self, done: int, total: int) -> None:
+        if done % 10 == 0 or done == total:
+            print(f"  {done}/{total}", file=sys.stderr, flush=True)
+
+
+def _name(qa_set, variant: GoldVariant) -> str:
+    """`<conversation>.<system>` in the store; a hybrid's cache is its cache system's (shared)."""
+    key = variant.key.split("+")[0].replace("@", "-").replace(":", "-").replace("recent-", "streaming-")
+    return f"{qa_set.name}.{key}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", nargs="+", type=Path)
+    parser.add_argument("--systems", default=SYSTEMS)
+    parser.add_argument("--questions", type=int, default=None, help="per conversation, spread over the file")
+    parser.add_argument("--out", type=Path, required=True, help="JSON lines, resumed")
+    parser.add_argument("--report", type=Path, default=None)
+    parser.add_argument("--note", default="", help="a line for the report (machine load, ...)")
+    args = parser.parse_args()
+    use_threads()
+    variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
+    home = default_home()
+    store = Store(home)
+    lm = load_model("default", home / "models")
+    sets = [load_locomo(path) for path in args.data]
+    for s in sets:
+        print(f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions", file=sys.stderr)
+    results = ResultsFile(args.out)
+    records = evaluate_gold(
+        sets, variants, lm=lm, encoder=SentenceEncoder(), results=results,
+        config=EvalConfig(questions=args.questions), base=IngestConfig(), profile_dirs=[home / "profiles"],
+        progress=_Progress(), store=store,
+        conversation_name=_name,
+    )
+    names = {s.name for s in sets}
+    records = [r for r in records if r.get("set") in names]
+    command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
+    note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
+            f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
+    text = gold_markdown(records, title="Whole LoCoMo conversations against gold answers", notes=[f"`{command}`", note])
+    print(text)
+    if args.report is not None:
+        args.report.write_text(text)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
