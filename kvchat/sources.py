@@ -1,8 +1,8 @@
 """Receipts: which turns of the history an answer drew on, by the attention its tokens paid them.
 
 At ingest every turn's token range is recorded (`turn_spans`, stored in each episode file's metadata as
-`turns`): every episode cache holds the whole history at its original positions, each entry carrying its
-position (`pos` tensors), so a cached entry belongs to the turn whose range holds its position. While an
+`turns`): an episode cache holds the history (`--method routed`: the episode's own turns) at its positions,
+each entry carrying its position (`pos` tensors), so a cached entry belongs to the turn whose range holds it. While an
 answer is decoded a `SourceRecorder` sees each forward that picks an answer token (the question's last
 query, then every decode step) and adds, per layer (the upper ones: lower layers attend by position more
 than by content) and KV head, the attention each resident or retrieved
