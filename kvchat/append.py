@@ -61,7 +61,8 @@ def append(
         raise UserError(f"conversation '{name}' was built with --method {config.cache.method}, whose caches cannot "
                         "be continued (the indexer's keys of stored entries are not kept); use --append --reingest")
     source_now = str(Path(history).resolve()) if isinstance(history, (str, os.PathLike)) else source
-    appended = (*record.settings.get("appended", []), *([source_now] if source_now else []))
+    earlier = (record.settings.get("source"), *record.settings.get("appended", []))
+    appended = (*earlier[1:], *([source_now] if source_now else []))
     continuing = Continuation(
         turns=int(record.stats.get("turns", 0)), history_tokens=int(record.stats.get("history_tokens", 0)),
         source=record.settings.get("source"),
@@ -71,6 +72,9 @@ def append(
         history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True, force=force,
         profile_dirs=profile_dirs, appended=appended, continuing=continuing,
     )  # fmt: skip
+    if source_now and source_now in earlier:
+        plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
+                          "(`--append --reingest` of the files you mean rebuilds it without them)")
     side_file = features.side_file_name(config.cache)
     stored_spans = sources.from_metadata(store.load_episode(record.episodes[0], lm.fingerprint)[1])
     # receipts need every turn's span: none when the stored caches predate them

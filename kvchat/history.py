@@ -28,7 +28,7 @@ from kvchat.formats.common import (
 )
 from kvchat.formats.finetune import parse_finetune
 from kvchat.formats.jsonl import first_object, looks_jsonl, parse_jsonl
-from kvchat.formats.locomo import looks_locomo, parse_locomo
+from kvchat.formats.locomo import looks_locomo, parse_locomo, parse_locomo_samples
 from kvchat.formats.longmemeval import parse_longmemeval
 from kvchat.formats.openai import parse_messages, parse_wrapper
 from kvchat.formats.transcript import looks_transcript, parse_transcript
@@ -48,15 +48,18 @@ FORMAT_NAMES = {
     "transcript": 'a plain "Name: text" transcript, optionally timestamped',
 }
 _JSON_FORMATS = ("openai", "chatgpt", "claude", "locomo", "longmemeval")
-_SEVERAL = ("chatgpt", "claude", "finetune")  # the formats that hold several conversations: pick applies
+_SEVERAL = ("chatgpt", "claude", "finetune", "locomo")  # the formats that hold several conversations: pick applies
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Reading the file
 
 
-def load_history(path: str | os.PathLike[str], *, format: str | None = None, pick: Pick = None) -> list[Turn]:
+def load_history(path: str | os.PathLike[str], *, format: str | None = None, pick: Pick = None,
+                 min_turns: int = 2) -> list[Turn]:
     """Read and validate a history file; every problem with the file is a UserError naming it.
+
+    `min_turns`: a history to ingest needs 2 turns; new turns appended to a stored one may be a single turn.
 
     `format` forces one of FORMAT_NAMES instead of detecting it; `pick` chooses among several conversations.
     """
@@ -66,7 +69,7 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
                        f"{', '.join(FORMAT_NAMES)})")
     text = _read_text(Path(source), source)
     if format in ("jsonl", "finetune", "transcript"):
-        return _at_least_two(_parse_text(format, text, source, pick), source)
+        return _at_least(min_turns, _parse_text(format, text, source, pick), source)
     try:
         data = json.loads(text)
     except RecursionError:
@@ -74,8 +77,8 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
     except ValueError as exc:
         if format is not None:
             raise refuse(source, _json_error(text, exc)) from None
-        return _at_least_two(_parse_text(_text_format(text, source, exc), text, source, pick), source)
-    return parse_history(data, source, format=format, pick=pick)
+        return _at_least(min_turns, _parse_text(_text_format(text, source, exc), text, source, pick), source)
+    return parse_history(data, source, format=format, pick=pick, min_turns=min_turns)
 
 
 def _read_text(path: Path, source: str) -> str:
@@ -144,7 +147,7 @@ def _parse_text(format: str, text: str, source: str, pick: Pick) -> list[Turn]:
 def _check_pick(format: str, pick: Pick, source: str) -> None:
     if pick is not None and format not in _SEVERAL:
         raise one_line(source, f"holds one conversation ({FORMAT_NAMES[format]}): pick applies to "
-                       "ChatGPT and Claude exports and fine-tune JSONL")
+                       "ChatGPT and Claude exports and fine-tune JSONL, and to LoCoMo files of several conversations")
 
 
 def _json_error(text: str, error: ValueError) -> str:
@@ -160,7 +163,7 @@ def _json_error(text: str, error: ValueError) -> str:
 
 
 def parse_history(data: object, source: str = "<input>", *, format: str | None = None,
-                  pick: Pick = None) -> list[Turn]:
+                  pick: Pick = None, min_turns: int = 2) -> list[Turn]:
     """Validate an already-parsed JSON value; `source` names it in error messages."""
     if format is not None and format not in _JSON_FORMATS:
         raise one_line(source, f"format {quote(format, 20)} is not a JSON document format (expected one of "
@@ -168,12 +171,13 @@ def parse_history(data: object, source: str = "<input>", *, format: str | None =
     if format is None:
         format, data = _detect_json(data, source)
     _check_pick(format, pick, source)
-    return _at_least_two(_parse_json(format, data, source, pick), source)
+    return _at_least(min_turns, _parse_json(format, data, source, pick), source)
 
 
-def _at_least_two(turns: list[Turn], source: str) -> list[Turn]:
-    if len(turns) < 2:
-        raise refuse(source, f"needs at least 2 turns to be a chat history, found {len(turns)}")
+def _at_least(count: int, turns: list[Turn], source: str) -> list[Turn]:
+    if len(turns) < count:
+        what = "a chat history" if count > 1 else "new turns"
+        raise refuse(source, f"needs at least {count} turn{'s' * (count > 1)} to be {what}, found {len(turns)}")
     return turns
 
 
@@ -213,6 +217,8 @@ def _detect_json(data: object, source: str) -> tuple[str, object]:
         if kind != first:
             raise refuse(source, f"mixes formats: item 1 is {first} but item {i + 1} is {kind} "
                          "(expected one format per file)")
+    if first == "a LoCoMo conversation" and len(data) > 1:  # the official locomo10.json: pick chooses
+        return "locomo", data
     if first in ("a LongMemEval instance", "a LoCoMo conversation"):
         if len(data) > 1:
             raise refuse(source, f"holds {len(data)} {first.removeprefix('a ')}s; "
@@ -255,6 +261,9 @@ def _parse_json(format: str, data: object, source: str, pick: Pick) -> list[Turn
         return parse_messages(data, source, lambda i: f"message {i + 1}")
     if format == "openai" and isinstance(data, dict) and "messages" in data:
         return parse_wrapper(data, source)
+    if format == "locomo" and isinstance(data, list) and len(data) > 1 and all(
+            isinstance(item, dict) and ("conversation" in item or looks_locomo(item)) for item in data):
+        return parse_locomo_samples(data, source, pick)
     if isinstance(data, list) and len(data) == 1 and format in ("locomo", "longmemeval"):
         data = data[0]
     if format == "longmemeval" and isinstance(data, dict) and "haystack_sessions" in data:

@@ -153,7 +153,7 @@ def plan_ingest(
         store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
-    turns = load_history(history) if from_file else list(history)
+    turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)

@@ -203,3 +203,32 @@ def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     with pytest.raises(UserError, match="--append --reingest"):
         append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+
+
+def test_cli_appends_a_single_new_turn(tmp_path, halves, tiny_model_dir):
+    """A history to ingest needs two turns, but one new turn is a natural thing to append."""
+    first, _ = halves
+    home = tmp_path / "home"
+    model = ("--model", str(tiny_model_dir))
+    assert run_main(home, "ingest", str(first), "--name", "chat", *model, "--budget", "64", "--block-size", "32",
+                    "--episodes", "2").returncode == 0
+    before = Store(home).get("chat").stats["turns"]
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"role": "user", "content": "By the way, the gate changed to 52."}]))
+    done = run_main(home, "ingest", str(one), "--name", "chat", "--append", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["turns"] == before + 1
+    refused = run_main(home, "ingest", str(one), "--name", "other", *model)
+    assert refused.returncode == 2 and "needs at least 2 turns" in refused.stderr
+
+
+def test_appending_the_same_file_twice_says_so(tmp_path, halves, tiny_model_dir):
+    first, second = halves
+    home = tmp_path / "home"
+    assert run_main(home, "ingest", str(first), "--name", "chat", "--model", str(tiny_model_dir), "--budget", "64",
+                    "--block-size", "32", "--episodes", "2").returncode == 0
+    once = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    assert once.returncode == 0 and not any("before" in n for n in json.loads(once.stdout)["notes"])
+    twice = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    assert twice.returncode == 0, twice.stderr
+    assert any(f"{second.resolve()} was ingested into 'chat' before" in n for n in json.loads(twice.stdout)["notes"])

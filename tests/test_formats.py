@@ -399,3 +399,25 @@ def test_transcripts_never_raise_anything_but_user_error(tmp_path_factory: pytes
         assert "chat.txt" in str(exc) and "\n" not in str(exc)
         return
     assert len(turns) >= 2 and all(t.text and t.role == t.role.strip() and t.role for t in turns)
+
+
+def _locomo_sample(sample_id: str, speaker: str, text: str) -> dict:
+    conversation = {"speaker_a": speaker, "speaker_b": "Ana", "session_1_date_time": "1:56 pm on 8 May, 2023",
+                    "session_1": [{"speaker": speaker, "dia_id": "D1:1", "text": text},
+                                  {"speaker": "Ana", "dia_id": "D1:2", "text": "Noted."}]}
+    return {"sample_id": sample_id, "conversation": conversation, "qa": []}
+
+
+def test_the_official_multi_conversation_locomo_file_is_picked_from(tmp_path):
+    """locomo10.json holds ten samples: one is chosen by number or sample_id, or all of them."""
+    path = tmp_path / "locomo10.json"
+    path.write_text(json.dumps([_locomo_sample("conv-1", "Tom", "I planted 12 tomatoes."),
+                                _locomo_sample("conv-2", "Joe", "I sold my bike.")]))
+    with pytest.raises(UserError) as refused:
+        load_history(path)
+    assert "holds 2 LoCoMo conversations" in str(refused.value) and '"conv-1"' in str(refused.value)
+    assert [t.text for t in load_history(path, pick=2)] == ["I sold my bike.", "Noted."]
+    assert [t.role for t in load_history(path, pick="CONV-1")] == ["Tom", "Ana"]
+    both = load_history(path, pick="all")
+    assert [t.conversation_title for t in both] == ["conv-1", "conv-1", "conv-2", "conv-2"]
+    assert load_history(path, pick=1)[0].conversation_title is None  # one conversation reads as a single file

@@ -198,7 +198,8 @@ def ingest(
     if reingest and (history_format or pick):
         raise UserError("--append --reingest reads the stored histories and this one by detection; "
                         "--format and --pick cannot be used with it")
-    turns = load_history(history, format=history_format, pick=pick)  # fails before a model loads
+    turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
+                         min_turns=1 if append else 2)
     if append or reingest:
         _check_append(append, reingest, replace, config, model)
     store = open_store()

@@ -6,9 +6,10 @@ its session's session_N_date_time and identified by its dia_id, so answers can c
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
-from kvchat.formats.common import Turn, check_count, quote, refuse, type_name
+from kvchat.formats.common import Pick, Turn, check_count, choose, quote, refuse, type_name
 
 _SESSION_KEY = re.compile(r"session_([1-9][0-9]{0,8})")
 
@@ -17,6 +18,21 @@ def looks_locomo(obj: dict) -> bool:
     if "speaker_a" in obj or "speaker_b" in obj:
         return True
     return any(isinstance(k, str) and k.startswith("session_") and _SESSION_KEY.fullmatch(k) for k in obj)
+
+
+def parse_locomo_samples(data: list, source: str, pick: Pick) -> list[Turn]:
+    """The picked samples of a file holding several (the official `locomo10.json`), chosen by number or
+    `sample_id`; with more than one, each turn carries its sample's id as its conversation's title."""
+    titles = [item.get("sample_id") if isinstance(item.get("sample_id"), str) else None for item in data]
+    chosen = choose(titles, pick, source, "LoCoMo")
+    turns: list[Turn] = []
+    for k in chosen:
+        own = parse_locomo(data[k], source)
+        if len(chosen) > 1:
+            own = [dataclasses.replace(turn, conversation_title=titles[k] or f"#{k + 1}") for turn in own]
+        turns.extend(own)
+        check_count(len(turns), "turns", source)
+    return turns
 
 
 def parse_locomo(data: dict, source: str) -> list[Turn]:
