@@ -220,7 +220,9 @@ def plan_ingest(
     if episode_ids:  # routed: each episode's own turns, from the system prompt on
         spans = _routed_spans(turns, episodes, config, lm, protected, episode_ids)
     else:
-        spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "")
+        first = continuing.turns if continuing else 0  # an append's turns follow the stored ones
+        spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "",
+                           indices=range(first, first + len(turns)))
         if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
             spans = []
     return IngestPlan(

@@ -207,3 +207,18 @@ def test_routed_episodes_name_the_history_turns_they_hold(tmp_path, tiny_lm, enc
         for s in answer.sources:  # a budget above every episode: each turn is held whole
             assert s.kept_tokens == s.tokens and s.speaker == turns[s.turn].role
             assert s.quote == quote(turns[s.turn].text, AskConfig.quote_chars)
+
+
+def test_an_append_extends_the_stored_turn_spans(tmp_path, tiny_lm, encoder):
+    from kvchat.append import append
+    from kvchat.sources import from_metadata
+
+    store = Store(tmp_path)
+    turns, _ = _turns()
+    ingest(turns[:40], name="grow", config=SMALL, store=store, lm=tiny_lm, encoder=encoder, source="planted")
+    append(turns[40:], name="grow", store=store, lm=tiny_lm, encoder=encoder, source="more")
+    record = store.get("grow")
+    spans = from_metadata(store.load_episode(record.episodes[0], tiny_lm.fingerprint)[1])
+    assert [s.index for s in spans] == list(range(len(turns)))
+    assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))
+    assert spans[-1].end == spans[0].start + record.stats["history_tokens"]
