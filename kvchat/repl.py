@@ -19,6 +19,7 @@ Type a question and press Enter. A pasted multi-line question stays one question
   !multi ... !end       a question over several lines (or start and end it with \"\"\")
   /episode N            answer from episode N's cache; /episode auto routes again
   /conversation NAME    switch to another stored conversation
+  /sources [on|off]     show the turns each answer drew on (toggles without an argument)
   /help, /?             this help
   exit, quit, Ctrl-D    leave
 Ctrl-C stops an answer (the session stays); at the prompt it clears the line."""
@@ -36,6 +37,8 @@ class Actions(Protocol):
         """Make `name` the conversation asked; return its number of episodes."""
 
     def episode_count(self) -> int: ...
+
+    sources: bool  # show each answer's sources (/sources)
 
 
 class Repl:
@@ -121,6 +124,12 @@ class Repl:
                 return
             self.episode = int(arg)
             self.say(f"answering from episode {self.episode}")
+        elif word == "/sources":
+            if arg not in {"", "on", "off"}:
+                self.say("error: /sources takes on or off")
+                return
+            self.actions.sources = arg == "on" or (not arg and not self.actions.sources)
+            self.say("sources " + ("on: each answer names the turns it drew on" if self.actions.sources else "off"))
         elif word == "/conversation":
             if not arg:
                 self.say("error: /conversation takes a conversation name")
