@@ -12,6 +12,7 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/appe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Sequence
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvchat import features
+from kvchat import features, sources
 from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
@@ -75,6 +76,9 @@ def append(
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
                           "(`--append --reingest` of the files you mean rebuilds it without them)")
     side_file = features.side_file_name(config.cache)
+    stored_spans = sources.from_metadata(store.load_episode(record.episodes[0], lm.fingerprint)[1])
+    # receipts need every turn's span: none when the stored caches predate them
+    plan = dataclasses.replace(plan, turn_spans=(*stored_spans, *plan.turn_spans) if stored_spans else ())
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]

@@ -26,6 +26,7 @@ from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.settings import from_settings, rebuild_command
+from kvchat.sources import METADATA_KEY, Source, SourceRecorder, from_metadata, rank
 from kvchat.store import ConversationRecord, Store
 
 
@@ -42,6 +43,9 @@ class Answer:
     # "stop": the model ended it; "length": cut at max_new_tokens; "stopped": `stop` asked (Ctrl-C)
     finish_reason: str = "stop"
     attention_backend: str = "torch"  # the decode attention kernel that answered: torch | flashinfer
+    off_topic: bool = False  # routing similarity under AskConfig.off_topic_similarity
+    sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
+    sources_note: str | None = None  # asked for and unavailable: why
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -64,6 +68,8 @@ class Session:
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
         self._centroids = np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
         self._resident: tuple[int, EpisodeCache] | None = None
+        self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
+        self._positions = "original"  # the resident episode's positions mode
 
     def ask(
         self,
@@ -76,6 +82,7 @@ class Session:
         log: bool = True,
         stop: Callable[[], bool] | None = None,
         earlier: Sequence[tuple[str, str]] = (),
+        sources: bool = False,
         recalled: str = "",
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
@@ -83,8 +90,11 @@ class Session:
         `first_recorder` the attention of that token's forward (the question's; evaluation reads where
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
-        `recalled`, turns of the history prefilled after the cache and before the question (retrieved for it,
-        kvchat.rag), so the answer sees them in the conversation."""
+        `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs an attention
+        pass per step, nothing when off); `recalled`, turns of the history prefilled after the cache and before
+        the question (retrieved for it, kvchat.rag), so the answer sees them in the conversation (they are not
+        counted as sources). An off-topic question is not answered when the config refuses them (`finish_reason`
+        "refused")."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -96,16 +106,12 @@ class Session:
         timings["embed"] = _ms_since(clock)
 
         clock = time.perf_counter()
-        if episode is None:
-            index, similarity = route(query, self._centroids)
-        else:
-            if not 0 <= episode < len(self._centroids):
-                raise UserError(
-                    f"--episode {episode} does not exist (conversation "
-                    f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
-                )
-            index, similarity = episode, float(self._centroids[episode] @ query)
+        index, similarity = self._route(query, episode)
         timings["route"] = _ms_since(clock)
+        off_topic = similarity < self.config.off_topic_similarity
+        if off_topic and self.config.refuse_off_topic:
+            return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, False, timings,
+                          "refused", self.lm.attention_backend, off_topic=True)
 
         clock = time.perf_counter()
         reused = self._resident is not None and self._resident[0] == index
@@ -122,13 +128,16 @@ class Session:
             self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",
         )
+        recorder, note = self._source_recorder(cache) if sources else (None, None)
+        kept = recorder.kept_tokens() if recorder is not None else None
         mark = cache.checkpoint()
         stream = Detokenizer(self.lm.decode)
         finish = "stop"
         shown = ""
         try:
             for token in generate(
-                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits, first_recorder=first_recorder
+                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits, first_recorder=first_recorder,
+                recorder=recorder,
             ):
                 if stop is not None and stop():
                     finish = "stopped"
@@ -159,6 +168,10 @@ class Session:
             timings_ms=timings,
             finish_reason=finish,
             attention_backend=self.lm.attention_backend,
+            off_topic=off_topic,
+            sources=None if recorder is None else rank(
+                recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars),
+            sources_note=note,
         )
         if log:
             self.store.log_ask(
@@ -172,6 +185,32 @@ class Session:
                 }
             )
         return answer
+
+    def route(self, question: str) -> tuple[int, float]:
+        """The episode `question` routes to and its similarity, without answering."""
+        return self._route(self.encoder.embed([question.strip()])[0], None)
+
+    def _route(self, query: np.ndarray, episode: int | None) -> tuple[int, float]:
+        if episode is None:
+            return route(query, self._centroids)
+        if not 0 <= episode < len(self._centroids):
+            raise UserError(
+                f"--episode {episode} does not exist (conversation "
+                f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
+            )
+        return episode, float(self._centroids[episode] @ query)
+
+    def _source_recorder(self, cache: EpisodeCache) -> tuple[SourceRecorder | None, str | None]:
+        """A recorder of the answer's attention per turn, or why there can be none."""
+        spans = from_metadata(self._turns)
+        if spans is None:
+            c = self.conversation
+            return None, (f"no sources: conversation '{c.name}' was ingested before kvchat recorded turn spans; "
+                          f"rebuild it with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`")
+        if self._positions == "compact":
+            return None, "no sources: this conversation's caches were re-rotated to compact positions"
+        first = int(self.config.source_layers_from * len(cache.layers))
+        return SourceRecorder(cache, spans, first_layer=first), None
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its
@@ -213,7 +252,7 @@ class Session:
         record = self.conversation.episodes[index]
         tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
         try:
-            cache, _ = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
+            cache, meta = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
             raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
         try:  # what the cache features stored beside it (IceCache's pages, memory-mapped)
@@ -222,6 +261,8 @@ class Session:
         except UnreadableFile as e:
             raise self._unreadable(index, e.what, e.problem) from None
         self._resident = (index, cache)
+        self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
+        self._positions = meta.positions
         return cache
 
     def _unreadable(self, index: int, what: str, problem: str) -> CacheIntegrityError:

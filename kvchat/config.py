@@ -68,6 +68,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # centroid, the new turns are about something no episode covers, and re-clustering (--reingest) is offered.
 # MiniLM puts unrelated sentences around 0-0.2 and sentences on one topic above 0.4.
 APPEND_FAR_SIMILARITY = 0.25
+OFF_TOPIC_SIMILARITY = 0.3  # AskConfig.off_topic_similarity
 
 
 # EpiCache's official instruction for the patched prompt (its code; the paper's §3.1 describes it).
@@ -171,6 +172,15 @@ class AskConfig:
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
     weights: str = "float"  # float (as loaded) | int8 (weight-only, per channel: faster decode on a CPU)
+    # A question whose routing similarity (cosine to the nearest episode centroid) is below this is flagged
+    # off-topic, and with refuse_off_topic not answered (benchmarks/results/receipts.md measures it).
+    off_topic_similarity: float = OFF_TOPIC_SIMILARITY
+    refuse_off_topic: bool = False
+    source_count: int = 3       # `--sources`: the turns shown, most attended first (kvchat.sources)
+    # Sources count the attention of the layers from this fraction of the model's depth up: lower layers attend
+    # by position more than by content (benchmarks/results/receipts.md compares it with every layer, 0.0).
+    source_layers_from: float = 0.5
+    quote_chars: int = 100      # a source's quote, cut at a word boundary
 
 
 REFERENCES = ("auto", "full", "gold")  # EvalConfig.against

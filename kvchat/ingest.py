@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat import features
+from kvchat import features, sources
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
@@ -222,6 +222,11 @@ def encode_episode(
         cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
     )
     tensors, metadata = codec.encode(cache, meta)
+    spans = plan.turn_spans  # routed: one per episode, of its own turns
+    if plan.episode_ids:
+        spans = spans[built.episode.index] if spans else ()
+    if spans:  # what `ask --sources` maps cached positions to
+        metadata[sources.METADATA_KEY] = sources.to_metadata(spans)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
     if writer is not None:

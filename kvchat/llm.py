@@ -376,20 +376,24 @@ def generate(
     *,
     stop_ids: Collection[int] | None = None,
     first_recorder: attention.Recorder | None = None,
+    recorder: attention.Recorder | None = None,
 ) -> Iterator[int]:
     """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback).
     `on_first_logits` receives the logits [vocab] the first answer token is chosen from; `first_recorder`
-    sees every layer's attention in that forward (the prompt's). The answer ends at one of `stop_ids`
+    sees every layer's attention in that forward (the prompt's); `recorder` that of every forward that picks an
+    answer token (the prompt's, then each step's; kvchat.sources). The answer ends at one of `stop_ids`
     (default: the model's end-of-turn tokens; empty: always `max_new_tokens`).
 
     The cache first makes room for the prompt and the longest answer, so no step copies it; each step
     feeds the chosen token through one reused `[1, 1]` tensor."""
+    if first_recorder is not None and recorder is not None:
+        raise ValueError("generate takes first_recorder or recorder, not both")
     stop = lm.stop_ids if stop_ids is None else stop_ids
     longest = longest_answer(lm)
     if not 1 <= max_new_tokens <= longest:  # the cache reserves room for it: never an absurd allocation
         raise UserError(f"--max-new-tokens must be within 1..{longest}, the model's context (got {max_new_tokens})")
     cache.reserve(prompt_ids.shape[-1] + max_new_tokens)
-    logits = forward(lm.model, cache, prompt_ids, recorder=first_recorder)
+    logits = forward(lm.model, cache, prompt_ids, recorder=first_recorder or recorder)
     if on_first_logits is not None:
         on_first_logits(logits[0, -1])
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
@@ -399,4 +403,4 @@ def generate(
             return
         yield token
         if step + 1 < max_new_tokens:
-            logits = forward(lm.model, cache, step_ids.fill_(token))
+            logits = forward(lm.model, cache, step_ids.fill_(token), recorder=recorder)

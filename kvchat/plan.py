@@ -35,6 +35,7 @@ from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, meth
 from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_indexmem, find_profile
+from kvchat.sources import TurnSpan, turn_spans
 from kvchat.store import Store, validate_name
 
 
@@ -104,6 +105,9 @@ class IngestPlan:
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+    # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only;
+    # routed: one tuple per episode, of its own turns
+    turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
     episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
 
 
@@ -213,6 +217,14 @@ def plan_ingest(
             prefill=cache_cfg.prefill if continuing else prefill,
         ),
     )
+    if episode_ids:  # routed: each episode's own turns, from the system prompt on
+        spans = _routed_spans(turns, episodes, config, lm, protected, episode_ids)
+    else:
+        first = continuing.turns if continuing else 0  # an append's turns follow the stored ones
+        spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "",
+                           indices=range(first, first + len(turns)))
+        if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
+            spans = []
     return IngestPlan(
         name=name,
         config=resolved,
@@ -231,6 +243,7 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        turn_spans=tuple(spans),
         episode_ids=episode_ids,
     )
 
@@ -341,6 +354,20 @@ def _routed_ids(turns: Sequence[Turn], episodes: list[Episode], config: IngestCo
     w = config.episodes.window
     return [lm.encode("\n".join(format_turns([t for s in sorted(e.segments) for t in turns[s * w : (s + 1) * w]])))
             for e in episodes]  # fmt: skip
+
+
+def _routed_spans(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel,
+                  protected: int, episode_ids: list[torch.Tensor]) -> list[tuple[TurnSpan, ...]]:
+    """Each routed episode's turn spans, laid out as `_routed_ids` lays out its turns (none when they disagree)."""
+    w = config.episodes.window
+    out = []
+    for episode, ids in zip(episodes, episode_ids, strict=True):
+        held = [i for s in sorted(episode.segments) for i in range(s * w, min((s + 1) * w, len(turns)))]
+        spans = turn_spans(lm.tokenizer, [turns[i] for i in held], protected, indices=held)
+        if not spans or spans[-1].end != protected + int(ids.shape[-1]):
+            return []
+        out.append(tuple(spans))
+    return out
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:

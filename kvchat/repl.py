@@ -22,6 +22,7 @@ A question follows up the previous one: its question and answer stay on top of t
   /episode N            answer from episode N's cache; /episode auto routes again
   /conversation NAME    switch to another stored conversation
   /set NAME VALUE       max-new-tokens N (longest answer) or retrieve R; /set alone shows them
+  /sources [on|off]     show the turns each answer drew on (toggles without an argument)
   /clear, clear         forget the previous question and answer
   /help, /?, help       this help
   exit, quit, Ctrl-D    leave
@@ -44,6 +45,8 @@ class Actions(Protocol):
         """Make `name` the conversation asked; return its number of episodes."""
 
     def episode_count(self) -> int: ...
+
+    sources: bool  # show each answer's sources (/sources)
 
     def episodes(self) -> list[str]:
         """One line per episode: its number, topic and size."""
@@ -152,6 +155,12 @@ class Repl:
                 return
             self.episode = int(arg)
             self.say(f"answering from episode {self.episode}")
+        elif word == "/sources":
+            if arg not in {"", "on", "off"}:
+                self.say("error: /sources takes on or off")
+                return
+            self.actions.sources = arg == "on" or (not arg and not self.actions.sources)
+            self.say("sources " + ("on: each answer names the turns it drew on" if self.actions.sources else "off"))
         elif word == "/conversation":
             if not arg:
                 self.say("error: /conversation takes a conversation name")

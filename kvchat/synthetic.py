@@ -141,3 +141,29 @@ def planted_conversation(
 def recalled(answer: str, fact: PlantedFact) -> bool:
     """Planted-fact recall: the answer contains the fact (case-insensitive)."""
     return fact.answer.lower() in answer.lower()
+
+
+# Questions about another history (a trip to Japan being planned), none of which a planted-fact conversation can
+# answer: what an off-topic question looks like (benchmarks/receipts.py measures the off-topic threshold on them).
+OFF_TOPIC_QUESTIONS = (
+    "What is the confirmation number of the Tokyo hotel?",
+    "Which day do we take the shinkansen to Kyoto?",
+    "How much did the Japan Rail Pass cost?",
+    "What time does the ryokan in Hakone serve dinner?",
+    "Which temple did Aiko want to visit first?",
+    "Where do we pick up the pocket wifi?",
+    "What is the name of the sushi restaurant in Ginza?",
+    "How many nights are we staying in Osaka?",
+    "Who is bringing the yen from the exchange office?",
+    "Which terminal does the flight to Narita arrive at?",
+    "What did Ken say about the cherry blossom forecast?",
+    "When does the teamLab exhibition close on Fridays?",
+    "Which suitcase has the umbrellas in it?",
+    "What is the address of the Airbnb in Shibuya?",
+    "How do we get from Kansai airport to Namba?",
+    "Did Aiko book the tea ceremony for Tuesday?",
+    "What souvenir did Ken promise his sister?",
+    "How early do we need to queue for the ramen museum?",
+    "Which onsen allows tattoos?",
+    "What was the reference for the bullet train seat reservation?",
+)

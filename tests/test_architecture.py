@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
      "kvchat.training.pipeline", "kvchat.training.chunks", "kvchat.training.teacher", "kvchat.training.indexer_stage",
      "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
     ("kvchat.llm", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight",
-     "kvchat.settings", "kvchat.device", "kvchat.features"),
+     "kvchat.settings", "kvchat.device", "kvchat.features", "kvchat.sources"),
     ("kvchat.config",),
     ("kvchat.kv",),
     ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),

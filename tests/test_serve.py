@@ -176,6 +176,15 @@ def test_answers_equal_the_library_streamed_or_not(server, home, tiny_lm, encode
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == expected.answer_tokens
 
 
+def test_sources_when_the_request_asks_for_them(server, home, tiny_lm, encoder):
+    expected = reference(home, tiny_lm, encoder, "chat", QUESTIONS[0], 6, sources=True)
+    asked = server.chat("chat", QUESTIONS[0], max_tokens=6, extra_body={"kvchat": {"sources": True}})
+    kvchat = asked.model_extra["kvchat"]
+    assert kvchat["sources"] == [s.to_dict() for s in expected.sources] and kvchat["sources"]
+    assert kvchat["off_topic"] == expected.off_topic
+    assert "sources" not in server.chat("chat", QUESTIONS[0], max_tokens=6).model_extra["kvchat"]
+
+
 def test_an_episode_model_id_skips_routing(server, home, tiny_lm, encoder):
     for episode in range(3):
         expected = reference(home, tiny_lm, encoder, "trip", QUESTIONS[1], 8, episode=episode)

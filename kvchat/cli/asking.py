@@ -47,6 +47,10 @@ def ask(
     dtype: DtypeOpt = DeviceConfig.dtype,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not record this question in `kvchat logs`.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per question (JSON Lines).")] = False,
+    sources: Annotated[bool, typer.Option("--sources", help="After the answer, the turns it drew on most (by its "
+        "attention), with speaker, time, a quote, their share and how much of each the cache keeps.")] = False,
+    refuse_off_topic: Annotated[bool, typer.Option("--refuse-off-topic", help="Do not answer a question no episode "
+        "matches well (a line on stderr; exit 3 when any question was refused).")] = False,
     server: Annotated[str | None, typer.Option(
         envvar="KVCHAT_SERVER", help="Ask the `kvchat serve` at this URL. Default: the server running on this "
         "$KVCHAT_HOME, if any, unless --local or an option only this process honours is given (--retrieve, "
@@ -68,7 +72,8 @@ def ask(
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
     given = {"--retrieve": retrieve is not None, "--weights": weights != AskConfig.weights,
              "--threads": threads is not None, "--device": device != DeviceConfig.device,
-             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log}
+             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log, "--sources": sources,
+             "--refuse-off-topic": refuse_off_topic}
     own = [option for option, set_ in given.items() if set_]  # what only this process honours
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
@@ -78,8 +83,10 @@ def ask(
         if store.read_only and not no_log:
             say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
                 console=err)
-        asker = _Asker(store, conversation, AskConfig(max_new_tokens, retrieve=retrieve, weights=weights),
-                       log=not no_log and not store.read_only, threads=threads, device=DeviceConfig(device, dtype))
+        config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic)
+        asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
+                       device=DeviceConfig(device, dtype))
+        asker.sources = sources
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -94,6 +101,8 @@ def ask(
         repl.run()
     else:
         _answer_lines(asker, sys.stdin, episode, as_json)
+    if asker.refused:
+        raise typer.Exit(3)
 
 
 def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
@@ -115,6 +124,9 @@ def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
 
 class _Asker:
     """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
+
+    sources = False  # --sources (the REPL's /sources)
+    refused = 0      # questions refused as off-topic (--refuse-off-topic)
 
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
                  device: DeviceConfig = DeviceConfig()) -> None:
@@ -165,21 +177,47 @@ class _Asker:
         """Stream the answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it."""
         question = question.strip()
         if as_json:
-            result = self.session.ask(question, episode=episode, log=self.log, earlier=earlier)
+            result = self.session.ask(question, episode=episode, log=self.log, earlier=earlier, **self._receipts())
+            self._off_topic(result)
             emit_json(documents.answer(question, result))
             return result.text
+        answered = []
 
         def run(write, stopping) -> dict:
             result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping,
-                                      earlier=earlier)
-            return {"finish_reason": result.finish_reason, "episode": result.episode, "answer": result.text,
+                                      earlier=earlier, **self._receipts())
+            answered.append(result)
+            return {"finish_reason": result.finish_reason, "episode": result.episode,
                     "similarity": result.similarity, "reused_cache": result.reused_cache}
 
-        return _print_streamed(run, self.config.max_new_tokens)
+        _print_streamed(run, self.config.max_new_tokens)
+        self._off_topic(answered[-1])
+        if self.sources and answered[-1].finish_reason != "refused":
+            show_sources(answered[-1])
+        return answered[-1].text
+
+    def _receipts(self) -> dict:
+        return {"sources": True} if self.sources else {}
+
+    def _off_topic(self, result) -> None:
+        """The line that says no episode matched well, and the count of refusals."""
+        if not result.off_topic:
+            return
+        limit = self.config.off_topic_similarity
+        if result.finish_reason == "refused":
+            self.refused += 1
+            say(f"kvchat: not answered: no episode matches this question (similarity {result.similarity:.2f} < "
+                f"{limit:.2f}; --refuse-off-topic)", console=err)
+        else:
+            say(f"kvchat: note: no episode matches this question well (similarity {result.similarity:.2f} < "
+                f"{limit:.2f}): the answer may not come from the conversation", console=err)
 
 
 class _RemoteAsker:
     """`ask` through a running `kvchat serve` (kvchat.serve.client): the same output, and the REPL's Actions."""
+
+    sources = False  # the REPL's /sources: this client does not ask the server for them
+    refused = 0
 
     def __init__(self, client, conversation: str | None, max_new_tokens: int) -> None:
         self.client, self.max_new_tokens = client, max_new_tokens
@@ -224,6 +262,8 @@ class _RemoteAsker:
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
                as_json: bool = False) -> str:
         question = question.strip()
+        if self.sources:
+            say("kvchat: note: sources are shown for answers in this process (ask --local --sources)", console=err)
         if as_json:
             document = self.client.ask(self.name, question, episode=episode, max_tokens=self.max_new_tokens)
             emit_json(document)
@@ -270,6 +310,8 @@ def _print_streamed(run, max_new_tokens: int) -> str:
 
     with _ctrl_c_stops() as stopping:
         result = run(write, stopping)
+    if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
+        return
     sys.stdout.write(cleaner.flush() + "\n")
     sys.stdout.flush()
     if result["finish_reason"] == "length":
@@ -307,3 +349,15 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
+
+
+def show_sources(result) -> None:
+    """The answer's sources under it (`--sources`, the REPL's /sources), or the line saying why there are none."""
+    if result.sources is None:
+        say(f"kvchat: {result.sources_note}", console=err)
+        return
+    say((f"sources (episode {result.episode}):", "bold"))
+    for n, s in enumerate(result.sources, start=1):
+        who = ", ".join(part for part in (s.speaker, s.time) if part)
+        say(f"  {n}. turn {s.turn} {who}: \u201c{s.quote}\u201d ",
+            (f"{s.attention_share:.0%} of attention, {s.kept_tokens}/{s.tokens} tokens kept", "dim"))

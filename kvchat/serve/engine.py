@@ -54,6 +54,7 @@ class ChatRequest:
     earlier: tuple[tuple[str, str], ...] = ()
     max_tokens: int = AskConfig.max_new_tokens
     stop: tuple[str, ...] = ()
+    sources: bool = False        # record the answer's attention per turn (kvchat.sources)
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,7 @@ class Engine:
 
         try:
             answer = session.ask(request.question, episode=index, on_text=on_text, stop=stop, earlier=request.earlier,
-                                 log=self.config.log and not self._store.read_only)
+                                 log=self.config.log and not self._store.read_only, sources=request.sources)
         except UserError:
             if request.conversation not in {r.name for r in self._store.conversations()}:
                 raise NotFound(f"conversation '{request.conversation}' was removed while it was being answered")\

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvchat.serve.engine import ChatRequest, Completion
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
 
 
 class ApiError(Exception):
@@ -59,6 +59,13 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class KvchatOptions(BaseModel):
+    """kvchat's own request options (the body's `kvchat` object; OpenAI clients send it as extra body)."""
+
+    model_config = ConfigDict(extra="forbid")
+    sources: bool = False  # the answer's sources in the response's `kvchat` (kvchat.sources)
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
@@ -69,6 +76,7 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    kvchat: KvchatOptions = KvchatOptions()
 
     def to_chat(self, default_tokens: int, limit: int) -> ChatRequest:
         """The engine's request: conversation and episode from the model id, question and follow-up context
@@ -93,7 +101,7 @@ class ChatCompletionRequest(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        return ChatRequest(conversation, question, episode, pairs, tokens, stop)
+        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources)
 
 
 def parse_model(model: str) -> tuple[str, int | None]:
@@ -112,10 +120,15 @@ def completion_id() -> str:
 
 
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
-    """What the OpenAI API cannot say: which episode answered, how similar the question was to it, timings."""
+    """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
+    below the server's threshold), timings, and when the request asked for them the answer's `sources`."""
     answer = completion.answer
-    return {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
-            "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms}
+    fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
+              "off_topic": answer.off_topic, "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms}
+    if answer.sources is not None or answer.sources_note is not None:
+        fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
+        fields["sources_note"] = answer.sources_note
+    return fields
 
 
 def usage(completion: Completion) -> dict[str, int]:
