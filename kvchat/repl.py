@@ -16,13 +16,20 @@ from kvchat.errors import UserError
 
 HELP = """\
 Type a question and press Enter. A pasted multi-line question stays one question.
+A question follows up the previous one: its question and answer stay on top of the episode until /clear.
   !multi ... !end       a question over several lines (or start and end it with \"\"\")
+  /episodes             the episodes, with their topics and sizes
   /episode N            answer from episode N's cache; /episode auto routes again
   /conversation NAME    switch to another stored conversation
+  /set NAME VALUE       max-new-tokens N (longest answer) or retrieve R; /set alone shows them
   /sources [on|off]     show the turns each answer drew on (toggles without an argument)
-  /help, /?             this help
+  /clear, clear         forget the previous question and answer
+  /help, /?, help       this help
   exit, quit, Ctrl-D    leave
 Ctrl-C stops an answer (the session stays); at the prompt it clears the line."""
+
+# What `/set` changes: the REPL's name -> (the AskConfig field, the smallest value allowed).
+SETTINGS = {"max-new-tokens": ("max_new_tokens", 1), "retrieve": ("retrieve", 0)}
 
 PROMPT, CONTINUATION = "> ", "... "
 
@@ -30,8 +37,9 @@ PROMPT, CONTINUATION = "> ", "... "
 class Actions(Protocol):
     """What the loop asks of the CLI."""
 
-    def answer(self, question: str, episode: int | None) -> None:
-        """Answer and print; KeyboardInterrupt stops it, UserError is shown and the loop goes on."""
+    def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = ()) -> str | None:
+        """Answer (following up the `earlier` question-answer pairs) and print; return the answer's text.
+        KeyboardInterrupt stops it, UserError is shown and the loop goes on."""
 
     def switch(self, name: str) -> int:
         """Make `name` the conversation asked; return its number of episodes."""
@@ -40,11 +48,21 @@ class Actions(Protocol):
 
     sources: bool  # show each answer's sources (/sources)
 
+    def episodes(self) -> list[str]:
+        """One line per episode: its number, topic and size."""
+
+    def settings(self) -> dict[str, object]:
+        """The answer settings `/set` changes, by AskConfig field."""
+
+    def configure(self, field: str, value: int) -> None:
+        """Set an AskConfig field for the questions that follow."""
+
 
 class Repl:
     def __init__(self, read: Callable[[str], str], actions: Actions, say: Callable[[str], None]) -> None:
         self.read, self.actions, self.say = read, actions, say
         self.episode: int | None = None
+        self.earlier: tuple[tuple[str, str], ...] = ()  # the previous question and answer, until /clear
 
     def run(self) -> None:
         """Until exit, quit or end of input (Ctrl-D)."""
@@ -68,18 +86,23 @@ class Repl:
             if question is None:
                 continue
             try:
-                self.actions.answer(question, self.episode)
+                text = self.actions.answer(question, self.episode, self.earlier)
             except KeyboardInterrupt:
                 self.say("[interrupted]")
             except UserError as exc:
                 self.say(f"error: {exc}")
+            else:
+                self.earlier = ((question, text),) if text else ()
 
     def _question(self, line: str) -> str | object | None:
         """The question `line` starts (reading more lines for a multi-line one), _EXIT, or None when the
         line was a command or blank."""
         stripped = line.strip()
-        if stripped in {"exit", "quit", "/exit", "/quit", "/bye"}:
+        if stripped.lower() in {"exit", "quit", "/exit", "/quit", "/bye"}:
             return _EXIT
+        if stripped.lower() in _BARE_COMMANDS:  # a word the REPL knows is never a question for the model
+            self._command("/" + stripped.lower())
+            return None
         if stripped == "!multi":
             return self._until(lambda s: s.strip() == "!end", keep_last=False)
         if stripped == "!end":  # closes a `!multi` question; alone it is a slip, not a question
@@ -113,6 +136,14 @@ class Repl:
         arg = arg.strip()
         if word in {"/help", "/?", "/h"}:
             self.say(HELP)
+        elif word == "/clear":
+            self.earlier = ()
+            self.say("cleared: the next question starts afresh")
+        elif word == "/episodes":
+            for line in self.actions.episodes():
+                self.say(line)
+        elif word == "/set":
+            self._set(arg)
         elif word == "/episode":
             if arg in {"", "auto"}:
                 self.episode = None
@@ -139,25 +170,45 @@ class Repl:
             except UserError as exc:
                 self.say(f"error: {exc}")
                 return
-            self.episode = None
+            self.episode, self.earlier = None, ()
             self.say(f"{arg}: {count} episodes")
         else:
             self.say(f"error: unknown command {word} (/help lists them)")
 
 
+    def _set(self, arg: str) -> None:
+        name, _, value = arg.partition(" ")
+        if not name:
+            shown = self.actions.settings()
+            self.say("  ".join(f"{n} {shown.get(f)}" for n, (f, _) in SETTINGS.items()))
+            return
+        if name not in SETTINGS:
+            self.say(f"error: /set knows {', '.join(SETTINGS)} (got {name!r})")
+            return
+        field, least = SETTINGS[name]
+        value = value.strip()
+        if not value.isdigit() or int(value) < least:
+            self.say(f"error: /set {name} takes a whole number >= {least}")
+            return
+        self.actions.configure(field, int(value))
+        self.say(f"{name} = {int(value)}")
+
+
 _EXIT = object()
+_BARE_COMMANDS = {"help", "clear", "episodes"}
 
 
-def prompt_reader(history_file: Path | None) -> Callable[[str], str]:
+def prompt_reader(history_file: Path | None, *, input=None, output=None) -> Callable[[str], str]:
     """A `read` with line editing, bracketed paste (a pasted block stays one question) and a persistent
-    history in `history_file` (None: this session's only, where the home cannot be written)."""
+    history in `history_file` (None: this session's only, where the home cannot be written). `input` and
+    `output`: prompt_toolkit's, where not the terminal (tests drive it through a pipe)."""
     from prompt_toolkit import PromptSession
     from prompt_toolkit.history import FileHistory, InMemoryHistory
 
     if history_file is not None:
         history_file.parent.mkdir(parents=True, exist_ok=True)
     history = InMemoryHistory() if history_file is None else FileHistory(str(history_file))
-    session: PromptSession[str] = PromptSession(history=history)
+    session: PromptSession[str] = PromptSession(history=history, input=input, output=output)
 
     def read(prompt: str) -> str:
         return session.prompt(prompt)

@@ -194,3 +194,15 @@ def _library_only(config: IngestConfig, expressed: set[str]) -> list[str]:
     return [f"{key}={json.dumps(value)}" for key, value in saved.items()
             if key in paths and key not in expressed and key not in _NOT_SETTINGS
             and value != _get(default, paths[key])]  # fmt: skip
+
+
+def differing_options(given: IngestConfig, settings: dict, model: str) -> list[str]:
+    """The options an `--append` gave (those not at their defaults) whose values differ from the conversation's
+    stored `settings`, as `--key VALUE (built with STORED)`: an option equal to the stored one is no conflict."""
+    default, stored = IngestConfig(model=given.model), from_settings(settings, model)
+    differing = []
+    for key, path in setting_paths().items():
+        mine, theirs = _get(given, path), _get(stored, path)
+        if mine != _get(default, path) and mine != theirs:
+            differing.append(f"--{key.replace('_', '-')} {mine} (built with {theirs})")
+    return differing

@@ -127,11 +127,13 @@ def test_cli_append_and_its_refusals(tmp_path, halves, tiny_model_dir):
         (("--append",), "--append needs --name"),
         (("--name", "chat", "--append", "--replace"), "give one of them"),
         (("--name", "chat", "--append", "--budget", "128"), "drop the cache options"),
+        (("--name", "chat", "--append", "--budget", "128", "--episodes", "2"), "--budget 128 (built with 64):"),
         (("--name", "chat", "--reingest"), "--reingest goes with --append"),
     ]:
         refused = run_main(home, "ingest", str(second), *args)
         assert refused.returncode == 2 and says in refused.stderr, refused.stderr
-    done = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    # options equal to the stored ones are no conflict (issue 28): they are accepted, not refused
+    done = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json", *model, *base)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["turns"] == 48
     settings = Store(home).get("chat").settings

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from cli_helpers import KVCHAT, cli_env, run, run_main
 
+from kvchat.errors import UserError
 from kvchat.synthetic import planted_conversation
 
 
@@ -267,7 +268,7 @@ def test_streamed_answers_are_cleaned(monkeypatch, capsys):
     from kvchat.config import AskConfig
 
     class FakeSession:
-        def ask(self, question, *, episode, on_text, log, stop):
+        def ask(self, question, *, episode, on_text, log, stop, earlier=()):
             for piece in ["a \x1b[3", "1mred\x1b", "[0m [b]x[/b] \x1b]0;t", "itle\x07 done"]:
                 on_text(piece)
             return Answer("", "c", 0, 1.0, 1, 4, False, finish_reason="length")
@@ -432,3 +433,22 @@ def test_commands_without_a_model_do_not_import_transformers(ingested, args):
 def test_commands_without_a_model_do_not_import_torch(ingested, args):
     home, _ = ingested
     assert "torch" not in _heavy_imports(home, *args)
+
+
+def test_a_batch_ask_reports_a_bad_line_by_number_and_goes_on(monkeypatch, capsys):
+    from kvchat.cli.asking import _answer_lines
+
+    class FakeAsker:
+        def __init__(self):
+            self.asked = []
+
+        def answer(self, question, episode, *, as_json):
+            if "bad" in question:
+                raise UserError("the question is too long")
+            self.asked.append(question.strip())
+
+    asker = FakeAsker()
+    with pytest.raises(UserError, match="1 of 3 questions failed"):
+        _answer_lines(asker, ["first?\n", "\n", "bad one\n", "third?\n"], None, False)
+    assert asker.asked == ["first?", "third?"]
+    assert "kvchat: error: line 3: the question is too long" in capsys.readouterr().err

@@ -27,14 +27,27 @@ class Script:
 class Fake:
     def __init__(self, episodes: int = 3, interrupt_on: str | None = None, fail_on: str | None = None):
         self.asked: list[tuple[str, int | None]] = []
-        self.episodes, self.interrupt_on, self.fail_on, self.switched = episodes, interrupt_on, fail_on, []
+        self.n_episodes, self.interrupt_on, self.fail_on, self.switched = episodes, interrupt_on, fail_on, []
+        self.earlier: list = []
+        self.config = {"max_new_tokens": 64, "retrieve": None}
 
-    def answer(self, question, episode):
+    def answer(self, question, episode, earlier=()):
         self.asked.append((question, episode))
+        self.earlier.append(earlier)
         if question == self.interrupt_on:
             raise KeyboardInterrupt
         if question == self.fail_on:
             raise UserError("--episode 7 does not exist")
+        return f"answer to {question}"
+
+    def episodes(self):
+        return [f"  {i}  topic {i}  (0.1 MiB)" for i in range(self.n_episodes)]
+
+    def settings(self):
+        return dict(self.config)
+
+    def configure(self, field, value):
+        self.config[field] = value
 
     def switch(self, name):
         if name == "nope":
@@ -43,7 +56,7 @@ class Fake:
         return 5
 
     def episode_count(self):
-        return self.episodes
+        return self.n_episodes
 
 
 def run(*lines, **fake):
@@ -135,3 +148,42 @@ def test_a_long_line_arrives_whole():
     question = "x " * 5000 + "the question at the end?"
     actions, _, _ = run(question)
     assert actions.asked == [(question.strip(), None)]
+
+
+# --------------------------------------------------------------------------- /set, /episodes, follow-ups, bare words
+
+
+def test_set_changes_the_answer_settings_and_refuses_nonsense():
+    actions, said, _ = run("/set max-new-tokens 200", "/set retrieve 0", "/set max-new-tokens 0", "/set colour 3",
+                           "/set")
+    assert actions.config == {"max_new_tokens": 200, "retrieve": 0} and actions.asked == []
+    assert "max-new-tokens = 200" in said and any("whole number >= 1" in s for s in said)
+    assert any("/set knows max-new-tokens, retrieve" in s for s in said)
+    assert "max-new-tokens 200  retrieve 0" in said
+
+
+@pytest.mark.parametrize("command", ["/episodes", "episodes"])
+def test_episodes_lists_them_locally(command):
+    actions, said, _ = run(command)
+    assert actions.asked == [] and "  2  topic 2  (0.1 MiB)" in said
+
+
+def test_a_question_follows_up_the_previous_one_until_clear():
+    actions, said, _ = run("who?", "and when?", "/clear", "what?", "clear", "why?")
+    assert [q for q, _ in actions.asked] == ["who?", "and when?", "what?", "why?"]
+    assert actions.earlier == [(), (("who?", "answer to who?"),), (), ()]
+
+
+def test_a_failed_answer_is_not_followed_up():
+    actions, _, _ = run("bad", "next?", fail_on="bad")
+    assert actions.earlier == [(), ()]
+
+
+@pytest.mark.parametrize("word", ["help", "Help", "clear", "!end", "exit"])
+def test_words_the_repl_knows_never_reach_the_model(word):
+    actions, said, _ = run(word)
+    assert actions.asked == []
+    if word.lower() == "help":
+        assert HELP in said
+    if word == "!end":
+        assert any("nothing to close" in s for s in said)

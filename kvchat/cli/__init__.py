@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 
 from kvchat.cli import asking, calibration, evaluating, ingesting, serving, stored
+from kvchat.cli.helptext import HelpCommand, HelpGroup
 from kvchat.cli.render import err, say
 from kvchat.errors import UserError
 
@@ -23,6 +24,8 @@ app = typer.Typer(
     help="Answer questions about chat histories far longer than your KV-cache budget.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    cls=HelpGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -50,18 +53,19 @@ def _root(
 
 
 # The commands, in the order --help lists them.
-app.command()(ingesting.ingest)
-app.command("ingest-batch")(ingesting.ingest_batch)
-app.command()(asking.ask)
-app.command()(serving.serve)
-app.command("profile-layers")(calibration.profile_layers_command)
-app.command("train-indexer")(calibration.train_indexer_command)
-app.command("eval")(evaluating.eval_command)
-app.command("list")(stored.list_conversations)
-app.command()(stored.show)
-app.command()(stored.rm)
-app.command()(stored.logs)
-app.command()(stored.doctor)
+app.command(cls=HelpCommand, epilog=ingesting.INGEST_EXAMPLES)(ingesting.ingest)
+app.command("ingest-batch", cls=HelpCommand)(ingesting.ingest_batch)
+app.command(cls=HelpCommand)(asking.ask)
+app.command(cls=HelpCommand)(serving.serve)
+app.command("profile-layers", cls=HelpCommand)(calibration.profile_layers_command)
+app.command("train-indexer", cls=HelpCommand)(calibration.train_indexer_command)
+app.command("eval", cls=HelpCommand)(evaluating.eval_command)
+app.command("list", cls=HelpCommand)(stored.list_conversations)
+app.command(cls=HelpCommand)(stored.show)
+app.command(cls=HelpCommand)(stored.rm)
+app.command(cls=HelpCommand)(stored.path)
+app.command(cls=HelpCommand)(stored.logs)
+app.command(cls=HelpCommand)(stored.doctor)
 
 
 def main() -> None:

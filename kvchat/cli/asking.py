@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -21,7 +22,7 @@ from kvchat.cli.options import (
     load_model,
     open_store,
 )
-from kvchat.cli.render import emit_json, err, out, say
+from kvchat.cli.render import emit_json, episode_lines, err, out, say
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 from kvchat.terminal import StreamCleaner
@@ -99,11 +100,26 @@ def ask(
         repl.episode = episode
         repl.run()
     else:
-        for line in sys.stdin:
-            if line.strip():
-                asker.answer(line, episode, as_json=as_json)
+        _answer_lines(asker, sys.stdin, episode, as_json)
     if asker.refused:
         raise typer.Exit(3)
+
+
+def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
+    """One question per line; a question refused (too long, say) is reported with its line number and the others
+    go on; exit status 2 at the end when any was refused."""
+    failed = asked = 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        asked += 1
+        try:
+            asker.answer(line, episode, as_json=as_json)
+        except UserError as exc:
+            failed += 1
+            say(f"kvchat: error: line {number}: {exc}", console=err)
+    if failed:
+        raise UserError(f"{failed} of {asked} questions failed (each reported above)")
 
 
 class _Asker:
@@ -146,19 +162,30 @@ class _Asker:
         self.session = Session(self.store, record, lm, self.session.encoder, self.config)
         return self.episode_count()
 
-    def answer(self, question: str, episode: int | None, *, as_json: bool = False) -> None:
+    def episodes(self) -> list[str]:
+        return episode_lines(self.session.conversation)
+
+    def settings(self) -> dict[str, object]:
+        return dataclasses.asdict(self.session.config)
+
+    def configure(self, field: str, value: int) -> None:
+        self.config = dataclasses.replace(self.config, **{field: value})
+        self.session.config = self.config
+
+    def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
+               as_json: bool = False) -> str:
         """Stream the answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it."""
         question = question.strip()
         if as_json:
-            result = self.session.ask(question, episode=episode, log=self.log, **self._receipts())
+            result = self.session.ask(question, episode=episode, log=self.log, earlier=earlier, **self._receipts())
             self._off_topic(result)
             emit_json(documents.answer(question, result))
-            return
+            return result.text
         answered = []
 
         def run(write, stopping) -> dict:
             result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping,
-                                      **self._receipts())
+                                      earlier=earlier, **self._receipts())
             answered.append(result)
             return {"finish_reason": result.finish_reason, "episode": result.episode,
                     "similarity": result.similarity, "reused_cache": result.reused_cache}
@@ -167,6 +194,7 @@ class _Asker:
         self._off_topic(answered[-1])
         if self.sources and answered[-1].finish_reason != "refused":
             show_sources(answered[-1])
+        return answered[-1].text
 
     def _receipts(self) -> dict:
         return {"sources": True} if self.sources else {}
@@ -220,15 +248,29 @@ class _RemoteAsker:
         self.name = name
         return self.episode_count()
 
-    def answer(self, question: str, episode: int | None, *, as_json: bool = False) -> None:
+    def episodes(self) -> list[str]:
+        return [f"{self.name}: {self.episode_count()} episodes (their topics: kvchat show {self.name})"]
+
+    def settings(self) -> dict[str, object]:
+        return {"max_new_tokens": self.max_new_tokens, "retrieve": "(the server's)"}
+
+    def configure(self, field: str, value: int) -> None:
+        if field != "max_new_tokens":
+            raise UserError(f"the server answers with its own {field.replace('_', '-')}; /set it with --local")
+        self.max_new_tokens = value
+
+    def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
+               as_json: bool = False) -> str:
         question = question.strip()
         if self.sources:
             say("kvchat: note: sources are shown for answers in this process (ask --local --sources)", console=err)
         if as_json:
-            emit_json(self.client.ask(self.name, question, episode=episode, max_tokens=self.max_new_tokens))
-            return
-        _print_streamed(lambda write, stopping: self.client.ask(
+            document = self.client.ask(self.name, question, episode=episode, max_tokens=self.max_new_tokens)
+            emit_json(document)
+            return document.get("answer", "")
+        return _print_streamed(lambda write, stopping: self.client.ask(
             self.name, question, episode=episode, max_tokens=self.max_new_tokens, on_text=write, stop=stopping,
+            earlier=earlier,
         ), self.max_new_tokens)
 
 
@@ -256,10 +298,10 @@ def _check_episode(episode: int, name: str, count: int) -> None:
         raise UserError(f"--episode {episode} does not exist (conversation '{name}' has episodes 0..{count - 1})")
 
 
-def _print_streamed(run, max_new_tokens: int) -> None:
+def _print_streamed(run, max_new_tokens: int) -> str:
     """Stream an answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it. `run(write,
     stopping)` answers, giving text to `write` and asking `stopping()` between tokens; it returns the answer's
-    finish_reason, episode, similarity and (where known) reused_cache."""
+    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text."""
     cleaner = StreamCleaner()
 
     def write(text: str) -> None:
@@ -279,6 +321,7 @@ def _print_streamed(run, max_new_tokens: int) -> None:
     if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
         reuse = ", resident" if result.get("reused_cache") else ""
         err.print(Text(f"episode {result['episode']} (similarity {result['similarity']:.2f}{reuse})", style="dim"))
+    return result.get("answer", "")
 
 
 class _ctrl_c_stops:

@@ -52,7 +52,13 @@ from kvchat.history import FORMAT_NAMES
 from kvchat.kv.methods import REGISTRY
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
-_METHOD_HELP = "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
+_INPUT, _CACHE, _PAGES, _STORE = "History", "Cache", "Offload and memory", "Storing"
+INGEST_EXAMPLES = """Examples:
+  kvchat ingest chat.json                       # stored as "chat"
+  kvchat ingest conversations.json --pick "Trip to Japan" --name japan
+  kvchat ingest more.json --append --name chat  # continue a stored conversation"""
+_METHOD_HELP = "How entries are scored for eviction. " + "; ".join(
+    f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
@@ -62,35 +68,49 @@ def _option(name: str, annotation: object, default: object) -> inspect.Parameter
 # The cache options of `ingest` and `ingest-batch`, which `_cache_options` gives a command.
 _CACHE_OPTIONS = [
     _option("model", Annotated[str, typer.Option(
-        help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")], IngestConfig.model),
-    _option("budget", Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).")], CacheConfig.budget),
-    _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).")], CacheConfig.block_size),
-    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).")], EpisodeConfig.episodes),
-    _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).")], EpisodeConfig.window),
-    _option("method", Annotated[Method, typer.Option(help="Eviction method: " + _METHOD_HELP)], CacheConfig.method),
+        help="'default' (SmolLM2-135M), a model dir or a .gguf file. The default one is embedded in kvchat.",
+        show_default=False, rich_help_panel=_CACHE)], IngestConfig.model),
+    _option("budget", Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).",
+                                                  rich_help_panel=_CACHE)],
+            CacheConfig.budget),
+    _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).", rich_help_panel=_CACHE)],
+            CacheConfig.block_size),
+    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).", rich_help_panel=_CACHE)],
+            EpisodeConfig.episodes),
+    _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).",
+                                                  rich_help_panel=_CACHE)],
+            EpisodeConfig.window),
+    _option("method", Annotated[Method, typer.Option(help=_METHOD_HELP, rich_help_panel=_CACHE)], CacheConfig.method),
     _option("positions", Annotated[Positions, typer.Option(
-        help="original, compact (re-rotate kept keys) or auto.")], CacheConfig.positions),
+        help="original, compact (re-rotate kept keys) or auto.", rich_help_panel=_CACHE)], CacheConfig.positions),
     _option("layer_budgets", Annotated[LayerBudgets, typer.Option(
-        help="Per-layer budgets: auto (sensitivity if the model has a profile, else uniform), uniform, "
+        rich_help_panel=_CACHE, help="Per-layer budgets. auto (sensitivity if the model has a profile, else "
+        "uniform), uniform, "
         "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
         "attention; with --method cake, layers are evicted one by one in the forward).")], CacheConfig.layer_budgets),
     _option("alpha", Annotated[float | None, typer.Option(
-        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).")], CacheConfig.alpha),
+        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).", rich_help_panel=_CACHE)],
+        CacheConfig.alpha),
     _option("tau1", Annotated[float, typer.Option(
-        help="cake budgets: temperature of attention dispersion (smaller = weighs it more).")], CakeConfig.tau1),
+        help="Temperature of attention dispersion, for cake budgets. Smaller weighs it more.",
+        rich_help_panel=_CACHE)], CakeConfig.tau1),
     _option("tau2", Annotated[float, typer.Option(
-        help="cake budgets: temperature of attention shift (smaller = weighs it more).")], CakeConfig.tau2),
+        help="Temperature of attention shift, for cake budgets. Smaller weighs it more.",
+        rich_help_panel=_CACHE)], CakeConfig.tau2),
     _option("head_budgets", Annotated[HeadBudgets, typer.Option(
-        help="Per-head budgets within a layer: uniform (every KV head keeps M_l entries) or adaptive (AdaKV: "
+        rich_help_panel=_CACHE, help="Per-head budgets within a layer. uniform (every KV head keeps M_l "
+        "entries) or adaptive (AdaKV: "
         "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
         "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")],
         CacheConfig.head_budgets),
     _option("prefill", Annotated[Prefill, typer.Option(
-        help="block (evict after every block: peak memory flat in the history's length), full (keep the whole "
+        rich_help_panel=_CACHE, help="When eviction starts: block, full or auto. block (evict after every block: "
+        "peak memory flat in the history's length), full (keep the whole "
         "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
         "(full when the history fits the model's window and its full KV fits memory).")], CacheConfig.prefill),
     _option("cache_precision", Annotated[CachePrecision, typer.Option(
-        help="full (the model's dtype), int8 or int4 (KIVI: keys per channel, values per token, in 8 bits with "
+        rich_help_panel=_CACHE, help="Stored precision of the caches: full, int8 or int4. full (the model's "
+        "dtype), int8 or int4 (KIVI: keys per channel, values per token, in 8 bits with "
         "a float32 scale and zero point per group of 32, or in 4 bits, two per byte, with float16 ones per group "
         "of 16; each head's last entries and the answer stay in full precision): stored and resident caches take "
         "about a third (int8) or a fifth (int4) of float32's bytes, 64% or 38% of bfloat16's, dequantized while "
@@ -125,45 +145,52 @@ def _cache_options(command):
 @_cache_options
 def ingest(
     history: Annotated[Path, typer.Argument(
-        metavar="HISTORY", help="Chat history: OpenAI messages JSON/JSONL, a ChatGPT or Claude export, fine-tune "
-        'JSONL, a "Name: text" transcript, LoCoMo or LongMemEval (docs/formats.md).')],
-    name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).")] = None,
+        metavar="HISTORY", help='A chat history file (docs/formats.md). OpenAI messages JSON/JSONL, a '
+        'ChatGPT or Claude export, fine-tune JSONL, a "Name: text" transcript, LoCoMo or LongMemEval.')],
+    name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).",
+                                             rich_help_panel=_INPUT)] = None,
     history_format: Annotated[HistoryFormat | None, typer.Option(
-        "--format", help="The history's format, when detection guesses wrong (default: detected).")] = None,
-    pick: Annotated[str | None, typer.Option(
-        help="Which conversation of a ChatGPT or Claude export or fine-tune JSONL: its number (1 = first in the "
-        'file), its title, or "all" (oldest first).')] = None,
+        "--format", help="Force the history's format (default: detected).",
+        rich_help_panel=_INPUT)] = None,
+    pick: Annotated[str | None, typer.Option(rich_help_panel=_INPUT,
+        help='The conversation to take: its number, title or "all". From a ChatGPT or Claude export or fine-tune '
+        'JSONL holding several; number 1 is the first in the file, "all" takes them oldest first.')] = None,
     config: IngestConfig = IngestConfig(),
     memory: Annotated[bool, typer.Option(
-        "--memory/--no-memory", help="indexmem: fold evicted entries into a latent memory stored with each episode "
+        "--memory/--no-memory", rich_help_panel=_PAGES, help="indexmem: fold evicted entries into a latent "
+        "memory stored with each episode "
         "and read while answering (IndexMem).")] = CacheConfig.memory,
     max_memory: Annotated[int | None, typer.Option(
-        help="MiB this ingest may use (default: what the system has available); decides auto prefill and the "
+        help="MiB this ingest may use (default: what the system has available). It decides auto prefill and the "
         "pre-flight check.")] = None,
-    offload: Annotated[Offload, typer.Option(
-        help="icecache: keep what eviction drops on disk, in pages of similar keys, and answer with the pages "
+    offload: Annotated[Offload, typer.Option(rich_help_panel=_PAGES,
+        help="Page evicted entries to disk (icecache) or drop them (none). icecache: keep what eviction drops "
+        "on disk, in pages of similar keys, and answer with the pages "
         "that match the question beside the kept cache (IceCache); with --method full, everything but the "
         "system prompt and the last tokens is paged. none: drop it.")] = OffloadConfig.mode,
-    retrieve: Annotated[int, typer.Option(
-        help="--offload icecache: entries per layer and KV head read from the pages while answering (R).")] = (
+    retrieve: Annotated[int, typer.Option(rich_help_panel=_PAGES,
+        help="Entries per layer and KV head read from the pages (R). With --offload icecache, while answering.")] = (
         OffloadConfig.retrieve
     ),
-    page_size: Annotated[int, typer.Option(help="--offload icecache: entries per page at most.")] = (
+    page_size: Annotated[int, typer.Option(help="--offload icecache: entries per page at most.",
+                                           rich_help_panel=_PAGES)] = (
         PagingConfig.page_size
     ),
-    offload_window: Annotated[int, typer.Option(
-        help="--offload icecache: the last W history tokens stay resident in every layer and KV head whatever "
+    offload_window: Annotated[int, typer.Option(rich_help_panel=_PAGES,
+        help="--offload icecache: the last W history tokens stay resident. In every layer and KV head, whatever "
         "the method scores them, beside --budget (IceCache's window pages).")] = OffloadConfig.window,
-    setting: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", help="A saved setting without an "
-        "option of its own, VALUE in JSON (rebuild commands carry them; keys as `kvchat list --json` shows).")] = None,
-    replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.")] = False,
-    append: Annotated[bool, typer.Option(
-        help="Add the history's turns to conversation --name: every episode cache continues from where it "
+    setting: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", rich_help_panel=_STORE, help="A saved "
+        "setting without an option of its own, VALUE in JSON. Rebuild commands carry them; keys as `kvchat list "
+        "--json` shows.")] = None,
+    replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.",
+                                          rich_help_panel=_STORE)] = False,
+    append: Annotated[bool, typer.Option(rich_help_panel=_STORE,
+        help="Add the history's turns to conversation --name. Every episode cache continues from where it "
         "stopped, with the settings it was built with (cache options are not taken); the past is not ingested "
         "again.")] = False,
-    reingest: Annotated[bool, typer.Option(
-        help="With --append: ingest the stored histories and this one again from the start, episodes clustered "
-        "anew.")] = False,
+    reingest: Annotated[bool, typer.Option(rich_help_panel=_STORE,
+        help="With --append: ingest the stored histories and this one again from the start. Episodes are "
+        "clustered anew.")] = False,
     trust_remote_code: TrustOpt = False,
     force: ForceOpt = False,
     threads: ThreadsOpt = None,
@@ -200,9 +227,9 @@ def ingest(
                         "--format and --pick cannot be used with it")
     turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
                          min_turns=1 if append else 2)
-    if append or reingest:
-        _check_append(append, reingest, replace, config, model)
     store = open_store()
+    if append or reingest:
+        _check_append(append, reingest, replace, config, model, store.get(name) if append else None)
     store.check_writable()
     spec = store.get(name).model if append else model
     lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype))
@@ -248,17 +275,22 @@ def _offload_text(report) -> str:
             f"{per_token / 1024:.1f} KiB per history token)")
 
 
-def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str) -> None:
-    """--append takes the conversation's own settings: refuse options that would be silently ignored."""
+def _check_append(append: bool, reingest: bool, replace: bool, config: IngestConfig, model: str, record) -> None:
+    """--append takes the conversation's own settings: options equal to them are fine, others would be silently
+    ignored, so they are refused by name."""
+    from kvchat.settings import differing_options
+
     if reingest and not append:
         raise UserError("--reingest goes with --append (a plain ingest always starts from the start)")
     if replace:
         raise UserError("--append continues a conversation and --replace starts it over: give one of them")
-    if config != IngestConfig(model=model):
-        raise UserError("--append continues with the settings the conversation was built with; drop the cache "
-                        "options (to change them, ingest the whole history again with --replace)")
-    if model != IngestConfig.model:
-        raise UserError("--append uses the model the conversation was built with; drop --model")
+    differing = differing_options(config, record.settings, record.model)
+    if differing:
+        raise UserError(f"--append continues with the settings the conversation was built with, and "
+                        f"{'; '.join(differing)}: drop the cache options that differ (to change them, ingest the "
+                        "whole history again with --replace)")
+    if model not in (IngestConfig.model, record.model):
+        raise UserError(f"--append uses the model the conversation was built with ({record.model}); drop --model")
 
 
 @_cache_options

@@ -26,9 +26,9 @@ from kvchat.kv.methods import METHODS
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts; see docs/scripting.md).")]
 DeviceOpt = Annotated[Literal[DEVICES], typer.Option(  # type: ignore[valid-type]
-    help="Where the model runs: auto (CUDA when torch sees a GPU, else the CPU), cpu or cuda.")]
+    help="Where the model runs. auto: CUDA when torch sees a GPU, else the CPU.")]
 DtypeOpt = Annotated[Literal[DTYPES], typer.Option(  # type: ignore[valid-type]
-    help="The model's dtype, and its caches': auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, or "
+    help="The model's dtype, and its caches'. auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, or "
     "float16 (CUDA only). A cache answers in any dtype, converted on load.")]
 ThreadsOpt = Annotated[int | None, typer.Option(
     help="Torch threads (default: $OMP_NUM_THREADS, else the cores this process may use). Running several "

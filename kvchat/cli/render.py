@@ -54,3 +54,12 @@ def head_budgets_text(mode: str, entries: list[int]) -> str:
     if mode == "adaptive" and len(entries) == 2:
         return f"{mode} head budgets ({entries[0]}-{entries[1]} entries per head)"
     return f"{mode} head budgets"
+
+
+def episode_lines(record) -> list[str]:
+    """One line per episode of a stored conversation: its number, topic label and size (user text cleaned)."""
+    from kvchat.episodes import topic_labels
+
+    labels = topic_labels([e.medoid_text for e in record.episodes])
+    return [f"  {e.index}  {clean(label, one_line=True) or '(no topic words)'}  ({e.bytes / 2**20:.1f} MiB)"
+            for e, label in zip(record.episodes, labels, strict=True)]

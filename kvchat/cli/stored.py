@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
@@ -11,6 +12,7 @@ from kvchat.cli.options import JsonOpt, NameArg, complete_conversation, open_sto
 from kvchat.cli.render import emit_json, head_budgets_text, out, say, table
 from kvchat.config import default_home
 from kvchat.errors import UserError
+from kvchat.terminal import clean
 
 
 def list_conversations(as_json: JsonOpt = False) -> None:
@@ -51,13 +53,27 @@ def show(name: NameArg, as_json: JsonOpt = False) -> None:
     table(("episode", "MiB", "budgets per layer", "medoid excerpt"), rows, right=("episode", "MiB"))
 
 
-def rm(name: NameArg, as_json: JsonOpt = False) -> None:
-    """Remove a conversation and its caches."""
-    open_store().remove(name)
+def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Conversation names.",
+                                                   autocompletion=complete_conversation)],
+       as_json: JsonOpt = False) -> None:
+    """Remove conversations and their caches, in the order given (an unknown name stops there, exit 2)."""
+    store = open_store()
+    for name in dict.fromkeys(names):
+        store.remove(name)
+        if as_json:
+            emit_json(documents.document(removed=name))
+        else:
+            say(f"removed {name}")
+
+
+def path(as_json: JsonOpt = False) -> None:
+    """Show where kvchat keeps its store ($KVCHAT_HOME) and converted models."""
+    store = open_store()
+    places = {"home": str(store.home), "models": str(store.models_dir)}
     if as_json:
-        emit_json(documents.document(removed=name))
+        emit_json(documents.document(**places))
     else:
-        say(f"removed {name}")
+        sys.stdout.write("".join(f"{what}\t{clean(where, one_line=True)}\n" for what, where in places.items()))
 
 
 def logs(

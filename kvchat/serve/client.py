@@ -7,7 +7,7 @@ import contextlib
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from kvchat.errors import KvchatError, UserError
@@ -26,10 +26,12 @@ class Client:
         return self._request("GET", "/kvchat/conversations")["conversations"]
 
     def ask(self, conversation: str | None, question: str, *, episode: int | None = None, max_tokens: int = 64,
-            on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None) -> dict[str, Any]:
+            on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None,
+            earlier: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
         """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams, and `stop`,
         asked after each piece, ends it (the connection closes, which stops the server's decoding; the
-        document's `finish_reason` is then "stopped"). `conversation` None: the newest one."""
+        document's `finish_reason` is then "stopped"). `conversation` None: the newest one. `earlier`
+        (question, answer) pairs are the exchange the question follows up (streamed answers only)."""
         if conversation is None:
             listed = self.conversations()
             if not listed:
@@ -39,7 +41,10 @@ class Client:
             body = {"conversation": conversation, "question": question, "episode": episode, "max_tokens": max_tokens}
             return self._request("POST", "/kvchat/ask", body)
         model = conversation if episode is None else f"{conversation}/{episode}"
-        body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+        messages = [{"role": role, "content": text} for pair in earlier
+                    for role, text in zip(("user", "assistant"), pair, strict=True)]
+        body = {"model": model, "messages": [*messages, {"role": "user", "content": question}],
+                "max_tokens": max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
         with contextlib.closing(self._events("/v1/chat/completions", body)) as events:  # a break hangs up at once
             text, finish, kvchat, usage = self._read(events, on_text, stop)
