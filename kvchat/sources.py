@@ -14,8 +14,10 @@ turn the episode's cache still holds, averaged over layers and KV heads.
 
 from __future__ import annotations
 
+import base64
 import bisect
 import json
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -27,6 +29,7 @@ from kvchat.kv.cache import EpisodeCache
 
 METADATA_KEY = "turns"  # the episode file metadata entry holding the turn spans (JSON)
 _STORED_CHARS = 400     # of each turn's text, kept for quotes
+_MAX_SPANS_BYTES = 1 << 28  # what an episode file's spans may inflate to: bounded before it allocates
 
 
 @dataclass(frozen=True)
@@ -87,8 +90,12 @@ def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "",
     return spans
 
 
+_COMPRESSED = "zlib85:"  # spans repeat their keys and much of their text: stored deflated, a few % of a cache file
+
+
 def to_metadata(spans: Sequence[TurnSpan]) -> str:
-    return json.dumps([asdict(s) for s in spans], separators=(",", ":"))
+    raw = json.dumps([asdict(s) for s in spans], separators=(",", ":")).encode()
+    return _COMPRESSED + base64.b85encode(zlib.compress(raw, 9)).decode("ascii")
 
 
 def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
@@ -97,8 +104,10 @@ def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
     if raw is None:
         return None
     try:
+        if raw.startswith(_COMPRESSED):
+            raw = zlib.decompressobj().decompress(base64.b85decode(raw[len(_COMPRESSED):]), _MAX_SPANS_BYTES)
         return [TurnSpan(**entry) for entry in json.loads(raw)]
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, zlib.error):
         return None
 
 
