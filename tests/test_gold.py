@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
 
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
 from kvchat.evaluate import ResultsFile
@@ -22,7 +21,6 @@ from kvchat.gold import (
     summarize_gold,
     verdict,
 )
-from kvchat.history import format_turns
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -34,29 +32,7 @@ from kvchat.store import Store
 SYSTEM = "You are a helpful assistant . Conversation :\n"
 BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                     episodes=EpisodeConfig(prompt_tokens=48), system_prompt=SYSTEM)  # fmt: skip
-QA = planted_sets(1, topics=6, turns_per_topic=40)[0]
-
-
-@pytest.fixture(scope="module")
-def short_model_dir(tmp_path_factory):
-    """The tiny Llama with a window a third of the planted history's length."""
-    tokenizer = tiny_tokenizer()
-    history_tokens = len(tokenizer("\n".join(format_turns(QA.turns)))["input_ids"])
-    path = tmp_path_factory.mktemp("short-llama")
-    model = tiny_model("llama", vocab_size=len(tokenizer))
-    model.config.max_position_embeddings = history_tokens // 3
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def short_lm(short_model_dir, tmp_path_factory):
-    from kvchat.llm import load_model
-
-    lm = load_model(str(short_model_dir), tmp_path_factory.mktemp("models"))
-    assert 3 * lm.context_window <= len(lm.encode("\n".join(format_turns(QA.turns)))[0])
-    return lm
+QA = planted_sets(1, topics=6, turns_per_topic=40)[0]  # conftest.short_lm: its window is a third of it
 
 
 def test_chunks_are_consecutive_turns_within_the_token_cap():
