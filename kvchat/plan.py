@@ -38,6 +38,7 @@ from kvchat.kv.methods import (
     REGISTRY,
     ScorerInputs,
     across_heads_methods,
+    may_recall,
     method,
 )
 from kvchat.kv.scoring import Scorer
@@ -59,9 +60,9 @@ def validate(config: IngestConfig) -> None:
             f"--block-size {cache.block_size} is more than 8x --budget {cache.budget}: "
             "peak memory would be dominated by the block"
         )
-    entries = [method(m) for m in (AUTO_METHODS if cache.method == AUTO_METHOD else (cache.method,))]
-    if any(e.recalls for e in entries):
+    if may_recall(cache.method):
         recall.split(cache)  # refuses a share it cannot split the budget by
+    entries = [method(m) for m in (AUTO_METHODS if cache.method == AUTO_METHOD else (cache.method,))]
     if cache.head_budgets == "adaptive" and not all(e.across_heads for e in entries):
         raise UserError(
             f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "

@@ -19,7 +19,7 @@ from kvchat import features
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import UserError
 from kvchat.kv.config import saved_keys
-from kvchat.kv.methods import method
+from kvchat.kv.methods import may_recall
 
 # Settings keys of CAKE's knobs (its fields' metadata): with `cake` layer budgets, and with the `cake` method's
 # scorer; its window with either.
@@ -110,7 +110,7 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_BUDGET_KEYS.items()}
     if cache.method == "cake":
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
-    if method(cache.method).recalls:
+    if may_recall(cache.method):
         settings |= {"recall_share": cache.recall.share, "recall_chunk_tokens": cache.recall.chunk_tokens}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision

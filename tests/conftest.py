@@ -141,10 +141,9 @@ def tiny_lm(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def short_lm(tmp_path_factory):
+def short_model_dir(tmp_path_factory) -> Path:
     """The tiny Llama with a window a third of the length of `planted_sets(1, topics=6, turns_per_topic=40)`'s
     history: for histories beyond the model's window."""
-    from kvchat.llm import load_model
     from kvchat.qa import planted_sets
 
     tokenizer = tiny_tokenizer()
@@ -155,7 +154,14 @@ def short_lm(tmp_path_factory):
     model.config.max_position_embeddings = history_tokens // 3
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return load_model(str(path), tmp_path_factory.mktemp("models"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def short_lm(short_model_dir, tmp_path_factory):
+    from kvchat.llm import load_model
+
+    return load_model(str(short_model_dir), tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

@@ -158,6 +158,11 @@ def method(name: str) -> Method:
         raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)})") from None
 
 
+def may_recall(name: str) -> bool:
+    """Whether `name` (a registry method or auto, unresolved) spends part of its budget on recalled turns."""
+    return any(method(m).recalls for m in (AUTO_METHODS if name == AUTO_METHOD else (name,)))
+
+
 def across_heads_methods() -> tuple[str, ...]:
     """Methods whose scores compare across heads (adaptive head budgets need one)."""
     return tuple(m.name for m in REGISTRY.values() if m.across_heads)
