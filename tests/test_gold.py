@@ -135,6 +135,14 @@ def test_verdict_calls_a_win_only_outside_the_noise():
     assert set(rows[0]["f1_by_category"]) == {"multi-hop", "temporal", "open-domain", "single-hop"}
 
 
+def test_verdict_compares_only_systems_measured_on_the_most_questions():
+    base = np.linspace(0, 0.5, 60)
+    subset = _answers("keydiff@1024", np.ones(20), baseline=False)  # perfect, on a third of the questions
+    records = _answers("snapkv@1024", base + 0.3, baseline=False) + _answers("rag@4x256", base, baseline=True)
+    [line] = verdict(records + subset)
+    assert line.startswith("1024 entries: snapkv@1024 beat rag@4x256") and "keydiff" not in line
+
+
 def test_gold_eval_runs_every_system_on_a_history_3x_the_window(short_lm, encoder, tmp_path):
     assert not fits_window(short_lm, QA, SYSTEM)
     variants = [kvchat_variant(dataclasses.replace(BASE.cache, method="snapkv"), "snapkv@96"),
