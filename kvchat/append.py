@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvchat import features, sources
+from kvchat import features, recall, sources
 from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
@@ -33,6 +33,7 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import method
 from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
+from kvchat.rag import RagIndex
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
@@ -76,9 +77,13 @@ def append(
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
                           "(`--append --reingest` of the files you mean rebuilds it without them)")
     side_file = features.side_file_name(config.cache)
-    stored_spans = sources.from_metadata(store.load_episode(record.episodes[0], lm.fingerprint)[1])
+    stored_metadata = store.load_episode(record.episodes[0], lm.fingerprint)[1]
+    stored_spans = sources.from_metadata(stored_metadata)
     # receipts need every turn's span: none when the stored caches predate them
     plan = dataclasses.replace(plan, turn_spans=(*stored_spans, *plan.turn_spans) if stored_spans else ())
+    if plan.recall is not None:  # questions recall from the stored turns' chunks and the new ones'
+        stored_recall = _stored_recall(store, record, stored_metadata)
+        plan = dataclasses.replace(plan, recall=recall.joined(stored_recall, plan.recall))
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]
@@ -122,6 +127,18 @@ def reingest(
         progress=progress, replace=True, source=sources[0], force=force,
         appended=[*sources[1:], str(Path(history).resolve())],
     )
+
+
+def _stored_recall(store: Store, record: ConversationRecord, metadata: dict[str, str]) -> RagIndex:
+    """The chunk index the stored caches recall from (`--method recall`)."""
+    rebuild = f"`kvchat ingest HISTORY --name {record.name} --append --reingest`"
+    try:
+        index = recall.from_metadata(metadata)
+    except ValueError as e:
+        raise UserError(f"conversation '{record.name}' episode 0: {e}; rebuild it with {rebuild}") from None
+    if index is None:
+        raise UserError(f"conversation '{record.name}' has no recall index to extend; rebuild it with {rebuild}")
+    return index
 
 
 def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:

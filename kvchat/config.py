@@ -57,6 +57,9 @@ from kvchat.kv.config import (
 from kvchat.kv.config import (
     PagingConfig as PagingConfig,
 )
+from kvchat.kv.config import (
+    RecallConfig as RecallConfig,
+)
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
 
 WEIGHT_MODES = ("float", "int8")  # how the model's Linear weights are held while answering (kvchat.int8_weights)

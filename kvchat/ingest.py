@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat import features, sources
+from kvchat import features, recall, sources
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
@@ -227,6 +227,8 @@ def encode_episode(
         spans = spans[built.episode.index] if spans else ()
     if spans:  # what `ask --sources` maps cached positions to
         metadata[sources.METADATA_KEY] = sources.to_metadata(spans)
+    if plan.recall is not None:  # the chunks each question recalls turns from (--method recall)
+        metadata[recall.METADATA_KEY] = recall.to_metadata(plan.recall)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
     if writer is not None:

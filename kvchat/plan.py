@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvchat import features, preflight
+from kvchat import features, preflight, recall
 from kvchat.config import (
     ANSWER_ROOM,
     CacheConfig,
@@ -31,10 +31,20 @@ from kvchat.kv import families
 from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
-from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
+from kvchat.kv.methods import (
+    AUTO_METHOD,
+    AUTO_METHODS,
+    METHOD_CHOICES,
+    REGISTRY,
+    ScorerInputs,
+    across_heads_methods,
+    may_recall,
+    method,
+)
 from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_indexmem, find_profile
+from kvchat.rag import RagIndex
 from kvchat.sources import TurnSpan, turn_spans
 from kvchat.store import Store, validate_name
 
@@ -42,15 +52,18 @@ from kvchat.store import Store, validate_name
 def validate(config: IngestConfig) -> None:
     """Reject option values that cannot work, before anything is loaded or written."""
     cache = config.cache
-    if cache.method not in REGISTRY:
-        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(REGISTRY)})")
+    if cache.method != AUTO_METHOD and cache.method not in REGISTRY:
+        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(METHOD_CHOICES)})")
     check_fields(config)
     if cache.block_size > cache.budget * 8 and cache.method != "full":
         raise UserError(
             f"--block-size {cache.block_size} is more than 8x --budget {cache.budget}: "
             "peak memory would be dominated by the block"
         )
-    if cache.head_budgets == "adaptive" and not method(cache.method).across_heads:
+    if may_recall(cache.method):
+        recall.split(cache)  # refuses a share it cannot split the budget by
+    entries = [method(m) for m in (AUTO_METHODS if cache.method == AUTO_METHOD else (cache.method,))]
+    if cache.head_budgets == "adaptive" and not all(e.across_heads for e in entries):
         raise UserError(
             f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
             f"has none (use it with {', '.join(across_heads_methods())})"
@@ -109,6 +122,7 @@ class IngestPlan:
     # routed: one tuple per episode, of its own turns
     turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
     episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
+    recall: RagIndex | None = None  # --method recall: the chunks questions recall turns from (an append's: new ones)
 
 
 @dataclass(frozen=True)
@@ -161,16 +175,21 @@ def plan_ingest(
     context_ids = lm.encode(("\n" if continuing else "") + "\n".join(lines))
     earlier = continuing.history_tokens if continuing else 0
     history_tokens = earlier + int(context_ids.shape[-1])
-    cache_cfg = config.cache
-    full = method(cache_cfg.method).scorer is None
     protected = prefix_ids.shape[-1]
     total = protected + history_tokens
-    if not full and cache_cfg.budget <= protected:  # every layer's floor lies above the prompt when M does
+    notes: list[str] = []
+    cache_cfg = _resolve_method(config.cache, total, lm.context_window, notes)
+    config = dataclasses.replace(config, cache=cache_cfg)
+    full = method(cache_cfg.method).scorer is None
+    recalls = method(cache_cfg.method).recalls
+    kept = recall.split(cache_cfg).cache_budget if recalls else cache_cfg.budget  # M of each episode cache
+    if not full and kept <= protected:  # every layer's floor lies above the prompt when M does
         raise UserError(
             f"--budget {cache_cfg.budget} must exceed the system prompt's {protected} tokens, which every "
-            "layer keeps; raise --budget"
+            "layer keeps; raise --budget" if kept == cache_cfg.budget else
+            f"--budget {cache_cfg.budget} leaves --method recall's episode caches {kept} entries, no more than "
+            f"the system prompt's {protected} tokens, which every layer keeps; raise --budget"
         )
-    notes: list[str] = []
     episode_ids: list[torch.Tensor] = []
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
@@ -184,7 +203,7 @@ def plan_ingest(
     trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
     cache_cfg = features.resolve(cache_cfg, trained, notes)
     strategy, budgets, alpha = ("full", None, None) if full else resolve_layer_budgets(
-        cache_cfg, lm, dirs, protected, notes
+        dataclasses.replace(cache_cfg, budget=kept), lm, dirs, protected, notes
     )
     budgets = features.budgets(cache_cfg, budgets, total)
     heads = HeadBudgets(cache_cfg.head_budgets)
@@ -225,6 +244,10 @@ def plan_ingest(
                            indices=range(first, first + len(turns)))
         if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
             spans = []
+    recall_index = None
+    if recalls:  # the chunks each question's turns are recalled from: an append's new turns only
+        index = RagIndex.build(turns, lm, encoder, recall.split(cache_cfg).chunk_tokens)
+        recall_index = recall.offset(index, continuing.turns) if continuing else index
     return IngestPlan(
         name=name,
         config=resolved,
@@ -245,6 +268,7 @@ def plan_ingest(
         appended=tuple(appended),
         turn_spans=tuple(spans),
         episode_ids=episode_ids,
+        recall=recall_index,
     )
 
 
@@ -368,6 +392,18 @@ def _routed_spans(turns: Sequence[Turn], episodes: list[Episode], config: Ingest
             return []
         out.append(tuple(spans))
     return out
+
+
+def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes: list[str]) -> CacheConfig:
+    """`--method auto`: `recall` for a history longer than the model's window (its caches alone would keep a
+    fraction of it, chosen before any question), else `epicache` (kvchat.kv.methods.AUTO_METHODS)."""
+    if cache.method != AUTO_METHOD:
+        return cache
+    within, beyond = AUTO_METHODS
+    if not window or history_tokens + ANSWER_ROOM <= window:
+        return dataclasses.replace(cache, method=within)
+    notes.append(f"the history ({history_tokens} tokens) exceeds the model's window ({window}): --method {beyond}")
+    return dataclasses.replace(cache, method=beyond)
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:

@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvchat import features
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import UserError
 from kvchat.kv.config import saved_keys
+from kvchat.kv.methods import may_recall
 
 # Settings keys of CAKE's knobs (its fields' metadata): with `cake` layer budgets, and with the `cake` method's
 # scorer; its window with either.
@@ -109,6 +110,8 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_BUDGET_KEYS.items()}
     if cache.method == "cake":
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
+    if may_recall(cache.method):
+        settings |= {"recall_share": cache.recall.share, "recall_chunk_tokens": cache.recall.chunk_tokens}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
     return settings | features.settings(cache)  # the settings of the features it turns on (kvchat.features)
@@ -139,6 +142,8 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
+        recall=RecallConfig(share=get("recall_share", cache_d.recall.share),
+                            chunk_tokens=get("recall_chunk_tokens", cache_d.recall.chunk_tokens)),
     )
     cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(

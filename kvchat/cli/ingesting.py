@@ -57,8 +57,8 @@ INGEST_EXAMPLES = """Examples:
   kvchat ingest chat.json                       # stored as "chat"
   kvchat ingest conversations.json --pick "Trip to Japan" --name japan
   kvchat ingest more.json --append --name chat  # continue a stored conversation"""
-_METHOD_HELP = "How entries are scored for eviction. " + "; ".join(
-    f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
+_METHOD_HELP = "How entries are scored for eviction. auto (default): epicache within the model's window, recall " \
+    "beyond it; " + "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 def _option(name: str, annotation: object, default: object) -> inspect.Parameter:

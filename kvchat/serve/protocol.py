@@ -121,10 +121,12 @@ def completion_id() -> str:
 
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
-    below the server's threshold), timings, and when the request asked for them the answer's `sources`."""
+    below the server's threshold), timings, the turns `--method recall` recalled, and when the request asked for
+    them the answer's `sources`."""
     answer = completion.answer
     fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
-              "off_topic": answer.off_topic, "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms}
+              "off_topic": answer.off_topic, "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms,
+              "recalled": answer.recalled}
     if answer.sources is not None or answer.sources_note is not None:
         fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
         fields["sources_note"] = answer.sources_note
