@@ -195,7 +195,7 @@ def ingest_batch(
     if batch.address is None and not ray.is_initialized():
         workers_for(batch, preflight.usable_cores())  # before a local Ray is started for nothing
     started = time.perf_counter()
-    with _ray_session(ray, batch.address):
+    with ray_session(ray, batch.address):
         workers = _Workers(ray, batch, len(sources))
         try:
             progress.start(len(sources), workers.count)
@@ -231,8 +231,9 @@ def workers_for(batch: BatchConfig, cpus: int) -> int:
 
 
 @contextmanager
-def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
-    """Ray for the batch: the one this process already runs, else a new one it shuts down afterwards."""
+def ray_session(ray: Any, address: str | None, cpus: int | None = None) -> Iterator[None]:
+    """Ray for the batch (or `kvchat serve --replicas`): the one this process already runs, else a new one it
+    shuts down afterwards; a local one gets `cpus` CPUs (default: the cores this process may use)."""
     if ray.is_initialized():
         yield
         return
@@ -242,7 +243,7 @@ def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
     try:
         if address is None:  # "local": a new instance, never a cluster someone else started on this machine
             session_dir = tempfile.mkdtemp(prefix="kvchat-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
-            ray.init(address="local", num_cpus=preflight.usable_cores(), _temp_dir=session_dir, **options)
+            ray.init(address="local", num_cpus=cpus or preflight.usable_cores(), _temp_dir=session_dir, **options)
         else:
             ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:

@@ -256,3 +256,4 @@ class ServeConfig:
     preload: bool = True        # load the stored conversations' models and the encoder at start, not at the first ask
     log: bool = True            # record answers in `kvchat logs`
     shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this are cut
+    replicas: int | None = None  # None: one worker thread in the app's process; N: N Ray Serve replicas

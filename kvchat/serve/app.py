@@ -262,6 +262,8 @@ def _api_error(exc: BaseException) -> ApiError:
         return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, Closed):
         return ApiError(503, str(exc))
+    if isinstance(exc, QueueFull):  # a replica's queue (`--replicas`): the app's own is refused at submit
+        return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, CacheIntegrityError):  # the server's store is damaged: not the client's to fix
         return ApiError(500, str(exc), code="cache_integrity")
     if isinstance(exc, UserError):

@@ -64,6 +64,7 @@ class Completion:
     text: str
     finish_reason: str  # stop (the model or a stop string) | length (max_tokens) | cancelled (the client left)
     answer: Answer      # kvchat's own account: episode, similarity, token counts, timings
+    replica: str | None = None  # the Ray Serve replica that answered (`kvchat serve --replicas`)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,10 @@ class Engine:
     def ready(self) -> bool:
         """Whether the preloaded models and encoder are loaded."""
         return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the preloaded models and encoder are loaded (or preloading failed)."""
+        return self._ready.wait(timeout)
 
     # ----- submitting (any thread)
 

@@ -127,6 +127,8 @@ def kvchat_fields(completion: Completion) -> dict[str, Any]:
     fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
               "off_topic": answer.off_topic, "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms,
               "recalled": answer.recalled}
+    if completion.replica is not None:
+        fields["replica"] = completion.replica
     if answer.sources is not None or answer.sources_note is not None:
         fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
         fields["sources_note"] = answer.sources_note
