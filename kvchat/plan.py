@@ -20,6 +20,7 @@ import torch
 from kvchat import features, preflight
 from kvchat.config import (
     ANSWER_ROOM,
+    DEFAULT_EPISODES,
     CacheConfig,
     IngestConfig,
 )
@@ -80,7 +81,7 @@ def check_fields(config: object) -> None:
             check_fields(value)
         elif "choices" in meta and value not in meta["choices"]:
             raise UserError(f"unknown {meta['option']} {value!r} (choose from {', '.join(meta['choices'])})")
-        elif "min" in meta and value < meta["min"]:
+        elif "min" in meta and value is not None and value < meta["min"]:
             raise UserError(f"{meta['option']} must be >= {meta['min']} (got {value})")
 
 
@@ -175,7 +176,9 @@ def plan_ingest(
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
     else:
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+        episodes, episode_count = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic,
+                                            notes=notes)
+        config = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, episodes=episode_count))
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
             episode_ids = _routed_ids(turns, episodes, config, lm)
@@ -378,25 +381,35 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 
 def _episodes(
-    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool
-) -> list[Episode]:
-    """Episodes of the history. Only EpiCache is episodic: full KV and the query-agnostic baselines
-    build a single cache, as in the EpiCache paper's comparisons."""
+    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
+    notes: list[str],
+) -> tuple[list[Episode], int]:
+    """Episodes of the history, and the episode count the settings record. Only EpiCache is episodic: full KV
+    and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
+    given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
+    is refused."""
     eps = config.episodes
     segments = segment(lines, eps.window)
-    if eps.episodes > len(segments) and episodic:
+    count = eps.episodes
+    if count is None:
+        count = min(DEFAULT_EPISODES, len(segments))
+        if count < DEFAULT_EPISODES and episodic:
+            notes.append(f"{count} episode{'s' * (count != 1)}, not {DEFAULT_EPISODES}: the history has "
+                         f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.window} turns")
+    elif count > len(segments) and episodic:
         raise UserError(
-            f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
-            f"{eps.window} turns; use at most {len(segments)}"
+            f"--episodes {count} is more than the history's {len(segments)} segments of "
+            f"{eps.window} turns; use at most {len(segments)} (or leave --episodes out)"
         )
-    return build_episodes(
+    built = build_episodes(
         segments,
         encoder.embed(segments),
-        k=eps.episodes if episodic else 1,
+        k=count if episodic else 1,
         seed=eps.seed,
         token_cap=_medoid_cap(config, lm),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
+    return built, count
 
 
 def episode_scorer(

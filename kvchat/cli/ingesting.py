@@ -40,6 +40,7 @@ from kvchat.cli.render import emit_json, err, head_budgets_text, say, table
 from kvchat.config import (
     BatchConfig,
     CacheConfig,
+    DEFAULT_EPISODES,
     CakeConfig,
     DeviceConfig,
     EpisodeConfig,
@@ -75,8 +76,9 @@ _CACHE_OPTIONS = [
             CacheConfig.budget),
     _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).", rich_help_panel=_CACHE)],
             CacheConfig.block_size),
-    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).", rich_help_panel=_CACHE)],
-            EpisodeConfig.episodes),
+    _option("episodes", Annotated[int | None, typer.Option(
+        help=f"Number of topical episodes (E). Default: {DEFAULT_EPISODES}, or fewer when the history has fewer "
+        "segments.", show_default=False, rich_help_panel=_CACHE)], EpisodeConfig.episodes),
     _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).",
                                                   rich_help_panel=_CACHE)],
             EpisodeConfig.window),
