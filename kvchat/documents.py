@@ -73,9 +73,9 @@ def conversation(record) -> dict[str, Any]:
     }
 
 
-def conversations(records) -> dict[str, Any]:
-    """`kvchat list --json`."""
-    return document(conversations=[conversation(r) for r in records])
+def conversations(records, default: str | None = None) -> dict[str, Any]:
+    """`kvchat list --json`; `default`, the conversation `ask` answers from when none is named."""
+    return document(conversations=[{**conversation(r), "default": r.name == default} for r in records])
 
 
 def show(record) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -153,6 +154,59 @@ def test_rm_removes(tmp_path, tiny_model_dir):
     assert json.loads(run(tmp_path, "list", "--json").stdout)["conversations"] == []
 
 
+def test_use_chooses_the_default_conversation_and_list_and_ask_follow_it(tmp_path, tiny_model_dir):
+    history = tmp_path / "h.json"
+    history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
+    for name in ("first", "second"):
+        assert run_main(tmp_path, "ingest", str(history), "--name", name, "--model", str(tiny_model_dir),
+                        "--budget", "64", "--block-size", "32", "--episodes", "2").returncode == 0
+    shown = run_main(tmp_path, "use")  # none chosen: the latest, and a note saying so
+    assert shown.returncode == 0 and shown.stdout == "second\n" and "kvchat use NAME" in shown.stderr
+    assert json.loads(run_main(tmp_path, "use", "--json").stdout) == {"schema": 1, "conversation": "second",
+                                                                     "chosen": False}
+    assert run_main(tmp_path, "use", "first").returncode == 0
+    assert run_main(tmp_path, "use").stdout == "first\n"
+    rows = [line.split("\t") for line in run_main(tmp_path, "list").stdout.splitlines()[1:]]
+    assert {row[0]: row[-1] for row in rows} == {"first": "*", "second": ""}
+    listed = json.loads(run_main(tmp_path, "list", "--json").stdout)["conversations"]
+    assert {c["name"]: c["default"] for c in listed} == {"first": True, "second": False}
+    answer = json.loads(run_main(tmp_path, "ask", "Where?", "--json", "--max-new-tokens", "2").stdout)
+    assert answer["conversation"] == "first"
+    unknown = run_main(tmp_path, "use", "nope")
+    assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
+    assert run_main(tmp_path, "use").stdout == "first\n"  # a refused choice changes nothing
+    assert run_main(tmp_path, "rm", "first").returncode == 0  # the chosen one removed: back to the latest
+    assert json.loads(run_main(tmp_path, "use", "--json").stdout)["conversation"] == "second"
+    assert not (tmp_path / "default-conversation").exists()
+
+
+def test_the_answers_footer_on_a_terminal_names_its_conversation(monkeypatch, capsys):
+    import io
+
+    from rich.console import Console
+
+    from kvchat.cli import asking
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    footer = io.StringIO()
+    monkeypatch.setattr(asking, "err", Console(file=footer, force_terminal=True, no_color=True, width=200))
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr(asking, "_ctrl_c_stops", lambda: contextlib.nullcontext(lambda: False))
+
+    def run(write, stopping):
+        write("Gate 22.")
+        return {"finish_reason": "stop", "conversation": "trip\x1b[31m", "episode": 2, "similarity": 0.4142,
+                "reused_cache": True}
+
+    asking._print_streamed(run, 8)
+    assert capsys.readouterr().out == "Gate 22.\n"
+    assert "trip, episode 2 (similarity 0.41, resident)" in footer.getvalue()
+    assert "\x1b[31m" not in footer.getvalue()  # a name from the server is text, never an escape sequence
+
+
 def test_help_lists_the_commands():
     result = subprocess.run([*KVCHAT, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
@@ -255,7 +309,7 @@ def test_history_text_and_paths_are_shown_as_text(hostile, monkeypatch, terminal
 def test_piped_tables_are_tab_separated_and_whole(hostile):
     home, model = hostile
     lines = run_main(home, "list").stdout.splitlines()
-    assert lines[0].split("\t") == ["name", "created", "model", "method", "episodes", "turns", "MiB"]
+    assert lines[0].split("\t") == ["name", "created", "model", "method", "episodes", "turns", "MiB", "default"]
     assert lines[1].split("\t")[0] == "h" and lines[1].split("\t")[2] == model and len(lines) == 2
     shown = run_main(home, "show", "h").stdout.splitlines()
     rows = [line.split("\t") for line in shown[2:]]

@@ -25,7 +25,7 @@ from kvchat.cli.options import (
 from kvchat.cli.render import emit_json, episode_lines, err, out, say
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
-from kvchat.terminal import StreamCleaner
+from kvchat.terminal import StreamCleaner, clean
 
 
 def ask(
@@ -33,7 +33,8 @@ def ask(
         metavar="QUESTION",
         help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
     conversation: Annotated[str | None, typer.Option(
-        help="Conversation name (default: the latest).", autocompletion=complete_conversation)] = None,
+        help="Conversation name (default: the one `kvchat use` chose, else the latest).",
+        autocompletion=complete_conversation)] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
     retrieve: Annotated[int | None, typer.Option(
@@ -131,7 +132,7 @@ class _Asker:
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
                  device: DeviceConfig = DeviceConfig()) -> None:
         self.store, self.config, self.log = store, config, log
-        record = store.get(conversation) if conversation else store.latest()  # an unknown name: before torch loads
+        record = store.get(conversation) if conversation else store.default()  # an unknown name: before torch loads
         from kvchat.ask import Session
 
         self.threads, self.device = threads, device
@@ -187,8 +188,8 @@ class _Asker:
             result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping,
                                       earlier=earlier, **self._receipts())
             answered.append(result)
-            return {"finish_reason": result.finish_reason, "episode": result.episode,
-                    "similarity": result.similarity, "reused_cache": result.reused_cache}
+            return {"finish_reason": result.finish_reason, "conversation": result.conversation,
+                    "episode": result.episode, "similarity": result.similarity, "reused_cache": result.reused_cache}
 
         _print_streamed(run, self.config.max_new_tokens)
         self._off_topic(answered[-1])
@@ -220,11 +221,14 @@ class _RemoteAsker:
     refused = 0
 
     def __init__(self, client, conversation: str | None, max_new_tokens: int) -> None:
+        from kvchat.serve.client import default_of
+
         self.client, self.max_new_tokens = client, max_new_tokens
-        self._episodes = {c["name"]: c["episode_count"] for c in client.conversations()}
+        listed = client.conversations()
+        self._episodes = {c["name"]: c["episode_count"] for c in listed}
         if not self._episodes:
             raise UserError(f"no conversations yet on the server at {client.url}; run `kvchat ingest HISTORY` first")
-        self.name = conversation or next(iter(self._episodes))  # newest first: the latest
+        self.name = conversation or default_of(listed)
         self.switch(self.name)
 
     @property
@@ -318,10 +322,17 @@ def _print_streamed(run, max_new_tokens: int) -> str:
         say(f"[answer cut at --max-new-tokens {max_new_tokens}]", console=err)
     elif result["finish_reason"] == "stopped":
         say("[stopped]", console=err)
-    if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
-        reuse = ", resident" if result.get("reused_cache") else ""
-        err.print(Text(f"episode {result['episode']} (similarity {result['similarity']:.2f}{reuse})", style="dim"))
+    if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal and result.get("episode") is not None:
+        err.print(Text(clean(footer(result), one_line=True), style="dim"))
     return result.get("answer", "")
+
+
+def footer(result: dict) -> str:
+    """The line under an answer on a terminal: the conversation and episode it came from, and how similar the
+    question was to that episode."""
+    reuse = ", resident" if result.get("reused_cache") else ""
+    where = f"{result.get('conversation') or '?'}, episode {result['episode']}"
+    return f"{where} (similarity {result['similarity']:.2f}{reuse})"
 
 
 class _ctrl_c_stops:

@@ -38,9 +38,9 @@ from kvchat.cli.progress import (
 )
 from kvchat.cli.render import emit_json, err, head_budgets_text, say, table
 from kvchat.config import (
+    DEFAULT_EPISODES,
     BatchConfig,
     CacheConfig,
-    DEFAULT_EPISODES,
     CakeConfig,
     DeviceConfig,
     EpisodeConfig,

@@ -1,4 +1,4 @@
-"""The store's commands: `list`, `show`, `rm`, `logs`, `doctor`."""
+"""The store's commands: `list`, `use`, `show`, `rm`, `path`, `logs`, `doctor`."""
 
 from __future__ import annotations
 
@@ -9,25 +9,42 @@ import typer
 
 from kvchat import documents
 from kvchat.cli.options import JsonOpt, NameArg, complete_conversation, open_store
-from kvchat.cli.render import emit_json, head_budgets_text, out, say, table
+from kvchat.cli.render import emit_json, err, head_budgets_text, out, say, table
 from kvchat.config import default_home
 from kvchat.errors import UserError
 from kvchat.terminal import clean
 
 
 def list_conversations(as_json: JsonOpt = False) -> None:
-    """List stored conversations."""
-    records = open_store().conversations()
+    """List stored conversations, newest first; the default one (what `ask` answers from) is marked *."""
+    store = open_store()
+    records = store.conversations()
+    default = store.default_name()
     if as_json:
-        emit_json(documents.conversations(records))
+        emit_json(documents.conversations(records, default))
         return
     rows = []
     for r in records:
         s = documents.conversation(r)
         rows.append((r.name, r.created_at[:19], r.model, s["method"], s["episode_count"], s["turns"],
-                     f"{s['cache_bytes'] / 2**20:.1f}"))
-    table(("name", "created", "model", "method", "episodes", "turns", "MiB"), rows,
+                     f"{s['cache_bytes'] / 2**20:.1f}", "*" if r.name == default else ""))
+    table(("name", "created", "model", "method", "episodes", "turns", "MiB", "default"), rows,
           right=("episodes", "turns", "MiB"))
+
+
+def use(name: Annotated[str | None, typer.Argument(
+        metavar="[NAME]", help="The conversation `ask` answers from when --conversation is not given.",
+        autocompletion=complete_conversation)] = None, as_json: JsonOpt = False) -> None:
+    """Choose the default conversation; without NAME, show it (the latest ingested until one is chosen)."""
+    store = open_store()
+    record = store.use(name) if name is not None else store.default()
+    chosen = name is not None or store.chosen() is not None
+    if as_json:
+        emit_json(documents.document(conversation=record.name, chosen=chosen))
+        return
+    sys.stdout.write(clean(record.name, one_line=True) + "\n")
+    if not chosen:
+        say("kvchat: note: the latest ingested; `kvchat use NAME` chooses the default", console=err)
 
 
 def show(name: NameArg, as_json: JsonOpt = False) -> None:

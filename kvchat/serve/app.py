@@ -108,7 +108,8 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
 
     @app.get("/kvchat/conversations", dependencies=[key])
     async def conversations(request: Request) -> dict:
-        return documents.conversations(_store(request).conversations())
+        store = _store(request)
+        return documents.conversations(store.conversations(), store.default_name())
 
     @app.get("/kvchat/conversations/{name}", dependencies=[key])
     async def show(name: str, request: Request) -> dict:

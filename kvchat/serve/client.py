@@ -30,13 +30,14 @@ class Client:
             earlier: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
         """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams, and `stop`,
         asked after each piece, ends it (the connection closes, which stops the server's decoding; the
-        document's `finish_reason` is then "stopped"). `conversation` None: the newest one. `earlier`
-        (question, answer) pairs are the exchange the question follows up (streamed answers only)."""
+        document's `finish_reason` is then "stopped"). `conversation` None: the server's default (`kvchat use`),
+        else the newest. `earlier` (question, answer) pairs are the exchange the question follows up (streamed
+        answers only)."""
         if conversation is None:
             listed = self.conversations()
             if not listed:
                 raise UserError("no conversations yet; run `kvchat ingest HISTORY` first")
-            conversation = listed[0]["name"]
+            conversation = default_of(listed)
         if on_text is None:
             body = {"conversation": conversation, "question": question, "episode": episode, "max_tokens": max_tokens}
             return self._request("POST", "/kvchat/ask", body)
@@ -106,6 +107,12 @@ class Client:
                 if data == "[DONE]":
                     return
                 yield json.loads(data)
+
+
+def default_of(listed: list[dict[str, Any]]) -> str:
+    """The default conversation of a non-empty listing (`conversations()`): the one marked (`kvchat use`), else
+    the newest (a server older than the mark marks none)."""
+    return next((c["name"] for c in listed if c.get("default")), listed[0]["name"])
 
 
 def _error(status: int, document: dict) -> KvchatError:
