@@ -289,7 +289,10 @@ def test_the_command_reports_json_replaces_with_other_settings_and_exits_2(ray_i
     assert "exists with other settings (budget)" in errors["first"] and "use --replace" in errors["first"]
     replaced = run_main(home, *other, "--replace")
     assert replaced.returncode == 2  # bad.json still fails
-    assert "4 committed, 0 skipped, 1 failed" in replaced.stdout
+    assert "4 committed, 0 skipped, 1 failed" in replaced.stderr  # stdout piped: the TSV table alone
+    lines = [line.split("\t") for line in replaced.stdout.splitlines()]
+    assert lines[0] == ["conversation", "status", "episodes", "MiB", "seconds", "tries", "error"]
+    assert len(lines) == 6 and all(len(fields) == 7 for fields in lines)
     assert {c.settings["budget"] for c in Store(home).conversations()} == {48}
     _assert_whole(home, {"h2", "h3", "first", "second"})
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,7 +69,50 @@ def test_list_show_rm(ingested, tmp_path):
     assert listed["schema"] == 1 and [c["name"] for c in listed["conversations"]] == ["chat"]
     shown = json.loads(run(home, "show", "chat", "--json").stdout)
     assert len(shown["episodes"]) == 3 and all(e["budgets"] == [80, 80] for e in shown["episodes"])
-    assert "chat" in run(home, "show", "chat").stdout
+    piped = run(home, "show", "chat")
+    assert piped.stderr.startswith("chat (the default conversation)\n")
+    assert [line.split("\t")[0] for line in piped.stdout.splitlines()] == ["episode", "0", "1", "2"]
+
+
+def test_json_documents_share_one_vocabulary(ingested):
+    """A key that ingest, list, show and ask documents share means the same thing in each: the same value."""
+    home, report = ingested
+    listed = json.loads(run_main(home, "list", "--json").stdout)["conversations"][0]
+    shown = json.loads(run_main(home, "show", "chat", "--json").stdout)
+    answer = json.loads(run_main(home, "ask", "Which gate?", "--json", "--max-new-tokens", "2").stdout)
+    for a, b in ((report, shown), (listed, shown), (report, listed)):
+        shared = (set(a) & set(b)) - {"schema"}
+        assert {"name", "episode_count", "cache_bytes", "turns"} <= shared
+        assert {key: a[key] for key in shared} == {key: b[key] for key in shared}
+    assert {"history_tokens", "timings_ms", "budgets", "prefill", "positions"} <= set(report) & set(shown)
+    assert isinstance(shown["episodes"], list) and len(shown["episodes"]) == shown["episode_count"] == 3
+    assert "seconds" not in shown and answer["conversation"] == shown["name"]
+    assert answer["episode"] in [e["index"] for e in shown["episodes"]]
+    assert sum(e["cache_bytes"] for e in shown["episodes"]) == shown["cache_bytes"]
+    assert all(e["topic"] and e["segments"] >= 1 for e in shown["episodes"])
+
+
+def test_show_on_a_terminal_leads_with_sizes_and_topics(ingested, monkeypatch):
+    from kvchat.cli import render  # its consoles made before TTY_COMPATIBLE is set, as the other tests' are
+
+    home, _ = ingested
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's way to say "a terminal"
+    monkeypatch.setattr(render.out, "width", 400)  # one table row per line
+    shown = json.loads(run_main(home, "show", "chat", "--json").stdout)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", run_main(home, "show", "chat").stdout)  # bold, dim
+    lines = [line.strip() for line in plain.splitlines()]
+    entries = sum(e["entries"] for e in shown["episodes"])
+    assert lines[0] == "chat (the default conversation)"
+    assert lines[1] == (f"{shown['turns']} turns, {shown['history_tokens']:,} tokens in 3 episodes (segments of 4 "
+                        f"turns): {entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB")
+    assert lines[2].startswith("epicache, budget 80 per layer and KV head, full precision; model ")
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 3 and "budgets per layer" not in "\n".join(lines)
+    for row, episode in zip(rows, shown["episodes"], strict=True):
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[:4] == [str(episode["index"]), episode["topic"], str(episode["segments"]), str(episode["entries"])]
+        assert episode["topic"] and len(cells[5]) <= 90  # an excerpt, cut at a word
+        assert " ".join(episode["medoid_text"].split()).startswith(cells[5].rstrip("…"))
 
 
 @pytest.mark.parametrize(
@@ -111,10 +155,14 @@ def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
     shown = json.loads(run_main(tmp_path, "show", "h", "--json").stdout)
     assert shown["settings"]["layer_budgets"] == "cake" and shown["settings"]["tau2"] == 0.5
     assert all(sum(e["budgets"]) == 2 * 80 for e in shown["episodes"])
-    text = " ".join(run_main(tmp_path, "show", "h").stdout.split())  # rich wraps lines at the console width
+    verbose = run_main(tmp_path, "show", "h", "--verbose")  # per-layer budgets only with --verbose
+    text = " ".join((verbose.stderr + verbose.stdout).split())  # rich wraps lines at the console width
     assert "cake tau1=1.0 tau2=0.5 layer budgets" in text
     for episode in shown["episodes"]:
         assert " ".join(map(str, episode["budgets"])) in text or f"{episode['budgets'][0]} x2" in text
+    plain = run_main(tmp_path, "show", "h")
+    assert "layer budgets" not in plain.stderr and "budgets per layer" not in plain.stdout
+    assert "epicache, budget 80 per layer and KV head" in plain.stderr
 
 
 def test_profile_layers_on_a_local_model_dir_then_ingest_uses_it(tmp_path, tiny_model_dir):
@@ -311,9 +359,22 @@ def test_piped_tables_are_tab_separated_and_whole(hostile):
     lines = run_main(home, "list").stdout.splitlines()
     assert lines[0].split("\t") == ["name", "created", "model", "method", "episodes", "turns", "MiB", "default"]
     assert lines[1].split("\t")[0] == "h" and lines[1].split("\t")[2] == model and len(lines) == 2
-    shown = run_main(home, "show", "h").stdout.splitlines()
-    rows = [line.split("\t") for line in shown[2:]]
-    assert all(len(r) == 4 for r in rows) and all(len(r[3]) > 90 for r in rows)  # excerpts not cut when piped
+    shown = run_main(home, "show", "h").stdout.splitlines()  # piped: the table alone (the lines above: stderr)
+    assert shown[0].split("\t") == ["episode", "topic", "segments", "entries", "MiB", "medoid excerpt"]
+    rows = [line.split("\t") for line in shown[1:]]
+    assert len(rows) == 2 and all(len(r) == 6 for r in rows) and all(len(r[5]) > 90 for r in rows)  # not cut
+
+
+@pytest.mark.parametrize("args", [("list",), ("show", "chat"), ("show", "chat", "--verbose"), ("logs",),
+                                  ("path",)])
+def test_piped_stdout_is_tsv_alone(ingested, args):
+    """Every line a table command prints to a pipe is a row of its table: the same fields as the header line."""
+    home, _ = ingested
+    run_main(home, "ask", "Which gate?", "--max-new-tokens", "2")  # something for `logs`
+    result = run_main(home, *args)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) >= 2 and all(len(line.split("\t")) == len(lines[0].split("\t")) >= 2 for line in lines)
 
 
 def test_streamed_answers_are_cleaned(monkeypatch, capsys):

@@ -20,7 +20,7 @@ from kvchat.cli.options import (
     open_store,
 )
 from kvchat.cli.progress import RichEvalProgress, progress_bars
-from kvchat.cli.render import emit_json, err, say, table
+from kvchat.cli.render import beside_table, emit_json, err, say, table
 from kvchat.config import (
     CacheConfig,
     DeviceConfig,
@@ -153,7 +153,7 @@ def eval_command(
         table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in gold.COLUMNS] for row in gold_rows],
               title=f"kvchat eval against gold: {', '.join(sorted(gold_names))}", right=headers[1:])
         for line in verdict:
-            say(f"kvchat: {line}")
+            say(f"kvchat: {line}", console=beside_table())
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from kvchat.cli.progress import (
     RichIngestProgress,
     progress_bars,
 )
-from kvchat.cli.render import emit_json, err, head_budgets_text, say, table
+from kvchat.cli.render import beside_table, emit_json, err, head_budgets_text, say, table
 from kvchat.config import (
     DEFAULT_EPISODES,
     BatchConfig,
@@ -353,7 +353,7 @@ def ingest_batch(
         say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
             f"{report.threads} thread{'s' * (report.threads != 1)} "
-            f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
+            f"({report.histories_per_hour:.0f} histories/hour)", console=beside_table())  # fmt: skip
     failed = report.count("failed")
     if failed:
         raise UserError(f"{failed} of {len(report.histories)} histories failed")
