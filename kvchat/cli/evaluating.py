@@ -135,7 +135,9 @@ def eval_command(
     if report is not None and sets:
         from kvchat import report as eval_report
 
-        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data,
+        ran = eval_report.settings(config, base, model=lm.spec, offloads=_names(offload),
+                                   precisions=_names(cache_precision), retrieve=retrieve)
+        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data, settings=ran,
                           notes=[s.describe(config.questions) for s in sets] + skips)
     columns = EVAL_COLUMNS
     if per_conversation:
