@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +105,8 @@ class IngestPlan:
     notes: list[str]
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
+    reads: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # how `source` and `appended` were
+    # read where --format or --pick was given (kvchat.settings.read_options)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
     # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only;
     # routed: one tuple per episode, of its own turns
@@ -138,6 +140,7 @@ def plan_ingest(
     max_memory: int | None = None,
     appended: Sequence[str] = (),
     continuing: Continuation | None = None,
+    reads: Mapping[str, Mapping[str, str]] | None = None,
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`kvchat.ingest.ingest`
     describes the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker
@@ -246,6 +249,7 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        reads={path: dict(options) for path, options in (reads or {}).items() if options},
         turn_spans=tuple(spans),
         episode_ids=episode_ids,
     )

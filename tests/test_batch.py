@@ -298,6 +298,21 @@ def test_the_command_reports_json_replaces_with_other_settings_and_exits_2(ray_i
 
 
 @needs_ray
+def test_a_batch_reads_every_history_with_format_and_pick(ray_instance, tmp_path, tiny_model_dir):
+    export = Path(__file__).parent / "data" / "good" / "chatgpt_export.json"
+    args = ["ingest-batch", str(export), "--pick", "Tomato plants", "--format", "chatgpt", "--model",
+            str(tiny_model_dir), "--workers", "1", "--budget", "64", "--block-size", "32", "--episodes", "1", "--json"]
+    run = run_main(tmp_path, *args)
+    assert run.returncode == 0, run.stderr
+    (entry,) = json.loads(run.stdout)["histories"]
+    assert entry["status"] == "committed" and entry["turns"] == 2
+    assert Store(tmp_path).get("chatgpt_export").settings["reads"] == {str(export.resolve()): {
+        "format": "chatgpt", "pick": "Tomato plants"}}
+    again = json.loads(run_main(tmp_path, *args).stdout)["histories"][0]
+    assert again["status"] == "skipped"  # read the same way: the same settings
+
+
+@needs_ray
 def test_more_threads_than_cores_are_refused(files, tmp_path):
     run = run_main(tmp_path / "home", "ingest-batch", str(files[0]), "--workers", "100000")
     assert run.returncode == 2

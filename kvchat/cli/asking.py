@@ -73,12 +73,12 @@ def ask(
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
     given = {"--retrieve": retrieve is not None, "--weights": weights != AskConfig.weights,
              "--threads": threads is not None, "--device": device != DeviceConfig.device,
-             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log, "--sources": sources,
-             "--refuse-off-topic": refuse_off_topic}
+             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log}
     own = [option for option, set_ in given.items() if set_]  # what only this process honours
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
-    asker = _remote_asker(server, conversation, max_new_tokens, api_key) if not (local or own) else None
+    asker = _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) \
+        else None
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
@@ -87,7 +87,7 @@ def ask(
         config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic)
         asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
                        device=DeviceConfig(device, dtype))
-        asker.sources = sources
+    asker.sources = sources
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -192,38 +192,44 @@ class _Asker:
                     "episode": result.episode, "similarity": result.similarity, "reused_cache": result.reused_cache}
 
         _print_streamed(run, self.config.max_new_tokens)
-        self._off_topic(answered[-1])
-        if self.sources and answered[-1].finish_reason != "refused":
-            show_sources(answered[-1])
-        return answered[-1].text
+        result = answered[-1]
+        self._off_topic(result)
+        if self.sources and result.finish_reason != "refused":
+            show_sources(None if result.sources is None else [s.to_dict() for s in result.sources],
+                         result.sources_note, result.episode)
+        return result.text
 
     def _receipts(self) -> dict:
         return {"sources": True} if self.sources else {}
 
     def _off_topic(self, result) -> None:
         """The line that says no episode matched well, and the count of refusals."""
-        if not result.off_topic:
-            return
-        limit = self.config.off_topic_similarity
-        if result.finish_reason == "refused":
-            self.refused += 1
-            say(f"kvchat: not answered: no episode matches this question (similarity {result.similarity:.2f} < "
-                f"{limit:.2f}; --refuse-off-topic)", console=err)
-        else:
-            say(f"kvchat: note: no episode matches this question well (similarity {result.similarity:.2f} < "
-                f"{limit:.2f}): the answer may not come from the conversation", console=err)
+        if result.off_topic:
+            self.refused += say_off_topic(result.finish_reason, result.similarity, self.config.off_topic_similarity)
+
+
+def say_off_topic(finish_reason: str, similarity: float, limit: float | None) -> int:
+    """The line under an answer to a question no episode matches well (`limit`: the threshold, where known);
+    1 when the question was refused, else 0."""
+    under = f"similarity {similarity:.2f}" + (f" < {limit:.2f}" if limit is not None else ", under the threshold")
+    if finish_reason == "refused":
+        say(f"kvchat: not answered: no episode matches this question ({under}; --refuse-off-topic)", console=err)
+        return 1
+    say(f"kvchat: note: no episode matches this question well ({under}): the answer may not come from the "
+        "conversation", console=err)
+    return 0
 
 
 class _RemoteAsker:
     """`ask` through a running `kvchat serve` (kvchat.serve.client): the same output, and the REPL's Actions."""
 
-    sources = False  # the REPL's /sources: this client does not ask the server for them
-    refused = 0
+    sources = False  # --sources, the REPL's /sources
+    refused = 0      # questions the server refused as off-topic (--refuse-off-topic)
 
-    def __init__(self, client, conversation: str | None, max_new_tokens: int) -> None:
+    def __init__(self, client, conversation: str | None, max_new_tokens: int, refuse_off_topic: bool = False) -> None:
         from kvchat.serve.client import default_of
 
-        self.client, self.max_new_tokens = client, max_new_tokens
+        self.client, self.max_new_tokens, self.refuse_off_topic = client, max_new_tokens, refuse_off_topic
         listed = client.conversations()
         self._episodes = {c["name"]: c["episode_count"] for c in listed}
         if not self._episodes:
@@ -266,20 +272,34 @@ class _RemoteAsker:
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
                as_json: bool = False) -> str:
         question = question.strip()
-        if self.sources:
-            say("kvchat: note: sources are shown for answers in this process (ask --local --sources)", console=err)
+        options = {"episode": episode, "max_tokens": self.max_new_tokens, "sources": self.sources,
+                   "refuse_off_topic": self.refuse_off_topic}
         if as_json:
-            document = self.client.ask(self.name, question, episode=episode, max_tokens=self.max_new_tokens)
+            document = self.client.ask(self.name, question, **options)
             emit_json(document)
+            self._off_topic(document)
             return document.get("answer", "")
-        return _print_streamed(lambda write, stopping: self.client.ask(
-            self.name, question, episode=episode, max_tokens=self.max_new_tokens, on_text=write, stop=stopping,
-            earlier=earlier,
-        ), self.max_new_tokens)
+        answered = []
+
+        def run(write, stopping) -> dict:
+            answered.append(self.client.ask(self.name, question, on_text=write, stop=stopping, earlier=earlier,
+                                            **options))
+            return answered[-1]
+
+        _print_streamed(run, self.max_new_tokens)
+        document = answered[-1]
+        self._off_topic(document)
+        if self.sources and document.get("finish_reason") != "refused" and "sources" in document:
+            show_sources(document["sources"], document.get("sources_note"), document.get("episode"))
+        return document.get("answer", "")
+
+    def _off_topic(self, document: dict) -> None:
+        if document.get("off_topic"):
+            self.refused += say_off_topic(document.get("finish_reason", ""), document.get("similarity", 0.0), None)
 
 
 def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int,
-                  api_key: str | None) -> _RemoteAsker | None:
+                  api_key: str | None, refuse_off_topic: bool = False) -> _RemoteAsker | None:
     """An asker through the server at `url`, else through the one announced in $KVCHAT_HOME (None when none
     runs, or it does not answer: then this process answers)."""
     from kvchat.config import default_home
@@ -287,12 +307,12 @@ def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int
     from kvchat.serve.client import Client, Unreachable
 
     if url is not None:
-        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens)
+        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
     found = announced_url(default_home())
     if found is None:
         return None
     try:
-        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens)
+        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
     except Unreachable:
         return None
 
@@ -362,13 +382,14 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def show_sources(result) -> None:
-    """The answer's sources under it (`--sources`, the REPL's /sources), or the line saying why there are none."""
-    if result.sources is None:
-        say(f"kvchat: {result.sources_note}", console=err)
+def show_sources(sources: list[dict] | None, note: str | None, episode: int | None) -> None:
+    """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
+    there are none."""
+    if sources is None:
+        say(f"kvchat: {note}", console=err)
         return
-    say((f"sources (episode {result.episode}):", "bold"))
-    for n, s in enumerate(result.sources, start=1):
-        who = ", ".join(part for part in (s.speaker, s.time) if part)
-        say(f"  {n}. turn {s.turn} {who}: \u201c{s.quote}\u201d ",
-            (f"{s.attention_share:.0%} of attention, {s.kept_tokens}/{s.tokens} tokens kept", "dim"))
+    say((f"sources (episode {episode}):", "bold"))
+    for n, s in enumerate(sources, start=1):
+        who = ", ".join(part for part in (s["speaker"], s["time"]) if part)
+        say(f"  {n}. turn {s['turn']} {who}: \u201c{s['quote']}\u201d ",
+            (f"{s['attention_share']:.0%} of attention, {s['kept_tokens']}/{s['tokens']} tokens kept", "dim"))

@@ -49,7 +49,7 @@ def use(name: Annotated[str | None, typer.Argument(
 
 
 def show(name: NameArg, verbose: Annotated[bool, typer.Option(
-        "--verbose", "-v", help="Every setting, and each episode's budget per layer.")] = False,
+        "--verbose", help="Every setting, and each episode's budget per layer.")] = False,
         as_json: JsonOpt = False) -> None:
     """Show a conversation: its size, method and budget, then its episodes' topics, sizes and excerpts.
 
