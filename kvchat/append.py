@@ -34,7 +34,7 @@ from kvchat.kv.methods import method
 from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
 from kvchat.rag import RagIndex
-from kvchat.settings import from_settings, rebuild_command
+from kvchat.settings import from_settings, rebuild_command, stored_read
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
 if TYPE_CHECKING:
@@ -52,8 +52,10 @@ def append(
     source: str | None = None,
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
+    read: dict[str, str] | None = None,
 ) -> IngestReport:
-    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`)."""
+    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`, read with
+    `read`'s `format` and `pick`: kept, so `--append --reingest` reads it the same way)."""
     started = time.perf_counter()
     record = _record(store, name, lm)
     config = from_settings(record.settings, record.model)
@@ -69,9 +71,10 @@ def append(
         source=record.settings.get("source"),
         place=lambda segments, notes: _moved_episodes(record, segments, encoder, notes),
     )  # fmt: skip
+    reads = dict(record.settings.get("reads") or {}) | ({source_now: read} if source_now and read else {})
     plan = plan_ingest(
         history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True, force=force,
-        profile_dirs=profile_dirs, appended=appended, continuing=continuing,
+        profile_dirs=profile_dirs, appended=appended, continuing=continuing, reads=reads,
     )  # fmt: skip
     if source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
@@ -109,9 +112,11 @@ def reingest(
     encoder: SentenceEncoder,
     progress: IngestProgress | None = None,
     force: bool = False,
+    read: dict[str, str] | None = None,
 ) -> IngestReport:
-    """`--append --reingest`: the stored history, what was appended to it and `history`, ingested again from
-    the start with the conversation's settings (episodes clustered anew)."""
+    """`--append --reingest`: the stored history, what was appended to it and `history` (read with `read`'s
+    `format` and `pick`), ingested again from the start with the conversation's settings (episodes clustered
+    anew). Each stored history is read as it was (`--format`, `--pick` kept in the settings' `reads`)."""
     record = _record(store, name, lm)
     settings = record.settings
     sources = [settings.get("source"), *settings.get("appended", [])]
@@ -121,11 +126,12 @@ def reingest(
             f"--reingest needs the histories conversation '{name}' was built from; missing: "
             f"{', '.join(str(m) for m in missing)}"
         )
-    turns = [turn for path in [*sources, history] for turn in load_history(path)]
+    new = str(Path(history).resolve())
+    reads = dict(settings.get("reads") or {}) | ({new: read} if read else {})
+    turns = [turn for path in [*sources, new] for turn in load_history(path, **stored_read({"reads": reads}, path))]
     return ingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
-        progress=progress, replace=True, source=sources[0], force=force,
-        appended=[*sources[1:], str(Path(history).resolve())],
+        progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
     )
 
 

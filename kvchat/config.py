@@ -104,12 +104,15 @@ class DeviceConfig:
     dtype: str = "auto"   # auto | float32 | bfloat16 | float16 (float16: CUDA only)
 
 
+DEFAULT_EPISODES = 4  # episodes when --episodes is not given and the history has that many segments
+
+
 @dataclass(frozen=True)
 class EpisodeConfig:
     """How a history is cut into topical episodes (EpiCache §3.1)."""
 
-    episodes: int = field(default=4, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
-    # clusters (capped at the number of segments)
+    episodes: int | None = field(default=None, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
+    # clusters; None: DEFAULT_EPISODES, or fewer when the history has fewer segments (a given E is not lowered)
     window: int = field(default=4, metadata={"option": "--window", "min": 1})  # w: turns per segment
     prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes

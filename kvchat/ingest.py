@@ -268,7 +268,7 @@ def commit_ingest(
     """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
     model that built the caches, or its identity where it was loaded elsewhere (a batch worker)."""
     cache_cfg = plan.config.cache
-    settings = to_settings(plan.config, source=plan.source, appended=plan.appended)
+    settings = to_settings(plan.config, source=plan.source, appended=plan.appended, reads=plan.reads)
     head_entries = [n for b in built for n in b.head_entries]
     identity = lm.identity if isinstance(lm, LoadedModel) else lm
     report = IngestReport(
@@ -320,9 +320,9 @@ def ingest(
 
     `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
     `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
-    passed), `force` past the memory estimate (an ingest whose estimate exceeds the available memory is
-    refused by default), `profile_dirs` where layer profiles are looked up (default: the store's
-    `profiles/`) before the shipped ones."""
+    passed) and `reads` (how it was read: `--format`, `--pick`), `force` past the memory estimate (an ingest
+    whose estimate exceeds the available memory is refused by default), `profile_dirs` where layer profiles are
+    looked up (default: the store's `profiles/`) before the shipped ones."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
     plan = plan_ingest(history, store=store, lm=lm, **plan_options)

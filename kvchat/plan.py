@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +20,7 @@ import torch
 from kvchat import features, preflight, recall
 from kvchat.config import (
     ANSWER_ROOM,
+    DEFAULT_EPISODES,
     CacheConfig,
     IngestConfig,
 )
@@ -93,7 +94,7 @@ def check_fields(config: object) -> None:
             check_fields(value)
         elif "choices" in meta and value not in meta["choices"]:
             raise UserError(f"unknown {meta['option']} {value!r} (choose from {', '.join(meta['choices'])})")
-        elif "min" in meta and value < meta["min"]:
+        elif "min" in meta and value is not None and value < meta["min"]:
             raise UserError(f"{meta['option']} must be >= {meta['min']} (got {value})")
 
 
@@ -117,6 +118,8 @@ class IngestPlan:
     notes: list[str]
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
+    reads: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # how `source` and `appended` were
+    # read where --format or --pick was given (kvchat.settings.read_options)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
     # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only;
     # routed: one tuple per episode, of its own turns
@@ -151,6 +154,7 @@ def plan_ingest(
     max_memory: int | None = None,
     appended: Sequence[str] = (),
     continuing: Continuation | None = None,
+    reads: Mapping[str, Mapping[str, str]] | None = None,
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`kvchat.ingest.ingest`
     describes the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker
@@ -194,7 +198,9 @@ def plan_ingest(
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
     else:
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+        episodes, episode_count = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic,
+                                            notes=notes)
+        config = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, episodes=episode_count))
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
             episode_ids = _routed_ids(turns, episodes, config, lm)
@@ -266,6 +272,7 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        reads={path: dict(options) for path, options in (reads or {}).items() if options},
         turn_spans=tuple(spans),
         episode_ids=episode_ids,
         recall=recall_index,
@@ -414,25 +421,35 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 
 def _episodes(
-    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool
-) -> list[Episode]:
-    """Episodes of the history. Only EpiCache is episodic: full KV and the query-agnostic baselines
-    build a single cache, as in the EpiCache paper's comparisons."""
+    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
+    notes: list[str],
+) -> tuple[list[Episode], int]:
+    """Episodes of the history, and the episode count the settings record. Only EpiCache is episodic: full KV
+    and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
+    given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
+    is refused."""
     eps = config.episodes
     segments = segment(lines, eps.window)
-    if eps.episodes > len(segments) and episodic:
+    count = eps.episodes
+    if count is None:
+        count = min(DEFAULT_EPISODES, len(segments))
+        if count < DEFAULT_EPISODES and episodic:
+            notes.append(f"{count} episode{'s' * (count != 1)}, not {DEFAULT_EPISODES}: the history has "
+                         f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.window} turns")
+    elif count > len(segments) and episodic:
         raise UserError(
-            f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
-            f"{eps.window} turns; use at most {len(segments)}"
+            f"--episodes {count} is more than the history's {len(segments)} segments of "
+            f"{eps.window} turns; use at most {len(segments)} (or leave --episodes out)"
         )
-    return build_episodes(
+    built = build_episodes(
         segments,
         encoder.embed(segments),
-        k=eps.episodes if episodic else 1,
+        k=count if episodic else 1,
         seed=eps.seed,
         token_cap=_medoid_cap(config, lm),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
+    return built, count
 
 
 def episode_scorer(

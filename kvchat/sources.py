@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from kvchat.history import Turn, format_turns
+from kvchat.history import excerpt as quote  # a source's quote
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
 from kvchat.packed_text import pack, unpack
@@ -102,16 +103,6 @@ def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
         return [TurnSpan(**entry) for entry in json.loads(unpack(raw, _MAX_SPANS_BYTES))]
     except (TypeError, ValueError):
         return None
-
-
-def quote(text: str, limit: int) -> str:
-    """`text` on one line, cut at a word boundary to at most `limit` characters (an ellipsis marks the cut)."""
-    flat = " ".join(text.split())
-    if len(flat) <= limit:
-        return flat
-    cut = flat[: limit - 1]
-    space = cut.rfind(" ")
-    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"
 
 
 class SourceRecorder:

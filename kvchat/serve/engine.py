@@ -55,6 +55,7 @@ class ChatRequest:
     max_tokens: int = AskConfig.max_new_tokens
     stop: tuple[str, ...] = ()
     sources: bool = False        # record the answer's attention per turn (kvchat.sources)
+    refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
 
 
 @dataclass(frozen=True)
@@ -263,7 +264,8 @@ class Engine:
             index = request.episode
         self._check_earlier(request, lm)
         session = self._session(record, index, lm, encoder)
-        session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens)
+        session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens,
+                                             refuse_off_topic=request.refuse_off_topic)
         gate = TextGate(request.stop)
 
         def on_text(piece: str) -> None:
