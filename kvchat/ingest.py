@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 class IngestProgress:
     """Hooks for a progress display; the default does nothing."""
 
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None:
+        """The work ahead, before any of it: `blocks` steps (block forwards; `blocks_to_prefill`) in all,
+        over `episodes` episodes and `tokens` history tokens, so a display can give an overall ETA."""
+
     def history(self, done: int, total: int) -> None:
         """Blocks of the one full prefill that `--prefill full` shares among the episodes."""
 
@@ -164,6 +168,16 @@ def build_episode(
     return BuiltEpisode(episode, cache, *peaks, parts)
 
 
+def blocks_to_prefill(plan: IngestPlan) -> int:
+    """Steps the plan's episode loop reports: with `--prefill full` the history's blocks once and one selection
+    per episode; else each episode's history (routed: its own turns) in blocks of B."""
+    block = plan.config.cache.block_size
+    if plan.prefill == "full":
+        return -(-int(plan.context_ids.shape[-1]) // block) + len(plan.episodes)
+    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * len(plan.episodes)
+    return sum(-(-n // block) for n in lengths)
+
+
 def build_episodes(
     plan: IngestPlan,
     lm: LoadedModel,
@@ -177,6 +191,7 @@ def build_episodes(
     the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
     gives an append's stored cache and its side file."""
     progress = progress or IngestProgress()
+    progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
     for episode in plan.episodes:
         progress.episode(episode.index, len(plan.episodes))
