@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from kvchat.features import UnreadableFile, retrieved_positions
 from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.sources import METADATA_KEY, Source, SourceRecorder, from_metadata, rank
@@ -115,7 +117,8 @@ class Session:
 
         clock = time.perf_counter()
         reused = self._resident is not None and self._resident[0] == index
-        cache = self._cache(index)
+        with self._shrunk_pages_refused(index):
+            cache = self._cache(index)
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -134,20 +137,21 @@ class Session:
         stream = Detokenizer(self.lm.decode)
         finish = "stop"
         shown = ""
-        try:
-            for token in generate(
-                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits, first_recorder=first_recorder,
-                recorder=recorder,
-            ):
-                if stop is not None and stop():
-                    finish = "stopped"
-                    break
-                delta = stream.push(token)
-                if on_text is not None and delta:
-                    on_text(delta)
-                    shown += delta
-        finally:
-            cache.rollback(mark)
+        with self._shrunk_pages_refused(index):
+            try:
+                for token in generate(
+                    self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
+                    first_recorder=first_recorder, recorder=recorder,
+                ):
+                    if stop is not None and stop():
+                        finish = "stopped"
+                        break
+                    delta = stream.push(token)
+                    if on_text is not None and delta:
+                        on_text(delta)
+                        shown += delta
+            finally:
+                cache.rollback(mark)
         tokens = stream.tokens
         if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
             finish = "length"
@@ -255,7 +259,7 @@ class Session:
             cache, meta = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
             raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
-        try:  # what the cache features stored beside it (IceCache's pages, memory-mapped)
+        try:  # what the cache features stored beside it (IceCache's pages, read on demand)
             features.attach(cache, from_settings(self.conversation.settings).cache,
                             lambda: self.store.load_pages(record, self.lm.fingerprint), self.config.retrieve)
         except UnreadableFile as e:
@@ -264,6 +268,16 @@ class Session:
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
         self._positions = meta.positions
         return cache
+
+    @contextmanager
+    def _shrunk_pages_refused(self, index: int) -> Iterator[None]:
+        """A pages file truncated after it was checked (reads run out of bytes, kvchat.kv.tensorfile) ends the
+        answer with a message; the cache is dropped, so the next question reads its files again and checks them."""
+        try:
+            yield
+        except ShrunkFile:
+            self._resident = None
+            raise self._unreadable(index, "pages file", "was truncated while this session was reading it") from None
 
     def _unreadable(self, index: int, what: str, problem: str) -> CacheIntegrityError:
         c = self.conversation

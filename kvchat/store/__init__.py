@@ -372,7 +372,8 @@ class Store:
     def load_pages(
         self, record: EpisodeRecord, fingerprint: str
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """An episode's pages file as memory-mapped tensors and its metadata, after the same checks (`loading`)."""
+        """An episode's pages file as tensors read on demand (`FileRows`) and its metadata, after the same checks
+        (`loading`)."""
         return loading.load_pages(record, fingerprint, caches_dir=self.caches_dir,
                                   refuse=self._refuser(record, "pages file"))  # fmt: skip
 

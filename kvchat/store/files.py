@@ -179,8 +179,8 @@ def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
 
 def verify_file(path: Path, size: int, sha256: str, *, within: Path) -> None:
     """`read_verified` for files too large to hold: hashed in chunks, nothing kept. A pages file is checked
-    this way and then memory-mapped (its ingest dir is never written again, so the bytes stay the ones
-    that were hashed unless someone edits the store by hand)."""
+    this way and then read on demand (its ingest dir is never written again, so the bytes stay the ones
+    that were hashed unless someone edits the store by hand; a read that finds it shorter raises)."""
     _read_checked(path, size, sha256, within, lambda chunk: None, _HASH_CHUNK)
 
 
