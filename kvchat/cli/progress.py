@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
@@ -25,6 +27,49 @@ def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
         TextColumn("{task.description}", markup=markup), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TimeRemainingColumn(), console=err, transient=True, disable=hidden or not err.is_terminal,
     )  # fmt: skip
+
+
+class ConversionDisplay:
+    """A first model conversion (kvchat.llm.ConversionProgress) on stderr, once: what is converted, its size and
+    an estimate, then its phase and the time elapsed on a terminal (a line when it starts and one when it ends in a
+    log). A context: the display ends with it, whether or not the conversion finished."""
+
+    def __init__(self) -> None:
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+        self.what = ""
+
+    def __enter__(self) -> ConversionDisplay:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def converting(self, gguf: Path, weights: int, estimate_s: float) -> None:
+        size = gguf.stat().st_size / 2**20
+        self.what = (f"converting the model {gguf.stem} ({size:.0f} MiB, {weights / 1e6:.0f}M weights) once, "
+                     f"about {_duration(estimate_s)}")  # fmt: skip
+        if not err.is_terminal:
+            say(f"kvchat: {self.what}; later commands load the converted copy", console=err)
+            return
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
+                            console=err, transient=True)  # fmt: skip
+        self.task = self.bar.add_task(self.what, total=None)
+        self.bar.start()
+
+    def phase(self, what: str) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, description=f"{self.what}: {what}")
+
+    def converted(self, seconds: float) -> None:
+        self.__exit__()
+        say(f"kvchat: model converted in {_duration(seconds)}; later commands load the converted copy", console=err)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 class LineIngestProgress:

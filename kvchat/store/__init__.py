@@ -25,11 +25,11 @@ from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
 from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
-from kvchat.store.errors import BUSY_TIMEOUT_MS, ConversationChanged, DamagedDatabase, database_error
+from kvchat.store.errors import BUSY_TIMEOUT_MS, FREES_SPACE, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
 from kvchat.store.files import check_safetensors_header as check_safetensors_header
-from kvchat.store.files import crash_point, discard, try_rmdir, without_links
+from kvchat.store.files import crash_point, discard, is_disk_full, try_rmdir, wal_index_fits, without_links
 from kvchat.store.files import write_file as _write_file  # looked up here when an ingest begins: tests replace it
 from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, read_only_reason, validate_name
 from kvchat.store.layout import show as _show
@@ -78,9 +78,13 @@ class _LockBusy(Exception):
 class Store:
     """The on-disk home of kvchat: `kvchat.db`, `caches/` and `models/`. Safe to use from several processes."""
 
-    def __init__(self, home: Path, *, clean_stale: bool = True) -> None:
+    def __init__(self, home: Path, *, clean_stale: bool = True, frees_space: bool = False) -> None:
         """Open (creating if needed) the store at `home`. `clean_stale=False` leaves crash leftovers in
-        place, for `check` to report them. Raises DamagedDatabase when kvchat.db cannot be read."""
+        place, for `check` to report them. Raises DamagedDatabase when kvchat.db cannot be read.
+
+        On a disk too full for SQLite's WAL index (`wal_index_fits`) only a caller that `frees_space` (`rm`,
+        `doctor`) opens the store, holding kvchat.db in exclusive locking mode while it is open; any other
+        is refused, saying the disk is full, before SQLite creates anything."""
         self._home = Path(home).expanduser().absolute()
         self.read_only_reason = read_only_reason(self._home)
         if self.read_only_reason is None:
@@ -92,13 +96,20 @@ class Store:
             raise UserError(f"cannot create {self.db_path}: {self._home} is read-only ({self.read_only_reason})")
         if self.db_path.exists() and not self.db_path.is_file():
             raise DamagedDatabase(self.db_path, "it is a directory or special file, not a database file")
+        self._exclusive = False
+        if not self.read_only and not wal_index_fits(self.db_path):
+            if not frees_space:
+                raise UserError(f"disk full: no room to open {self.db_path} (SQLite needs 32 KiB beside it); free "
+                                f"space on the disk of {self._home} ({FREES_SPACE})")
+            self._exclusive = True
         self._db = self._open()
         if clean_stale and not self.read_only:
             self._clean_stale()
 
     @_index_errors
     def _open(self) -> sqlite_utils.Database:
-        db = connect(self.db_path, read_only=self.read_only, busy_timeout_ms=BUSY_TIMEOUT_MS)
+        db = connect(self.db_path, read_only=self.read_only, busy_timeout_ms=BUSY_TIMEOUT_MS,
+                     exclusive=self._exclusive)  # fmt: skip
         try:
             todo = pending(db, self.db_path)
             if todo and self.read_only:
@@ -308,6 +319,26 @@ class Store:
         conversation was replaced or removed meanwhile. Nothing reached through a symbolic link is touched.
         """
         name_dir = self.caches_dir / name
+        try:
+            versions = self._remove_rows(name, ingest_id)
+        except sqlite3.OperationalError as e:
+            if not is_disk_full(e):
+                raise
+            versions = self._remove_rows(name, ingest_id, make_room=True)
+        if versions is None:
+            return False
+        for ingest_dir in versions:
+            discard(ingest_dir, self.caches_dir)
+        with self._write_lock():  # an ingest of the same name may be renaming into name_dir
+            try_rmdir(name_dir)
+        return True
+
+    def _remove_rows(self, name: str, ingest_id: str | None, *, make_room: bool = False) -> list[Path] | None:
+        """`remove`'s transaction: the rows deleted, the manifests retired; the version dirs, or None when
+        `ingest_id` is no longer the conversation's. `make_room` (the disk was too full to record the deletion):
+        the versions' files are deleted first, inside the write lock, so a crash before the commit leaves rows
+        whose files are missing (`doctor --fix` removes them), never a conversation listed again."""
+        name_dir = self.caches_dir / name
         retired: list[Path] = []
         try:
             with self._write_lock() as db:
@@ -315,21 +346,21 @@ class Store:
                 if row is None and ingest_id is None:
                     raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
                 if row is None or ingest_id not in (None, row["ingest_id"]):
-                    return False
+                    return None
+                versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
+                for ingest_dir in versions if make_room else ():
+                    if without_links(ingest_dir, self.caches_dir):
+                        retire_manifest(ingest_dir)
+                        discard(ingest_dir, self.caches_dir)
                 db["episodes"].delete_where("conversation = ?", [name])
                 db["conversations"].delete_where("name = ?", [name])
-                versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
                 retired = [d for d in versions if without_links(d, self.caches_dir) and retire_manifest(d)]
                 crash_point("commit")
         except BaseException:
             for ingest_dir in retired:
                 restore_manifest(ingest_dir)
             raise
-        for ingest_dir in versions:
-            discard(ingest_dir, self.caches_dir)
-        with self._write_lock():  # an ingest of the same name may be renaming into name_dir
-            try_rmdir(name_dir)
-        return True
+        return versions
 
     def _row(self, name: str) -> dict[str, Any] | None:
         return next(iter(self._db["conversations"].rows_where("name = ?", [name])), None)
@@ -470,7 +501,7 @@ def repair(home: Path, problems: Iterable[Problem]) -> list[str]:
     home = Path(home).expanduser().absolute()
     problems = list(problems)
     done = _rebuild(home) if any(p.kind == "database" for p in problems) else []
-    store = Store(home, clean_stale=False)
+    store = Store(home, clean_stale=False, frees_space=True)
     try:
         return done + store.fix(store.check() if done else problems)
     finally:
@@ -480,7 +511,7 @@ def repair(home: Path, problems: Iterable[Problem]) -> list[str]:
 def _open_for_doctor(home: Path) -> tuple[Store | None, str]:
     """The store, or None and how its kvchat.db is damaged."""
     try:
-        store = Store(home, clean_stale=False)
+        store = Store(home, clean_stale=False, frees_space=True)
     except DamagedDatabase as e:
         return None, e.what
     damage = store.database_damage()
