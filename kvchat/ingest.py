@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 class IngestProgress:
     """Hooks for a progress display; the default does nothing."""
 
+    def planning(self, step: str, done: int, total: int) -> None:
+        """A step of planning, before the first block (kvchat.plan: reading, tokenizing, embedding, clustering)."""
+
     def history(self, done: int, total: int) -> None:
         """Blocks of the one full prefill that `--prefill full` shares among the episodes."""
 
@@ -323,7 +326,7 @@ def ingest(
     `profiles/`) before the shipped ones."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
-    plan = plan_ingest(history, store=store, lm=lm, **plan_options)
+    plan = plan_ingest(history, store=store, lm=lm, on_step=progress.planning, **plan_options)
     stats: list[EpisodeStats] = []
     records: list[EpisodeRecord] = []
     with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:

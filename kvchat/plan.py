@@ -137,11 +137,15 @@ def plan_ingest(
     max_memory: int | None = None,
     appended: Sequence[str] = (),
     continuing: Continuation | None = None,
+    on_step: Callable[[str, int, int], None] | None = None,
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`kvchat.ingest.ingest`
     describes the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker
     plans without the store, which only its driver opens (kvchat.batch). With `continuing`, `history` holds
-    the new turns of a stored conversation whose resolved settings `config` is (an append)."""
+    the new turns of a stored conversation whose resolved settings `config` is (an append). `on_step(step, done,
+    total)` hears of its steps as they go (reading, tokenizing, embedding segments, clustering), so that a long
+    history shows progress before the first block."""
+    step = on_step or (lambda what, done, total: None)
     if store is None and (not replace or profile_dirs is None):
         raise ValueError("plan_ingest without a store needs replace=True and profile_dirs")
     validate(config)
@@ -153,7 +157,10 @@ def plan_ingest(
         store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
+    if from_file:
+        step("reading the history", 0, 1)
     turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
+    step(f"tokenizing {len(turns):,} turns", 0, 1)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)
@@ -175,7 +182,7 @@ def plan_ingest(
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
     else:
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic, step=step)
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
             episode_ids = _routed_ids(turns, episodes, config, lm)
@@ -378,7 +385,8 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 
 def _episodes(
-    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool
+    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
+    step: Callable[[str, int, int], None],
 ) -> list[Episode]:
     """Episodes of the history. Only EpiCache is episodic: full KV and the query-agnostic baselines
     build a single cache, as in the EpiCache paper's comparisons."""
@@ -389,9 +397,11 @@ def _episodes(
             f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
             f"{eps.window} turns; use at most {len(segments)}"
         )
+    embedded = encoder.embed(segments, lambda done, total: step("embedding segments", done, total))
+    step("clustering episodes", 0, 1)
     return build_episodes(
         segments,
-        encoder.embed(segments),
+        embedded,
         k=eps.episodes if episodic else 1,
         seed=eps.seed,
         token_cap=_medoid_cap(config, lm),

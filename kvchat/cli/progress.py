@@ -73,10 +73,30 @@ def _duration(seconds: float) -> str:
 
 
 class LineIngestProgress:
-    """Where stderr is not a terminal: one line per episode, so a log shows the ingest is alive."""
+    """Where stderr is not a terminal: a line per episode and, once the ingest has run a few seconds (a short one
+    stays quiet), a line per planning step, per tenth of the segments embedded and per tenth of an episode's
+    blocks, so a log shows a long ingest is alive."""
+
+    quiet_s = 3.0
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.said: tuple[str, int] | None = None
+
+    def planning(self, step: str, done: int, total: int) -> None:
+        self._tenths(step, done, total)
+
+    def _tenths(self, what: str, done: int, total: int) -> None:
+        """A line when `what` starts and at each tenth of it done, past the first `quiet_s` seconds."""
+        tenth = done * 10 // max(total, 1)
+        if self._seconds() < self.quiet_s or self.said == (what, tenth):
+            return
+        self.said = (what, tenth)
+        counted = f" {done:,}/{total:,}" if total > 1 else ""
+        err.print(f"kvchat: {what}{counted} ({self._elapsed()})", markup=False, soft_wrap=True)
+
+    def _seconds(self) -> float:
+        return time.monotonic() - self.started
 
     def history(self, done: int, total: int) -> None:
         if done == total:
@@ -90,7 +110,8 @@ class LineIngestProgress:
         return f"{time.monotonic() - self.started:.1f} s elapsed"
 
     def block(self, done: int, total: int) -> None:
-        pass
+        if done < total:
+            self._tenths("blocks", done, total)
 
 
 class RichIngestProgress:
@@ -100,6 +121,9 @@ class RichIngestProgress:
         self.progress = progress
         self.episodes = progress.add_task("episodes", total=None)
         self.blocks = progress.add_task("blocks", total=None)
+
+    def planning(self, step: str, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total if total > 1 else None, description=step)
 
     def history(self, done: int, total: int) -> None:
         self.progress.update(self.blocks, completed=done, total=total, description="history (full prefill)")
