@@ -68,7 +68,7 @@ class Session:
             store, conversation, lm, encoder, config,
         )
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
-        self._centroids = np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
+        self._centroids = self._routing_centroids(conversation)
         self._resident: tuple[int, EpisodeCache] | None = None
         self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
         self._positions = "original"  # the resident episode's positions mode
@@ -190,6 +190,19 @@ class Session:
             )
         return answer
 
+    def _routing_centroids(self, conversation: ConversationRecord) -> np.ndarray:
+        """The episodes' centroids, refused unless each is one of the encoder's embeddings: their digest only
+        proves they are what was written (a re-signed manifest can hold any numbers)."""
+        lengths = sorted({len(e.centroid) for e in conversation.episodes})
+        if lengths != [self.encoder.dimension]:
+            c = conversation
+            raise CacheIntegrityError(
+                f"conversation '{c.name}' has episode centroids of {'/'.join(map(str, lengths))} numbers where the "
+                f"encoder's embeddings have {self.encoder.dimension}, so no question can be routed; rebuild with "
+                f"`{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
+            )
+        return np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
+
     def route(self, question: str) -> tuple[int, float]:
         """The episode `question` routes to and its similarity, without answering."""
         return self._route(self.encoder.embed([question.strip()])[0], None)
@@ -245,7 +258,7 @@ class Session:
         if [e.path for e in current.episodes] != [e.path for e in self.conversation.episodes]:
             self.conversation = current
             self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
-            self._centroids = np.asarray([e.centroid for e in current.episodes], dtype=np.float32)
+            self._centroids = self._routing_centroids(current)
             self._resident = None
 
     def _cache(self, index: int) -> EpisodeCache:

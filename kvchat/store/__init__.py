@@ -440,9 +440,10 @@ class Store:
         return doctor.database_damage(self)
 
     @_index_errors
-    def check(self) -> list[Problem]:
-        """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; see `doctor.check`)."""
-        return doctor.check(self)
+    def check(self, *, embedding_dimension: int | None = None) -> list[Problem]:
+        """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; see `doctor.check`);
+        with `embedding_dimension`, conversations whose centroids are of another length too."""
+        return doctor.check(self, embedding_dimension=embedding_dimension)
 
     @_index_errors
     def fix(self, problems: Iterable[Problem]) -> list[str]:
@@ -478,16 +479,17 @@ def _reingest_command(record: ConversationRecord, *, replace: bool = False) -> s
 # --------------------------------------------------------------------------- doctor
 
 
-def diagnose(home: Path) -> list[Problem]:
+def diagnose(home: Path, *, embedding_dimension: int | None = None) -> list[Problem]:
     """Everything wrong in `home`, changing nothing (`kvchat doctor`). A damaged kvchat.db is one
     "database" problem saying what a rebuild would restore, plus one "lost" problem per conversation it
-    could not (with the command that builds it again); else the store's `check`."""
+    could not (with the command that builds it again); else the store's `check` (`embedding_dimension`: the
+    encoder's, which every centroid must have; kvchat.encoder.embedding_dimension)."""
     home = Path(home).expanduser().absolute()
     store, damage = _open_for_doctor(home)
     if store is None:
         return recovery.damage_problems(home, damage)
     try:
-        return store.check()
+        return store.check(embedding_dimension=embedding_dimension)
     finally:
         store.close()
 
