@@ -278,7 +278,9 @@ def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_
     tmp_path, history, tiny_lm, tiny_model_dir, encoder
 ):
     """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
-    tells. `doctor` finds it (and `--fix` removes it), `ask` refuses it in one line (exit 2), not exit 1."""
+    tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
+    `repair` removes it."""
+    from kvchat.encoder import embedding_dimension
     from kvchat.store.manifest import MANIFEST_NAME, digest
 
     home = tmp_path / "home"
@@ -298,8 +300,8 @@ def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_
     lines = asked.stderr.strip().splitlines()
     assert len(lines) == 1 and ("conversation 'chat' has episode centroids of 3 numbers where the encoder's "
                                 "embeddings have 384") in lines[0] and "rebuild with `kvchat ingest" in lines[0]
-    found = run_main(home, "doctor")
-    assert found.returncode == 1 and "centroids of 3 numbers where the encoder's embeddings have 384" in found.stdout
-    fixed = run_main(home, "doctor", "--fix")
-    assert fixed.returncode == 0 and "removed conversation 'chat'" in fixed.stdout, fixed.stdout
+    found = diagnose(home, embedding_dimension=embedding_dimension())
+    assert [(p.kind, p.conversation) for p in found] == [("centroids", "chat")]
+    assert "centroids of 3 numbers where the encoder's embeddings have 384" in found[0].message
+    assert any("removed conversation 'chat'" in line for line in repair(home, found))
     assert Store(home).conversations() == []
