@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvchat import features, sources
+from kvchat import features, recall, sources
 from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
@@ -33,7 +33,8 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import method
 from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
-from kvchat.settings import from_settings, rebuild_command
+from kvchat.rag import RagIndex
+from kvchat.settings import from_settings, rebuild_command, stored_read
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
 if TYPE_CHECKING:
@@ -51,8 +52,10 @@ def append(
     source: str | None = None,
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
+    read: dict[str, str] | None = None,
 ) -> IngestReport:
-    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`)."""
+    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`, read with
+    `read`'s `format` and `pick`: kept, so `--append --reingest` reads it the same way)."""
     started = time.perf_counter()
     record = _record(store, name, lm)
     config = from_settings(record.settings, record.model)
@@ -68,18 +71,23 @@ def append(
         source=record.settings.get("source"),
         place=lambda segments, notes: _moved_episodes(record, segments, encoder, notes),
     )  # fmt: skip
+    reads = dict(record.settings.get("reads") or {}) | ({source_now: read} if source_now and read else {})
     plan = plan_ingest(
         history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True, force=force,
-        profile_dirs=profile_dirs, appended=appended, continuing=continuing,
+        profile_dirs=profile_dirs, appended=appended, continuing=continuing, reads=reads,
         on_step=None if progress is None else progress.planning,
     )  # fmt: skip
     if source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
                           "(`--append --reingest` of the files you mean rebuilds it without them)")
     side_file = features.side_file_name(config.cache)
-    stored_spans = sources.from_metadata(store.load_episode(record.episodes[0], lm.fingerprint)[1])
+    stored_metadata = store.load_episode(record.episodes[0], lm.fingerprint)[1]
+    stored_spans = sources.from_metadata(stored_metadata)
     # receipts need every turn's span: none when the stored caches predate them
     plan = dataclasses.replace(plan, turn_spans=(*stored_spans, *plan.turn_spans) if stored_spans else ())
+    if plan.recall is not None:  # questions recall from the stored turns' chunks and the new ones'
+        stored_recall = _stored_recall(store, record, stored_metadata)
+        plan = dataclasses.replace(plan, recall=recall.joined(stored_recall, plan.recall))
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]
@@ -105,9 +113,11 @@ def reingest(
     encoder: SentenceEncoder,
     progress: IngestProgress | None = None,
     force: bool = False,
+    read: dict[str, str] | None = None,
 ) -> IngestReport:
-    """`--append --reingest`: the stored history, what was appended to it and `history`, ingested again from
-    the start with the conversation's settings (episodes clustered anew)."""
+    """`--append --reingest`: the stored history, what was appended to it and `history` (read with `read`'s
+    `format` and `pick`), ingested again from the start with the conversation's settings (episodes clustered
+    anew). Each stored history is read as it was (`--format`, `--pick` kept in the settings' `reads`)."""
     record = _record(store, name, lm)
     settings = record.settings
     sources = [settings.get("source"), *settings.get("appended", [])]
@@ -117,12 +127,25 @@ def reingest(
             f"--reingest needs the histories conversation '{name}' was built from; missing: "
             f"{', '.join(str(m) for m in missing)}"
         )
-    turns = [turn for path in [*sources, history] for turn in load_history(path)]
+    new = str(Path(history).resolve())
+    reads = dict(settings.get("reads") or {}) | ({new: read} if read else {})
+    turns = [turn for path in [*sources, new] for turn in load_history(path, **stored_read({"reads": reads}, path))]
     return ingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
-        progress=progress, replace=True, source=sources[0], force=force,
-        appended=[*sources[1:], str(Path(history).resolve())],
+        progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
     )
+
+
+def _stored_recall(store: Store, record: ConversationRecord, metadata: dict[str, str]) -> RagIndex:
+    """The chunk index the stored caches recall from (`--method recall`)."""
+    rebuild = f"`kvchat ingest HISTORY --name {record.name} --append --reingest`"
+    try:
+        index = recall.from_metadata(metadata)
+    except ValueError as e:
+        raise UserError(f"conversation '{record.name}' episode 0: {e}; rebuild it with {rebuild}") from None
+    if index is None:
+        raise UserError(f"conversation '{record.name}' has no recall index to extend; rebuild it with {rebuild}")
+    return index
 
 
 def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:

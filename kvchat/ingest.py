@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat import features, sources
+from kvchat import features, recall, sources
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
@@ -230,6 +230,8 @@ def encode_episode(
         spans = spans[built.episode.index] if spans else ()
     if spans:  # what `ask --sources` maps cached positions to
         metadata[sources.METADATA_KEY] = sources.to_metadata(spans)
+    if plan.recall is not None:  # the chunks each question recalls turns from (--method recall)
+        metadata[recall.METADATA_KEY] = recall.to_metadata(plan.recall)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
     if writer is not None:
@@ -269,7 +271,7 @@ def commit_ingest(
     """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
     model that built the caches, or its identity where it was loaded elsewhere (a batch worker)."""
     cache_cfg = plan.config.cache
-    settings = to_settings(plan.config, source=plan.source, appended=plan.appended)
+    settings = to_settings(plan.config, source=plan.source, appended=plan.appended, reads=plan.reads)
     head_entries = [n for b in built for n in b.head_entries]
     identity = lm.identity if isinstance(lm, LoadedModel) else lm
     report = IngestReport(
@@ -321,9 +323,9 @@ def ingest(
 
     `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
     `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
-    passed), `force` past the memory estimate (an ingest whose estimate exceeds the available memory is
-    refused by default), `profile_dirs` where layer profiles are looked up (default: the store's
-    `profiles/`) before the shipped ones."""
+    passed) and `reads` (how it was read: `--format`, `--pick`), `force` past the memory estimate (an ingest
+    whose estimate exceeds the available memory is refused by default), `profile_dirs` where layer profiles are
+    looked up (default: the store's `profiles/`) before the shipped ones."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
     plan = plan_ingest(history, store=store, lm=lm, on_step=progress.planning, **plan_options)
