@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -73,7 +74,9 @@ def _raylet_of_port(session: Path, port: int):
 def cluster():
     """(head address, the second node's node-manager port, session dir, env): two nodes on this machine."""
     session = Path(tempfile.mkdtemp(prefix="kr-", dir="/tmp"))  # sockets: a path of at most 107 bytes
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TMPDIR=str(session))
+    # Ray's token authentication: every node and the driver share one token
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TMPDIR=str(session), RAY_AUTH_MODE="token",
+               RAY_AUTH_TOKEN=secrets.token_hex(32))
     env.pop("RAY_ADDRESS", None)
     head, second = _free_port(), _free_port()
     address = f"127.0.0.1:{head}"
@@ -112,7 +115,8 @@ def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_
     if ray.is_initialized():
         ray.shutdown()  # another module's local Ray: this test's driver joins the cluster
     address, second_port, session, env = cluster
-    monkeypatch.setenv("TMPDIR", str(session))
+    for key in ("TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.setenv(key, env[key])
     killed = threading.Event()
     second_node = next(n["NodeID"] for n in ray_nodes(address) if "second_node" in n["Resources"])
     seen: dict[str, object] = {}

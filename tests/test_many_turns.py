@@ -35,7 +35,8 @@ def test_planning_a_history_of_many_tiny_turns_reports_every_step(tmp_path, tiny
     history.write_text(json.dumps([{"role": ("user", "assistant")[i % 2], "content": f"ok {i % 7}"}
                                    for i in range(TURNS)]))  # fmt: skip
     steps: list[tuple[str, int, int]] = []
-    config = IngestConfig(cache=CacheConfig(budget=64, block_size=64), episodes=EpisodeConfig(episodes=2))
+    config = IngestConfig(cache=CacheConfig(method="epicache", budget=64, block_size=64),
+                          episodes=EpisodeConfig(episodes=2))
     plan = plan_ingest(history, name="many", config=config, store=None, lm=tiny_lm, encoder=_FastEncoder(),
                        replace=True, profile_dirs=[], force=True, on_step=lambda *step: steps.append(step))  # fmt: skip
     assert plan.turns == TURNS
