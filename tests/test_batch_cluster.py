@@ -108,15 +108,15 @@ def files(tmp_path) -> list[Path]:
 
 
 def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_path, tiny_model_dir, monkeypatch):
+    address, second_port, session, env = cluster
+    for key in ("TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # read when Ray is first imported
+        monkeypatch.setenv(key, env[key])
     import ray
 
     from kvchat.cli import progress as progress_module
 
     if ray.is_initialized():
         ray.shutdown()  # another module's local Ray: this test's driver joins the cluster
-    address, second_port, session, env = cluster
-    for key in ("TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
-        monkeypatch.setenv(key, env[key])
     killed = threading.Event()
     second_node = next(n["NodeID"] for n in ray_nodes(address) if "second_node" in n["Resources"])
     seen: dict[str, object] = {}
