@@ -1,7 +1,8 @@
 """`kvchat ingest-batch --address` on a real two-node Ray cluster on this machine (issue 29, "Ray for real"): a head
 (`ray start --head`, one CPU) and a second node (`ray start --address`, one CPU and a resource of its own), both with
 a small object store. The second node is killed (its raylet, SIGKILL) once a history on it has written an episode:
-its history is retried on the head's worker and nothing is lost.
+its history is retried on the head's worker (unless every episode of it had reached the driver already) and
+nothing is lost.
 
 Heavy on a small machine: run it alone. The cluster's processes are ended by their ids (every process whose command
 line names this test's session dir, and their children), never by name, so another Ray on the machine is left alone;
@@ -121,9 +122,15 @@ def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_
     second_node = next(n["NodeID"] for n in ray_nodes(address) if "second_node" in n["Resources"])
     seen: dict[str, object] = {}
 
+    finished_there: set[str] = set()  # histories whose every episode reached the driver from the second node
+
     def on_episode(self, name: str, done: int, total: int) -> None:
         """Once a history on the second node's worker has written an episode: that node dies."""
-        if killed.is_set() or done < 1 or _node_of(seen[name]) != second_node:
+        if _node_of(seen[name]) != second_node:
+            return
+        if done == total:
+            finished_there.add(name)
+        if killed.is_set() or done < 1:
             return
         _raylet_of_port(session, second_port).kill()
         killed.set()
@@ -140,7 +147,8 @@ def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_
                       "1", "--model", str(tiny_model_dir), *SMALL, "--json")  # fmt: skip
     assert killed.is_set(), "no history ran on the second node"
     assert result.returncode == 0, result.stderr
-    assert "retrying" in result.stderr
+    # a history whose episodes were all sent before the raylet died needs no retry; any other one on that node does
+    assert "retrying" in result.stderr or finished_there, result.stderr
     store = Store(home)
     stored = {c.name: c for c in store.conversations()}
     assert set(stored) == {f.stem for f in files}
