@@ -2,7 +2,7 @@
 history longer than the model's window fits it): the measurement behind `kvchat.kv.spill.beside_residents`.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=.:benchmarks python benchmarks/window_positions.py \
-        [--within 4] [--beyond 2] [--models-dir DIR] [--out PATH]
+        [--within 6] [--beyond 2] [--locomo conv-26.json ...] [--results JSONL] [--models-dir DIR] [--out PATH]
 
 Compacting re-rotates the kept keys to 0..n-1 after every eviction, so a key that leaves the cache is rotated for
 wherever it sat at that moment, and the resident entries move on. Read back as they are, the offloaded keys would
@@ -14,15 +14,19 @@ file is written):
   capped before the question.
 - `recent`: every entry just before the question.
 - `front`: every entry where the history starts (just after the system prompt).
+- `scaled`: original positions scaled linearly onto the compact range (history order kept among the offloaded
+  entries, not against the resident ones).
 
-Two studies on planted-fact conversations (kvchat.synthetic; six topics, one fact each, six questions):
-- `within`: histories of about `--within-tokens` tokens, inside the embedded model's window, so full KV at original
-  positions is the reference: first-token KL and top-1 agreement with it, token F1 of the greedy answers against
-  its answers; also the offload without compaction (`original`, the layout kvchat used before) and the compacted
-  cache without pages (`resident`).
-- `beyond`: histories of about `--beyond-tokens` tokens, 2-3x the window, where no reference fits: the gold
-  answer's mean log-probability (teacher-forced after the question), whether the greedy answer contains it, and
-  the share of the fact turn's entries resident or read back at the first answer token (layers x KV heads).
+Studies:
+- within the window: planted-fact histories (kvchat.qa.planted_sets) of about `--within-tokens` tokens, so full
+  KV at original positions is the reference: first-token KL and top-1 agreement with it, token F1 of the greedy
+  answers against its answers; also the offload without compaction (`original`, the layout kvchat used before)
+  and the compacted cache without pages (`resident`).
+- beyond it: planted histories of about `--beyond-tokens` tokens and whole LoCoMo conversations (`--locomo`,
+  `--questions` of categories 1-4 spread over each), 2-3x the window, where no reference fits: the gold answer's
+  mean log-probability (teacher-forced after the question), LoCoMo's F1 of the greedy answer, and the share of the
+  evidence turns' entries resident or read back at the first answer token (over layers and KV heads).
+Every placement is also compared with `beside` question by question (mean difference, bootstrap 95% interval).
 One cache per history (EpiCache's block prefill with one episode's patched prompt, budget M + window W, R entries
 read back per head); the placements share it and its spill, so they differ only in where the pages' keys sit.
 Progress goes to stderr; a markdown section goes to stdout and to `--out`.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import os
 import platform
 import statistics
@@ -44,8 +49,8 @@ from pathlib import Path
 import torch
 from core_loop import patched_prompt_ids  # benchmarks/ is on sys.path
 
-from kvchat.config import SYSTEM_PROMPT, IceCacheConfig, PagingConfig
-from kvchat.history import format_turns, parse_history
+from kvchat.config import SYSTEM_PROMPT, AskConfig, IceCacheConfig, PagingConfig
+from kvchat.history import format_turns
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -54,9 +59,8 @@ from kvchat.kv.retrieval import attach_pages, page_scorer
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import Placement, SpillWriter, beside_residents
 from kvchat.llm import ChatLayout, LoadedModel, load_model
-from kvchat.qa import token_f1
+from kvchat.qa import QASet, load_locomo, planted_sets, sample_questions, score_answer, token_f1
 from kvchat.sources import turn_spans
-from kvchat.synthetic import planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = REPO / ".venv" / "kvchat-test-models"
@@ -64,6 +68,7 @@ DEFAULT_OUT = REPO / "benchmarks" / "results" / "window_positions.md"
 BLOCK = 512
 ANSWER_TOKENS = 12
 TOKENS_PER_TURN_TOPIC = 6 * 11  # about 11 tokens a turn, six topics: turns per topic = tokens / this
+BOOTSTRAP = 2000
 
 
 def log(message: str) -> None:
@@ -77,24 +82,26 @@ def placements(protected: int) -> dict[str, Placement]:
         "evicted": lambda origins, at, ro, rp, end: at.clamp_max(end - 1),
         "recent": lambda origins, at, ro, rp, end: torch.full_like(origins, end - 1),
         "front": lambda origins, at, ro, rp, end: torch.full_like(origins, protected),
+        "scaled": lambda origins, at, ro, rp, end: protected + (origins - protected) * (end - 1 - protected) // max(
+            1, int(ro[-1]) - protected),
     }
 
 
 class History:
-    """One planted-fact conversation as the ingest lays it out, with its questions."""
+    """One conversation as the ingest lays it out, with its questions: token ids, gold answers, evidence."""
 
-    def __init__(self, lm: LoadedModel, seed: int, tokens: int) -> None:
-        per_topic = max(8, tokens // TOKENS_PER_TURN_TOPIC)
-        messages, self.facts = planted_conversation(seed, topics=6, turns_per_topic=per_topic)
-        turns = parse_history(messages)
+    def __init__(self, lm: LoadedModel, qa_set: QASet, questions: int | None = None) -> None:
+        self.name = qa_set.name
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, SYSTEM_PROMPT)
         self.prefix = lm.encode(self.layout.before_conversation)
-        self.context = lm.encode("\n".join(format_turns(turns)))
+        self.context = lm.encode("\n".join(format_turns(qa_set.turns)))
         protected = self.prefix.shape[-1]
-        spans = turn_spans(lm.tokenizer, turns, protected)
-        self.evidence = [torch.arange(spans[f.turn].start, spans[f.turn].end) for f in self.facts]
-        self.questions = [lm.encode(self.layout.question(f.question)) for f in self.facts]
-        self.answers = [lm.encode(f.answer) for f in self.facts]
+        where = {s.turn_id: torch.arange(s.start, s.end) for s in turn_spans(lm.tokenizer, qa_set.turns, protected)}
+        self.questions = sample_questions(qa_set.questions, questions)
+        template = AskConfig().question_template
+        self.prompts = [lm.encode(self.layout.question(template.format(question=q.text))) for q in self.questions]
+        self.answers = [lm.encode(q.gold) for q in self.questions]
+        self.evidence = [torch.cat([where[e] for e in q.evidence if e in where]) for q in self.questions]
         self.tokens = protected + self.context.shape[-1]
 
 
@@ -182,18 +189,18 @@ def run_history(lm: LoadedModel, history: History, args, within: bool) -> list[d
             full = block_prefill(lm.model, history.prefix, history.context, block_size=BLOCK, budgets=None,
                                  scorer=None).cache  # fmt: skip
             reference = [answer(lm, full, q, a, e) for q, a, e in
-                         zip(history.questions, history.answers, history.evidence, strict=True)]  # fmt: skip
+                         zip(history.prompts, history.answers, history.evidence, strict=True)]  # fmt: skip
             del full
-            rows += [{"variant": "full", "question": i, "logprob": ref["logprob"], "evidence": ref["evidence"],
-                      "recall": history.facts[i].answer.lower() in ref["text"].lower(), "kl": 0.0, "top1": 1.0,
-                      "agreement": 1.0} for i, ref in enumerate(reference)]  # fmt: skip
+            rows += [{"set": history.name, "variant": "full", "question": i, "logprob": ref["logprob"],
+                      "evidence": ref["evidence"], "f1": score_answer(ref["text"], history.questions[i]), "kl": 0.0,
+                      "top1": 1.0, "agreement": 1.0} for i, ref in enumerate(reference)]  # fmt: skip
         for name, make in variants.items():
             log(f"answering: {name}")
             built = make()
-            for i, (q, a, e) in enumerate(zip(history.questions, history.answers, history.evidence, strict=True)):
+            for i, (q, a, e) in enumerate(zip(history.prompts, history.answers, history.evidence, strict=True)):
                 got = answer(lm, built, q, a, e)
-                row = {"variant": name, "question": i, "logprob": got["logprob"], "evidence": got["evidence"],
-                       "recall": history.facts[i].answer.lower() in got["text"].lower()}  # fmt: skip
+                row = {"set": history.name, "variant": name, "question": i, "logprob": got["logprob"],
+                       "evidence": got["evidence"], "f1": score_answer(got["text"], history.questions[i])}
                 if within:
                     ref = reference[i]
                     row |= {"kl": _kl(ref["logits"], got["logits"]),
@@ -213,6 +220,21 @@ def table(rows: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+def paired(rows: list[dict], column: str, against: str = "beside") -> str:
+    """Each placement minus `against` on `column`, question by question: mean and a bootstrap 95% interval."""
+    by = {(r["set"], r["question"]): r[column] for r in rows if r["variant"] == against}
+    lines = [f"| {column}: placement - {against} | mean | 95% interval |", "|---|---:|---|"]
+    generator = torch.Generator().manual_seed(0)
+    for name in dict.fromkeys(r["variant"] for r in rows):
+        if name == against:
+            continue
+        diff = torch.tensor([float(r[column]) - by[(r["set"], r["question"])] for r in rows if r["variant"] == name])
+        means = diff[torch.randint(len(diff), (BOOTSTRAP, len(diff)), generator=generator)].mean(1)
+        low, high = means.quantile(torch.tensor([0.025, 0.975])).tolist()
+        lines.append(f"| {name} | {diff.mean():+.3f} | [{low:+.3f}, {high:+.3f}] |")
+    return "\n".join(lines)
+
+
 def _mean_and_error(values: list[float]) -> str:
     """The mean and its standard error."""
     error = statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
@@ -221,10 +243,13 @@ def _mean_and_error(values: list[float]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--within", type=int, default=4, help="planted histories inside the window (seeds 0..)")
-    parser.add_argument("--beyond", type=int, default=2, help="planted histories beyond it (seeds 100..)")
+    parser.add_argument("--within", type=int, default=6, help="planted histories inside the window")
+    parser.add_argument("--beyond", type=int, default=2, help="planted histories beyond it")
+    parser.add_argument("--locomo", type=Path, nargs="*", default=[], help="whole LoCoMo conversations (beyond)")
+    parser.add_argument("--questions", type=int, default=40, help="LoCoMo questions per conversation (spread)")
     parser.add_argument("--within-tokens", type=int, default=4000)
     parser.add_argument("--beyond-tokens", type=int, default=20000)
+    parser.add_argument("--results", type=Path, default=None, help="every question's row, as JSON lines")
     parser.add_argument("--budget", type=int, default=128, help="M: scored resident entries per layer and KV head")
     parser.add_argument("--window", type=int, default=32, help="W: resident recent window")
     parser.add_argument("--retrieve", type=int, default=128, help="R: entries read back per KV head")
@@ -237,20 +262,25 @@ def main() -> None:
            f"{torch.__version__}, {torch.get_num_threads()} thread(s), 1-min load {load:.1f} at start)", "",
            f"Embedded model (window {lm.context_window}); M = {args.budget}, W = {args.window}, R = {args.retrieve} "
            f"(IceCache's default page scorer), block {BLOCK}; six planted facts per history.", ""]  # fmt: skip
+    rows: list[dict] = []
     if args.within:
-        rows = []
-        for seed in range(args.within):
-            rows += run_history(lm, History(lm, seed, args.within_tokens), args, within=True)
-        out += [f"### Within the window: {args.within} histories of about {args.within_tokens} tokens, against "
-                "full KV", "", table(rows, ["kl", "top1", "agreement", "logprob", "recall", "evidence"]), ""]
-    if args.beyond:
-        rows = []
-        for seed in range(100, 100 + args.beyond):
-            history = History(lm, seed, args.beyond_tokens)
-            assert history.tokens > 2 * lm.context_window, history.tokens
-            rows += run_history(lm, history, args, within=False)
-        out += [f"### Beyond the window: {args.beyond} histories of about {args.beyond_tokens} tokens, against gold",
-                "", table(rows, ["logprob", "recall", "evidence"]), ""]
+        for qa_set in planted_sets(args.within, turns_per_topic=args.within_tokens // TOKENS_PER_TURN_TOPIC):
+            rows += run_history(lm, History(lm, qa_set), args, within=True)
+        out += [f"### Within the window: {args.within} planted histories of about {args.within_tokens} tokens, "
+                "against full KV", "", table(rows, ["kl", "top1", "agreement", "logprob", "f1", "evidence"]), "",
+                paired(rows, "kl"), "", paired(rows, "logprob"), ""]  # fmt: skip
+    beyond: list[dict] = []
+    sets = planted_sets(args.beyond, turns_per_topic=args.beyond_tokens // TOKENS_PER_TURN_TOPIC) if args.beyond else []
+    histories = [History(lm, s) for s in sets] + [History(lm, load_locomo(p), args.questions) for p in args.locomo]
+    for history in histories:
+        assert history.tokens > 2 * lm.context_window, (history.name, history.tokens)
+        beyond += run_history(lm, history, args, within=False)
+    if beyond:
+        names = ", ".join(f"{h.name} ({h.tokens} tokens, {len(h.questions)} questions)" for h in histories)
+        out += [f"### Beyond the window, against gold: {names}", "", table(beyond, ["logprob", "f1", "evidence"]),
+                "", paired(beyond, "logprob"), "", paired(beyond, "evidence"), ""]  # fmt: skip
+    if args.results is not None:
+        args.results.write_text("".join(json.dumps(r) + "\n" for r in rows + beyond))
     command = "OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=.:benchmarks python benchmarks/window_positions.py"
     out += [f"Command: `{command} {' '.join(sys.argv[1:])}`", ""]
     text = "\n".join(out)

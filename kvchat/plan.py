@@ -181,8 +181,8 @@ def plan_ingest(
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members, joined = continuing.place(segment(lines, w), notes)
         if method(cache_cfg.method).routed:  # each new segment continues the cache of the episode it joined
-            held_turns = [[i for s, e in enumerate(joined) if e == episode.index for i in range(s * w, min(
-                (s + 1) * w, len(turns)))] for episode in episodes]  # fmt: skip
+            held_turns = [_segment_turns([s for s, e in enumerate(joined) if e == episode.index], w, len(turns))
+                          for episode in episodes]  # fmt: skip
             episode_ids = _routed_ids(turns, held_turns, lm, lead="\n")
             stored = continuing.episode_tokens or (earlier,) * len(episodes)
             total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
@@ -191,8 +191,7 @@ def plan_ingest(
         episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
-            held_turns = [[i for s in sorted(e.segments) for i in range(s * w, min((s + 1) * w, len(turns)))]
-                          for e in episodes]  # fmt: skip
+            held_turns = [_segment_turns(e.segments, w, len(turns)) for e in episodes]
             episode_ids = _routed_ids(turns, held_turns, lm)
             total = protected + max(int(ids.shape[-1]) for ids in episode_ids)
             fed = total
@@ -370,6 +369,11 @@ def _prefill_mode(
         return "full"
     fits = available is None or full_bytes - shape.weight_bytes <= available
     return "full" if why_not is None and fits else "block"
+
+
+def _segment_turns(segments: Sequence[int], w: int, turns: int) -> list[int]:
+    """The turns (indices, in history order) of `segments` of `w` turns each, of a history of `turns` turns."""
+    return [i for s in sorted(segments) for i in range(s * w, min((s + 1) * w, turns))]
 
 
 def _routed_ids(turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel, lead: str = "") -> list[torch.Tensor]:

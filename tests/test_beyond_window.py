@@ -109,10 +109,12 @@ def _assert_pages_beside_the_residents(store: Store, name: str, lm) -> None:
                 assert torch.equal(pages.at.to(torch.long), positions[before])
 
 
-def test_offload_pages_sit_beside_the_compacted_cache_and_are_read_back(tmp_path, histories, short_lm, encoder):
+@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+def test_offload_pages_sit_beside_the_compacted_cache_and_are_read_back(tmp_path, histories, short_lm, encoder,
+                                                                        heads):  # fmt: skip
     store = Store(tmp_path)
-    report = ingest(histories["whole"], name="c", config=_config(offload=OFFLOAD), store=store, lm=short_lm,
-                    encoder=encoder)  # fmt: skip
+    report = ingest(histories["whole"], name="c", config=_config(offload=OFFLOAD, head_budgets=heads), store=store,
+                    lm=short_lm, encoder=encoder)  # fmt: skip
     window = short_lm.context_window
     assert report.positions == "compact" and report.history_tokens >= 3 * window and report.offloaded_entries > 0
     _assert_pages_beside_the_residents(store, "c", short_lm)

@@ -134,7 +134,7 @@ class EpisodeCache(Cache):
         """From now on keep each entry's original token position (`origins`), which eviction and compaction
         carry along and observers receive. The positions held now must still be the original ones."""
         if self.origins is None:
-            self.origins = [[p.clone() for p in _heads(layer.positions)] for layer in self.layers]
+            self.origins = [[p.clone() for p in per_head(layer.positions)] for layer in self.layers]
             self.next_origin = self.next_position
 
     @contextmanager
@@ -235,7 +235,7 @@ class EpisodeCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
 
-def _heads(positions: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def per_head(positions: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """One `[n_h]` tensor per KV head, of a uniform layer's `[kv_heads, n]` or a ragged layer's per-head tensors."""
     return list(positions.unbind(0)) if isinstance(positions, torch.Tensor) else list(positions)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvchat.kv.cache import per_head
 from kvchat.kv.config import PagingConfig
 from kvchat.kv.pagefile import LayerPages, pages_metadata, write_layers
 from kvchat.kv.pages import HeadPages, semantic_pages
@@ -76,15 +77,11 @@ class Residents:
 
     @classmethod
     def of(cls, cache: EpisodeCache) -> Residents:
-        positions = [[p.cpu() for p in _per_head(layer.positions)] for layer in cache.layers]
+        positions = [[p.cpu() for p in per_head(layer.positions)] for layer in cache.layers]
         if cache.origins is None:
             return cls(positions, positions, cache.next_position, compact=False)
         origins = [[o.cpu() for o in heads] for heads in cache.origins]
         return cls(origins, positions, cache.next_position, compact=True)
-
-
-def _per_head(positions) -> list[torch.Tensor]:
-    return list(positions.unbind(0)) if isinstance(positions, torch.Tensor) else list(positions)
 
 
 class SpillWriter:
@@ -121,7 +118,7 @@ class SpillWriter:
         """Append one head's evicted entries: original `positions`, keys rotated for `at` (default: those)."""
         n = keys.shape[0]
         at = positions if at is None else at
-        if keys.shape != (n, self.head_dim) or values.shape != keys.shape or positions.shape != (n,) != at.shape:
+        if keys.shape != (n, self.head_dim) or values.shape != keys.shape or not positions.shape == at.shape == (n,):
             raise ValueError(f"spilled entries of layer {layer} head {head} have mismatched shapes")
         if n == 0:
             return
