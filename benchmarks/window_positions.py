@@ -23,7 +23,7 @@ Studies:
   answers against its answers; also the offload without compaction (`original`, the layout kvchat used before)
   and the compacted cache without pages (`resident`).
 - beyond it: planted histories of about `--beyond-tokens` tokens and whole LoCoMo conversations (`--locomo`,
-  `--questions` of categories 1-4 spread over each), 2-3x the window, where no reference fits: the gold answer's
+  `--questions` of categories 1-4 spread over each), 1.5-3x the window, where no reference fits: the gold answer's
   mean log-probability (teacher-forced after the question), LoCoMo's F1 of the greedy answer, and the share of the
   evidence turns' entries resident or read back at the first answer token (over layers and KV heads).
 Every placement is also compared with `beside` question by question (mean difference, bootstrap 95% interval).
@@ -90,8 +90,8 @@ def placements(protected: int) -> dict[str, Placement]:
 class History:
     """One conversation as the ingest lays it out, with its questions: token ids, gold answers, evidence."""
 
-    def __init__(self, lm: LoadedModel, qa_set: QASet, questions: int | None = None) -> None:
-        self.name = qa_set.name
+    def __init__(self, lm: LoadedModel, qa_set: QASet, questions: int | None = None, study: str = "beyond") -> None:
+        self.name = f"{study}/{qa_set.name}"
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, SYSTEM_PROMPT)
         self.prefix = lm.encode(self.layout.before_conversation)
         self.context = lm.encode("\n".join(format_turns(qa_set.turns)))
@@ -249,7 +249,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=40, help="LoCoMo questions per conversation (spread)")
     parser.add_argument("--within-tokens", type=int, default=4000)
     parser.add_argument("--beyond-tokens", type=int, default=20000)
-    parser.add_argument("--results", type=Path, default=None, help="every question's row, as JSON lines")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="every question's row, as JSON lines, appended per history; a run resumes from it")
     parser.add_argument("--budget", type=int, default=128, help="M: scored resident entries per layer and KV head")
     parser.add_argument("--window", type=int, default=32, help="W: resident recent window")
     parser.add_argument("--retrieve", type=int, default=128, help="R: entries read back per KV head")
@@ -262,10 +263,21 @@ def main() -> None:
            f"{torch.__version__}, {torch.get_num_threads()} thread(s), 1-min load {load:.1f} at start)", "",
            f"Embedded model (window {lm.context_window}); M = {args.budget}, W = {args.window}, R = {args.retrieve} "
            f"(IceCache's default page scorer), block {BLOCK}; six planted facts per history.", ""]  # fmt: skip
+    done: list[dict] = []  # rows of a run that stopped: its histories are not run again
+    if args.results is not None and args.results.exists():
+        done = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+
+    def rows_of(history: History, within: bool) -> list[dict]:
+        got = [r for r in done if r["set"] == history.name] or run_history(lm, history, args, within=within)
+        if args.results is not None and not any(r["set"] == history.name for r in done):
+            with args.results.open("a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in got)
+        return got
+
     rows: list[dict] = []
     if args.within:
         for qa_set in planted_sets(args.within, turns_per_topic=args.within_tokens // TOKENS_PER_TURN_TOPIC):
-            rows += run_history(lm, History(lm, qa_set), args, within=True)
+            rows += rows_of(History(lm, qa_set, study="within"), within=True)
         out += [f"### Within the window: {args.within} planted histories of about {args.within_tokens} tokens, "
                 "against full KV", "", table(rows, ["kl", "top1", "agreement", "logprob", "f1", "evidence"]), "",
                 paired(rows, "kl"), "", paired(rows, "logprob"), ""]  # fmt: skip
@@ -273,14 +285,12 @@ def main() -> None:
     sets = planted_sets(args.beyond, turns_per_topic=args.beyond_tokens // TOKENS_PER_TURN_TOPIC) if args.beyond else []
     histories = [History(lm, s) for s in sets] + [History(lm, load_locomo(p), args.questions) for p in args.locomo]
     for history in histories:
-        assert history.tokens > 2 * lm.context_window, (history.name, history.tokens)
-        beyond += run_history(lm, history, args, within=False)
+        assert history.tokens > lm.context_window, (history.name, history.tokens)
+        beyond += rows_of(history, within=False)
     if beyond:
         names = ", ".join(f"{h.name} ({h.tokens} tokens, {len(h.questions)} questions)" for h in histories)
         out += [f"### Beyond the window, against gold: {names}", "", table(beyond, ["logprob", "f1", "evidence"]),
                 "", paired(beyond, "logprob"), "", paired(beyond, "evidence"), ""]  # fmt: skip
-    if args.results is not None:
-        args.results.write_text("".join(json.dumps(r) + "\n" for r in rows + beyond))
     command = "OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=.:benchmarks python benchmarks/window_positions.py"
     out += [f"Command: `{command} {' '.join(sys.argv[1:])}`", ""]
     text = "\n".join(out)
