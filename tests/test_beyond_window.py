@@ -223,7 +223,7 @@ def test_indexmem_and_its_memory_beyond_the_window(tmp_path, histories, short_lm
     _assert_inside_the_window(cache, short_lm.context_window)
     memory = cache.memory
     assert memory is not None and any(m.abs().sum() > 0 for m in memory.m)  # evicted entries were written
-    # the memory's distances are measured in the compacted frame its keys were written in
-    assert memory.weights.readout != "mass" or float(memory.ref.max()) < short_lm.context_window
+    # the mass readout's distances are measured in the compacted frame its keys were written in
+    assert memory.weights.readout == "mass" and 0 < float(memory.ref.max()) < short_lm.context_window
     logits, _, answer = _first_answer(store, "m", short_lm, encoder, "Which gate does the flight leave from?")
     assert torch.isfinite(logits).all() and answer.answer_tokens > 0
