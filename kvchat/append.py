@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvchat import features, sources
+from kvchat import features, recall, sources
 from kvchat.config import APPEND_FAR_SIMILARITY
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
@@ -36,9 +36,10 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import method
 from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
-from kvchat.settings import from_settings, rebuild_command
+from kvchat.rag import RagIndex
+from kvchat.settings import from_settings, rebuild_command, stored_read
 from kvchat.sources import TurnSpan
-from kvchat.store import ConversationRecord, EpisodeRecord, Store, is_legacy_fingerprint
+from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
 if TYPE_CHECKING:
     from kvchat.features.feature import StoredFile
@@ -55,8 +56,10 @@ def append(
     source: str | None = None,
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
+    read: dict[str, str] | None = None,
 ) -> IngestReport:
-    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`)."""
+    """Continue conversation `name` with the turns of `history` (a file, or turns loaded from `source`, read with
+    `read`'s `format` and `pick`: kept, so `--append --reingest` reads it the same way)."""
     started = time.perf_counter()
     record = _record(store, name, lm)
     config = from_settings(record.settings, record.model)
@@ -68,17 +71,20 @@ def append(
     earlier = (record.settings.get("source"), *record.settings.get("appended", []))
     appended = (*earlier[1:], *([source_now] if source_now else []))
     routed = method(config.cache.method).routed
-    # what each stored episode file says: its turns' spans (receipts) and how much history it holds
-    extents = [_stored_extent(store, e, lm) for e in (record.episodes if routed else record.episodes[:1])]
+    # what each stored episode file says (routed: each one's; else the first's): its turns' spans (receipts), how
+    # much history it holds
+    stored_metadata = [store.load_episode(e, lm.fingerprint)[1] for e in record.episodes[: None if routed else 1]]
+    extents = [_stored_extent(metadata) for metadata in stored_metadata]
     continuing = Continuation(
         turns=int(record.stats.get("turns", 0)), history_tokens=int(record.stats.get("history_tokens", 0)),
         source=record.settings.get("source"),
         place=lambda segments, notes: _moved_episodes(record, segments, encoder, notes),
         episode_tokens=tuple(tokens for _, tokens in extents) if routed else (),
     )  # fmt: skip
+    reads = dict(record.settings.get("reads") or {}) | ({source_now: read} if source_now and read else {})
     plan = plan_ingest(
         history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True, force=force,
-        profile_dirs=profile_dirs, appended=appended, continuing=continuing,
+        profile_dirs=profile_dirs, appended=appended, continuing=continuing, reads=reads,
     )  # fmt: skip
     if source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
@@ -91,6 +97,9 @@ def append(
     else:
         both = (*extents[0][0], *plan.turn_spans) if extents[0][0] else ()
     plan = dataclasses.replace(plan, turn_spans=both)
+    if plan.recall is not None:  # questions recall from the stored turns' chunks and the new ones'
+        stored_recall = _stored_recall(store, record, stored_metadata[0])
+        plan = dataclasses.replace(plan, recall=recall.joined(stored_recall, plan.recall))
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]
@@ -117,9 +126,11 @@ def reingest(
     encoder: SentenceEncoder,
     progress: IngestProgress | None = None,
     force: bool = False,
+    read: dict[str, str] | None = None,
 ) -> IngestReport:
-    """`--append --reingest`: the stored history, what was appended to it and `history`, ingested again from
-    the start with the conversation's settings (episodes clustered anew)."""
+    """`--append --reingest`: the stored history, what was appended to it and `history` (read with `read`'s
+    `format` and `pick`), ingested again from the start with the conversation's settings (episodes clustered
+    anew). Each stored history is read as it was (`--format`, `--pick` kept in the settings' `reads`)."""
     record = _record(store, name, lm)
     settings = record.settings
     sources = [settings.get("source"), *settings.get("appended", [])]
@@ -129,12 +140,25 @@ def reingest(
             f"--reingest needs the histories conversation '{name}' was built from; missing: "
             f"{', '.join(str(m) for m in missing)}"
         )
-    turns = [turn for path in [*sources, history] for turn in load_history(path)]
+    new = str(Path(history).resolve())
+    reads = dict(settings.get("reads") or {}) | ({new: read} if read else {})
+    turns = [turn for path in [*sources, new] for turn in load_history(path, **stored_read({"reads": reads}, path))]
     return ingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
-        progress=progress, replace=True, source=sources[0], force=force,
-        appended=[*sources[1:], str(Path(history).resolve())],
+        progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
     )
+
+
+def _stored_recall(store: Store, record: ConversationRecord, metadata: dict[str, str]) -> RagIndex:
+    """The chunk index the stored caches recall from (`--method recall`)."""
+    rebuild = f"`kvchat ingest HISTORY --name {record.name} --append --reingest`"
+    try:
+        index = recall.from_metadata(metadata)
+    except ValueError as e:
+        raise UserError(f"conversation '{record.name}' episode 0: {e}; rebuild it with {rebuild}") from None
+    if index is None:
+        raise UserError(f"conversation '{record.name}' has no recall index to extend; rebuild it with {rebuild}")
+    return index
 
 
 def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
@@ -150,9 +174,8 @@ def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
     return record
 
 
-def _stored_extent(store: Store, episode: EpisodeRecord, lm: LoadedModel) -> tuple[tuple[TurnSpan, ...], int]:
+def _stored_extent(metadata: dict[str, str]) -> tuple[tuple[TurnSpan, ...], int]:
     """A stored episode file's turn spans and the history tokens its cache holds (a routed episode's: its own)."""
-    _, metadata = store.load_episode(episode, lm.fingerprint)
     spans, meta = tuple(sources.from_metadata(metadata)), codec.EpisodeMeta.from_metadata(metadata)
     end = spans[-1].end if spans else meta.next_origin if meta.next_origin is not None else meta.next_position
     return spans, end - meta.protected

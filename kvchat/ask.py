@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvchat import features
+from kvchat import features, recall
 from kvchat.config import AskConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
@@ -24,7 +24,9 @@ from kvchat.features import UnreadableFile, retrieved_positions
 from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.methods import REGISTRY, method
 from kvchat.llm import ChatLayout, LoadedModel, generate
+from kvchat.rag import RagIndex
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.sources import METADATA_KEY, Source, SourceRecorder, from_metadata, rank
 from kvchat.store import ConversationRecord, Store
@@ -46,6 +48,7 @@ class Answer:
     off_topic: bool = False  # routing similarity under AskConfig.off_topic_similarity
     sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
     sources_note: str | None = None  # asked for and unavailable: why
+    recalled: list[list[int]] | None = None  # --method recall: the [first, end) turns recalled for the question
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -67,9 +70,11 @@ class Session:
         )
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
         self._centroids = np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
+        self._split = _recall_split(conversation)
         self._resident: tuple[int, EpisodeCache] | None = None
         self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
         self._positions = "original"  # the resident episode's positions mode
+        self._recall: RagIndex | None = None  # the resident episode file's recall index (--method recall)
 
     def ask(
         self,
@@ -122,6 +127,10 @@ class Session:
         prompt_ids = self.lm.encode(
             self.layout.question(self.config.question_template.format(question=question), earlier)
         )
+        chunks: list[list[int]] | None = None
+        if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
+            recalled, picked = recall.recalled_text(self._recall, query, self._split.chunks)
+            chunks = recall.turn_ranges(picked)
         if recalled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
@@ -172,6 +181,7 @@ class Session:
             sources=None if recorder is None else rank(
                 recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars),
             sources_note=note,
+            recalled=chunks,
         )
         if log:
             self.store.log_ask(
@@ -242,6 +252,7 @@ class Session:
             self.conversation = current
             self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
             self._centroids = np.asarray([e.centroid for e in current.episodes], dtype=np.float32)
+            self._split = _recall_split(current)
             self._resident = None
 
     def _cache(self, index: int) -> EpisodeCache:
@@ -262,6 +273,10 @@ class Session:
             raise self._unreadable(index, e.what, e.problem) from None
         self._resident = (index, cache)
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
+        try:
+            self._recall = recall.from_metadata(metadata) if self._split is not None else None
+        except ValueError as e:
+            raise self._unreadable(index, "cache", str(e)) from None
         self._positions = meta.positions
         return cache
 
@@ -296,6 +311,12 @@ class Detokenizer:
             self._prefix, self._read = self._read, len(self.tokens)
             return after[len(before):]
         return ""
+
+
+def _recall_split(conversation: ConversationRecord) -> recall.RecallSplit | None:
+    """How a `--method recall` conversation spends its budget (None for other methods)."""
+    cache = from_settings(conversation.settings).cache
+    return recall.split(cache) if cache.method in REGISTRY and method(cache.method).recalls else None
 
 
 def _ms_since(start: float) -> float:

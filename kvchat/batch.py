@@ -8,6 +8,7 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/batc
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -28,6 +29,7 @@ from kvchat.errors import UserError
 from kvchat.history import load_history
 from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate
 from kvchat.profile import profile_texts
+from kvchat.settings import read_options
 from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
@@ -62,11 +64,14 @@ class HistorySource:
 
     name: str
     path: Path
+    format: str | None = None  # forced (`--format`), else detected
+    pick: str | None = None    # the conversation of a file holding several (`--pick`)
 
 
-def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = ()) -> list[HistorySource]:
-    """The batch's histories: each file named after its stem, then each manifest's pairs. Names are
-    checked and must be unique, before anything runs."""
+def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = (), *, format: str | None = None,
+              pick: str | None = None) -> list[HistorySource]:
+    """The batch's histories: each file named after its stem, then each manifest's pairs, every one read with
+    `format` and `pick` when given. Names are checked and must be unique, before anything runs."""
     found: list[HistorySource] = []
     for path in files:
         try:
@@ -83,7 +88,7 @@ def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = ()) -> lis
             raise UserError(f"two histories would be conversation {source.name!r} ({paths[source.name]} and "
                             f"{source.path}); name them in a --manifest")  # fmt: skip
         paths[source.name] = source.path
-    return found
+    return [dataclasses.replace(source, format=format, pick=pick) for source in found]
 
 
 def read_manifest(path: Path) -> list[HistorySource]:
@@ -195,7 +200,7 @@ def ingest_batch(
     if batch.address is None and not ray.is_initialized():
         workers_for(batch, preflight.usable_cores())  # before a local Ray is started for nothing
     started = time.perf_counter()
-    with _ray_session(ray, batch.address):
+    with ray_session(ray, batch.address):
         workers = _Workers(ray, batch, len(sources))
         try:
             progress.start(len(sources), workers.count)
@@ -231,8 +236,9 @@ def workers_for(batch: BatchConfig, cpus: int) -> int:
 
 
 @contextmanager
-def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
-    """Ray for the batch: the one this process already runs, else a new one it shuts down afterwards."""
+def ray_session(ray: Any, address: str | None, cpus: int | None = None) -> Iterator[None]:
+    """Ray for the batch (or `kvchat serve --replicas`): the one this process already runs, else a new one it
+    shuts down afterwards; a local one gets `cpus` CPUs (default: the cores this process may use)."""
     if ray.is_initialized():
         yield
         return
@@ -242,7 +248,7 @@ def _ray_session(ray: Any, address: str | None) -> Iterator[None]:
     try:
         if address is None:  # "local": a new instance, never a cluster someone else started on this machine
             session_dir = tempfile.mkdtemp(prefix="kvchat-ray-", dir="/tmp" if os.path.isdir("/tmp") else None)
-            ray.init(address="local", num_cpus=preflight.usable_cores(), _temp_dir=session_dir, **options)
+            ray.init(address="local", num_cpus=cpus or preflight.usable_cores(), _temp_dir=session_dir, **options)
         else:
             ray.init(address=address, **options)
     except (ConnectionError, ValueError, RuntimeError) as exc:
@@ -375,14 +381,14 @@ class _Driver:
     def _dispatch(self, index: int, source: HistorySource, attempt: int) -> None:
         started = time.perf_counter()
         try:
-            turns = load_history(source.path)
+            turns = load_history(source.path, format=source.format, pick=source.pick)
         except UserError as exc:
             self._finish(index, source, "failed", 0, started, error=str(exc))
             return
         worker = self.idle.pop(0)
         job = HistoryJob(
             source.name, str(source.path.resolve()), turns, self.config, self._stored(source.name), self.replace,
-            self.force, self.max_memory, self.workers.shares.get(worker, 1),
+            self.force, self.max_memory, self.workers.shares.get(worker, 1), read_options(source.format, source.pick),
         )  # fmt: skip
         running = _Running(index, source, attempt, worker, started)
         self._await(running, worker.start.remote(job))

@@ -8,6 +8,7 @@ spilled into a temp dir of the worker's own and its pages file travels with the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections.abc import Iterator
@@ -49,6 +50,7 @@ class HistoryJob:
     force: bool
     max_memory: int | None  # bytes this ingest may use; None: the memory available / workers on the node
     workers_on_node: int
+    read: dict[str, str] = dataclasses.field(default_factory=dict)  # how it was read (settings.read_options)
 
 
 # A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, then Finished.
@@ -137,6 +139,7 @@ class HistoryWorker:
             plan = plan_ingest(
                 job.turns, name=job.name, config=job.config, store=None, lm=lm, encoder=encoder, replace=True,
                 source=job.source, force=True, profile_dirs=[Path(profile_dir)], max_memory=available,
+                reads={job.source: job.read} if job.read else None,
             )  # fmt: skip
         if job.stored is not None:
             differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
@@ -166,7 +169,7 @@ class HistoryWorker:
 
 def stored_differences(stored: StoredIngest, plan: IngestPlan, fingerprint: str, requested: IngestConfig) -> list[str]:
     """What differs between a stored conversation and `plan` (empty: the same ingest), in words."""
-    settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source)))  # as the store returns them
+    settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source, reads=plan.reads)))  # as stored
     if requested.cache.prefill == "auto" and stored.settings.get("prefill") in ("block", "full"):
         settings["prefill"] = stored.settings["prefill"]
     keys = sorted(k for k in set(settings) | set(stored.settings) if settings.get(k) != stored.settings.get(k))

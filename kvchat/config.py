@@ -57,6 +57,9 @@ from kvchat.kv.config import (
 from kvchat.kv.config import (
     PagingConfig as PagingConfig,
 )
+from kvchat.kv.config import (
+    RecallConfig as RecallConfig,
+)
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
 
 WEIGHT_MODES = ("float", "int8")  # how the model's Linear weights are held while answering (kvchat.int8_weights)
@@ -101,12 +104,15 @@ class DeviceConfig:
     dtype: str = "auto"   # auto | float32 | bfloat16 | float16 (float16: CUDA only)
 
 
+DEFAULT_EPISODES = 4  # episodes when --episodes is not given and the history has that many segments
+
+
 @dataclass(frozen=True)
 class EpisodeConfig:
     """How a history is cut into topical episodes (EpiCache §3.1)."""
 
-    episodes: int = field(default=4, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
-    # clusters (capped at the number of segments)
+    episodes: int | None = field(default=None, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
+    # clusters; None: DEFAULT_EPISODES, or fewer when the history has fewer segments (a given E is not lowered)
     window: int = field(default=4, metadata={"option": "--window", "min": 1})  # w: turns per segment
     prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes
@@ -253,3 +259,4 @@ class ServeConfig:
     preload: bool = True        # load the stored conversations' models and the encoder at start, not at the first ask
     log: bool = True            # record answers in `kvchat logs`
     shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this are cut
+    replicas: int | None = None  # None: one worker thread in the app's process; N: N Ray Serve replicas

@@ -20,10 +20,18 @@ def document(**fields: Any) -> dict[str, Any]:
 
 def ingest(report) -> dict[str, Any]:
     """`kvchat ingest --json`, from an `IngestReport`."""
-    fields = report.to_dict()
-    seconds = fields.pop("seconds")
-    fields["episode_count"] = fields.pop("episodes")
-    return document(**fields, timings_ms={"total": round(seconds * 1000, 1)})
+    return document(**_reported(report.to_dict()))
+
+
+def _reported(fields: dict[str, Any]) -> dict[str, Any]:
+    """An ingest report's fields (`IngestReport.to_dict()`, or the stats stored with a conversation) in the shared
+    vocabulary: its count of episodes as `episode_count`, its seconds as `timings_ms`."""
+    fields = dict(fields)
+    if "episodes" in fields:
+        fields["episode_count"] = fields.pop("episodes")
+    if "seconds" in fields:
+        fields["timings_ms"] = {"total": round(fields.pop("seconds") * 1000, 1)}
+    return fields
 
 
 def batch(report) -> dict[str, Any]:
@@ -73,21 +81,28 @@ def conversation(record) -> dict[str, Any]:
     }
 
 
-def conversations(records) -> dict[str, Any]:
-    """`kvchat list --json`."""
-    return document(conversations=[conversation(r) for r in records])
+def conversations(records, default: str | None = None) -> dict[str, Any]:
+    """`kvchat list --json`; `default`, the conversation `ask` answers from when none is named."""
+    return document(conversations=[{**conversation(r), "default": r.name == default} for r in records])
 
 
 def show(record) -> dict[str, Any]:
-    """`kvchat show NAME --json`: the conversation, its settings, stats and episodes."""
+    """`kvchat show NAME --json`: the `list` fields, what the ingest reported under the `ingest` document's keys
+    (`history_tokens`, `budgets`, `timings_ms`, ...), the settings, and the episodes with their topic labels.
+    `stats` is the stored report as recorded (its `episodes` a count, `seconds`): kept for schema 1 only."""
+    from kvchat.episodes import topic_labels
+
+    labels = topic_labels([e.medoid_text for e in record.episodes])
+    segments = record.stats.get("episode_segments") or []
     return document(
-        **conversation(record),
+        **(_reported(record.stats) | conversation(record)),  # the record's own counts where both say
         settings=record.settings,
         stats=record.stats,
         episodes=[
-            {"index": e.index, "budgets": e.budgets, "cache_bytes": e.bytes, "entries": e.n_tokens,
+            {"index": e.index, "topic": label, "segments": segments[e.index] if e.index < len(segments) else None,
+             "budgets": e.budgets, "cache_bytes": e.bytes, "entries": e.n_tokens,
              "pages_bytes": e.pages.bytes if e.pages is not None else 0, "medoid_text": e.medoid_text}
-            for e in record.episodes
+            for e, label in zip(record.episodes, labels, strict=True)
         ],
     )
 

@@ -379,7 +379,8 @@ def summarize_gold(records: Sequence[dict]) -> list[dict]:
 
 def verdict(records: Sequence[dict]) -> list[str]:
     """Per entry budget with both kvchat and a baseline measured, one line: the best kvchat system against the
-    best baseline (by mean F1), their paired difference over the questions both answered and its 95% interval;
+    best baseline (by mean F1) among the systems answering the most questions at that budget (a mean over a
+    subset is not comparable), their paired difference over the questions both answered and its 95% interval;
     a win is called only when the interval excludes zero."""
     rows = summarize_gold(records)
     scores: dict[str, dict] = defaultdict(dict)
@@ -388,8 +389,10 @@ def verdict(records: Sequence[dict]) -> list[str]:
             scores[r["variant"]][(r["set"], r["qid"])] = r["f1"]
     lines = []
     for budget in sorted({r["entries_budget"] for r in rows}):
-        ours = [r for r in rows if r["entries_budget"] == budget and not r["baseline"]]
-        theirs = [r for r in rows if r["entries_budget"] == budget and r["baseline"]]
+        at = [r for r in rows if r["entries_budget"] == budget]
+        most = max(r["questions"] for r in at)
+        ours = [r for r in at if not r["baseline"] and r["questions"] == most]
+        theirs = [r for r in at if r["baseline"] and r["questions"] == most]
         if not ours or not theirs:
             continue
         a = max(ours, key=lambda r: r["f1"])

@@ -293,3 +293,17 @@ def format_turns(turns: Sequence[Turn]) -> list[str]:
         previous, title = turn.time, turn.conversation_title
         lines.append(line)
     return lines
+
+
+def excerpt(text: str, limit: int) -> str:
+    """`text` on one line, cut at a word boundary to at most `limit` characters (an ellipsis marks the cut)."""
+    return cut_at_word(" ".join(text.split()), limit)
+
+
+def cut_at_word(line: str, limit: int) -> str:
+    """`line` cut at a word boundary to at most `limit` characters (an ellipsis marks the cut)."""
+    if len(line) <= limit:
+        return line
+    cut = line[: limit - 1]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat import features, sources
+from kvchat import features, recall, sources
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 class IngestProgress:
     """Hooks for a progress display; the default does nothing."""
+
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None:
+        """The work ahead, before any of it: `blocks` steps (block forwards; `blocks_to_prefill`) in all,
+        over `episodes` episodes and `tokens` history tokens, so a display can give an overall ETA."""
 
     def history(self, done: int, total: int) -> None:
         """Blocks of the one full prefill that `--prefill full` shares among the episodes."""
@@ -165,6 +169,16 @@ def build_episode(
     return BuiltEpisode(episode, cache, *peaks, parts)
 
 
+def blocks_to_prefill(plan: IngestPlan) -> int:
+    """Steps the plan's episode loop reports: with `--prefill full` the history's blocks once and one selection
+    per episode; else each episode's history (routed: its own turns) in blocks of B."""
+    block = plan.config.cache.block_size
+    if plan.prefill == "full":
+        return -(-int(plan.context_ids.shape[-1]) // block) + len(plan.episodes)
+    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * len(plan.episodes)
+    return sum(-(-n // block) for n in lengths)
+
+
 def build_episodes(
     plan: IngestPlan,
     lm: LoadedModel,
@@ -178,6 +192,7 @@ def build_episodes(
     the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
     gives an append's stored cache and its side file."""
     progress = progress or IngestProgress()
+    progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
     for episode in plan.episodes:
         progress.episode(episode.index, len(plan.episodes))
@@ -228,6 +243,8 @@ def encode_episode(
         spans = spans[built.episode.index] if spans else ()
     if spans:  # what `ask --sources` maps cached positions to
         metadata[sources.METADATA_KEY] = sources.to_metadata(spans)
+    if plan.recall is not None:  # the chunks each question recalls turns from (--method recall)
+        metadata[recall.METADATA_KEY] = recall.to_metadata(plan.recall)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
     if writer is not None:
@@ -267,7 +284,7 @@ def commit_ingest(
     """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
     model that built the caches, or its identity where it was loaded elsewhere (a batch worker)."""
     cache_cfg = plan.config.cache
-    settings = to_settings(plan.config, source=plan.source, appended=plan.appended)
+    settings = to_settings(plan.config, source=plan.source, appended=plan.appended, reads=plan.reads)
     head_entries = [n for b in built for n in b.head_entries]
     identity = lm.identity if isinstance(lm, LoadedModel) else lm
     report = IngestReport(
@@ -319,9 +336,9 @@ def ingest(
 
     `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
     `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
-    passed), `force` past the memory estimate (an ingest whose estimate exceeds the available memory is
-    refused by default), `profile_dirs` where layer profiles are looked up (default: the store's
-    `profiles/`) before the shipped ones."""
+    passed) and `reads` (how it was read: `--format`, `--pick`), `force` past the memory estimate (an ingest
+    whose estimate exceeds the available memory is refused by default), `profile_dirs` where layer profiles are
+    looked up (default: the store's `profiles/`) before the shipped ones."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
     plan = plan_ingest(history, store=store, lm=lm, **plan_options)

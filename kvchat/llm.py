@@ -17,7 +17,7 @@ import stat
 import struct
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from kvchat import preflight
 from kvchat.checked_files import FileMismatch, open_regular
 from kvchat.config import WEIGHT_MODES
+from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
 from kvchat.errors import UserError
 from kvchat.gguf_header import MAGIC, BadHeader, check_gguf_header
@@ -98,6 +99,15 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
+    _decode_step: DecodeStep | bool | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def decode_step(self) -> DecodeStep | None:
+        """The few-call decode step for this model (kvchat.decode_step), built at the first answer token; None
+        where the model's forward must run."""
+        if self._decode_step is None:
+            self._decode_step = DecodeStep.for_model(self.model) or False
+        return self._decode_step or None
 
     @property
     def identity(self) -> ModelIdentity:
@@ -385,7 +395,7 @@ def generate(
     (default: the model's end-of-turn tokens; empty: always `max_new_tokens`).
 
     The cache first makes room for the prompt and the longest answer, so no step copies it; each step
-    feeds the chosen token through one reused `[1, 1]` tensor."""
+    feeds the chosen token through one reused `[1, 1]` tensor, through `lm.decode_step` where it applies."""
     if first_recorder is not None and recorder is not None:
         raise ValueError("generate takes first_recorder or recorder, not both")
     stop = lm.stop_ids if stop_ids is None else stop_ids
@@ -397,10 +407,15 @@ def generate(
     if on_first_logits is not None:
         on_first_logits(logits[0, -1])
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
+    fast = lm.decode_step if recorder is None else None
     for step in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
         if token in stop:
             return
         yield token
         if step + 1 < max_new_tokens:
-            logits = forward(lm.model, cache, step_ids.fill_(token), recorder=recorder)
+            step_ids.fill_(token)
+            if fast is not None and fast.applies(cache, step_ids):
+                logits = fast(cache, step_ids)
+            else:
+                logits = forward(lm.model, cache, step_ids, recorder=recorder)

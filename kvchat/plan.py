@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kvchat import features, preflight
+from kvchat import features, preflight, recall
 from kvchat.config import (
     ANSWER_ROOM,
+    DEFAULT_EPISODES,
     CacheConfig,
     IngestConfig,
 )
@@ -31,10 +32,20 @@ from kvchat.kv import families
 from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
-from kvchat.kv.methods import REGISTRY, ScorerInputs, across_heads_methods, method
+from kvchat.kv.methods import (
+    AUTO_METHOD,
+    AUTO_METHODS,
+    METHOD_CHOICES,
+    REGISTRY,
+    ScorerInputs,
+    across_heads_methods,
+    may_recall,
+    method,
+)
 from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_indexmem, find_profile
+from kvchat.rag import RagIndex
 from kvchat.sources import TurnSpan, turn_spans
 from kvchat.store import Store, validate_name
 
@@ -42,15 +53,18 @@ from kvchat.store import Store, validate_name
 def validate(config: IngestConfig) -> None:
     """Reject option values that cannot work, before anything is loaded or written."""
     cache = config.cache
-    if cache.method not in REGISTRY:
-        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(REGISTRY)})")
+    if cache.method != AUTO_METHOD and cache.method not in REGISTRY:
+        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(METHOD_CHOICES)})")
     check_fields(config)
     if cache.block_size > cache.budget * 8 and cache.method != "full":
         raise UserError(
             f"--block-size {cache.block_size} is more than 8x --budget {cache.budget}: "
             "peak memory would be dominated by the block"
         )
-    if cache.head_budgets == "adaptive" and not method(cache.method).across_heads:
+    if may_recall(cache.method):
+        recall.split(cache)  # refuses a share it cannot split the budget by
+    entries = [method(m) for m in (AUTO_METHODS if cache.method == AUTO_METHOD else (cache.method,))]
+    if cache.head_budgets == "adaptive" and not all(e.across_heads for e in entries):
         raise UserError(
             f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
             f"has none (use it with {', '.join(across_heads_methods())})"
@@ -80,7 +94,7 @@ def check_fields(config: object) -> None:
             check_fields(value)
         elif "choices" in meta and value not in meta["choices"]:
             raise UserError(f"unknown {meta['option']} {value!r} (choose from {', '.join(meta['choices'])})")
-        elif "min" in meta and value < meta["min"]:
+        elif "min" in meta and value is not None and value < meta["min"]:
             raise UserError(f"{meta['option']} must be >= {meta['min']} (got {value})")
 
 
@@ -104,11 +118,14 @@ class IngestPlan:
     notes: list[str]
     episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments per episode
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.append)
+    reads: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # how `source` and `appended` were
+    # read where --format or --pick was given (kvchat.settings.read_options)
     trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
     # each turn's token range (kvchat.sources), stored with every episode; an append's: its new turns only;
     # routed: one tuple per episode, of its own turns
     turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
     episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
+    recall: RagIndex | None = None  # --method recall: the chunks questions recall turns from (an append's: new ones)
 
 
 @dataclass(frozen=True)
@@ -140,6 +157,7 @@ def plan_ingest(
     max_memory: int | None = None,
     appended: Sequence[str] = (),
     continuing: Continuation | None = None,
+    reads: Mapping[str, Mapping[str, str]] | None = None,
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`kvchat.ingest.ingest`
     describes the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker
@@ -164,16 +182,21 @@ def plan_ingest(
     context_ids = lm.encode(("\n" if continuing else "") + "\n".join(lines))
     earlier = continuing.history_tokens if continuing else 0
     history_tokens = earlier + int(context_ids.shape[-1])
-    cache_cfg = config.cache
-    full = method(cache_cfg.method).scorer is None
     protected = prefix_ids.shape[-1]
     total = protected + history_tokens
-    if not full and cache_cfg.budget <= protected:  # every layer's floor lies above the prompt when M does
+    notes: list[str] = []
+    cache_cfg = _resolve_method(config.cache, total, lm.context_window, notes)
+    config = dataclasses.replace(config, cache=cache_cfg)
+    full = method(cache_cfg.method).scorer is None
+    recalls = method(cache_cfg.method).recalls
+    kept = recall.split(cache_cfg).cache_budget if recalls else cache_cfg.budget  # M of each episode cache
+    if not full and kept <= protected:  # every layer's floor lies above the prompt when M does
         raise UserError(
             f"--budget {cache_cfg.budget} must exceed the system prompt's {protected} tokens, which every "
-            "layer keeps; raise --budget"
+            "layer keeps; raise --budget" if kept == cache_cfg.budget else
+            f"--budget {cache_cfg.budget} leaves --method recall's episode caches {kept} entries, no more than "
+            f"the system prompt's {protected} tokens, which every layer keeps; raise --budget"
         )
-    notes: list[str] = []
     episode_ids: list[torch.Tensor] = []
     held_turns: list[list[int]] = []  # routed: the turns each episode's cache is fed now (indices into `turns`)
     fed = total - earlier  # the tokens the longest cache is fed now (an append: the new turns only)
@@ -188,7 +211,9 @@ def plan_ingest(
             total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
                              for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
     else:
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic)
+        episodes, episode_count = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic,
+                                            notes=notes)
+        config = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, episodes=episode_count))
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
             held_turns = [_segment_turns(e.segments, w, len(turns)) for e in episodes]
@@ -199,7 +224,7 @@ def plan_ingest(
     trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
     cache_cfg = features.resolve(cache_cfg, trained, notes)
     strategy, budgets, alpha = ("full", None, None) if full else resolve_layer_budgets(
-        cache_cfg, lm, dirs, protected, notes
+        dataclasses.replace(cache_cfg, budget=kept), lm, dirs, protected, notes
     )
     budgets = features.budgets(cache_cfg, budgets, total)
     heads = HeadBudgets(cache_cfg.head_budgets)
@@ -248,6 +273,10 @@ def plan_ingest(
                            indices=range(first, first + len(turns)))
         if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
             spans = []
+    recall_index = None
+    if recalls:  # the chunks each question's turns are recalled from: an append's new turns only
+        index = RagIndex.build(turns, lm, encoder, recall.split(cache_cfg).chunk_tokens)
+        recall_index = recall.offset(index, continuing.turns) if continuing else index
     return IngestPlan(
         name=name,
         config=resolved,
@@ -266,8 +295,10 @@ def plan_ingest(
         notes=notes,
         trained=trained,
         appended=tuple(appended),
+        reads={path: dict(options) for path, options in (reads or {}).items() if options},
         turn_spans=tuple(spans),
         episode_ids=episode_ids,
+        recall=recall_index,
     )
 
 
@@ -400,6 +431,18 @@ def _routed_spans(turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel,
     return out
 
 
+def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes: list[str]) -> CacheConfig:
+    """`--method auto`: `recall` for a history longer than the model's window (its caches alone would keep a
+    fraction of it, chosen before any question), else `epicache` (kvchat.kv.methods.AUTO_METHODS)."""
+    if cache.method != AUTO_METHOD:
+        return cache
+    within, beyond = AUTO_METHODS
+    if not window or history_tokens + ANSWER_ROOM <= window:
+        return dataclasses.replace(cache, method=within)
+    notes.append(f"the history ({history_tokens} tokens) exceeds the model's window ({window}): --method {beyond}")
+    return dataclasses.replace(cache, method=beyond)
+
+
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
     """`auto` re-rotates to compact positions only when the history would not fit the model's window."""
     if requested != "auto":
@@ -408,25 +451,35 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 
 def _episodes(
-    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool
-) -> list[Episode]:
-    """Episodes of the history. Only EpiCache is episodic: full KV and the query-agnostic baselines
-    build a single cache, as in the EpiCache paper's comparisons."""
+    lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
+    notes: list[str],
+) -> tuple[list[Episode], int]:
+    """Episodes of the history, and the episode count the settings record. Only EpiCache is episodic: full KV
+    and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
+    given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
+    is refused."""
     eps = config.episodes
     segments = segment(lines, eps.window)
-    if eps.episodes > len(segments) and episodic:
+    count = eps.episodes
+    if count is None:
+        count = min(DEFAULT_EPISODES, len(segments))
+        if count < DEFAULT_EPISODES and episodic:
+            notes.append(f"{count} episode{'s' * (count != 1)}, not {DEFAULT_EPISODES}: the history has "
+                         f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.window} turns")
+    elif count > len(segments) and episodic:
         raise UserError(
-            f"--episodes {eps.episodes} is more than the history's {len(segments)} segments of "
-            f"{eps.window} turns; use at most {len(segments)}"
+            f"--episodes {count} is more than the history's {len(segments)} segments of "
+            f"{eps.window} turns; use at most {len(segments)} (or leave --episodes out)"
         )
-    return build_episodes(
+    built = build_episodes(
         segments,
         encoder.embed(segments),
-        k=eps.episodes if episodic else 1,
+        k=count if episodic else 1,
         seed=eps.seed,
         token_cap=_medoid_cap(config, lm),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
+    return built, count
 
 
 def episode_scorer(

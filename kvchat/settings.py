@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvchat import features
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import UserError
 from kvchat.kv.config import saved_keys
+from kvchat.kv.methods import may_recall
 
 # Settings keys of CAKE's knobs (its fields' metadata): with `cake` layer budgets, and with the `cake` method's
 # scorer; its window with either.
@@ -26,7 +27,7 @@ _CAKE_KEYS = saved_keys(CakeConfig)
 _CAKE_SCORER_KEYS = {key: _CAKE_KEYS[key] for key in ("cake_gamma", "cake_pool_kernel")}
 _CAKE_BUDGET_KEYS = {key: name for key, name in _CAKE_KEYS.items() if key not in (*_CAKE_SCORER_KEYS, "cake_window")}
 _FULL = "full"  # what `layer_budgets` records for full KV, which has none
-_NOT_SETTINGS = ("source", "appended", "layer_budgets")  # kept apart, or (layer_budgets) an option's own
+_NOT_SETTINGS = ("source", "appended", "reads", "layer_budgets")  # kept apart, or (layer_budgets) an option's own
 
 
 def setting_paths(config_class: type = IngestConfig, path: tuple[str, ...] = ()) -> dict[str, tuple[str, ...]]:
@@ -76,9 +77,11 @@ def with_settings(config: IngestConfig, pairs: Sequence[str]) -> IngestConfig:
     return config
 
 
-def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = ()) -> dict:
+def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[str] = (),
+                reads: dict[str, dict[str, str]] | None = None) -> dict:
     """The dict stored with a conversation. `config` is the resolved one (see the module docstring);
-    `appended`, the histories `kvchat ingest --append` added after `source`, in order."""
+    `appended`, the histories `kvchat ingest --append` added after `source`, in order; `reads`, how those of them
+    read with `--format` or `--pick` were read (`read_options`)."""
     cache, episodes = config.cache, config.episodes
     strategy = _FULL if cache.method == "full" else cache.layer_budgets
     settings: dict = {
@@ -100,6 +103,8 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
     }
     if appended:
         settings["appended"] = list(appended)
+    if reads:
+        settings["reads"] = {path: dict(options) for path, options in reads.items()}
     if strategy == "sensitivity" and cache.alpha is not None:
         settings["alpha"] = cache.alpha
     cake = dataclasses.asdict(cache.cake)
@@ -109,9 +114,21 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_BUDGET_KEYS.items()}
     if cache.method == "cake":
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
+    if may_recall(cache.method):
+        settings |= {"recall_share": cache.recall.share, "recall_chunk_tokens": cache.recall.chunk_tokens}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
     return settings | features.settings(cache)  # the settings of the features it turns on (kvchat.features)
+
+
+def read_options(format: str | None = None, pick: str | None = None) -> dict[str, str]:
+    """How a history file was read (`--format`, `--pick`), as a conversation's `reads` keeps it: the options given."""
+    return {key: value for key, value in (("format", format), ("pick", pick)) if value is not None}
+
+
+def stored_read(settings: dict, path: str | None) -> dict[str, str]:
+    """`load_history`'s `format` and `pick` for `path`, one of the histories a conversation was built from."""
+    return dict((settings.get("reads") or {}).get(path) or {})
 
 
 def from_settings(settings: dict, model: str = "default") -> IngestConfig:
@@ -139,6 +156,8 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         head_budgets=get("head_budgets", cache_d.head_budgets),
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
+        recall=RecallConfig(share=get("recall_share", cache_d.recall.share),
+                            chunk_tokens=get("recall_chunk_tokens", cache_d.recall.chunk_tokens)),
     )
     cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(
@@ -160,12 +179,15 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
     config = from_settings(settings, model)
     cache, episodes = config.cache, config.episodes
     words = ["kvchat", "ingest", settings.get("source") or "HISTORY", "--name", name]
+    words += _read_words(settings, settings.get("source"))
     if model != "default":
         words += ["--model", model]
     options: dict[str, object] = {
         "method": cache.method, "budget": cache.budget, "block-size": cache.block_size,
         "episodes": episodes.episodes, "window": episodes.window, "positions": cache.positions,
     }  # fmt: skip
+    if episodes.episodes is None:  # as many as the history holds (settings saved before the count was resolved)
+        del options["episodes"]
     if cache.method != "full":
         options["layer-budgets"] = cache.layer_budgets
     if cache.alpha is not None:
@@ -183,8 +205,14 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
     words += [f"--setting={pair}" for pair in _library_only(config, {o.replace("-", "_") for o in options})]
     if replace:
         words.append("--replace")
-    appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append"]) for p in settings.get("appended", [])]
+    appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append", *_read_words(settings, p)])
+               for p in settings.get("appended", [])]
     return " && ".join([shlex.join(words), *appends])
+
+
+def _read_words(settings: dict, path: str | None) -> list[str]:
+    """`--format F --pick P` as history `path` was read."""
+    return [word for key, value in stored_read(settings, path).items() for word in (f"--{key}", str(value))]
 
 
 def _library_only(config: IngestConfig, expressed: set[str]) -> list[str]:

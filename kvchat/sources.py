@@ -14,18 +14,18 @@ turn the episode's cache still holds, averaged over layers and KV heads.
 
 from __future__ import annotations
 
-import base64
 import bisect
 import json
-import zlib
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
 from kvchat.history import Turn, format_turns
+from kvchat.history import excerpt as quote  # a source's quote
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
+from kvchat.packed_text import pack, unpack
 
 METADATA_KEY = "turns"  # the episode file metadata entry holding the turn spans (JSON)
 _STORED_CHARS = 400     # of each turn's text, kept for quotes
@@ -90,12 +90,8 @@ def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "",
     return spans
 
 
-_COMPRESSED = "zlib85:"  # spans repeat their keys and much of their text: stored deflated, a few % of a cache file
-
-
 def to_metadata(spans: Sequence[TurnSpan]) -> str:
-    raw = json.dumps([asdict(s) for s in spans], separators=(",", ":")).encode()
-    return _COMPRESSED + base64.b85encode(zlib.compress(raw, 9)).decode("ascii")
+    return pack(json.dumps([asdict(s) for s in spans], separators=(",", ":")).encode())
 
 
 def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
@@ -104,21 +100,9 @@ def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
     if raw is None:
         return None
     try:
-        if raw.startswith(_COMPRESSED):
-            raw = zlib.decompressobj().decompress(base64.b85decode(raw[len(_COMPRESSED):]), _MAX_SPANS_BYTES)
-        return [TurnSpan(**entry) for entry in json.loads(raw)]
-    except (TypeError, ValueError, zlib.error):
+        return [TurnSpan(**entry) for entry in json.loads(unpack(raw, _MAX_SPANS_BYTES))]
+    except (TypeError, ValueError):
         return None
-
-
-def quote(text: str, limit: int) -> str:
-    """`text` on one line, cut at a word boundary to at most `limit` characters (an ellipsis marks the cut)."""
-    flat = " ".join(text.split())
-    if len(flat) <= limit:
-        return flat
-    cut = flat[: limit - 1]
-    space = cut.rfind(" ")
-    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "…"
 
 
 class SourceRecorder:

@@ -25,6 +25,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from kvchat.history import format_turns
 from kvchat.synthetic import _TOPICS, planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +138,30 @@ def tiny_lm(tiny_model_dir, tmp_path_factory):
     from kvchat.llm import load_model
 
     return load_model(str(tiny_model_dir), tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
+def short_model_dir(tmp_path_factory) -> Path:
+    """The tiny Llama with a window a third of the length of `planted_sets(1, topics=6, turns_per_topic=40)`'s
+    history: for histories beyond the model's window."""
+    from kvchat.qa import planted_sets
+
+    tokenizer = tiny_tokenizer()
+    turns = planted_sets(1, topics=6, turns_per_topic=40)[0].turns
+    history_tokens = len(tokenizer("\n".join(format_turns(turns)))["input_ids"])
+    path = tmp_path_factory.mktemp("short-llama")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    model.config.max_position_embeddings = history_tokens // 3
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def short_lm(short_model_dir, tmp_path_factory):
+    from kvchat.llm import load_model
+
+    return load_model(str(short_model_dir), tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

@@ -165,8 +165,9 @@ def test_appending_to_an_offload_conversation_pages_the_stored_and_the_new_evict
     a = _tokens(tiny_lm, first)
     block = a.shape[-1]
     offload = OffloadConfig(mode="icecache", dtype="float32")
-    config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block",
-                                            offload=offload), episodes=EpisodeConfig(episodes=2, prompt_tokens=48))
+    config = IngestConfig(cache=CacheConfig(method="epicache", budget=max(64, block // 8 + 1), block_size=block,
+                                            prefill="block", offload=offload),
+                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)

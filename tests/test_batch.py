@@ -289,9 +289,27 @@ def test_the_command_reports_json_replaces_with_other_settings_and_exits_2(ray_i
     assert "exists with other settings (budget)" in errors["first"] and "use --replace" in errors["first"]
     replaced = run_main(home, *other, "--replace")
     assert replaced.returncode == 2  # bad.json still fails
-    assert "4 committed, 0 skipped, 1 failed" in replaced.stdout
+    assert "4 committed, 0 skipped, 1 failed" in replaced.stderr  # stdout piped: the TSV table alone
+    lines = [line.split("\t") for line in replaced.stdout.splitlines()]
+    assert lines[0] == ["conversation", "status", "episodes", "MiB", "seconds", "tries", "error"]
+    assert len(lines) == 6 and all(len(fields) == 7 for fields in lines)
     assert {c.settings["budget"] for c in Store(home).conversations()} == {48}
     _assert_whole(home, {"h2", "h3", "first", "second"})
+
+
+@needs_ray
+def test_a_batch_reads_every_history_with_format_and_pick(ray_instance, tmp_path, tiny_model_dir):
+    export = Path(__file__).parent / "data" / "good" / "chatgpt_export.json"
+    args = ["ingest-batch", str(export), "--pick", "Tomato plants", "--format", "chatgpt", "--model",
+            str(tiny_model_dir), "--workers", "1", "--budget", "64", "--block-size", "32", "--episodes", "1", "--json"]
+    run = run_main(tmp_path, *args)
+    assert run.returncode == 0, run.stderr
+    (entry,) = json.loads(run.stdout)["histories"]
+    assert entry["status"] == "committed" and entry["turns"] == 2
+    assert Store(tmp_path).get("chatgpt_export").settings["reads"] == {str(export.resolve()): {
+        "format": "chatgpt", "pick": "Tomato plants"}}
+    again = json.loads(run_main(tmp_path, *args).stdout)["histories"][0]
+    assert again["status"] == "skipped"  # read the same way: the same settings
 
 
 @needs_ray

@@ -16,12 +16,12 @@ pytestmark = pytest.mark.xdist_group("ray")
 def test_a_local_ray_leaves_no_session_dir():
     import ray
 
-    from kvchat.batch import _ray_session
+    from kvchat.batch import ray_session
 
     if ray.is_initialized():
         pytest.skip("a Ray of this process is running")
     before = set(Path("/tmp").glob("kvchat-ray-*"))
-    with _ray_session(ray, None):
+    with ray_session(ray, None):
         made = set(Path("/tmp").glob("kvchat-ray-*")) - before
         assert len(made) == 1 and any(next(iter(made)).glob("session_*"))  # Ray's session is in it
     assert not any(p.exists() for p in made)

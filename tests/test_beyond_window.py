@@ -36,7 +36,7 @@ from kvchat.kv.spill import SpillWriter
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 
-BASE = IngestConfig(cache=CacheConfig(budget=48, block_size=32, prefill="block"),
+BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=32, prefill="block"),
                     episodes=EpisodeConfig(episodes=2, window=4, prompt_tokens=48))  # fmt: skip
 OFFLOAD = OffloadConfig(mode="icecache", window=8, dtype="float32")
 EVERYTHING = 10**6  # entries read back per head: every page
@@ -109,20 +109,21 @@ def _assert_pages_beside_the_residents(store: Store, name: str, lm) -> None:
                 assert torch.equal(pages.at.to(torch.long), positions[before])
 
 
-@pytest.mark.parametrize("heads", ["uniform", "adaptive"])
+@pytest.mark.parametrize(("method", "heads"), [("auto", "uniform"), ("epicache", "uniform"), ("epicache", "adaptive")])
 def test_offload_pages_sit_beside_the_compacted_cache_and_are_read_back(tmp_path, histories, short_lm, encoder,
-                                                                        heads):  # fmt: skip
+                                                                        method, heads):  # fmt: skip
     store = Store(tmp_path)
-    report = ingest(histories["whole"], name="c", config=_config(offload=OFFLOAD, head_budgets=heads), store=store,
-                    lm=short_lm, encoder=encoder)  # fmt: skip
+    config = _config(method=method, offload=OFFLOAD, head_budgets=heads)
+    report = ingest(histories["whole"], name="c", config=config, store=store, lm=short_lm, encoder=encoder)
     window = short_lm.context_window
+    assert report.method == ("recall" if method == "auto" else method)  # the default beyond the window: recall
     assert report.positions == "compact" and report.history_tokens >= 3 * window and report.offloaded_entries > 0
     _assert_pages_beside_the_residents(store, "c", short_lm)
     logits, retrieved, answer = _first_answer(store, "c", short_lm, encoder, "Which gate does the flight leave from?",
                                               retrieve=EVERYTHING)  # fmt: skip
     assert torch.isfinite(logits).all() and answer.answer_tokens > 0
     read = torch.cat([p for layer in retrieved if layer for p in layer])
-    assert read.numel() > 0 and int(read.max()) >= 2 * window  # entries from far past the window were read back
+    assert read.numel() > 0 and int(read.max()) >= window  # entries from past the window were read back
 
 
 def test_offloaded_keys_are_what_the_model_computes_at_their_new_positions(tmp_path, model):
@@ -172,9 +173,10 @@ def test_an_append_past_the_window_continues_at_compact_positions(tmp_path, hist
         _assert_pages_beside_the_residents(store, "c", short_lm)
 
 
-def test_a_routed_append_feeds_each_new_turn_to_the_episode_it_joins(tmp_path, histories, short_lm, encoder):
+@pytest.mark.parametrize("method", ["routed", "recall"])
+def test_a_routed_append_feeds_each_new_turn_to_the_episode_it_joins(tmp_path, histories, short_lm, encoder, method):
     store = Store(tmp_path)
-    config = _config(method="routed", offload=OFFLOAD)
+    config = _config(method=method, offload=OFFLOAD)
     ingest(histories["start"], name="r", config=config, store=store, lm=short_lm, encoder=encoder)
     before = [sources.from_metadata(store.load_episode(e, short_lm.fingerprint)[1]) for e in store.get("r").episodes]
     append(histories["rest"], name="r", store=store, lm=short_lm, encoder=encoder)

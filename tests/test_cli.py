@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,7 +69,50 @@ def test_list_show_rm(ingested, tmp_path):
     assert listed["schema"] == 1 and [c["name"] for c in listed["conversations"]] == ["chat"]
     shown = json.loads(run(home, "show", "chat", "--json").stdout)
     assert len(shown["episodes"]) == 3 and all(e["budgets"] == [80, 80] for e in shown["episodes"])
-    assert "chat" in run(home, "show", "chat").stdout
+    piped = run(home, "show", "chat")
+    assert piped.stderr.startswith("chat (the default conversation)\n")
+    assert [line.split("\t")[0] for line in piped.stdout.splitlines()] == ["episode", "0", "1", "2"]
+
+
+def test_json_documents_share_one_vocabulary(ingested):
+    """A key that ingest, list, show and ask documents share means the same thing in each: the same value."""
+    home, report = ingested
+    listed = json.loads(run_main(home, "list", "--json").stdout)["conversations"][0]
+    shown = json.loads(run_main(home, "show", "chat", "--json").stdout)
+    answer = json.loads(run_main(home, "ask", "Which gate?", "--json", "--max-new-tokens", "2").stdout)
+    for a, b in ((report, shown), (listed, shown), (report, listed)):
+        shared = (set(a) & set(b)) - {"schema"}
+        assert {"name", "episode_count", "cache_bytes", "turns"} <= shared
+        assert {key: a[key] for key in shared} == {key: b[key] for key in shared}
+    assert {"history_tokens", "timings_ms", "budgets", "prefill", "positions"} <= set(report) & set(shown)
+    assert isinstance(shown["episodes"], list) and len(shown["episodes"]) == shown["episode_count"] == 3
+    assert "seconds" not in shown and answer["conversation"] == shown["name"]
+    assert answer["episode"] in [e["index"] for e in shown["episodes"]]
+    assert sum(e["cache_bytes"] for e in shown["episodes"]) == shown["cache_bytes"]
+    assert all(e["topic"] and e["segments"] >= 1 for e in shown["episodes"])
+
+
+def test_show_on_a_terminal_leads_with_sizes_and_topics(ingested, monkeypatch):
+    from kvchat.cli import render  # its consoles made before TTY_COMPATIBLE is set, as the other tests' are
+
+    home, _ = ingested
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich's way to say "a terminal"
+    monkeypatch.setattr(render.out, "width", 400)  # one table row per line
+    shown = json.loads(run_main(home, "show", "chat", "--json").stdout)
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", run_main(home, "show", "chat").stdout)  # bold, dim
+    lines = [line.strip() for line in plain.splitlines()]
+    entries = sum(e["entries"] for e in shown["episodes"])
+    assert lines[0] == "chat (the default conversation)"
+    assert lines[1] == (f"{shown['turns']} turns, {shown['history_tokens']:,} tokens in 3 episodes (segments of 4 "
+                        f"turns): {entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB")
+    assert lines[2].startswith("epicache, budget 80 per layer and KV head, full precision; model ")
+    rows = [line for line in lines if line.startswith("│")]
+    assert len(rows) == 3 and "budgets per layer" not in "\n".join(lines)
+    for row, episode in zip(rows, shown["episodes"], strict=True):
+        cells = [c.strip() for c in row.strip("│").split("│")]
+        assert cells[:4] == [str(episode["index"]), episode["topic"], str(episode["segments"]), str(episode["entries"])]
+        assert episode["topic"] and len(cells[5]) <= 90  # an excerpt, cut at a word
+        assert " ".join(episode["medoid_text"].split()).startswith(cells[5].rstrip("…"))
 
 
 @pytest.mark.parametrize(
@@ -110,10 +155,14 @@ def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
     shown = json.loads(run_main(tmp_path, "show", "h", "--json").stdout)
     assert shown["settings"]["layer_budgets"] == "cake" and shown["settings"]["tau2"] == 0.5
     assert all(sum(e["budgets"]) == 2 * 80 for e in shown["episodes"])
-    text = " ".join(run_main(tmp_path, "show", "h").stdout.split())  # rich wraps lines at the console width
+    verbose = run_main(tmp_path, "show", "h", "--verbose")  # per-layer budgets only with --verbose
+    text = " ".join((verbose.stderr + verbose.stdout).split())  # rich wraps lines at the console width
     assert "cake tau1=1.0 tau2=0.5 layer budgets" in text
     for episode in shown["episodes"]:
         assert " ".join(map(str, episode["budgets"])) in text or f"{episode['budgets'][0]} x2" in text
+    plain = run_main(tmp_path, "show", "h")
+    assert "layer budgets" not in plain.stderr and "budgets per layer" not in plain.stdout
+    assert "epicache, budget 80 per layer and KV head" in plain.stderr
 
 
 def test_profile_layers_on_a_local_model_dir_then_ingest_uses_it(tmp_path, tiny_model_dir):
@@ -151,6 +200,59 @@ def test_rm_removes(tmp_path, tiny_model_dir):
                "--block-size", "32", "--episodes", "2").returncode == 0
     assert run(tmp_path, "rm", "h").returncode == 0
     assert json.loads(run(tmp_path, "list", "--json").stdout)["conversations"] == []
+
+
+def test_use_chooses_the_default_conversation_and_list_and_ask_follow_it(tmp_path, tiny_model_dir):
+    history = tmp_path / "h.json"
+    history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
+    for name in ("first", "second"):
+        assert run_main(tmp_path, "ingest", str(history), "--name", name, "--model", str(tiny_model_dir),
+                        "--budget", "64", "--block-size", "32", "--episodes", "2").returncode == 0
+    shown = run_main(tmp_path, "use")  # none chosen: the latest, and a note saying so
+    assert shown.returncode == 0 and shown.stdout == "second\n" and "kvchat use NAME" in shown.stderr
+    assert json.loads(run_main(tmp_path, "use", "--json").stdout) == {"schema": 1, "conversation": "second",
+                                                                     "chosen": False}
+    assert run_main(tmp_path, "use", "first").returncode == 0
+    assert run_main(tmp_path, "use").stdout == "first\n"
+    rows = [line.split("\t") for line in run_main(tmp_path, "list").stdout.splitlines()[1:]]
+    assert {row[0]: row[-1] for row in rows} == {"first": "*", "second": ""}
+    listed = json.loads(run_main(tmp_path, "list", "--json").stdout)["conversations"]
+    assert {c["name"]: c["default"] for c in listed} == {"first": True, "second": False}
+    answer = json.loads(run_main(tmp_path, "ask", "Where?", "--json", "--max-new-tokens", "2").stdout)
+    assert answer["conversation"] == "first"
+    unknown = run_main(tmp_path, "use", "nope")
+    assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
+    assert run_main(tmp_path, "use").stdout == "first\n"  # a refused choice changes nothing
+    assert run_main(tmp_path, "rm", "first").returncode == 0  # the chosen one removed: back to the latest
+    assert json.loads(run_main(tmp_path, "use", "--json").stdout)["conversation"] == "second"
+    assert not (tmp_path / "default-conversation").exists()
+
+
+def test_the_answers_footer_on_a_terminal_names_its_conversation(monkeypatch, capsys):
+    import io
+
+    from rich.console import Console
+
+    from kvchat.cli import asking
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    footer = io.StringIO()
+    monkeypatch.setattr(asking, "err", Console(file=footer, force_terminal=True, no_color=True, width=200))
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    monkeypatch.setattr(asking, "_ctrl_c_stops", lambda: contextlib.nullcontext(lambda: False))
+
+    def run(write, stopping):
+        write("Gate 22.")
+        return {"finish_reason": "stop", "conversation": "trip\x1b[31m", "episode": 2, "similarity": 0.4142,
+                "reused_cache": True}
+
+    asking._print_streamed(run, 8)
+    assert capsys.readouterr().out == "Gate 22.\n"
+    assert "trip, episode 2 (similarity 0.41, resident)" in footer.getvalue()
+    assert "\x1b[31m" not in footer.getvalue()  # a name from the server is text, never an escape sequence
 
 
 def test_help_lists_the_commands():
@@ -255,11 +357,24 @@ def test_history_text_and_paths_are_shown_as_text(hostile, monkeypatch, terminal
 def test_piped_tables_are_tab_separated_and_whole(hostile):
     home, model = hostile
     lines = run_main(home, "list").stdout.splitlines()
-    assert lines[0].split("\t") == ["name", "created", "model", "method", "episodes", "turns", "MiB"]
+    assert lines[0].split("\t") == ["name", "created", "model", "method", "episodes", "turns", "MiB", "default"]
     assert lines[1].split("\t")[0] == "h" and lines[1].split("\t")[2] == model and len(lines) == 2
-    shown = run_main(home, "show", "h").stdout.splitlines()
-    rows = [line.split("\t") for line in shown[2:]]
-    assert all(len(r) == 4 for r in rows) and all(len(r[3]) > 90 for r in rows)  # excerpts not cut when piped
+    shown = run_main(home, "show", "h").stdout.splitlines()  # piped: the table alone (the lines above: stderr)
+    assert shown[0].split("\t") == ["episode", "topic", "segments", "entries", "MiB", "medoid excerpt"]
+    rows = [line.split("\t") for line in shown[1:]]
+    assert len(rows) == 2 and all(len(r) == 6 for r in rows) and all(len(r[5]) > 90 for r in rows)  # not cut
+
+
+@pytest.mark.parametrize("args", [("list",), ("show", "chat"), ("show", "chat", "--verbose"), ("logs",),
+                                  ("path",)])
+def test_piped_stdout_is_tsv_alone(ingested, args):
+    """Every line a table command prints to a pipe is a row of its table: the same fields as the header line."""
+    home, _ = ingested
+    run_main(home, "ask", "Which gate?", "--max-new-tokens", "2")  # something for `logs`
+    result = run_main(home, *args)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) >= 2 and all(len(line.split("\t")) == len(lines[0].split("\t")) >= 2 for line in lines)
 
 
 def test_streamed_answers_are_cleaned(monkeypatch, capsys):

@@ -152,7 +152,7 @@ def _tiny_set() -> QASet:
 def test_variant_keys_name_what_differs_from_the_defaults():
     assert Variant(CacheConfig(method="snapkv", budget=256)).key == "snapkv@256"
     assert Variant(CacheConfig(method="full")).key == REFERENCE
-    assert Variant(CacheConfig(budget=512, layer_budgets="pyramid")).key == "epicache@512/layer_budgets=pyramid"
+    assert Variant(CacheConfig(budget=512, layer_budgets="pyramid")).key == "auto@512/layer_budgets=pyramid"
     assert [v.key for v in variants(["full", "keydiff"], [1, 2])] == ["keydiff@1", "keydiff@2"]
 
 
@@ -162,7 +162,7 @@ def test_offload_variants_are_named_apart_and_full_kv_paged_runs_as_a_variant():
         "full/offload=icecache:R64:W32", "keydiff@8/offload=icecache:R64:W32"
     ]
     other = CacheConfig(offload=OffloadConfig(mode="icecache", retrieve=64, window=0, first_paged_layer=2))
-    assert Variant(other).key == "epicache@1024/offload=icecache:R64:W0:first_paged_layer=2"
+    assert Variant(other).key == "auto@1024/offload=icecache:R64:W0:first_paged_layer=2"
 
 
 def test_evidence_recalled_counts_resident_and_retrieved_entries_per_layer_and_head():

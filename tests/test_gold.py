@@ -7,7 +7,6 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
 
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
 from kvchat.evaluate import ResultsFile
@@ -22,7 +21,6 @@ from kvchat.gold import (
     summarize_gold,
     verdict,
 )
-from kvchat.history import format_turns
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -34,29 +32,7 @@ from kvchat.store import Store
 SYSTEM = "You are a helpful assistant . Conversation :\n"
 BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                     episodes=EpisodeConfig(prompt_tokens=48), system_prompt=SYSTEM)  # fmt: skip
-QA = planted_sets(1, topics=6, turns_per_topic=40)[0]
-
-
-@pytest.fixture(scope="module")
-def short_model_dir(tmp_path_factory):
-    """The tiny Llama with a window a third of the planted history's length."""
-    tokenizer = tiny_tokenizer()
-    history_tokens = len(tokenizer("\n".join(format_turns(QA.turns)))["input_ids"])
-    path = tmp_path_factory.mktemp("short-llama")
-    model = tiny_model("llama", vocab_size=len(tokenizer))
-    model.config.max_position_embeddings = history_tokens // 3
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def short_lm(short_model_dir, tmp_path_factory):
-    from kvchat.llm import load_model
-
-    lm = load_model(str(short_model_dir), tmp_path_factory.mktemp("models"))
-    assert 3 * lm.context_window <= len(lm.encode("\n".join(format_turns(QA.turns)))[0])
-    return lm
+QA = planted_sets(1, topics=6, turns_per_topic=40)[0]  # conftest.short_lm: its window is a third of it
 
 
 def test_chunks_are_consecutive_turns_within_the_token_cap():
@@ -157,6 +133,14 @@ def test_verdict_calls_a_win_only_outside_the_noise():
     rows = summarize_gold(clear)
     assert [r["variant"] for r in rows] == ["snapkv@1024", "rag@4x256"]
     assert set(rows[0]["f1_by_category"]) == {"multi-hop", "temporal", "open-domain", "single-hop"}
+
+
+def test_verdict_compares_only_systems_measured_on_the_most_questions():
+    base = np.linspace(0, 0.5, 60)
+    subset = _answers("keydiff@1024", np.ones(20), baseline=False)  # perfect, on a third of the questions
+    records = _answers("snapkv@1024", base + 0.3, baseline=False) + _answers("rag@4x256", base, baseline=True)
+    [line] = verdict(records + subset)
+    assert line.startswith("1024 entries: snapkv@1024 beat rag@4x256") and "keydiff" not in line
 
 
 def test_gold_eval_runs_every_system_on_a_history_3x_the_window(short_lm, encoder, tmp_path):

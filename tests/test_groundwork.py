@@ -221,8 +221,8 @@ def test_the_rebuild_command_replaces_when_asked():
 
 
 @pytest.mark.parametrize("config", [
-    IngestConfig(cache=CacheConfig(budget=64, block_size=32, positions="original", layer_budgets="uniform",
-                                   prefill="block", pool_kernel=5, offload=OffloadConfig(
+    IngestConfig(cache=CacheConfig(method="epicache", budget=64, block_size=32, positions="original",
+                                   layer_budgets="uniform", prefill="block", pool_kernel=5, offload=OffloadConfig(
                                        mode="icecache", retrieve=32, scorer="centroid", refresh=4, candidates=2,
                                        dtype="float32", paging=PagingConfig(page_size=8, iterations=3, seed=1))),
                  episodes=EpisodeConfig(episodes=2, prompt_tokens=48, seed=2), system_prompt="Be brief.\n",

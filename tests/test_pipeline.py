@@ -164,6 +164,20 @@ def test_bad_settings_are_user_errors_and_write_nothing(tmp_path, history, tiny_
     assert store.conversations() == []
 
 
+def test_default_episodes_are_what_the_history_holds_and_a_given_count_is_not_lowered(tmp_path, tiny_lm, encoder):
+    """12 turns in segments of 4 hold 3 episodes: without --episodes, 3 and a note; --episodes 4, refused."""
+    turns = [Turn("user" if i % 2 == 0 else "assistant", f"Message {i} about the garden and tomatoes.")
+             for i in range(12)]  # fmt: skip
+    store = Store(tmp_path)
+    report = _ingest(store, turns, tiny_lm, encoder)
+    assert report.episodes == len(store.get("conv").episodes) == 3
+    assert store.get("conv").settings["episodes"] == 3
+    assert any("3 episodes, not 4: the history has 3 segments of 4 turns" in note for note in report.notes)
+    given = replace(SMALL, episodes=replace(SMALL.episodes, episodes=4))
+    with pytest.raises(UserError, match="--episodes 4 is more than the history's 3 segments .* at most 3"):
+        _ingest(store, turns, tiny_lm, encoder, config=given, name="given")
+
+
 def test_reingest_needs_replace(tmp_path, history, tiny_lm, encoder):
     store = Store(tmp_path)
     _ingest(store, history, tiny_lm, encoder)

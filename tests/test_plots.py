@@ -37,6 +37,49 @@ def test_eval_plot(figures, tmp_path):
     assert {t.get_text() for t in fig.legends[0].get_texts()} == {"epicache", "snapkv", "full KV"}
 
 
+def _scored(variant, method, budget, f1, questions=3):
+    return {**_row(variant, method, budget, f1, 0.0 if budget else 1.0), "questions": questions, "relative_f1": None,
+            "kl": 0.0, "recall": 0.0, "f1_by_category": {"single-hop": f1}}
+
+
+def test_a_report_of_one_budget_and_zero_f1_states_its_settings_and_stays_readable(figures, tmp_path):
+    """A 3-question run at one budget where every answer scores 0: bars with their values, not an empty chart."""
+    from kvchat import report
+    from kvchat.config import EvalConfig, IngestConfig
+
+    rows = [_scored("full", "full", None, 0.0), _scored("epicache@256", "epicache", 256, 0.0),
+            _scored("snapkv@256", "snapkv", 256, 0.0)]
+    ran = report.settings(EvalConfig(budgets=(256,), questions=3), IngestConfig(), model="tiny")
+    report.write(tmp_path / "r.md", rows, spec="tiny", sets=["synthetic-0"], synthetic=True, settings=ran)
+    (fig,) = figures
+    f1, agreement = fig.axes
+    assert [bar.get_height() for bar in f1.patches] == [0.0, 0.0]
+    assert [t.get_text() for t in f1.texts] == ["0.00", "0.00", "full KV 0.00"]  # a bar of 0 still says its value
+    assert [t.get_text() for t in f1.get_xticklabels()] == ["epicache", "snapkv"]
+    assert "256" in f1.get_xlabel() and f1.get_ylim()[0] == 0 and f1.get_ylim()[1] >= 0.1
+    assert f1.get_title() == agreement.get_title() == "n = 3 questions per point"
+    assert {t.get_text() for t in fig.legends[0].get_texts()} == {"epicache", "snapkv", "full KV"}
+    text = (tmp_path / "r.md").read_text()
+    assert "- model: tiny" in text and "- budgets: 256 (KV entries kept per layer and KV head)" in text
+    assert "- questions: at most 3 per conversation" in text
+    assert "n = 3 questions per row (few: a difference between rows may be chance)." in text
+    for _, header, _ in report.COLUMNS:  # every column explained
+        assert f"- **{header}**: " in text
+
+
+def test_zero_values_over_several_budgets_show_on_the_axis_with_their_values(figures, tmp_path):
+    from kvchat import report
+
+    rows = [_scored(f"epicache@{b}", "epicache", b, 0.0, questions=5) for b in (128, 256)]
+    report.plot(rows, tmp_path / "p.png", synthetic=True)
+    (fig,) = figures
+    f1 = fig.axes[0]
+    (line,) = f1.get_lines()
+    assert list(line.get_ydata()) == [0.0, 0.0] and not line.get_clip_on()  # drawn on the axis, not hidden
+    assert [t.get_text() for t in f1.texts] == ["0.00", "0.00"]
+    assert f1.get_ylim()[1] >= 0.1 and f1.get_title() == "n = 5 questions per point"
+
+
 def test_profile_plot_title_and_budget(figures, tmp_path):
     from kvchat.profile import LayerProfile, save_plot
 

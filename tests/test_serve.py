@@ -492,6 +492,32 @@ def test_kvchat_ask_through_the_server(server, home, tiny_lm, encoder, monkeypat
     assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
 
 
+def test_kvchat_ask_through_the_server_gives_sources_and_refuses_off_topic(server, home, tiny_lm, encoder):
+    from cli_helpers import run_main
+
+    expected = reference(home, tiny_lm, encoder, "chat", QUESTIONS[0], 6, sources=True)
+    ask = ["ask", "--server", server.url, "--api-key", KEY, "--conversation", "chat", "--max-new-tokens", "6"]
+    document = json.loads(run_main(home, *ask, "--sources", "--json", QUESTIONS[0]).stdout)
+    assert document["sources"] == [s.to_dict() for s in expected.sources] and document["sources"]
+    shown = run_main(home, *ask, "--sources", QUESTIONS[0])
+    assert shown.returncode == 0 and shown.stdout.startswith(expected.text + "\n"), shown.stderr
+    assert f"sources (episode {expected.episode}):" in shown.stdout and "tokens kept" in shown.stdout
+
+    off_topic = "What is the boiling point of liquid nitrogen in kelvin?"
+    assert reference(home, tiny_lm, encoder, "chat", off_topic, 6).off_topic
+    store = Store(home)
+    in_topic = store.get("chat").episodes[0].medoid_text.splitlines()[0].split(": ", 1)[1]  # a turn's own words
+    store.close()
+    answered = reference(home, tiny_lm, encoder, "chat", in_topic, 6)
+    assert not answered.off_topic
+    refused = run_main(home, *ask, "--refuse-off-topic", stdin=f"{off_topic}\n{in_topic}\n")
+    assert refused.returncode == 3, refused.stderr
+    assert refused.stderr.count("not answered: no episode matches") == 1
+    assert refused.stdout == answered.text + "\n", refused.stderr  # only the second question was answered
+    lines = run_main(home, *ask, "--refuse-off-topic", "--json", off_topic)
+    assert lines.returncode == 3 and json.loads(lines.stdout)["finish_reason"] == "refused"
+
+
 def test_kvchat_serve_runs_until_sigterm(tmp_path, tiny_lm, encoder):
     """The command as users run it: a process that announces itself, answers, and on SIGTERM stops cleanly."""
     import signal

@@ -61,6 +61,7 @@ app.command("profile-layers", cls=HelpCommand)(calibration.profile_layers_comman
 app.command("train-indexer", cls=HelpCommand)(calibration.train_indexer_command)
 app.command("eval", cls=HelpCommand)(evaluating.eval_command)
 app.command("list", cls=HelpCommand)(stored.list_conversations)
+app.command(cls=HelpCommand)(stored.use)
 app.command(cls=HelpCommand)(stored.show)
 app.command(cls=HelpCommand)(stored.rm)
 app.command(cls=HelpCommand)(stored.path)

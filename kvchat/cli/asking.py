@@ -25,7 +25,7 @@ from kvchat.cli.options import (
 from kvchat.cli.render import emit_json, episode_lines, err, out, say
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
-from kvchat.terminal import StreamCleaner
+from kvchat.terminal import StreamCleaner, clean
 
 
 def ask(
@@ -33,7 +33,8 @@ def ask(
         metavar="QUESTION",
         help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
     conversation: Annotated[str | None, typer.Option(
-        help="Conversation name (default: the latest).", autocompletion=complete_conversation)] = None,
+        help="Conversation name (default: the one `kvchat use` chose, else the latest).",
+        autocompletion=complete_conversation)] = None,
     episode: Annotated[int | None, typer.Option(help="Use this episode's cache instead of routing.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Longest answer in tokens.")] = AskConfig.max_new_tokens,
     retrieve: Annotated[int | None, typer.Option(
@@ -72,12 +73,12 @@ def ask(
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
     given = {"--retrieve": retrieve is not None, "--weights": weights != AskConfig.weights,
              "--threads": threads is not None, "--device": device != DeviceConfig.device,
-             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log, "--sources": sources,
-             "--refuse-off-topic": refuse_off_topic}
+             "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log}
     own = [option for option, set_ in given.items() if set_]  # what only this process honours
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
-    asker = _remote_asker(server, conversation, max_new_tokens, api_key) if not (local or own) else None
+    asker = _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) \
+        else None
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
@@ -86,7 +87,7 @@ def ask(
         config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic)
         asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
                        device=DeviceConfig(device, dtype))
-        asker.sources = sources
+    asker.sources = sources
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
@@ -131,7 +132,7 @@ class _Asker:
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
                  device: DeviceConfig = DeviceConfig()) -> None:
         self.store, self.config, self.log = store, config, log
-        record = store.get(conversation) if conversation else store.latest()  # an unknown name: before torch loads
+        record = store.get(conversation) if conversation else store.default()  # an unknown name: before torch loads
         from kvchat.ask import Session
 
         self.threads, self.device = threads, device
@@ -187,44 +188,53 @@ class _Asker:
             result = self.session.ask(question, episode=episode, on_text=write, log=self.log, stop=stopping,
                                       earlier=earlier, **self._receipts())
             answered.append(result)
-            return {"finish_reason": result.finish_reason, "episode": result.episode,
-                    "similarity": result.similarity, "reused_cache": result.reused_cache}
+            return {"finish_reason": result.finish_reason, "conversation": result.conversation,
+                    "episode": result.episode, "similarity": result.similarity, "reused_cache": result.reused_cache}
 
         _print_streamed(run, self.config.max_new_tokens)
-        self._off_topic(answered[-1])
-        if self.sources and answered[-1].finish_reason != "refused":
-            show_sources(answered[-1])
-        return answered[-1].text
+        result = answered[-1]
+        self._off_topic(result)
+        if self.sources and result.finish_reason != "refused":
+            show_sources(None if result.sources is None else [s.to_dict() for s in result.sources],
+                         result.sources_note, result.episode)
+        return result.text
 
     def _receipts(self) -> dict:
         return {"sources": True} if self.sources else {}
 
     def _off_topic(self, result) -> None:
         """The line that says no episode matched well, and the count of refusals."""
-        if not result.off_topic:
-            return
-        limit = self.config.off_topic_similarity
-        if result.finish_reason == "refused":
-            self.refused += 1
-            say(f"kvchat: not answered: no episode matches this question (similarity {result.similarity:.2f} < "
-                f"{limit:.2f}; --refuse-off-topic)", console=err)
-        else:
-            say(f"kvchat: note: no episode matches this question well (similarity {result.similarity:.2f} < "
-                f"{limit:.2f}): the answer may not come from the conversation", console=err)
+        if result.off_topic:
+            self.refused += say_off_topic(result.finish_reason, result.similarity, self.config.off_topic_similarity)
+
+
+def say_off_topic(finish_reason: str, similarity: float, limit: float | None) -> int:
+    """The line under an answer to a question no episode matches well (`limit`: the threshold, where known);
+    1 when the question was refused, else 0."""
+    under = f"similarity {similarity:.2f}" + (f" < {limit:.2f}" if limit is not None else ", under the threshold")
+    if finish_reason == "refused":
+        say(f"kvchat: not answered: no episode matches this question ({under}; --refuse-off-topic)", console=err)
+        return 1
+    say(f"kvchat: note: no episode matches this question well ({under}): the answer may not come from the "
+        "conversation", console=err)
+    return 0
 
 
 class _RemoteAsker:
     """`ask` through a running `kvchat serve` (kvchat.serve.client): the same output, and the REPL's Actions."""
 
-    sources = False  # the REPL's /sources: this client does not ask the server for them
-    refused = 0
+    sources = False  # --sources, the REPL's /sources
+    refused = 0      # questions the server refused as off-topic (--refuse-off-topic)
 
-    def __init__(self, client, conversation: str | None, max_new_tokens: int) -> None:
-        self.client, self.max_new_tokens = client, max_new_tokens
-        self._episodes = {c["name"]: c["episode_count"] for c in client.conversations()}
+    def __init__(self, client, conversation: str | None, max_new_tokens: int, refuse_off_topic: bool = False) -> None:
+        from kvchat.serve.client import default_of
+
+        self.client, self.max_new_tokens, self.refuse_off_topic = client, max_new_tokens, refuse_off_topic
+        listed = client.conversations()
+        self._episodes = {c["name"]: c["episode_count"] for c in listed}
         if not self._episodes:
             raise UserError(f"no conversations yet on the server at {client.url}; run `kvchat ingest HISTORY` first")
-        self.name = conversation or next(iter(self._episodes))  # newest first: the latest
+        self.name = conversation or default_of(listed)
         self.switch(self.name)
 
     @property
@@ -262,20 +272,34 @@ class _RemoteAsker:
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
                as_json: bool = False) -> str:
         question = question.strip()
-        if self.sources:
-            say("kvchat: note: sources are shown for answers in this process (ask --local --sources)", console=err)
+        options = {"episode": episode, "max_tokens": self.max_new_tokens, "sources": self.sources,
+                   "refuse_off_topic": self.refuse_off_topic}
         if as_json:
-            document = self.client.ask(self.name, question, episode=episode, max_tokens=self.max_new_tokens)
+            document = self.client.ask(self.name, question, **options)
             emit_json(document)
+            self._off_topic(document)
             return document.get("answer", "")
-        return _print_streamed(lambda write, stopping: self.client.ask(
-            self.name, question, episode=episode, max_tokens=self.max_new_tokens, on_text=write, stop=stopping,
-            earlier=earlier,
-        ), self.max_new_tokens)
+        answered = []
+
+        def run(write, stopping) -> dict:
+            answered.append(self.client.ask(self.name, question, on_text=write, stop=stopping, earlier=earlier,
+                                            **options))
+            return answered[-1]
+
+        _print_streamed(run, self.max_new_tokens)
+        document = answered[-1]
+        self._off_topic(document)
+        if self.sources and document.get("finish_reason") != "refused" and "sources" in document:
+            show_sources(document["sources"], document.get("sources_note"), document.get("episode"))
+        return document.get("answer", "")
+
+    def _off_topic(self, document: dict) -> None:
+        if document.get("off_topic"):
+            self.refused += say_off_topic(document.get("finish_reason", ""), document.get("similarity", 0.0), None)
 
 
 def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int,
-                  api_key: str | None) -> _RemoteAsker | None:
+                  api_key: str | None, refuse_off_topic: bool = False) -> _RemoteAsker | None:
     """An asker through the server at `url`, else through the one announced in $KVCHAT_HOME (None when none
     runs, or it does not answer: then this process answers)."""
     from kvchat.config import default_home
@@ -283,12 +307,12 @@ def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int
     from kvchat.serve.client import Client, Unreachable
 
     if url is not None:
-        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens)
+        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
     found = announced_url(default_home())
     if found is None:
         return None
     try:
-        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens)
+        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
     except Unreachable:
         return None
 
@@ -318,10 +342,17 @@ def _print_streamed(run, max_new_tokens: int) -> str:
         say(f"[answer cut at --max-new-tokens {max_new_tokens}]", console=err)
     elif result["finish_reason"] == "stopped":
         say("[stopped]", console=err)
-    if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal:
-        reuse = ", resident" if result.get("reused_cache") else ""
-        err.print(Text(f"episode {result['episode']} (similarity {result['similarity']:.2f}{reuse})", style="dim"))
+    if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal and result.get("episode") is not None:
+        err.print(Text(clean(footer(result), one_line=True), style="dim"))
     return result.get("answer", "")
+
+
+def footer(result: dict) -> str:
+    """The line under an answer on a terminal: the conversation and episode it came from, and how similar the
+    question was to that episode."""
+    reuse = ", resident" if result.get("reused_cache") else ""
+    where = f"{result.get('conversation') or '?'}, episode {result['episode']}"
+    return f"{where} (similarity {result['similarity']:.2f}{reuse})"
 
 
 class _ctrl_c_stops:
@@ -351,13 +382,14 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def show_sources(result) -> None:
-    """The answer's sources under it (`--sources`, the REPL's /sources), or the line saying why there are none."""
-    if result.sources is None:
-        say(f"kvchat: {result.sources_note}", console=err)
+def show_sources(sources: list[dict] | None, note: str | None, episode: int | None) -> None:
+    """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
+    there are none."""
+    if sources is None:
+        say(f"kvchat: {note}", console=err)
         return
-    say((f"sources (episode {result.episode}):", "bold"))
-    for n, s in enumerate(result.sources, start=1):
-        who = ", ".join(part for part in (s.speaker, s.time) if part)
-        say(f"  {n}. turn {s.turn} {who}: \u201c{s.quote}\u201d ",
-            (f"{s.attention_share:.0%} of attention, {s.kept_tokens}/{s.tokens} tokens kept", "dim"))
+    say((f"sources (episode {episode}):", "bold"))
+    for n, s in enumerate(sources, start=1):
+        who = ", ".join(part for part in (s["speaker"], s["time"]) if part)
+        say(f"  {n}. turn {s['turn']} {who}: \u201c{s['quote']}\u201d ",
+            (f"{s['attention_share']:.0%} of attention, {s['kept_tokens']}/{s['tokens']} tokens kept", "dim"))

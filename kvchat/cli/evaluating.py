@@ -20,7 +20,7 @@ from kvchat.cli.options import (
     open_store,
 )
 from kvchat.cli.progress import RichEvalProgress, progress_bars
-from kvchat.cli.render import emit_json, err, say, table
+from kvchat.cli.render import beside_table, emit_json, err, say, table
 from kvchat.config import (
     CacheConfig,
     DeviceConfig,
@@ -135,7 +135,9 @@ def eval_command(
     if report is not None and sets:
         from kvchat import report as eval_report
 
-        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data,
+        ran = eval_report.settings(config, base, model=lm.spec, offloads=_names(offload),
+                                   precisions=_names(cache_precision), retrieve=retrieve)
+        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data, settings=ran,
                           notes=[s.describe(config.questions) for s in sets] + skips)
     columns = EVAL_COLUMNS
     if per_conversation:
@@ -153,7 +155,7 @@ def eval_command(
         table(headers, [[eval_cell(row, key, fmt) for key, _, fmt in gold.COLUMNS] for row in gold_rows],
               title=f"kvchat eval against gold: {', '.join(sorted(gold_names))}", right=headers[1:])
         for line in verdict:
-            say(f"kvchat: {line}")
+            say(f"kvchat: {line}", console=beside_table())
 
 
 def _names(text: str) -> tuple[str, ...]:

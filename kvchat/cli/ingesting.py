@@ -36,8 +36,9 @@ from kvchat.cli.progress import (
     RichIngestProgress,
     progress_bars,
 )
-from kvchat.cli.render import emit_json, err, head_budgets_text, say, table
+from kvchat.cli.render import beside_table, emit_json, err, head_budgets_text, say, table
 from kvchat.config import (
+    DEFAULT_EPISODES,
     BatchConfig,
     CacheConfig,
     CakeConfig,
@@ -57,8 +58,8 @@ INGEST_EXAMPLES = """Examples:
   kvchat ingest chat.json                       # stored as "chat"
   kvchat ingest conversations.json --pick "Trip to Japan" --name japan
   kvchat ingest more.json --append --name chat  # continue a stored conversation"""
-_METHOD_HELP = "How entries are scored for eviction. " + "; ".join(
-    f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
+_METHOD_HELP = "How entries are scored for eviction. auto (default): epicache within the model's window, recall " \
+    "beyond it; " + "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
 def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
@@ -75,8 +76,9 @@ _CACHE_OPTIONS = [
             CacheConfig.budget),
     _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).", rich_help_panel=_CACHE)],
             CacheConfig.block_size),
-    _option("episodes", Annotated[int, typer.Option(help="Number of topical episodes (E).", rich_help_panel=_CACHE)],
-            EpisodeConfig.episodes),
+    _option("episodes", Annotated[int | None, typer.Option(
+        help=f"Number of topical episodes (E). Default: {DEFAULT_EPISODES}, or fewer when the history has fewer "
+        "segments.", show_default=False, rich_help_panel=_CACHE)], EpisodeConfig.episodes),
     _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).",
                                                   rich_help_panel=_CACHE)],
             EpisodeConfig.window),
@@ -202,7 +204,7 @@ def ingest(
     from kvchat.history import load_history
     from kvchat.ingest import ingest as run_ingest
     from kvchat.ingest import validate
-    from kvchat.settings import with_settings
+    from kvchat.settings import read_options, with_settings
     from kvchat.store import validate_name
 
     model = config.model
@@ -222,11 +224,9 @@ def ingest(
             raise UserError(f"{exc}; name it with --name") from None
     else:
         name = validate_name(name)
-    if reingest and (history_format or pick):
-        raise UserError("--append --reingest reads the stored histories and this one by detection; "
-                        "--format and --pick cannot be used with it")
     turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
                          min_turns=1 if append else 2)
+    read = read_options(history_format, pick)  # kept, so that `--append --reingest` reads it the same way
     store = open_store()
     if append or reingest:
         _check_append(append, reingest, replace, config, model, store.get(name) if append else None)
@@ -242,12 +242,13 @@ def ingest(
             run = appending.reingest if reingest else appending.append
             extra = {} if reingest else {"source": str(history.resolve())}
             report = run(history if reingest else turns, name=name, store=store, lm=lm, encoder=encoder,
-                         progress=progress, force=force, **extra)  # fmt: skip
+                         progress=progress, force=force, read=read, **extra)  # fmt: skip
         else:
             report = run_ingest(
                 turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
                 progress=progress, source=str(history.resolve()), force=force,
                 max_memory=None if max_memory is None else max_memory * 2**20,
+                reads={str(history.resolve()): read} if read else None,
             )
     for note in report.notes:
         say(f"kvchat: note: {note}", console=err)
@@ -308,6 +309,10 @@ def ingest_batch(
     address: Annotated[str | None, typer.Option(
         help="Join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local Ray (what a "
         "cluster needs: docs/batch.md).")] = BatchConfig.address,
+    history_format: Annotated[HistoryFormat | None, typer.Option(
+        "--format", help="Force every history's format (default: detected).", rich_help_panel=_INPUT)] = None,
+    pick: Annotated[str | None, typer.Option(rich_help_panel=_INPUT,
+        help='The conversation to take of each file holding several: its number, title or "all".')] = None,
     config: IngestConfig = IngestConfig(),
     max_memory: Annotated[int | None, typer.Option(
         help="MiB each worker's ingest may use (default: the memory available on its node, shared among the "
@@ -327,7 +332,7 @@ def ingest_batch(
     """
     from kvchat import batch as batching
 
-    sources = batching.histories(files or [], manifest or [])
+    sources = batching.histories(files or [], manifest or [], format=history_format, pick=pick)
     store = open_store()
     with progress_bars(markup=False) as bars:
         progress = RichBatchProgress(bars) if err.is_terminal else LineBatchProgress()
@@ -351,7 +356,7 @@ def ingest_batch(
         say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "
             f"{report.threads} thread{'s' * (report.threads != 1)} "
-            f"({report.histories_per_hour:.0f} histories/hour)")  # fmt: skip
+            f"({report.histories_per_hour:.0f} histories/hour)", console=beside_table())  # fmt: skip
     failed = report.count("failed")
     if failed:
         raise UserError(f"{failed} of {len(report.histories)} histories failed")

@@ -22,7 +22,7 @@ from kvchat.config import (
     default_home,
 )
 from kvchat.errors import UserError
-from kvchat.kv.methods import METHODS
+from kvchat.kv.methods import METHOD_CHOICES
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON on stdout (for scripts; see docs/scripting.md).")]
 DeviceOpt = Annotated[Literal[DEVICES], typer.Option(  # type: ignore[valid-type]
@@ -36,7 +36,7 @@ ThreadsOpt = Annotated[int | None, typer.Option(
 # Choices are real choices: listed in --help, completed by the shell, refused by the parser (exit 2).
 Positions = Literal[POSITION_MODES]  # type: ignore[valid-type]
 Prefill = Literal[PREFILL_MODES]  # type: ignore[valid-type]
-Method = Literal[METHODS]  # type: ignore[valid-type]
+Method = Literal[METHOD_CHOICES]  # type: ignore[valid-type]
 LayerBudgets = Literal[LAYER_BUDGETS]  # type: ignore[valid-type]
 HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
 Offload = Literal[OFFLOAD_MODES]  # type: ignore[valid-type]

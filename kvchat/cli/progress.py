@@ -32,20 +32,54 @@ class LineIngestProgress:
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.blocks = BlockTally()
+
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None:
+        self.started = time.monotonic()
+        self.blocks = BlockTally(blocks)
+        err.print(f"kvchat: {tokens} history tokens: {blocks} blocks over {episodes} episode{'s' * (episodes != 1)}",
+                  markup=False, soft_wrap=True)  # fmt: skip
 
     def history(self, done: int, total: int) -> None:
+        self.blocks.step(done)
         if done == total:
             err.print(f"kvchat: history prefilled once ({total} blocks, {self._elapsed()}); selecting episodes",
                       markup=False, soft_wrap=True)  # fmt: skip
 
     def episode(self, index: int, total: int) -> None:
-        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()})", markup=False, soft_wrap=True)
+        self.blocks.new_pass()
+        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()}{self.blocks.eta(self.started)})",
+                  markup=False, soft_wrap=True)  # fmt: skip
 
     def _elapsed(self) -> str:
         return f"{time.monotonic() - self.started:.1f} s elapsed"
 
     def block(self, done: int, total: int) -> None:
-        pass
+        self.blocks.step(done)
+
+
+class BlockTally:
+    """Blocks done of the ingest's planned total, from per-pass counts (each episode's prefill counts from 1)."""
+
+    def __init__(self, total: int = 0) -> None:
+        self.total, self.done, self._pass = total, 0, 0
+
+    def new_pass(self) -> None:
+        self._pass = 0
+
+    def step(self, done_in_pass: int) -> int:
+        """Count the pass's blocks up to `done_in_pass`; returns how many that adds."""
+        added = max(0, done_in_pass - self._pass)
+        self._pass = max(self._pass, done_in_pass)
+        self.done += added
+        return added
+
+    def eta(self, started: float) -> str:
+        """", ETA N s" once a block is done (the pace so far over the blocks left), else ""."""
+        if not self.done or not self.total:
+            return ""
+        left = max(0, self.total - self.done)
+        return f", ETA {(time.monotonic() - started) / self.done * left:.0f} s"
 
 
 class RichIngestProgress:
@@ -53,17 +87,26 @@ class RichIngestProgress:
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
+        self.overall = progress.add_task("ingest", total=None)
         self.episodes = progress.add_task("episodes", total=None)
         self.blocks = progress.add_task("blocks", total=None)
+        self.tally = BlockTally()
+
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None:
+        self.tally = BlockTally(blocks)
+        self.progress.reset(self.overall, total=blocks, description=f"ingest ({tokens} tokens, all blocks)")
 
     def history(self, done: int, total: int) -> None:
+        self.progress.advance(self.overall, self.tally.step(done))
         self.progress.update(self.blocks, completed=done, total=total, description="history (full prefill)")
 
     def episode(self, index: int, total: int) -> None:
+        self.tally.new_pass()
         self.progress.update(self.episodes, completed=index, total=total, description=f"episode {index + 1}")
         self.progress.update(self.blocks, description="blocks")
 
     def block(self, done: int, total: int) -> None:
+        self.progress.advance(self.overall, self.tally.step(done))
         self.progress.update(self.blocks, completed=done, total=total)
         if done == total:
             self.progress.advance(self.episodes)

@@ -49,6 +49,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: st
     out.print(grid)
 
 
+def beside_table() -> Console:
+    """Where the lines a table comes with go: stdout on a terminal; stderr when stdout is piped, so that stdout
+    holds the tab-separated values alone."""
+    return out if out.is_terminal else err
+
+
 def head_budgets_text(mode: str, entries: list[int]) -> str:
     """'uniform head budgets', or 'adaptive head budgets (12-301 entries per head)'."""
     if mode == "adaptive" and len(entries) == 2:

@@ -38,12 +38,16 @@ def serve(
     preload: Annotated[bool, typer.Option(
         help="Load the stored conversations' models and the encoder at start, not at the first question.")] = True,
     no_log: Annotated[bool, typer.Option("--no-log", help="Do not record answers in `kvchat logs`.")] = False,
+    replicas: Annotated[int | None, typer.Option(
+        help="Answer from N Ray Serve replicas, each holding the model; a conversation's requests all go to the "
+             "replica holding its caches (needs `kvchat[replicas]`). --threads is then per replica.")] = None,
 ) -> None:
     """Serve the stored conversations over the OpenAI chat API, model and caches kept warm (docs/serve.md).
 
     A model id names a conversation (or NAME/EPISODE). SIGTERM or Ctrl-C stops it."""
     for option, value, least in (("--port", port, 0), ("--max-memory", max_memory, 1), ("--queue-size", queue_size, 1),
-                                 ("--max-body", max_body, 1), ("--max-tokens", max_tokens, 1)):
+                                 ("--max-body", max_body, 1), ("--max-tokens", max_tokens, 1),
+                                 ("--replicas", replicas if replicas is not None else 1, 1)):
         if value < least:
             raise UserError(f"{option} must be >= {least} (got {value})")
     if port > 65535:
@@ -59,7 +63,8 @@ def serve(
     config = ServeConfig(host=host, port=port, api_key=api_key or None, max_memory=max_memory * 2**20,
                          queue_size=queue_size, max_body_bytes=max_body * 1024, max_tokens=max_tokens,
                          max_tokens_limit=max(max_tokens, ServeConfig.max_tokens_limit), threads=threads,
-                         device=DeviceConfig(device, dtype), weights=weights, preload=preload, log=log)
+                         device=DeviceConfig(device, dtype), weights=weights, preload=preload, log=log,
+                         replicas=replicas)
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         say(f"kvchat: warning: serving {host} without --api-key: anyone who reaches it reads every conversation",
             console=err)

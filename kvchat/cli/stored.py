@@ -1,4 +1,4 @@
-"""The store's commands: `list`, `show`, `rm`, `logs`, `doctor`."""
+"""The store's commands: `list`, `use`, `show`, `rm`, `path`, `logs`, `doctor`."""
 
 from __future__ import annotations
 
@@ -9,48 +9,103 @@ import typer
 
 from kvchat import documents
 from kvchat.cli.options import JsonOpt, NameArg, complete_conversation, open_store
-from kvchat.cli.render import emit_json, head_budgets_text, out, say, table
+from kvchat.cli.render import beside_table, emit_json, err, head_budgets_text, out, say, table
 from kvchat.config import default_home
 from kvchat.errors import UserError
+from kvchat.history import cut_at_word
 from kvchat.terminal import clean
 
 
 def list_conversations(as_json: JsonOpt = False) -> None:
-    """List stored conversations."""
-    records = open_store().conversations()
+    """List stored conversations, newest first; the default one (what `ask` answers from) is marked *."""
+    store = open_store()
+    records = store.conversations()
+    default = store.default_name()
     if as_json:
-        emit_json(documents.conversations(records))
+        emit_json(documents.conversations(records, default))
         return
     rows = []
     for r in records:
         s = documents.conversation(r)
         rows.append((r.name, r.created_at[:19], r.model, s["method"], s["episode_count"], s["turns"],
-                     f"{s['cache_bytes'] / 2**20:.1f}"))
-    table(("name", "created", "model", "method", "episodes", "turns", "MiB"), rows,
+                     f"{s['cache_bytes'] / 2**20:.1f}", "*" if r.name == default else ""))
+    table(("name", "created", "model", "method", "episodes", "turns", "MiB", "default"), rows,
           right=("episodes", "turns", "MiB"))
 
 
-def show(name: NameArg, as_json: JsonOpt = False) -> None:
-    """Show a conversation's episodes: sizes, budgets and medoid excerpts."""
-    record = open_store().get(name)
+def use(name: Annotated[str | None, typer.Argument(
+        metavar="[NAME]", help="The conversation `ask` answers from when --conversation is not given.",
+        autocompletion=complete_conversation)] = None, as_json: JsonOpt = False) -> None:
+    """Choose the default conversation; without NAME, show it (the latest ingested until one is chosen)."""
+    store = open_store()
+    record = store.use(name) if name is not None else store.default()
+    chosen = name is not None or store.chosen() is not None
+    if as_json:
+        emit_json(documents.document(conversation=record.name, chosen=chosen))
+        return
+    sys.stdout.write(clean(record.name, one_line=True) + "\n")
+    if not chosen:
+        say("kvchat: note: the latest ingested; `kvchat use NAME` chooses the default", console=err)
+
+
+def show(name: NameArg, verbose: Annotated[bool, typer.Option(
+        "--verbose", help="Every setting, and each episode's budget per layer.")] = False,
+        as_json: JsonOpt = False) -> None:
+    """Show a conversation: its size, method and budget, then its episodes' topics, sizes and excerpts.
+
+    Piped, stdout holds the episodes' table alone (tab-separated); the lines above it go to stderr."""
+    store = open_store()
+    record = store.get(name)
     if as_json:
         emit_json(documents.show(record))
         return
-    s = record.settings
-    strategy = s.get("layer_budgets", "uniform")
-    if strategy == "cake":
-        strategy += f" tau1={s.get('tau1')} tau2={s.get('tau2')}"
-    heads = head_budgets_text(s.get("head_budgets", "uniform"), record.stats.get("head_entries", []))
-    say(
-        (record.name, "bold"),
-        f" ({record.model}, {s['method']}, budget {s['budget']}, block {s['block_size']}, "
-        f"{strategy} layer budgets, {heads}, {s['positions']} positions, {s.get('cache_precision', 'full')} "
-        f"precision) ingested {record.created_at[:19]}",
-    )
-    rows = [(e.index, f"{e.bytes / 2**20:.1f}", _compress_budgets(e.budgets),
-             " ".join(e.medoid_text.split())[:90] if out.is_terminal else e.medoid_text)
-            for e in record.episodes]
-    table(("episode", "MiB", "budgets per layer", "medoid excerpt"), rows, right=("episode", "MiB"))
+    shown = documents.show(record)
+    above = beside_table()
+    default = " (the default conversation)" if store.default_name() == record.name else ""
+    say((record.name, "bold"), default, console=above)
+    for line in _summary(shown, verbose):
+        say(f"  {line}", console=above)
+    headers = ["episode", "topic", "segments", "entries", "MiB", "medoid excerpt"]
+    rows = []
+    for e in shown["episodes"]:
+        text = _excerpt(e["medoid_text"]) if out.is_terminal else e["medoid_text"]  # piped: whole
+        row = [e["index"], e["topic"] or "-", "" if e["segments"] is None else e["segments"], e["entries"],
+               f"{e['cache_bytes'] / 2**20:.1f}", text]
+        rows.append([*row[:5], _compress_budgets(e["budgets"]), row[5]] if verbose else row)
+    if verbose:
+        headers.insert(5, "budgets per layer")
+    table(headers, rows, right=("episode", "segments", "entries", "MiB"))
+
+
+def _excerpt(text: str, limit: int = 90) -> str:
+    """The start of a medoid text as shown, on one line, cut at a word boundary (its length is what shows)."""
+    return cut_at_word(clean(" ".join(text.split()), one_line=True), limit)
+
+
+def _summary(shown: dict, verbose: bool) -> list[str]:
+    """The lines above `show`'s table: sizes, then method and budget (and with `verbose` every setting)."""
+    s = shown["settings"]
+    tokens = f", {shown['history_tokens']:,} tokens" if shown.get("history_tokens") is not None else ""
+    entries = sum(e["entries"] for e in shown["episodes"])
+    pages = f" + {shown['pages_bytes'] / 2**20:.1f} MiB of pages" if shown["pages_bytes"] else ""
+    lines = [
+        f"{shown['turns']} turns{tokens} in {shown['episode_count']} episodes (segments of {s.get('window')} turns): "
+        f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{pages}",
+        f"{s['method']}, budget {s['budget']} per layer and KV head, {s.get('cache_precision', 'full')} precision"
+        f"{', offload ' + s['offload'] if s.get('offload', 'none') != 'none' else ''}; model {shown['model']}, "
+        f"ingested {shown['created_at'][:19]}",
+    ]
+    if verbose:
+        strategy = s.get("layer_budgets", "uniform")
+        if strategy == "cake":
+            strategy += f" tau1={s.get('tau1')} tau2={s.get('tau2')}"
+        heads = head_budgets_text(s.get("head_budgets", "uniform"), shown.get("head_entries") or [])
+        lines.append(f"block {s['block_size']}, {strategy} layer budgets, {heads}, "
+                     f"{s['positions']} positions, {s.get('prefill', 'block')} prefill")
+        if shown.get("timings_ms"):
+            lines.append(f"ingested in {shown['timings_ms']['total'] / 1000:.1f} s on {shown.get('device', '?')} "
+                         f"({shown.get('dtype', '?')}), peak {shown.get('peak_layer_entries', '?')} entries per layer")
+    return lines
 
 
 def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Conversation names.",

@@ -112,10 +112,20 @@ OffloadConfig = IceCacheConfig  # its name before kvchat.features: a generic nam
 
 
 @dataclass(frozen=True)
+class RecallConfig:
+    """`--method recall` (kvchat.recall): of the budget M, the share `share` goes to chunks of raw turns retrieved
+    for each question and prefilled on top of the routed episode cache, which keeps the rest."""
+
+    share: float = field(default=0.5, metadata={"key": "recall_share"})  # of M, in whole chunks (at least one)
+    chunk_tokens: int = field(default=256, metadata={"key": "recall_chunk_tokens", "option": "recall chunk tokens",
+                                                     "min": 1})  # consecutive turns of at most this many tokens
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """How one episode's compressed cache is built by block prefill."""
 
-    method: str = "epicache"   # "epicache" (patched-prompt scoring) or "full" (keep everything)
+    method: str = "auto"   # kvchat.kv.methods.REGISTRY's, or auto: epicache within the model's window, recall beyond
     budget: int = field(default=1024, metadata={"option": "--budget", "min": 1})  # M: kept KV entries per layer
     # and KV head, system prompt included
     block_size: int = field(default=512, metadata={"option": "--block-size", "min": 16})  # B: tokens fed per
@@ -142,6 +152,7 @@ class CacheConfig:
     # keeps its top entries: one prefill for all episodes) | auto (full when the history fits the model's window
     # and its full KV fits memory)
     offload: IceCacheConfig = IceCacheConfig()
+    recall: RecallConfig = RecallConfig()
     precision: str = field(default="full", metadata={"key": "cache_precision", "option": "--cache-precision",
                                                      "choices": CACHE_PRECISIONS})  # full (the model's dtype) |
     # int8 | int4 (KIVI: keys per channel, values per token, in 8 or 4 bits; kvchat.kv.quantize), applied to each

@@ -57,6 +57,7 @@ class Method:
     episodic: bool = False       # one cache per episode, each scored by that episode's patched prompt
     trained: bool = False        # needs trained weights shipped in profiles/ or made by a train command
     routed: bool = False         # episodic, and each episode's cache prefills only its own segments' turns
+    recalls: bool = False        # part of the budget goes to raw turns retrieved for each question (kvchat.recall)
 
 
 def _epicache(inputs: ScorerInputs) -> Scorer:
@@ -126,6 +127,9 @@ REGISTRY: dict[str, Method] = {
         Method("routed", "episodic, each episode's cache built from its own turns only, in history order (EpiCache's "
                "episodes routed by their turns: one pass over the history in all)", _epicache, across_heads=True,
                episodic=True, routed=True),
+        Method("recall", "routed episode caches keep part of the budget (half); the question's closest chunks "
+               "of raw turns (by the sentence encoder) fill the rest, prefilled on top of the cache", _epicache,
+               across_heads=True, episodic=True, routed=True, recalls=True),
         Method("full", "keep everything: the reference", None),
         Method("streaming", f"sink min({STREAMING_SINK}, M/4) + most recent (StreamingLLM)", _streaming),
         Method("snapkv", f"prompt = the block's last {SNAPKV_WINDOW} tokens (SnapKV)", _snapkv, across_heads=True),
@@ -141,6 +145,9 @@ REGISTRY: dict[str, Method] = {
     )
 }
 METHODS = tuple(REGISTRY)
+AUTO_METHOD = "auto"  # --method's default: the first of AUTO_METHODS within the model's window, the second beyond
+AUTO_METHODS = ("epicache", "recall")
+METHOD_CHOICES = (AUTO_METHOD, *METHODS)
 
 
 def method(name: str) -> Method:
@@ -149,6 +156,11 @@ def method(name: str) -> Method:
         return REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)})") from None
+
+
+def may_recall(name: str) -> bool:
+    """Whether `name` (a registry method or auto, unresolved) spends part of its budget on recalled turns."""
+    return any(method(m).recalls for m in (AUTO_METHODS if name == AUTO_METHOD else (name,)))
 
 
 def across_heads_methods() -> tuple[str, ...]:

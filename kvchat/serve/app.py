@@ -101,14 +101,16 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
     @app.post("/kvchat/ask", dependencies=[key])
     async def ask(body: AskBody, request: Request) -> dict:
         chat = ChatRequest(body.conversation, body.question.strip(), body.episode,
-                           max_tokens=min(body.max_tokens or config.max_tokens, config.max_tokens_limit))
+                           max_tokens=min(body.max_tokens or config.max_tokens, config.max_tokens_limit),
+                           sources=body.sources, refuse_off_topic=body.refuse_off_topic)
         _check_known(request, chat)
         completion = await _result(_submit(engine.submit_chat, chat), request)
         return documents.answer(chat.question, completion.answer) | {"answer": completion.text}
 
     @app.get("/kvchat/conversations", dependencies=[key])
     async def conversations(request: Request) -> dict:
-        return documents.conversations(_store(request).conversations())
+        store = _store(request)
+        return documents.conversations(store.conversations(), store.default_name())
 
     @app.get("/kvchat/conversations/{name}", dependencies=[key])
     async def show(name: str, request: Request) -> dict:
@@ -147,6 +149,8 @@ class AskBody(BaseModel):
     question: str = Field(min_length=1)
     episode: int | None = Field(None, ge=0)
     max_tokens: int | None = Field(None, ge=1)
+    sources: bool = False           # the answer's sources (kvchat.sources)
+    refuse_off_topic: bool = False  # no answer when no episode matches well
 
 
 class IngestBody(BaseModel):
@@ -262,6 +266,8 @@ def _api_error(exc: BaseException) -> ApiError:
         return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, Closed):
         return ApiError(503, str(exc))
+    if isinstance(exc, QueueFull):  # a replica's queue (`--replicas`): the app's own is refused at submit
+        return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, CacheIntegrityError):  # the server's store is damaged: not the client's to fix
         return ApiError(500, str(exc), code="cache_integrity")
     if isinstance(exc, UserError):

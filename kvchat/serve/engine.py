@@ -55,6 +55,7 @@ class ChatRequest:
     max_tokens: int = AskConfig.max_new_tokens
     stop: tuple[str, ...] = ()
     sources: bool = False        # record the answer's attention per turn (kvchat.sources)
+    refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class Completion:
     text: str
     finish_reason: str  # stop (the model or a stop string) | length (max_tokens) | cancelled (the client left)
     answer: Answer      # kvchat's own account: episode, similarity, token counts, timings
+    replica: str | None = None  # the Ray Serve replica that answered (`kvchat serve --replicas`)
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,10 @@ class Engine:
     def ready(self) -> bool:
         """Whether the preloaded models and encoder are loaded."""
         return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the preloaded models and encoder are loaded (or preloading failed)."""
+        return self._ready.wait(timeout)
 
     # ----- submitting (any thread)
 
@@ -258,7 +264,8 @@ class Engine:
             index = request.episode
         self._check_earlier(request, lm)
         session = self._session(record, index, lm, encoder)
-        session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens)
+        session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens,
+                                             refuse_off_topic=request.refuse_off_topic)
         gate = TextGate(request.stop)
 
         def on_text(piece: str) -> None:

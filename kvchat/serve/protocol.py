@@ -64,6 +64,7 @@ class KvchatOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     sources: bool = False  # the answer's sources in the response's `kvchat` (kvchat.sources)
+    refuse_off_topic: bool = False  # no answer (`finish_reason` "refused" in `kvchat`) when no episode matches well
 
 
 class ChatCompletionRequest(BaseModel):
@@ -101,7 +102,8 @@ class ChatCompletionRequest(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources)
+        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
+                           refuse_off_topic=self.kvchat.refuse_off_topic)
 
 
 def parse_model(model: str) -> tuple[str, int | None]:
@@ -121,10 +123,14 @@ def completion_id() -> str:
 
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
-    below the server's threshold), timings, and when the request asked for them the answer's `sources`."""
+    below the server's threshold), why the answer ended in kvchat's words (`finish_reason`: `refused` too),
+    timings, the turns `--method recall` recalled, and when the request asked for them the answer's `sources`."""
     answer = completion.answer
     fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
-              "off_topic": answer.off_topic, "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms}
+              "off_topic": answer.off_topic, "finish_reason": completion.finish_reason,
+              "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms, "recalled": answer.recalled}
+    if completion.replica is not None:
+        fields["replica"] = completion.replica
     if answer.sources is not None or answer.sources_note is not None:
         fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
         fields["sources_note"] = answer.sources_note

@@ -6,6 +6,7 @@ uvicorn turns SIGTERM and SIGINT into a graceful shutdown: no new connections, a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -65,10 +66,17 @@ def build_server(config: ServeConfig, *, home: Path | None = None, engine: Engin
 def serve(config: ServeConfig, *, home: Path | None = None, log_level: str = "warning",
           on_ready: Callable[[str], None] | None = None) -> None:
     """Serve until SIGTERM or SIGINT. An address that cannot be listened on is the user's to fix (UserError),
-    found before anything loads."""
+    found before anything loads. With `config.replicas`, the answers come from that many Ray Serve replicas
+    (kvchat.serve.replicas), started before the app listens and stopped after it."""
     sock = listen(config.host, config.port)
     try:
-        build_server(config, home=home, log_level=log_level, on_ready=on_ready).run(sockets=[sock])
+        with contextlib.ExitStack() as stack:
+            engine = None
+            if config.replicas is not None:
+                from kvchat.serve.replicas import replica_engine
+
+                engine = stack.enter_context(replica_engine(home or default_home(), config, config.replicas))
+            build_server(config, home=home, engine=engine, log_level=log_level, on_ready=on_ready).run(sockets=[sock])
     finally:
         sock.close()
 

@@ -25,6 +25,7 @@ from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
 from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
+from kvchat.store.default import forget_default, read_default, write_default
 from kvchat.store.errors import BUSY_TIMEOUT_MS, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
@@ -301,6 +302,31 @@ class Store:
         return self._record(rows[0], episodes)
 
     @_index_errors
+    def chosen(self) -> str | None:
+        """The conversation `kvchat use` chose, while it is stored (kvchat.store.default)."""
+        name = read_default(self.home)
+        return name if name is not None and self._row(name) is not None else None
+
+    @_index_errors
+    def default_name(self) -> str | None:
+        """The name `default` answers from, or None when no conversation is stored."""
+        latest = next(iter(self._db.query("select name from conversations order by created_at desc, name limit 1")),
+                      None)  # fmt: skip
+        return self.chosen() or (latest["name"] if latest else None)
+
+    def default(self) -> ConversationRecord:
+        """The conversation a command answers from when none is named: the chosen one, else the latest."""
+        name = self.chosen()
+        return self.get(name) if name is not None else self.latest()
+
+    def use(self, name: str) -> ConversationRecord:
+        """Choose stored conversation `name` as the default (`kvchat use NAME`)."""
+        record = self.get(name)
+        self.check_writable()
+        write_default(self.home, name)
+        return record
+
+    @_index_errors
     def remove(self, name: str, *, ingest_id: str | None = None) -> bool:
         """Delete the rows and retire the manifests (one transaction), then the files, so no reader sees rows
         without files and a crash cannot leave a dir whose manifest would list it again (`reindex`). Every
@@ -325,6 +351,8 @@ class Store:
             for ingest_dir in retired:
                 restore_manifest(ingest_dir)
             raise
+        if ingest_id is None:
+            forget_default(self.home, name)
         for ingest_dir in versions:
             discard(ingest_dir, self.caches_dir)
         with self._write_lock():  # an ingest of the same name may be renaming into name_dir

@@ -1,0 +1,116 @@
+"""Ingest of whole LoCoMo conversations at the defaults: time and peak memory, against one single cache, and
+what appending one new session costs against ingesting everything again.
+
+    /work/exclusive python benchmarks/whole_ingest.py ../shared/data/locomo/conv-26.json [...] \
+        --out benchmarks/results/whole_ingest.md
+
+Every command is the real `kvchat` command line, each in its own process under `/usr/bin/time` (wall seconds
+and peak resident memory), one torch thread, the embedded model already converted, all side by side in one
+run on one store. Per conversation: `kvchat ingest` at the defaults (a whole conversation is beyond the
+window: `--method auto` resolves to recall), the same history's first half of sessions at the defaults (peak
+memory should not grow with the history), `--method snapkv` (one cache: the unit), and an ingest of every
+session but the last followed by `--append` of the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from kvchat.history import load_history
+
+KVCHAT = [sys.executable, "-m", "kvchat"]
+
+
+def run(home: Path, *args: str) -> tuple[float, float, dict]:
+    """(wall seconds, peak RSS in MB, the command's --json document) of one kvchat command."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as timing:
+        done = subprocess.run(["/usr/bin/time", "-o", timing.name, "-f", "%e %M", *KVCHAT, *args, "--json"],
+                              env={**os.environ, "KVCHAT_HOME": str(home), "OMP_NUM_THREADS": "1"},
+                              capture_output=True, text=True)  # fmt: skip
+        if done.returncode != 0:
+            raise SystemExit(f"kvchat {' '.join(args)} failed: {done.stderr.strip()[-2000:]}")
+        seconds, kb = timing.read().split()[-2:]
+    return float(seconds), int(kb) / 1024, json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_turns(turns, path: Path) -> Path:
+    path.write_text(json.dumps([{"role": t.role, "content": t.text, **({"time": t.time} if t.time else {})}
+                                for t in turns]))  # fmt: skip
+    return path
+
+
+def sessions(turns) -> list[list]:
+    """Turns grouped by their time (LoCoMo dates each session)."""
+    groups: list[list] = []
+    for turn in turns:
+        if not groups or turn.time != groups[-1][-1].time:
+            groups.append([])
+        groups[-1].append(turn)
+    return groups
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("data", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        home, files = Path(tmp) / "home", Path(tmp)
+        warm = write_turns(load_history(args.data[0])[:4], files / "warm.json")
+        run(home, "ingest", str(warm), "--name", "warm")  # the model is converted once, before any measurement
+        for path in args.data:
+            turns = load_history(path)
+            parts = sessions(turns)
+            half = [t for s in parts[: len(parts) // 2] for t in s]
+            but_last = [t for s in parts[:-1] for t in s]
+            whole = write_turns(turns, files / f"{path.stem}.json")
+            first_half = write_turns(half, files / f"{path.stem}-half.json")
+            earlier = write_turns(but_last, files / f"{path.stem}-a.json")
+            last = write_turns(parts[-1], files / f"{path.stem}-b.json")
+            name = path.stem
+            measured = {
+                "defaults": run(home, "ingest", str(whole), "--name", f"{name}-d"),
+                "defaults, first half of the sessions": run(home, "ingest", str(first_half), "--name", f"{name}-h"),
+                "--method snapkv": run(home, "ingest", str(whole), "--name", f"{name}-s", "--method", "snapkv"),
+                "defaults, all sessions but the last": run(home, "ingest", str(earlier), "--name", f"{name}-a"),
+                "--append of the last session": run(home, "ingest", str(last), "--name", f"{name}-a", "--append"),
+            }
+            unit = measured["--method snapkv"][0]
+            for what, (seconds, mb, doc) in measured.items():
+                rows.append((name, what, doc.get("method"), doc.get("turns"), doc.get("history_tokens"),
+                             doc.get("episode_count"), seconds, seconds / unit, mb,
+                             doc.get("peak_layer_entries")))  # fmt: skip
+                print(f"{path.stem} {what}: {seconds:.0f} s, {mb:.0f} MB", file=sys.stderr, flush=True)
+    lines = [
+        "# Whole conversations: ingest at the defaults",
+        "",
+        f"`python benchmarks/whole_ingest.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"{dt.date.today()}, {platform.machine()}, {os.cpu_count()} cores, one torch thread, each command in its own "
+        f"process (`/usr/bin/time`: wall seconds, peak RSS), the embedded model in float32, nothing else running "
+        f"(load average {os.getloadavg()[0]:.1f} at the end).",
+        "",
+        "| conversation | ingest | method | turns | history tokens | episodes | seconds | x snapkv | peak RSS MB | "
+        "peak entries per layer |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *(f"| {c} | {w} | {m} | {t} | {h} | {e} | {s:.0f} | {r:.2f} | {mb:.0f} | {p} |"
+          for c, w, m, t, h, e, s, r, mb, p in rows),  # fmt: skip
+        "",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

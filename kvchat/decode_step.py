@@ -1,0 +1,145 @@
+"""One answer token through a Llama-family model in few torch calls: the decode step `llm.generate` runs.
+
+A decode step on the CPU reads every weight once for one token; what it costs beyond that read is per-call
+overhead, and transformers' modules spend about 90 torch calls per layer on one token (norms in seven
+operations, three projections, rotary embedding per tensor, views and transposes). `DecodeStep` computes the
+same layer in about 25: `torch.rms_norm`, one projection for the query, key and value rows together and one
+for the gate and up rows together (their weights are put side by side once, in one tensor each, and the
+model's own Linear modules keep views of it, so memory does not grow and the model's forward is unchanged),
+the rotary embedding on query and key heads at once, then the cache's own `update` and kvchat's `attend`.
+
+It runs only where it computes what the model's forward computes: a Llama-architecture model (RMSNorm, SiLU
+MLP, no biases, RoPE from the model's own rotary module), one token, a cache of uniform full-precision layers
+without a latent memory, no recorder. Anything else goes through the model's forward (`kv/forward.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvchat.int8_weights import Int8Linear
+from kvchat.kv import families
+from kvchat.kv.attention import attend
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.layers import UniformLayer
+
+FAMILIES = ("llama",)
+
+
+class _Projection:
+    """Several Linear layers with the same input as one matrix product: their weights (and int8 scales) stacked
+    into one tensor, the modules' own weights rebound to views of it."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.int8 = isinstance(modules[0], Int8Linear)
+        names = ("weight", "scale") if self.int8 else ("weight",)
+        self.tensors = []
+        for name in names:
+            stacked = torch.cat([getattr(m, name).detach() for m in modules])
+            start = 0
+            for module in modules:
+                rows = getattr(module, name).shape[0]
+                view = stacked[start : start + rows]
+                if isinstance(getattr(module, name), nn.Parameter):
+                    getattr(module, name).data = view
+                else:
+                    setattr(module, name, view)
+                start += rows
+            self.tensors.append(stacked)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            weight, scale = self.tensors
+            return _int8(x, weight, scale)
+        return F.linear(x, self.tensors[0])
+
+
+def _linear(module: nn.Module):
+    """`module`'s product without the module call: F.linear for a Linear, the int8 kernel for an Int8Linear."""
+    if isinstance(module, Int8Linear):
+        return lambda x: _int8(x, module.weight, module.scale)
+    return lambda x: F.linear(x, module.weight, module.bias)
+
+
+def _int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`Int8Linear`'s product (bfloat16 activations, the result in `x`'s dtype) of one token `x [1, 1, in]`."""
+    return torch._weight_int8pack_mm(x.view(1, -1).to(torch.bfloat16), weight, scale).to(x.dtype).view(1, 1, -1)
+
+
+class DecodeStep:
+    """Feeds one token to `model` on top of an `EpisodeCache`, as `kv.forward.forward` does, in fewer calls."""
+
+    def __init__(self, model: nn.Module) -> None:
+        config = model.config
+        self.model, self.config = model, config
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.rotary = model.model.rotary_emb
+        self.layers = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                layer.input_layernorm, _Projection([attn.q_proj, attn.k_proj, attn.v_proj]), attn.scaling,
+                _linear(attn.o_proj), layer.post_attention_layernorm, _Projection([mlp.gate_proj, mlp.up_proj]),
+                _linear(mlp.down_proj),
+            ))
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> DecodeStep | None:
+        """The decode step of `model`, or None when the model is not one it computes exactly."""
+        config = model.config
+        if (getattr(config, "model_type", None) not in FAMILIES or getattr(config, "hidden_act", None) != "silu"
+                or getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+                or (getattr(config, "pretraining_tp", 1) or 1) != 1 or model.training):
+            return None
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
+            return None
+        for layer in inner.layers:
+            linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
+                       layer.mlp.up_proj]
+            if len({type(m) for m in linears}) != 1 or type(linears[0]) not in (nn.Linear, Int8Linear):
+                return None
+        return cls(model)
+
+    @staticmethod
+    def applies(cache: EpisodeCache, ids: torch.Tensor) -> bool:
+        """Whether this step computes what the model's forward would for `ids` on `cache`."""
+        return (ids.shape[-1] == 1 and cache.memory is None
+                and all(type(layer) is UniformLayer for layer in cache.layers))
+
+    @torch.inference_mode()
+    def __call__(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
+        """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`."""
+        families.check_context(self.config, cache.next_position + 1, self.config.name_or_path or "the model",
+                               what="the conversation with this question and answer")
+        hidden = self.model.model.embed_tokens(ids)                              # [1, 1, H]
+        position = torch.full((1, 1), cache.next_position, dtype=torch.long, device=ids.device)
+        cos, sin = self.rotary(hidden, position)                                 # [1, 1, D]
+        q_rows, kv_rows, half = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim // 2
+        rotated_heads = self.heads + self.kv_heads
+        for index, (norm_in, qkv, scale, o_proj, norm_post, gate_up, down) in enumerate(self.layers):
+            x = _rms_norm(hidden, norm_in)
+            projected = qkv(x)[0, 0]                                             # [q_rows + 2 kv_rows]
+            qk = projected[: q_rows + kv_rows].view(rotated_heads, self.head_dim)
+            turned = torch.cat((-qk[:, half:], qk[:, :half]), dim=-1)
+            qk = qk * cos[0] + turned * sin[0]
+            query = qk[: self.heads].view(1, self.heads, 1, self.head_dim)
+            key = qk[self.heads :].view(1, self.kv_heads, 1, self.head_dim)
+            value = projected[q_rows + kv_rows :].view(1, self.kv_heads, 1, self.head_dim)
+            keys, values = cache.update(key, value, index)
+            hidden = hidden + o_proj(attend(query, keys, values, None, scale).reshape(1, 1, q_rows))
+            gate, up = gate_up(_rms_norm(hidden, norm_post)).chunk(2, dim=-1)
+            hidden = hidden + down(F.silu(gate) * up)
+        hidden = _rms_norm(hidden, self.model.model.norm)
+        cache.advance(1)
+        return self.model.lm_head(hidden)
+
+
+def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """A Llama RMSNorm as the module computes it (in float32, the weight applied in the input's dtype)."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return norm.weight * torch.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon).to(x.dtype)

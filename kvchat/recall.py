@@ -1,0 +1,103 @@
+"""Recall (`--method recall`): a routed episode cache, and on top of it the question's chunks of raw turns.
+
+Beyond the model's window an episode cache keeps a fraction of its turns' entries, chosen at ingest before any
+question is known; retrieval of raw turns (kvchat.rag) chooses for the question but computes everything again
+each time. Recall does both within one budget M: the routed episode caches keep `M - R` entries, and at each
+question its top chunks of consecutive turns (R tokens, by the sentence encoder that routes it, so the
+question is embedded once) are prefilled after the cache and before the question. A turn the cache dropped, or
+that another episode holds, comes back as text.
+
+The chunk index (chunks and their embeddings) is written into every episode file's metadata, so each file
+answers on its own and is covered by its own digest; an append extends it with the new turns' chunks.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from kvchat.errors import UserError
+from kvchat.kv.config import CacheConfig
+from kvchat.packed_text import pack, unpack
+from kvchat.rag import Chunk, RagIndex
+
+METADATA_KEY = "recall"  # the episode file metadata entry holding the chunk index
+_MAX_INDEX_BYTES = 1 << 30  # what an index may inflate to: bounded before it allocates
+
+
+@dataclass(frozen=True)
+class RecallSplit:
+    """How `--method recall` spends a budget M per layer and KV head: `cache_budget` entries of the routed episode
+    cache, `chunks` x `chunk_tokens` of recalled turns."""
+
+    cache_budget: int
+    chunks: int
+    chunk_tokens: int
+
+    @property
+    def recalled(self) -> int:
+        return self.chunks * self.chunk_tokens
+
+
+def split(cache: CacheConfig) -> RecallSplit:
+    """`cache.budget` split by its recall share into whole chunks (at least one; chunks shrink to fit a small
+    budget), the episode caches keeping the rest."""
+    share = cache.recall.share
+    if not 0 < share < 1:
+        raise UserError(f"recall share must be between 0 and 1 (got {share})")
+    recalled = max(1, int(cache.budget * share))
+    chunk_tokens = min(cache.recall.chunk_tokens, recalled)
+    chunks = recalled // chunk_tokens
+    return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens)
+
+
+def offset(index: RagIndex, turns: int) -> RagIndex:
+    """`index` of turns that follow `turns` stored ones: its chunks' turn numbers counted from the history's start."""
+    chunks = [Chunk(c.first + turns, c.end + turns, c.text, c.tokens) for c in index.chunks]
+    return RagIndex(chunks, index.embeddings)
+
+
+def joined(first: RagIndex, then: RagIndex) -> RagIndex:
+    """One index of `first`'s chunks followed by `then`'s (an append's new turns)."""
+    return RagIndex([*first.chunks, *then.chunks], np.concatenate([first.embeddings, then.embeddings]))
+
+
+def to_metadata(index: RagIndex) -> str:
+    embeddings = index.embeddings.astype(np.float16)
+    document = {"chunks": [asdict(c) for c in index.chunks], "dim": int(embeddings.shape[1]),
+                "embeddings": base64.b64encode(embeddings.tobytes()).decode("ascii")}  # fmt: skip
+    return pack(json.dumps(document, separators=(",", ":")).encode())
+
+
+def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
+    """The index an episode file stores; None when it has none. ValueError when the entry does not decode."""
+    raw = metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        document = json.loads(unpack(raw, _MAX_INDEX_BYTES))
+        chunks = [Chunk(**c) for c in document["chunks"]]
+        embeddings = np.frombuffer(base64.b64decode(document["embeddings"], validate=True),
+                                   dtype=np.float16)
+        embeddings = embeddings.reshape(len(chunks), int(document["dim"])).astype(np.float32)
+    except (TypeError, ValueError, KeyError, binascii.Error) as e:
+        raise ValueError(f"its recall index does not decode ({e})") from None
+    if not chunks:
+        raise ValueError("its recall index has no chunks")
+    return RagIndex(chunks, embeddings)
+
+
+def recalled_text(index: RagIndex, query: np.ndarray, chunks: int) -> tuple[str, list[Chunk]]:
+    """The text prefilled for a question embedded as `query`: its top `chunks` chunks in history order."""
+    picked = [index.chunks[i] for i in index.top(query, chunks)]
+    return "\n".join(c.text for c in picked), picked
+
+
+def turn_ranges(chunks: Sequence[Chunk]) -> list[list[int]]:
+    """`[first, end)` turn numbers of each chunk, as answers report what was recalled."""
+    return [[c.first, c.end] for c in chunks]

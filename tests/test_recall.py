@@ -1,0 +1,132 @@
+"""`--method recall`: routed episode caches keep part of the budget, the question's chunks of raw turns the rest;
+the default (`--method auto`) for a history longer than the model's window."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from kvchat import recall
+from kvchat.ask import Session
+from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
+from kvchat.errors import UserError
+from kvchat.ingest import ingest, plan_ingest
+from kvchat.kv import codec
+from kvchat.qa import planted_sets
+from kvchat.rag import RagIndex
+from kvchat.settings import from_settings, rebuild_command
+from kvchat.store import Store
+
+SYSTEM = "You are a helpful assistant . Conversation :\n"
+QA = planted_sets(1, topics=6, turns_per_topic=40)[0]  # conftest.short_lm's window is a third of it
+CONFIG = IngestConfig(
+    cache=CacheConfig(budget=96, block_size=48, prefill="block", recall=RecallConfig(chunk_tokens=16)),
+    episodes=EpisodeConfig(episodes=3, prompt_tokens=48), system_prompt=SYSTEM,
+)
+
+
+def test_the_budget_splits_into_whole_chunks_and_the_episode_caches_keep_the_rest():
+    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256)
+    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256)
+    small = recall.split(CacheConfig(budget=64))  # chunks shrink to fit a small budget
+    assert (small.chunks, small.chunk_tokens, small.cache_budget) == (1, 32, 32)
+    with pytest.raises(UserError, match="recall share"):
+        recall.split(CacheConfig(recall=RecallConfig(share=1.0)))
+
+
+@pytest.fixture(scope="module")
+def stored(short_lm, encoder, tmp_path_factory):
+    store = Store(tmp_path_factory.mktemp("recall"))
+    report = ingest(QA.turns, name="long", config=CONFIG, store=store, lm=short_lm, encoder=encoder)
+    return store, report
+
+
+def test_auto_recalls_beyond_the_window_and_stays_epicache_within(stored, short_lm, tiny_lm, encoder, tmp_path):
+    store, report = stored
+    assert report.method == "recall"  # CONFIG leaves --method at auto
+    assert any("exceeds the model's window" in note for note in report.notes)
+    within = plan_ingest(QA.turns[:40], name="short", config=CONFIG, store=Store(tmp_path), lm=tiny_lm,
+                         encoder=encoder)  # fmt: skip
+    assert within.config.cache.method == "epicache" and within.recall is None
+    settings = store.get("long").settings
+    assert settings["method"] == "recall" and from_settings(settings).cache.recall.chunk_tokens == 16
+    assert "--method recall" in rebuild_command("long", "default", settings)
+
+
+def test_every_episode_cache_keeps_the_budget_less_the_recalled_chunks(stored, short_lm):
+    store, _ = stored
+    split = recall.split(CONFIG.cache)
+    assert (split.cache_budget, split.chunks, split.chunk_tokens) == (48, 3, 16)
+    records = store.get("long").episodes
+    assert len(records) == 3
+    indexes = []
+    for record in records:
+        tensors, metadata = store.load_episode(record, short_lm.fingerprint)
+        cache, _ = codec.decode(tensors, metadata)
+        assert max(cache.sizes) <= split.cache_budget
+        indexes.append(recall.from_metadata(metadata))
+    index = indexes[0]  # every file carries the whole history's chunks, in order, each within the cap
+    assert all(i.chunks == index.chunks for i in indexes)
+    assert index.chunks[0].first == 0 and index.chunks[-1].end == len(QA.turns)
+    assert all(a.end == b.first for a, b in zip(index.chunks, index.chunks[1:], strict=False))
+    assert all(c.tokens <= split.chunk_tokens for c in index.chunks)
+
+
+def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(stored, short_lm, encoder):
+    store, _ = stored
+    conversation = store.get("long")
+    session = Session(store, conversation, short_lm, encoder, AskConfig(max_new_tokens=2))
+    question = QA.questions[0].text
+    first: list[torch.Tensor] = []
+    answer = session.ask(question, on_first_logits=first.append, log=False)
+    _, metadata = store.load_episode(conversation.episodes[answer.episode], short_lm.fingerprint)
+    index = recall.from_metadata(metadata)
+    expected = index.top(encoder.embed([question])[0], 3)
+    assert answer.recalled == [[index.chunks[i].first, index.chunks[i].end] for i in expected]
+    text = "\n".join(index.chunks[i].text for i in expected)
+    question_ids = short_lm.encode(session.layout.question(session.config.question_template.format(question=question)))
+    assert answer.prompt_tokens == short_lm.encode("\n" + text).shape[-1] + question_ids.shape[-1]
+    again: list[torch.Tensor] = []  # the same text given explicitly: the same first logits
+    session.ask(question, on_first_logits=again.append, log=False, recalled=text, episode=answer.episode)
+    torch.testing.assert_close(first[0], again[0])
+    bare: list[torch.Tensor] = []  # and something else than no recall at all
+    session.ask(question, on_first_logits=bare.append, log=False, recalled=" ", episode=answer.episode)
+    assert not torch.allclose(first[0], bare[0])
+
+
+def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):
+    from kvchat.append import append
+
+    store = Store(tmp_path)
+    ingest(QA.turns[:200], name="c", config=CONFIG, store=store, lm=short_lm, encoder=encoder)
+    before = recall.from_metadata(store.load_episode(store.get("c").episodes[0], short_lm.fingerprint)[1])
+    path = tmp_path / "more.json"
+    path.write_text(json.dumps([{"role": t.role, "content": t.text} for t in QA.turns[200:]]))
+    append(path, name="c", store=store, lm=short_lm, encoder=encoder)
+    after = recall.from_metadata(store.load_episode(store.get("c").episodes[0], short_lm.fingerprint)[1])
+    assert after.chunks[: len(before.chunks)] == before.chunks
+    assert after.chunks[len(before.chunks)].first == 200 and after.chunks[-1].end == len(QA.turns)
+    assert after.embeddings.shape == (len(after.chunks), before.embeddings.shape[1])
+
+
+def test_the_index_round_trips_and_a_damaged_one_is_refused(encoder, short_lm):
+    index = RagIndex.build(QA.turns[:30], short_lm, encoder, chunk_tokens=16)
+    back = recall.from_metadata({recall.METADATA_KEY: recall.to_metadata(index)})
+    assert back.chunks == index.chunks
+    torch.testing.assert_close(torch.from_numpy(back.embeddings), torch.from_numpy(index.embeddings), atol=1e-3, rtol=0)
+    assert recall.from_metadata({}) is None
+    with pytest.raises(ValueError, match="recall index"):
+        recall.from_metadata({recall.METADATA_KEY: recall.to_metadata(index)[:-40]})
+
+
+def test_a_budget_that_leaves_the_caches_no_more_than_the_system_prompt_is_refused(short_lm, encoder, tmp_path):
+    protected = plan_ingest(QA.turns, name="x", config=CONFIG, store=Store(tmp_path), lm=short_lm,
+                            encoder=encoder).prefix_ids.shape[-1]  # fmt: skip
+    budget = protected + 2  # enough for one cache of the whole budget, not for half of it
+    config = dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, method="recall", budget=budget,
+                                                                   block_size=16))  # fmt: skip
+    with pytest.raises(UserError, match="recall's episode caches"):
+        plan_ingest(QA.turns, name="x", config=config, store=Store(tmp_path), lm=short_lm, encoder=encoder)
