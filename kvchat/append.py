@@ -5,7 +5,7 @@ continues block prefill with the new turns from where it stopped (`block_prefill
 settings the conversation was built with (kvchat.settings). The new turns' segments join their nearest
 episode, whose centroid moves to the mean of its members' embeddings; when they are far from every
 episode, a note says that `--reingest` (cluster everything again) would route them better. With
-`--method routed` a cache holds its episode's turns only, so each one continues with the new turns of the
+`--method routed` (and `recall`) a cache holds its episode's turns only, so each one continues with the new turns of the
 segments that joined it (and one that got none is kept as it was). A history that now outgrows the model's
 window continues at compact positions (kvchat.plan). The new version is committed atomically: until then
 questions are answered from the old one.
