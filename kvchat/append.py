@@ -85,6 +85,7 @@ def append(
     plan = plan_ingest(
         history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True, force=force,
         profile_dirs=profile_dirs, appended=appended, continuing=continuing, reads=reads,
+        on_step=None if progress is None else progress.planning,
     )  # fmt: skip
     if source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import REGISTRY, method
+from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.rag import RagIndex
 from kvchat.settings import from_settings, rebuild_command
@@ -69,7 +71,7 @@ class Session:
             store, conversation, lm, encoder, config,
         )
         self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
-        self._centroids = np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
+        self._centroids = self._routing_centroids(conversation)
         self._split = _recall_split(conversation)
         self._resident: tuple[int, EpisodeCache] | None = None
         self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
@@ -120,7 +122,8 @@ class Session:
 
         clock = time.perf_counter()
         reused = self._resident is not None and self._resident[0] == index
-        cache = self._cache(index)
+        with self._shrunk_pages_refused(index):
+            cache = self._cache(index)
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -143,20 +146,21 @@ class Session:
         stream = Detokenizer(self.lm.decode)
         finish = "stop"
         shown = ""
-        try:
-            for token in generate(
-                self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits, first_recorder=first_recorder,
-                recorder=recorder,
-            ):
-                if stop is not None and stop():
-                    finish = "stopped"
-                    break
-                delta = stream.push(token)
-                if on_text is not None and delta:
-                    on_text(delta)
-                    shown += delta
-        finally:
-            cache.rollback(mark)
+        with self._shrunk_pages_refused(index):
+            try:
+                for token in generate(
+                    self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
+                    first_recorder=first_recorder, recorder=recorder,
+                ):
+                    if stop is not None and stop():
+                        finish = "stopped"
+                        break
+                    delta = stream.push(token)
+                    if on_text is not None and delta:
+                        on_text(delta)
+                        shown += delta
+            finally:
+                cache.rollback(mark)
         tokens = stream.tokens
         if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
             finish = "length"
@@ -195,6 +199,19 @@ class Session:
                 }
             )
         return answer
+
+    def _routing_centroids(self, conversation: ConversationRecord) -> np.ndarray:
+        """The episodes' centroids, refused unless each is one of the encoder's embeddings: their digest only
+        proves they are what was written (a re-signed manifest can hold any numbers)."""
+        lengths = sorted({len(e.centroid) for e in conversation.episodes})
+        if lengths != [self.encoder.dimension]:
+            c = conversation
+            raise CacheIntegrityError(
+                f"conversation '{c.name}' has episode centroids of {'/'.join(map(str, lengths))} numbers where the "
+                f"encoder's embeddings have {self.encoder.dimension}, so no question can be routed; rebuild with "
+                f"`{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
+            )
+        return np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
 
     def route(self, question: str) -> tuple[int, float]:
         """The episode `question` routes to and its similarity, without answering."""
@@ -251,7 +268,7 @@ class Session:
         if [e.path for e in current.episodes] != [e.path for e in self.conversation.episodes]:
             self.conversation = current
             self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
-            self._centroids = np.asarray([e.centroid for e in current.episodes], dtype=np.float32)
+            self._centroids = self._routing_centroids(current)
             self._split = _recall_split(current)
             self._resident = None
 
@@ -266,7 +283,7 @@ class Session:
             cache, meta = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
             raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
-        try:  # what the cache features stored beside it (IceCache's pages, memory-mapped)
+        try:  # what the cache features stored beside it (IceCache's pages, read on demand)
             features.attach(cache, from_settings(self.conversation.settings).cache,
                             lambda: self.store.load_pages(record, self.lm.fingerprint), self.config.retrieve)
         except UnreadableFile as e:
@@ -279,6 +296,16 @@ class Session:
             raise self._unreadable(index, "cache", str(e)) from None
         self._positions = meta.positions
         return cache
+
+    @contextmanager
+    def _shrunk_pages_refused(self, index: int) -> Iterator[None]:
+        """A pages file truncated after it was checked (reads run out of bytes, kvchat.kv.tensorfile) ends the
+        answer with a message; the cache is dropped, so the next question reads its files again and checks them."""
+        try:
+            yield
+        except ShrunkFile:
+            self._resident = None
+            raise self._unreadable(index, "pages file", "was truncated while this session was reading it") from None
 
     def _unreadable(self, index: int, what: str, problem: str) -> CacheIntegrityError:
         c = self.conversation

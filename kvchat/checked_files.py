@@ -75,20 +75,32 @@ def file_type(mode: int) -> str:
     return next((name for test, name in kinds if test(mode)), "special file")
 
 
-def check_safetensors_header(data: bytes) -> dict[str, Any]:
-    """Parse and validate a safetensors header without trusting it; return the header dict.
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The checked header (`check_safetensors_header`) of the safetensors file `path`, read with bounded reads
+    of its first bytes (a regular file only): the file is neither read whole nor memory-mapped."""
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        if len(prefix) == 8 and (n := struct.unpack("<Q", prefix)[0]) <= min(size, MAX_HEADER_BYTES):
+            prefix += f.read(n)
+    return check_safetensors_header(prefix, size=size)
+
+
+def check_safetensors_header(data: bytes, *, size: int | None = None) -> dict[str, Any]:
+    """Parse and validate a safetensors header without trusting it; return the header dict. `data` is the
+    file's bytes, or at least its header's when `size` gives the file's size.
 
     Raises ValueError naming the first problem. A header must not be able to make the loader
     allocate more than the file holds, so every tensor's byte span must lie inside the data
     section, match dtype x shape exactly, and the spans must tile the data section.
     """
-    size = len(data)
-    if size < 8:
+    size = len(data) if size is None else size
+    if size < 8 or len(data) < 8:
         raise ValueError("file is too short for a safetensors header")
     (n,) = struct.unpack("<Q", data[:8])
     if n > MAX_HEADER_BYTES:
         raise ValueError(f"header claims {n} bytes (limit {MAX_HEADER_BYTES})")
-    if 8 + n > size:
+    if 8 + n > min(size, len(data)):
         raise ValueError("header extends past the end of the file")
     try:
         header = json.loads(data[8 : 8 + n].decode("utf-8"))

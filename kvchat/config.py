@@ -63,6 +63,7 @@ from kvchat.kv.config import (
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
 
 WEIGHT_MODES = ("float", "int8")  # how the model's Linear weights are held while answering (kvchat.int8_weights)
+CONVERSION_WEIGHTS_PER_SECOND = 3_000_000  # a first GGUF conversion's time estimate: weights done per second
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")

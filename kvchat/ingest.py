@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 class IngestProgress:
     """Hooks for a progress display; the default does nothing."""
 
+    def planning(self, step: str, done: int, total: int) -> None:
+        """A step of planning, before the first block (kvchat.plan: reading, tokenizing, embedding, clustering)."""
+
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         """The work ahead, before any of it: `blocks` steps (block forwards; `blocks_to_prefill`) in all,
         over `episodes` episodes and `tokens` history tokens, so a display can give an overall ETA."""
@@ -341,7 +344,7 @@ def ingest(
     looked up (default: the store's `profiles/`) before the shipped ones."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
-    plan = plan_ingest(history, store=store, lm=lm, **plan_options)
+    plan = plan_ingest(history, store=store, lm=lm, on_step=progress.planning, **plan_options)
     stats: list[EpisodeStats] = []
     records: list[EpisodeRecord] = []
     with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:

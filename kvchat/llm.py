@@ -15,10 +15,12 @@ import os
 import shutil
 import stat
 import struct
+import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import transformers
@@ -28,7 +30,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from kvchat import preflight
 from kvchat.checked_files import FileMismatch, open_regular
-from kvchat.config import WEIGHT_MODES
+from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND, WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
 from kvchat.errors import UserError
@@ -174,8 +176,36 @@ def _converted_dir(gguf: Path, models_dir: Path) -> Path:
     return models_dir / f"{gguf.stem}-{key}"
 
 
-def convert_gguf(gguf: Path, models_dir: Path) -> Path:
-    """Dequantize `gguf` once into a safetensors model directory; return it (reused when present)."""
+class ConversionProgress(Protocol):
+    """What a first GGUF conversion reports as it goes (the CLI draws it on stderr)."""
+
+    def converting(self, gguf: Path, weights: int, estimate_s: float) -> None:
+        """It starts: `weights` to dequantize, about `estimate_s` seconds."""
+
+    def phase(self, what: str) -> None:
+        """It moved on to `what` ("dequantizing the weights", ...)."""
+
+    def converted(self, seconds: float) -> None:
+        """It is done; the copy is in place."""
+
+
+class _Silent:
+    def converting(self, gguf: Path, weights: int, estimate_s: float) -> None:
+        pass
+
+    def phase(self, what: str) -> None:
+        pass
+
+    def converted(self, seconds: float) -> None:
+        pass
+
+
+def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | None = None) -> Path:
+    """Dequantize `gguf` once into a safetensors model directory; return it (reused when present).
+
+    Refused before it starts when the disk lacks room for the copy (float32 weights); a disk that fills
+    meanwhile ends it with one line, the half-written copy removed."""
+    progress = progress or _Silent()
     target = _converted_dir(gguf, models_dir)
     if (target / _CONVERTED_MARKER).is_file():
         return target
@@ -185,36 +215,62 @@ def convert_gguf(gguf: Path, models_dir: Path) -> Path:
             raise PermissionError(errno.EACCES, "cannot be written")
     except OSError as exc:
         raise UserError(f"cannot convert {gguf} into {models_dir}: {exc.strerror or exc}") from None
-    _check_gguf(gguf)
+    weights = _check_gguf(gguf)
+    needed, free = weights * 4 + (1 << 24), shutil.disk_usage(models_dir).free  # + tokenizer and config files
+    if free < needed:
+        raise UserError(f"disk full: converting {gguf.name} once needs about {needed / 2**20:.0f} MiB in {models_dir} "
+                        f"and {free / 2**20:.0f} MiB are free; free space there")  # fmt: skip
+    progress.converting(gguf, weights, weights / CONVERSION_WEIGHTS_PER_SECOND)
+    started = time.monotonic()
     tmp = models_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
     try:
         try:
+            progress.phase("dequantizing the weights")
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            progress.phase("reading the tokenizer")
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         except (ValueError, KeyError, IndexError, struct.error, EOFError) as exc:  # what gguf's reader raises
             raise UserError(f"{gguf}: not a GGUF model kvchat can read ({_first_line(exc)})") from exc
-        tmp.mkdir()
-        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
-        config = model.config
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / _CONVERTED_MARKER).write_text(f"converted from {gguf}\n")
+        progress.phase("writing the safetensors copy")
+        _write_converted(model, tokenizer, tmp, f"converted from {gguf}\n")
         try:
             os.rename(tmp, target)
         except OSError:  # another process converted it first
             if not (target / _CONVERTED_MARKER).is_file():
                 raise
+    except (OSError, SafetensorError) as exc:
+        if not _is_no_space(exc):
+            raise
+        raise UserError(f"disk full: no space left in {models_dir} while converting {gguf.name} once (the partial "
+                        "copy is removed); free space there") from None  # fmt: skip
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    progress.converted(time.monotonic() - started)
     return target
 
 
-def _check_gguf(path: Path) -> None:
+def _write_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path, note: str) -> None:
+    directory.mkdir()
+    save_model(model, str(directory / "model.safetensors"))  # handles the tied embedding / lm_head
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    (directory / _CONVERTED_MARKER).write_text(note)
+
+
+def _is_no_space(exc: BaseException) -> bool:
+    """ENOSPC/EDQUOT from Python, or safetensors' (Rust) error for it."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+    return "No space left" in str(exc) or "StorageFull" in str(exc)
+
+
+def _check_gguf(path: Path) -> int:
     """A file that is empty, truncated or not GGUF at all is the user's to fix (exit 2), found before
-    transformers reads it: the magic, and every tensor's data inside the file."""
+    transformers reads it: the magic, and every tensor's data inside the file. Returns its number of weights."""
     from gguf import GGUFReader
 
     try:
@@ -229,9 +285,10 @@ def _check_gguf(path: Path) -> None:
     except (BadHeader, RecursionError) as exc:
         raise UserError(f"{path}: damaged GGUF file ({_first_line(exc) or 'metadata nested too deep'})") from None
     try:
-        GGUFReader(path)  # maps the tensors: a file cut short fails here
+        reader = GGUFReader(path)  # maps the tensors: a file cut short fails here
     except (ValueError, KeyError, IndexError, struct.error, EOFError, OSError) as exc:
         raise UserError(f"{path}: damaged GGUF file ({_first_line(exc)})") from exc
+    return sum(int(t.n_elements) for t in reader.tensors)
 
 
 def _check_model_files(directory: Path) -> None:
@@ -250,15 +307,15 @@ def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
-def _resolve(spec: str, models_dir: Path) -> tuple[str, Path | str]:
+def _resolve(spec: str, models_dir: Path, progress: ConversionProgress | None = None) -> tuple[str, Path | str]:
     """(display name, what from_pretrained loads) for a --model value."""
     if spec == DEFAULT_MODEL:
-        return "SmolLM2-135M-Instruct", convert_gguf(default_gguf_path(), models_dir)
+        return "SmolLM2-135M-Instruct", convert_gguf(default_gguf_path(), models_dir, progress)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
             raise UserError(f"model file not found: {spec}")
-        return path.stem, convert_gguf(path, models_dir)
+        return path.stem, convert_gguf(path, models_dir, progress)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{spec}: not a model directory (no config.json)")
@@ -334,18 +391,19 @@ def use_threads(threads: int | None = None) -> int:
 
 def load_model(
     spec: str, models_dir: Path, *, trust_remote_code: bool = False, placement: Placement = CPU_FLOAT32,
-    weights: str = "float",
+    weights: str = "float", conversion: ConversionProgress | None = None,
 ) -> LoadedModel:
     """Load a causal LM for kvchat with its attention attached, in `placement`'s dtype on its device (the
     library's default: the CPU in float32; the CLI resolves --device/--dtype, kvchat.device). Raises
     UserError when not found, or when the architecture is one kvchat would answer wrongly with
     (kvchat.kv.families). `weights="int8"` then holds its Linear weights as int8 (kvchat.int8_weights: for
-    answering on a CPU); the fingerprint is the loaded weights', so caches built with them answer with it."""
+    answering on a CPU); the fingerprint is the loaded weights', so caches built with them answer with it.
+    `conversion` hears of a first GGUF conversion (kvchat.llm.convert_gguf), if one is needed."""
     if weights not in WEIGHT_MODES:
         raise UserError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
     if weights == "int8" and placement.device.type != "cpu":
         raise UserError("--weights int8 is for answering on the CPU (its kernel is torch's CPU one)")
-    name, source = _resolve(spec, models_dir)
+    name, source = _resolve(spec, models_dir, conversion)
     try:
         model = AutoModelForCausalLM.from_pretrained(  # weights_only: a legacy .bin is never fully unpickled
             source, dtype=placement.dtype, local_files_only=True, trust_remote_code=trust_remote_code,

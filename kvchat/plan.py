@@ -157,12 +157,16 @@ def plan_ingest(
     max_memory: int | None = None,
     appended: Sequence[str] = (),
     continuing: Continuation | None = None,
+    on_step: Callable[[str, int, int], None] | None = None,
     reads: Mapping[str, Mapping[str, str]] | None = None,
 ) -> IngestPlan:
     """Decide everything about an ingest without building a cache or writing anything (`kvchat.ingest.ingest`
     describes the arguments). `store` may be None with `replace` and `profile_dirs` given: a batch worker
     plans without the store, which only its driver opens (kvchat.batch). With `continuing`, `history` holds
-    the new turns of a stored conversation whose resolved settings `config` is (an append)."""
+    the new turns of a stored conversation whose resolved settings `config` is (an append). `on_step(step, done,
+    total)` hears of its steps as they go (reading, tokenizing, embedding segments, clustering), so that a long
+    history shows progress before the first block."""
+    step = on_step or (lambda what, done, total: None)
     if store is None and (not replace or profile_dirs is None):
         raise ValueError("plan_ingest without a store needs replace=True and profile_dirs")
     validate(config)
@@ -174,7 +178,10 @@ def plan_ingest(
         store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
+    if from_file:
+        step("reading the history", 0, 1)
     turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
+    step(f"tokenizing {len(turns):,} turns", 0, 1)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)
@@ -212,7 +219,7 @@ def plan_ingest(
                              for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
     else:
         episodes, episode_count = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic,
-                                            notes=notes)
+                                            notes=notes, step=step)
         config = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, episodes=episode_count))
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
@@ -452,7 +459,7 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 def _episodes(
     lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
-    notes: list[str],
+    notes: list[str], step: Callable[[str, int, int], None],
 ) -> tuple[list[Episode], int]:
     """Episodes of the history, and the episode count the settings record. Only EpiCache is episodic: full KV
     and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
@@ -471,9 +478,11 @@ def _episodes(
             f"--episodes {count} is more than the history's {len(segments)} segments of "
             f"{eps.window} turns; use at most {len(segments)} (or leave --episodes out)"
         )
+    embedded = encoder.embed(segments, lambda done, total: step("embedding segments", done, total))
+    step("clustering episodes", 0, 1)
     built = build_episodes(
         segments,
-        encoder.embed(segments),
+        embedded,
         k=count if episodic else 1,
         seed=eps.seed,
         token_cap=_medoid_cap(config, lm),

@@ -272,3 +272,36 @@ def test_a_re_signed_manifest_with_a_wrong_centroid_is_not_restored(tmp_path):
     assert not any(p.kind == "unlisted" for p in problems)
     repair(home, problems)
     assert Store(home).conversations() == []
+
+
+def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_caught(
+    tmp_path, history, tiny_lm, tiny_model_dir, encoder
+):
+    """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
+    tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
+    `repair` removes it."""
+    from kvchat.encoder import embedding_dimension
+    from kvchat.store.manifest import MANIFEST_NAME, digest
+
+    home = tmp_path / "home"
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=1))
+    ingest(history, name="chat", config=config, store=(store := Store(home)), lm=tiny_lm, encoder=encoder)
+    ingest_dir = store.get("chat").episodes[0].path.parent
+    _closed(store).unlink()
+    manifest = ingest_dir / MANIFEST_NAME
+    body = json.loads(manifest.read_text())
+    body["conversation"]["episodes"][0]["centroid"] = [0.6, 0.8, 0.0]
+    body["sha256"] = digest(body["conversation"])
+    manifest.write_text(json.dumps(body))
+    _age(ingest_dir)
+
+    asked = run_main(home, "ask", "Where did Alice go?", "--conversation", "chat")  # listed again, then refused
+    assert asked.returncode == 2, asked.stderr
+    lines = asked.stderr.strip().splitlines()
+    assert len(lines) == 1 and ("conversation 'chat' has episode centroids of 3 numbers where the encoder's "
+                                "embeddings have 384") in lines[0] and "rebuild with `kvchat ingest" in lines[0]
+    found = diagnose(home, embedding_dimension=embedding_dimension())
+    assert [(p.kind, p.conversation) for p in found] == [("centroids", "chat")]
+    assert "centroids of 3 numbers where the encoder's embeddings have 384" in found[0].message
+    assert any("removed conversation 'chat'" in line for line in repair(home, found))
+    assert Store(home).conversations() == []

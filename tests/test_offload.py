@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -314,6 +315,37 @@ def test_a_damaged_or_missing_pages_file_is_refused_with_the_rebuild_command(
     assert "pages file" in problems[0].message
     assert any("removed conversation 'conv'" in line for line in store.fix(problems))
     assert store.conversations() == [] and store.check() == []
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the session runs in a forked child")
+def test_a_pages_file_truncated_while_a_session_reads_it_ends_the_answer_with_a_message(
+    tmp_path, history, tiny_lm, encoder
+):
+    """Issue 29, case 9: the pages file is truncated in place (same inode) after a first answer, while the
+    session holds the episode with its pages file open. A memory map of it would kill the process with SIGBUS
+    at the next answer's first read past the new end; the answer ends with the message instead, and the next
+    question reads the files again and is refused by their size check. In a forked child, so that a SIGBUS
+    fails this test rather than ending pytest."""
+    from test_crash_points import _run
+
+    store = Store(tmp_path)
+    _ingest(store, history, tiny_lm, encoder)
+    record = store.get("conv")
+    path = record.episodes[0].pages.path
+    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    session = Session(store, record, tiny_lm, encoder)
+    first = session.ask("Where did Alice go?", episode=0, log=False)
+    assert first.answer_tokens > 0 and session.retrieved_positions() != []
+
+    def truncated_between_questions(home: Path) -> None:
+        os.truncate(path, header_end)  # every entry's bytes are gone; the header read at open is not
+        with pytest.raises(CacheIntegrityError, match=r"^pages file of conversation 'conv' episode 0 was truncated "
+                                                      r"while this session was reading it; rebuild with `kvchat "):
+            session.ask("Where did Alice go?", episode=0, log=False)
+        with pytest.raises(CacheIntegrityError, match=r"pages file of conversation 'conv' episode 0 .*rebuild with"):
+            session.ask("And then?", episode=0, log=False)
+
+    assert _run(truncated_between_questions, tmp_path, {}) == 0  # -7: SIGBUS
 
 
 @pytest.mark.parametrize("where", ["spill", "pages"])

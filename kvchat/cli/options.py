@@ -60,23 +60,26 @@ def complete_conversation(incomplete: str) -> list[str]:
 NameArg = Annotated[str, typer.Argument(help="Conversation name.", autocompletion=complete_conversation)]
 
 
-def open_store():
-    """The store at $KVCHAT_HOME (imported here: the store is not needed for --help)."""
+def open_store(*, frees_space: bool = False):
+    """The store at $KVCHAT_HOME (imported here: the store is not needed for --help); `frees_space` for a
+    command that frees space, so it still runs on a full disk (`Store`)."""
     from kvchat.store import Store
 
-    return Store(default_home())
+    return Store(default_home(), frees_space=frees_space)
 
 
 def load_model(spec: str, store, trust_remote_code: bool = False, threads: int | None = None,
                device: DeviceConfig = DeviceConfig(), weights: str = "float"):
     """The model `spec` names, placed and threaded as asked (torch and transformers load here, not before)."""
     from kvchat import llm
+    from kvchat.cli.progress import ConversionDisplay
     from kvchat.device import resolve
 
     placement = resolve(device)  # a device this machine lacks is refused before anything loads
     llm.use_threads(threads)
-    return llm.load_model(spec, store.models_dir, trust_remote_code=trust_remote_code, placement=placement,
-                          weights=weights)
+    with ConversionDisplay() as conversion:  # a first GGUF conversion shows itself
+        return llm.load_model(spec, store.models_dir, trust_remote_code=trust_remote_code, placement=placement,
+                              weights=weights, conversion=conversion)
 
 
 def load_encoder():

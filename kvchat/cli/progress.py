@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
     Progress,
+    SpinnerColumn,
     TaskID,
     TextColumn,
     TimeElapsedColumn,
@@ -27,18 +29,81 @@ def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
     )  # fmt: skip
 
 
+class ConversionDisplay:
+    """A first model conversion (kvchat.llm.ConversionProgress) on stderr, once: what is converted, its size and
+    an estimate, then its phase and the time elapsed on a terminal (a line when it starts and one when it ends in a
+    log). A context: the display ends with it, whether or not the conversion finished."""
+
+    def __init__(self) -> None:
+        self.bar: Progress | None = None
+        self.task: TaskID | None = None
+        self.what = ""
+
+    def __enter__(self) -> ConversionDisplay:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+    def converting(self, gguf: Path, weights: int, estimate_s: float) -> None:
+        size = gguf.stat().st_size / 2**20
+        self.what = (f"converting the model {gguf.stem} ({size:.0f} MiB, {weights / 1e6:.0f}M weights) once, "
+                     f"about {_duration(estimate_s)}")  # fmt: skip
+        if not err.is_terminal:
+            say(f"kvchat: {self.what}; later commands load the converted copy", console=err)
+            return
+        self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}", markup=False), TimeElapsedColumn(),
+                            console=err, transient=True)  # fmt: skip
+        self.task = self.bar.add_task(self.what, total=None)
+        self.bar.start()
+
+    def phase(self, what: str) -> None:
+        if self.bar is not None and self.task is not None:
+            self.bar.update(self.task, description=f"{self.what}: {what}")
+
+    def converted(self, seconds: float) -> None:
+        self.__exit__()
+        say(f"kvchat: model converted in {_duration(seconds)}; later commands load the converted copy", console=err)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
 class LineIngestProgress:
-    """Where stderr is not a terminal: one line per episode, so a log shows the ingest is alive."""
+    """Where stderr is not a terminal: a line per episode and, once the ingest has run a few seconds (a short one
+    stays quiet), a line per planning step, per tenth of the segments embedded and per tenth of an episode's
+    blocks, so a log shows a long ingest is alive."""
+
+    quiet_s = 3.0
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.said: tuple[str, int] | None = None
         self.blocks = BlockTally()
+        self.blocks_started = self.started
 
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
-        self.started = time.monotonic()
-        self.blocks = BlockTally(blocks)
+        self.blocks, self.blocks_started = BlockTally(blocks), time.monotonic()
         err.print(f"kvchat: {tokens} history tokens: {blocks} blocks over {episodes} episode{'s' * (episodes != 1)}",
                   markup=False, soft_wrap=True)  # fmt: skip
+
+    def planning(self, step: str, done: int, total: int) -> None:
+        self._tenths(step, done, total)
+
+    def _tenths(self, what: str, done: int, total: int) -> None:
+        """A line when `what` starts and at each tenth of it done, past the first `quiet_s` seconds."""
+        tenth = done * 10 // max(total, 1)
+        if self._seconds() < self.quiet_s or self.said == (what, tenth):
+            return
+        self.said = (what, tenth)
+        counted = f" {done:,}/{total:,}" if total > 1 else ""
+        err.print(f"kvchat: {what}{counted} ({self._elapsed()})", markup=False, soft_wrap=True)
+
+    def _seconds(self) -> float:
+        return time.monotonic() - self.started
 
     def history(self, done: int, total: int) -> None:
         self.blocks.step(done)
@@ -48,7 +113,7 @@ class LineIngestProgress:
 
     def episode(self, index: int, total: int) -> None:
         self.blocks.new_pass()
-        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()}{self.blocks.eta(self.started)})",
+        err.print(f"kvchat: episode {index + 1}/{total} ({self._elapsed()}{self.blocks.eta(self.blocks_started)})",
                   markup=False, soft_wrap=True)  # fmt: skip
 
     def _elapsed(self) -> str:
@@ -56,6 +121,8 @@ class LineIngestProgress:
 
     def block(self, done: int, total: int) -> None:
         self.blocks.step(done)
+        if done < total:
+            self._tenths("blocks", done, total)
 
 
 class BlockTally:
@@ -95,6 +162,9 @@ class RichIngestProgress:
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         self.tally = BlockTally(blocks)
         self.progress.reset(self.overall, total=blocks, description=f"ingest ({tokens} tokens, all blocks)")
+
+    def planning(self, step: str, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total if total > 1 else None, description=step)
 
     def history(self, done: int, total: int) -> None:
         self.progress.advance(self.overall, self.tally.step(done))

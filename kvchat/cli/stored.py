@@ -112,7 +112,7 @@ def rm(names: Annotated[list[str], typer.Argument(metavar="NAME...", help="Conve
                                                    autocompletion=complete_conversation)],
        as_json: JsonOpt = False) -> None:
     """Remove conversations and their caches, in the order given (an unknown name stops there, exit 2)."""
-    store = open_store()
+    store = open_store(frees_space=True)
     for name in dict.fromkeys(names):
         store.remove(name)
         if as_json:

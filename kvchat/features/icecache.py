@@ -97,7 +97,7 @@ class IceCache(Feature):
         return _Spill(spill, setup.config.offload)
 
     def attach(self, cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retrieve: int | None) -> None:
-        """The pages file is memory-mapped: only page tables and centroids are read now."""
+        """Only the pages file's page tables and centroids are read now; entries as retrieval gathers them."""
         from kvchat.kv import pagefile
         from kvchat.kv.retrieval import attach_pages, page_scorer
 

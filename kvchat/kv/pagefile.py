@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from kvchat.kv.pages import HeadPages
-from kvchat.kv.tensorfile import SafetensorsWriter, map_tensors
+from kvchat.kv.tensorfile import FileRows, SafetensorsWriter, open_tensors
 
 PAGES_FORMAT = "1"  # keys rotated for their original positions
 COMPACT_PAGES_FORMAT = "2"  # keys rotated for positions beside a compacted cache's (`at.{l}`, metadata positions)
@@ -75,8 +75,8 @@ def write_layers(
 
 
 def decode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[list[HeadPages]]:
-    """The inverse of `encode`. Page tables and centroids are copied; keys, values and positions stay
-    views of `tensors` (memory-mapped ones stay on disk). Raises ValueError when they disagree."""
+    """The inverse of `encode`. Page tables and centroids are copied into memory; keys, values and positions
+    stay views of `tensors` (`FileRows` stay on disk). Raises ValueError when they disagree."""
     layout = metadata.get("pages_format")
     if layout not in READABLE_PAGES_FORMATS:
         raise ValueError(f"unsupported pages format {layout!r}")
@@ -98,6 +98,7 @@ def _decode_layer(
         at = tensors[f"at.{i}"] if placed else None
     except KeyError as e:
         raise ValueError(f"pages file lacks tensor {e.args[0]!r}") from None
+    page_len, head_pages, centroids = (_in_memory(t) for t in (page_len, head_pages, centroids))
     lengths = page_len.to(torch.long)
     per_head = head_pages.to(torch.long)
     n, pages = keys.shape[0], lengths.shape[0]
@@ -123,8 +124,12 @@ def _decode_layer(
     return out
 
 
+def _in_memory(tensor: torch.Tensor | FileRows) -> torch.Tensor:
+    return tensor.read() if isinstance(tensor, FileRows) else tensor
+
+
 def open_pages(path: Path) -> list[list[HeadPages]]:
-    """A pages file memory-mapped for answering: per layer, per KV head, its `HeadPages` whose keys,
-    values and positions are read from disk only where retrieval gathers them."""
-    tensors, metadata = map_tensors(path)
+    """A pages file opened for answering: per layer, per KV head, its `HeadPages` whose keys, values and
+    positions are read from disk (`FileRows`) only where retrieval gathers them."""
+    tensors, metadata = open_tensors(path)
     return decode(tensors, metadata)

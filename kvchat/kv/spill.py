@@ -131,7 +131,7 @@ class SpillWriter:
         self.counts[layer][head] += n
 
     def spill_pages(self, layers: Sequence[Sequence[HeadPages]]) -> None:
-        """Spill the entries of existing pages (per layer, per KV head; e.g. a stored pages file, memory-mapped),
+        """Spill the entries of existing pages (per layer, per KV head; e.g. a stored pages file's `FileRows`),
         one head at a time, so they are paged again with what is evicted next."""
         for layer, heads in enumerate(layers):
             for head, pages in enumerate(heads):

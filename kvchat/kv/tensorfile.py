@@ -1,4 +1,4 @@
-"""Safetensors files written tensor by tensor and read memory-mapped.
+"""Safetensors files written tensor by tensor and read row by row.
 
 Why not `safetensors.torch.save`: it serialises a dict of tensors held in memory together, and a pages
 file holds as many entries as the full KV of its episode. `SafetensorsWriter` streams each tensor's
@@ -7,14 +7,17 @@ little-endian u64 header length, a JSON header padded with spaces to 8 bytes, th
 tiling the rest). Tensors are laid out by element size, largest first, so every tensor starts at a
 multiple of its element size. The result loads with `safetensors.safe_open` and `safetensors.torch.load`.
 
-`map_tensors` reads such a file back as zero-copy tensors over a private memory map: nothing is read
-from disk until a tensor's elements are touched, and nothing can write to the file.
+`open_tensors` reads such a file back as `FileRows`: nothing is read from disk until rows are gathered, and
+then only those rows, with bounded reads (`os.pread`) whose length is checked. Not a memory map: a mapped
+file truncated by another process kills the reader with SIGBUS when it touches a page past the new end; a
+short read raises `ShrunkFile`, which the caller turns into a message.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping
@@ -29,9 +32,9 @@ SAFETENSORS_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I64": np.int64, "I32": np.int32,
-          "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+_TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _COPY_CHUNK = 1 << 20
+_GAP_BYTES = 4096  # rows closer than a disk page are read in one call
 
 
 class SafetensorsWriter:
@@ -105,24 +108,131 @@ def read_header(path: Path) -> dict[str, Any]:
         return json.loads(f.read(n).decode("utf-8"))
 
 
-def map_tensors(path: Path, header: Mapping[str, Any] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Every tensor of a safetensors file as a view of a private read-only-in-effect memory map
-    (copy-on-write, so the file is never written), and the metadata. Raises ValueError when a tensor's
-    span does not fit the file or its shape."""
+def open_tensors(path: Path, header: Mapping[str, Any] | None = None) -> tuple[dict[str, FileRows], dict[str, str]]:
+    """Every tensor of a safetensors file as `FileRows` over one open read-only descriptor, and the metadata.
+    Raises ValueError when a tensor's span does not fit the file or its shape."""
     header = read_header(path) if header is None else header
-    mapped = np.memmap(path, dtype=np.uint8, mode="c")
-    (n,) = struct.unpack("<Q", bytes(mapped[:8]))
-    data = mapped[8 + n :]
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = _NUMPY.get(info["dtype"])
-        if dtype is None:
-            raise ValueError(f"tensor {name!r}: dtype {info['dtype']!r} cannot be memory-mapped")
-        if not 0 <= begin <= end <= data.shape[0]:
-            raise ValueError(f"tensor {name!r} lies outside the file")
-        tensors[name] = torch.from_numpy(data[begin:end].view(dtype).reshape(info["shape"]))
+    file = open(path, "rb", buffering=0)  # noqa: SIM115 - shared by the FileRows, closed when the last is collected
+    try:
+        (n,) = struct.unpack("<Q", os.pread(file.fileno(), 8, 0))
+        data_start, size = 8 + n, os.fstat(file.fileno()).st_size
+        tensors = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = info["data_offsets"]
+            dtype = _TORCH.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"tensor {name!r}: dtype {info['dtype']!r} cannot be read")
+            if not 0 <= begin <= end <= size - data_start:
+                raise ValueError(f"tensor {name!r} lies outside the file")
+            shape = tuple(int(d) for d in info["shape"])
+            if math.prod(shape) * dtype.itemsize != end - begin:
+                raise ValueError(f"tensor {name!r}: shape {list(shape)} does not fill its {end - begin} bytes")
+            tensors[name] = FileRows(file, data_start + begin, shape, dtype)
+    except BaseException:
+        file.close()
+        raise
     return tensors, dict(header.get("__metadata__", {}))
+
+
+class ShrunkFile(OSError):
+    """A file held fewer bytes than its header promised when rows were read: it was truncated after it was
+    checked."""
+
+
+class FileRows:
+    """A tensor's rows (along dim 0) in an open file, read only when gathered, with bounded reads.
+
+    `index_select(0, rows)` (and indexing by a tensor) reads just those rows, one `os.pread` per run of nearby
+    rows; a slice is another `FileRows`, nothing read. Any other tensor use (`torch.equal`, `.to(...)`,
+    `.argsort()`) reads the whole tensor first (`read`). A read that returns fewer bytes than it asked raises
+    `ShrunkFile`.
+    """
+
+    def __init__(self, file: BinaryIO, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._file, self._offset, self.shape, self.dtype = file, offset, torch.Size(shape), dtype
+        self._row_shape = tuple(shape[1:])
+        self._row_bytes = math.prod(self._row_shape) * dtype.itemsize
+
+    device = torch.device("cpu")
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def read(self) -> torch.Tensor:
+        """The whole tensor, in memory."""
+        nbytes = self.numel() * self.dtype.itemsize
+        return self._bytes_as_tensor(self._pread(nbytes, self._offset), self.shape)
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` (1-D) as a tensor `[len(index), *row]`; only they are read."""
+        if dim != 0 or self.ndim == 0:
+            return self.read().index_select(dim, index)
+        rows = index.detach().to("cpu", torch.long).numpy()
+        if rows.size and (rows.min() < 0 or rows.max() >= self.shape[0]):
+            raise IndexError(f"rows {rows.min()}..{rows.max()} outside a tensor of {self.shape[0]} rows")
+        wanted, inverse = np.unique(rows, return_inverse=True)
+        # Runs of rows less than _GAP_BYTES apart are read as one: fewer calls, a few rows read in vain.
+        gap = max(1, _GAP_BYTES // max(1, self._row_bytes))
+        breaks = np.flatnonzero(np.diff(wanted) > gap) + 1
+        chunks, local, read_rows, done = [], np.empty(wanted.shape[0], dtype=np.int64), 0, 0
+        for run in np.split(wanted, breaks) if wanted.size else ():
+            first, last = int(run[0]), int(run[-1]) + 1
+            chunks.append(self._pread((last - first) * self._row_bytes, self._offset + first * self._row_bytes))
+            local[done : done + run.size] = read_rows + run - first
+            read_rows, done = read_rows + last - first, done + run.size
+        buffer = self._bytes_as_tensor(b"".join(chunks), (read_rows, *self._row_shape))
+        return buffer.index_select(0, torch.from_numpy(local[inverse.reshape(-1)]))
+
+    def __getitem__(self, key: Any) -> FileRows | torch.Tensor:
+        if isinstance(key, slice) and key.step in (None, 1) and self.ndim:
+            first, last, _ = key.indices(self.shape[0])
+            last = max(first, last)
+            return FileRows(self._file, self._offset + first * self._row_bytes,
+                            (last - first, *self._row_shape), self.dtype)  # fmt: skip
+        if isinstance(key, torch.Tensor) and key.dtype == torch.long and key.ndim == 1:
+            return self.index_select(0, key)
+        return self.read()[key]
+
+    def __getattr__(self, name: str) -> Any:  # any other tensor method: on the tensor read whole
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.read(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # torch.equal(rows, t), torch.cat([...]) ...
+        return func(*_read_all(args), **{k: _read_all(v) for k, v in (kwargs or {}).items()})
+
+    def __repr__(self) -> str:
+        return f"FileRows(shape={list(self.shape)}, dtype={self.dtype}, file={self._file.name!r})"
+
+    def _pread(self, nbytes: int, offset: int) -> bytes:
+        data = os.pread(self._file.fileno(), nbytes, offset)
+        if len(data) != nbytes:
+            raise ShrunkFile(f"{self._file.name} holds fewer bytes than its header says (it was truncated)")
+        return data
+
+    def _bytes_as_tensor(self, data: bytes, shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+        if not data:
+            return torch.zeros(shape, dtype=self.dtype)
+        return torch.frombuffer(bytearray(data), dtype=self.dtype).reshape(shape)
+
+
+def _read_all(value: Any) -> Any:
+    if isinstance(value, FileRows):
+        return value.read()
+    if isinstance(value, list | tuple):
+        return type(value)(_read_all(v) for v in value)
+    return value
 

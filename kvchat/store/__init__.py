@@ -26,11 +26,11 @@ from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
 from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
 from kvchat.store.default import forget_default, read_default, write_default
-from kvchat.store.errors import BUSY_TIMEOUT_MS, ConversationChanged, DamagedDatabase, database_error
+from kvchat.store.errors import BUSY_TIMEOUT_MS, FREES_SPACE, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
 from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of this module's API
 from kvchat.store.files import check_safetensors_header as check_safetensors_header
-from kvchat.store.files import crash_point, discard, try_rmdir, without_links
+from kvchat.store.files import crash_point, discard, is_disk_full, try_rmdir, wal_index_fits, without_links
 from kvchat.store.files import write_file as _write_file  # looked up here when an ingest begins: tests replace it
 from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, read_only_reason, validate_name
 from kvchat.store.layout import show as _show
@@ -79,9 +79,13 @@ class _LockBusy(Exception):
 class Store:
     """The on-disk home of kvchat: `kvchat.db`, `caches/` and `models/`. Safe to use from several processes."""
 
-    def __init__(self, home: Path, *, clean_stale: bool = True) -> None:
+    def __init__(self, home: Path, *, clean_stale: bool = True, frees_space: bool = False) -> None:
         """Open (creating if needed) the store at `home`. `clean_stale=False` leaves crash leftovers in
-        place, for `check` to report them. Raises DamagedDatabase when kvchat.db cannot be read."""
+        place, for `check` to report them. Raises DamagedDatabase when kvchat.db cannot be read.
+
+        On a disk too full for SQLite's WAL index (`wal_index_fits`) only a caller that `frees_space` (`rm`,
+        `doctor`) opens the store, holding kvchat.db in exclusive locking mode while it is open; any other
+        is refused, saying the disk is full, before SQLite creates anything."""
         self._home = Path(home).expanduser().absolute()
         self.read_only_reason = read_only_reason(self._home)
         if self.read_only_reason is None:
@@ -93,13 +97,20 @@ class Store:
             raise UserError(f"cannot create {self.db_path}: {self._home} is read-only ({self.read_only_reason})")
         if self.db_path.exists() and not self.db_path.is_file():
             raise DamagedDatabase(self.db_path, "it is a directory or special file, not a database file")
+        self._exclusive = False
+        if not self.read_only and not wal_index_fits(self.db_path):
+            if not frees_space:
+                raise UserError(f"disk full: no room to open {self.db_path} (SQLite needs 32 KiB beside it); free "
+                                f"space on the disk of {self._home} ({FREES_SPACE})")
+            self._exclusive = True
         self._db = self._open()
         if clean_stale and not self.read_only:
             self._clean_stale()
 
     @_index_errors
     def _open(self) -> sqlite_utils.Database:
-        db = connect(self.db_path, read_only=self.read_only, busy_timeout_ms=BUSY_TIMEOUT_MS)
+        db = connect(self.db_path, read_only=self.read_only, busy_timeout_ms=BUSY_TIMEOUT_MS,
+                     exclusive=self._exclusive)  # fmt: skip
         try:
             todo = pending(db, self.db_path)
             if todo and self.read_only:
@@ -334,23 +345,14 @@ class Store:
         conversation was replaced or removed meanwhile. Nothing reached through a symbolic link is touched.
         """
         name_dir = self.caches_dir / name
-        retired: list[Path] = []
         try:
-            with self._write_lock() as db:
-                row = self._row(name)
-                if row is None and ingest_id is None:
-                    raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
-                if row is None or ingest_id not in (None, row["ingest_id"]):
-                    return False
-                db["episodes"].delete_where("conversation = ?", [name])
-                db["conversations"].delete_where("name = ?", [name])
-                versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
-                retired = [d for d in versions if without_links(d, self.caches_dir) and retire_manifest(d)]
-                crash_point("commit")
-        except BaseException:
-            for ingest_dir in retired:
-                restore_manifest(ingest_dir)
-            raise
+            versions = self._remove_rows(name, ingest_id)
+        except sqlite3.OperationalError as e:
+            if not is_disk_full(e):
+                raise
+            versions = self._remove_rows(name, ingest_id, make_room=True)
+        if versions is None:
+            return False
         if ingest_id is None:
             forget_default(self.home, name)
         for ingest_dir in versions:
@@ -358,6 +360,35 @@ class Store:
         with self._write_lock():  # an ingest of the same name may be renaming into name_dir
             try_rmdir(name_dir)
         return True
+
+    def _remove_rows(self, name: str, ingest_id: str | None, *, make_room: bool = False) -> list[Path] | None:
+        """`remove`'s transaction: the rows deleted, the manifests retired; the version dirs, or None when
+        `ingest_id` is no longer the conversation's. `make_room` (the disk was too full to record the deletion):
+        the versions' files are deleted first, inside the write lock, so a crash before the commit leaves rows
+        whose files are missing (`doctor --fix` removes them), never a conversation listed again."""
+        name_dir = self.caches_dir / name
+        retired: list[Path] = []
+        try:
+            with self._write_lock() as db:
+                row = self._row(name)
+                if row is None and ingest_id is None:
+                    raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
+                if row is None or ingest_id not in (None, row["ingest_id"]):
+                    return None
+                versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
+                for ingest_dir in versions if make_room else ():
+                    if without_links(ingest_dir, self.caches_dir):
+                        retire_manifest(ingest_dir)
+                        discard(ingest_dir, self.caches_dir)
+                db["episodes"].delete_where("conversation = ?", [name])
+                db["conversations"].delete_where("name = ?", [name])
+                retired = [d for d in versions if without_links(d, self.caches_dir) and retire_manifest(d)]
+                crash_point("commit")
+        except BaseException:
+            for ingest_dir in retired:
+                restore_manifest(ingest_dir)
+            raise
+        return versions
 
     def _row(self, name: str) -> dict[str, Any] | None:
         return next(iter(self._db["conversations"].rows_where("name = ?", [name])), None)
@@ -400,7 +431,8 @@ class Store:
     def load_pages(
         self, record: EpisodeRecord, fingerprint: str
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-        """An episode's pages file as memory-mapped tensors and its metadata, after the same checks (`loading`)."""
+        """An episode's pages file as tensors read on demand (`FileRows`) and its metadata, after the same checks
+        (`loading`)."""
         return loading.load_pages(record, fingerprint, caches_dir=self.caches_dir,
                                   refuse=self._refuser(record, "pages file"))  # fmt: skip
 
@@ -436,9 +468,10 @@ class Store:
         return doctor.database_damage(self)
 
     @_index_errors
-    def check(self) -> list[Problem]:
-        """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; see `doctor.check`)."""
-        return doctor.check(self)
+    def check(self, *, embedding_dimension: int | None = None) -> list[Problem]:
+        """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; see `doctor.check`);
+        with `embedding_dimension`, conversations whose centroids are of another length too."""
+        return doctor.check(self, embedding_dimension=embedding_dimension)
 
     @_index_errors
     def fix(self, problems: Iterable[Problem]) -> list[str]:
@@ -474,16 +507,17 @@ def _reingest_command(record: ConversationRecord, *, replace: bool = False) -> s
 # --------------------------------------------------------------------------- doctor
 
 
-def diagnose(home: Path) -> list[Problem]:
+def diagnose(home: Path, *, embedding_dimension: int | None = None) -> list[Problem]:
     """Everything wrong in `home`, changing nothing (`kvchat doctor`). A damaged kvchat.db is one
     "database" problem saying what a rebuild would restore, plus one "lost" problem per conversation it
-    could not (with the command that builds it again); else the store's `check`."""
+    could not (with the command that builds it again); else the store's `check` (`embedding_dimension`: the
+    encoder's, which every centroid must have; kvchat.encoder.embedding_dimension)."""
     home = Path(home).expanduser().absolute()
     store, damage = _open_for_doctor(home)
     if store is None:
         return recovery.damage_problems(home, damage)
     try:
-        return store.check()
+        return store.check(embedding_dimension=embedding_dimension)
     finally:
         store.close()
 
@@ -497,7 +531,7 @@ def repair(home: Path, problems: Iterable[Problem]) -> list[str]:
     home = Path(home).expanduser().absolute()
     problems = list(problems)
     done = _rebuild(home) if any(p.kind == "database" for p in problems) else []
-    store = Store(home, clean_stale=False)
+    store = Store(home, clean_stale=False, frees_space=True)
     try:
         return done + store.fix(store.check() if done else problems)
     finally:
@@ -507,7 +541,7 @@ def repair(home: Path, problems: Iterable[Problem]) -> list[str]:
 def _open_for_doctor(home: Path) -> tuple[Store | None, str]:
     """The store, or None and how its kvchat.db is damaged."""
     try:
-        store = Store(home, clean_stale=False)
+        store = Store(home, clean_stale=False, frees_space=True)
     except DamagedDatabase as e:
         return None, e.what
     damage = store.database_damage()

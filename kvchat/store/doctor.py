@@ -41,7 +41,7 @@ def database_damage(store: Store) -> str | None:
     return None
 
 
-def check(store: Store) -> list[Problem]:
+def check(store: Store, *, embedding_dimension: int | None = None) -> list[Problem]:
     """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; the database
     itself is `database_damage`'s).
 
@@ -70,6 +70,7 @@ def check(store: Store) -> list[Problem]:
             (c.name, e.index, path) for c in store.conversations() for e in c.episodes for path, *_ in e.files()
         }
         problems = [p for p in problems if (p.conversation, p.episode, p.path) in current]
+    problems += _centroid_problems(store, embedding_dimension) if embedding_dimension is not None else []
     listed = store._listed()
     problems += [
         Problem("unlisted", None, None, v.path,
@@ -136,6 +137,22 @@ def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
     done += lines
     delete_trees(moved)
     return done
+
+
+def _centroid_problems(store: Store, dimension: int) -> list[Problem]:
+    """Conversations whose centroids are not of the encoder's length `dimension` (a manifest re-signed after an
+    edit, rows written by something else): every question would fail to route. Their digests check out, so only
+    the length tells."""
+    problems = []
+    for c in store.conversations():
+        lengths = sorted({len(e.centroid) for e in c.episodes})
+        if c.episodes and lengths != [dimension]:
+            problems.append(Problem(
+                "centroids", c.name, 0, c.episodes[0].path,
+                f"conversation {show(c.name)} has episode centroids of {'/'.join(map(str, lengths))} numbers where "
+                f"the encoder's embeddings have {dimension}: no question can be routed; --fix removes the conversation",
+            ))  # fmt: skip
+    return problems
 
 
 def _file_problem(caches_dir: Path, path: Path, size: int, sha256: str) -> tuple[str, str] | None:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvchat.errors import KvchatError, UserError
-from kvchat.store.files import disk_full, is_disk_full, nearly_full
+from kvchat.store.files import is_disk_full, nearly_full
 
 BUSY_TIMEOUT_MS = 30_000
+FREES_SPACE = "`kvchat rm NAME` and `kvchat doctor --fix` still run on a full disk"
 
 _DECODE_RE = re.compile(r"Could not decode to UTF-8 column '([^']*)'")
 
@@ -50,13 +51,14 @@ def database_error(db_path: Path, e: sqlite3.Error) -> KvchatError | None:
         return UserError(f"{db_path} stayed locked by another kvchat process for over {BUSY_TIMEOUT_MS / 1000:g} s; "
                          "try again when it is done")  # fmt: skip
     if is_disk_full(e):
-        return disk_full(db_path.parent)
+        return UserError(f"disk full: no room to write {db_path}; free space on the disk of {db_path.parent} "
+                         f"({FREES_SPACE})")
     if name.startswith("SQLITE_READONLY"):
         return UserError(f"{db_path} cannot be written ({text})")
     if name.startswith("SQLITE_IOERR"):
         if nearly_full(db_path.parent):  # SQLite could not create its WAL files: it says only "disk I/O error"
             return UserError(f"disk full: cannot open {db_path} (SQLite needs room for its journal); free space "
-                             f"on the disk of {db_path.parent}")
+                             f"on the disk of {db_path.parent} ({FREES_SPACE})")
         return UserError(f"cannot read or write {db_path}: disk I/O error")
     if name.startswith("SQLITE_CANTOPEN"):
         return UserError(f"cannot open {db_path} ({text})")

@@ -95,6 +95,24 @@ def disk_full(where: Path) -> UserError:
     return UserError(f"no space left on device while writing caches to {where}: free space or lower --budget")
 
 
+def wal_index_fits(db_path: Path) -> bool:
+    """Whether SQLite can open `db_path` in WAL mode the shared way: its shared-memory index file (32 KiB)
+    beside it is already whole, or the disk has room for it. Where not, SQLite fails with "disk I/O error"
+    and leaves a part of that file behind, taking what room was left."""
+    try:
+        if os.stat(f"{db_path}-shm").st_size >= WAL_INDEX_BYTES:
+            return True
+    except OSError:
+        pass
+    try:
+        return shutil.disk_usage(db_path.parent).free >= WAL_INDEX_BYTES + 4096
+    except OSError:
+        return True  # not ours to judge: SQLite says what is wrong
+
+
+WAL_INDEX_BYTES = 32 * 1024
+
+
 def nearly_full(where: Path) -> bool:
     """Whether the file system of `where` has less room than SQLite needs to open a WAL database (its 32 KiB
     shared-memory file): SQLite then says only "disk I/O error"."""
@@ -179,8 +197,8 @@ def read_verified(path: Path, size: int, sha256: str, *, within: Path) -> bytes:
 
 def verify_file(path: Path, size: int, sha256: str, *, within: Path) -> None:
     """`read_verified` for files too large to hold: hashed in chunks, nothing kept. A pages file is checked
-    this way and then memory-mapped (its ingest dir is never written again, so the bytes stay the ones
-    that were hashed unless someone edits the store by hand)."""
+    this way and then read on demand (its ingest dir is never written again, so the bytes stay the ones
+    that were hashed unless someone edits the store by hand; a read that finds it shorter raises)."""
     _read_checked(path, size, sha256, within, lambda chunk: None, _HASH_CHUNK)
 
 

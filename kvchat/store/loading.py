@@ -9,11 +9,11 @@ with the command that rebuilds the conversation).
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvchat.checked_files import read_safetensors_header
 from kvchat.errors import UserError
 from kvchat.store.files import FileMismatch, check_safetensors_header, read_verified, verify_file
 from kvchat.store.layout import show
@@ -63,33 +63,32 @@ def load_episode(
 def load_pages(
     record: EpisodeRecord, fingerprint: str, *, caches_dir: Path, refuse: Refuse
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """An episode's pages file (kvchat.kv.pagefile) as memory-mapped tensors and its metadata.
+    """An episode's pages file (kvchat.kv.pagefile) as `FileRows` (kvchat.kv.tensorfile) and its metadata.
 
     The same checks as `load_episode`, the file hashed in chunks rather than read into memory; then the
-    header is checked on the mapped file and the tensors are views of the map: nothing is allocated,
-    and keys and values are read from disk only where retrieval gathers them.
+    header is checked and the tensors are opened, not read: keys and values are read from disk only where
+    retrieval gathers them, with reads that raise `ShrunkFile` if the file was truncated since.
     """
     pages = record.pages
     if pages is None:
         raise refuse("does not exist: the conversation was ingested without --offload")
     try:
         verify_file(pages.path, pages.bytes, pages.sha256, within=caches_dir)
-        with open(pages.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            header = check_safetensors_header(mapped)
+        header = read_safetensors_header(pages.path)
     except FileMismatch as e:
         raise refuse(str(e)) from None
-    except ValueError as e:  # a bad header, or an empty file mmap refuses
+    except ValueError as e:  # a bad header
         raise refuse(f"is not a valid safetensors file: {e}") from None
     except OSError as e:  # no permission, an I/O error: the environment's, not the file's content
         raise UserError(f"cannot read the pages file {pages.path}: {e.strerror or e}") from None
     metadata: dict[str, str] = header.get("__metadata__", {})
     check_fingerprint(metadata, fingerprint, refuse)
     try:
-        from kvchat.kv.tensorfile import map_tensors  # torch, only when pages are read
+        from kvchat.kv.tensorfile import open_tensors  # torch, only when pages are read
 
-        return map_tensors(pages.path, header)
+        return open_tensors(pages.path, header)
     except ValueError as e:  # the header passed our checks, so this is unexpected
-        raise refuse(f"could not be mapped: {e}") from None
+        raise refuse(f"could not be opened: {e}") from None
 
 
 def is_legacy_fingerprint(fingerprint: str) -> bool:

@@ -18,12 +18,19 @@ from kvchat.errors import UserError
 from kvchat.store.manifest import digest, document_from_rows
 
 
-def connect(db_path: Path, *, read_only: bool, busy_timeout_ms: int) -> sqlite_utils.Database:
+def connect(
+    db_path: Path, *, read_only: bool, busy_timeout_ms: int, exclusive: bool = False
+) -> sqlite_utils.Database:
     """`db_path` opened as every kvchat process opens it: WAL, a busy timeout, foreign keys. Read-only
-    (a read-only file system, no write permission) writes nothing, not even the switch to WAL."""
+    (a read-only file system, no write permission) writes nothing, not even the switch to WAL. `exclusive`:
+    SQLite's exclusive locking mode, set before the first access, so WAL keeps its index in this process's
+    memory instead of the shared-memory file beside the database (a disk too full to create it); other
+    processes wait until this connection closes."""
     db = sqlite_utils.Database(connect_read_only(db_path) if read_only else sqlite3.connect(db_path))
     try:
         db.execute(f"PRAGMA busy_timeout={int(busy_timeout_ms)}")
+        if exclusive:
+            db.execute("PRAGMA locking_mode=EXCLUSIVE")
         if not read_only:
             db.enable_wal()
         db.execute("PRAGMA foreign_keys=ON")
