@@ -4,8 +4,11 @@ Every episode cache covers the whole history (its patched prompt decides what it
 continues block prefill with the new turns from where it stopped (`block_prefill(resume=...)`), with the
 settings the conversation was built with (kvchat.settings). The new turns' segments join their nearest
 episode, whose centroid moves to the mean of its members' embeddings; when they are far from every
-episode, a note says that `--reingest` (cluster everything again) would route them better. The new
-version is committed atomically: until then questions are answered from the old one.
+episode, a note says that `--reingest` (cluster everything again) would route them better. With
+`--method routed` (and `recall`) a cache holds its episode's turns only, so each one continues with the new turns of the
+segments that joined it (and one that got none is kept as it was). A history that now outgrows the model's
+window continues at compact positions (kvchat.plan). The new version is committed atomically: until then
+questions are answered from the old one.
 
 Design notes (the details and the choices made): docs/internals.md, "kvchat/append.py".
 """
@@ -35,6 +38,7 @@ from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
 from kvchat.rag import RagIndex
 from kvchat.settings import from_settings, rebuild_command, stored_read
+from kvchat.sources import TurnSpan
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
 if TYPE_CHECKING:
@@ -66,10 +70,16 @@ def append(
     source_now = str(Path(history).resolve()) if isinstance(history, (str, os.PathLike)) else source
     earlier = (record.settings.get("source"), *record.settings.get("appended", []))
     appended = (*earlier[1:], *([source_now] if source_now else []))
+    routed = method(config.cache.method).routed
+    # what each stored episode file says (routed: each one's; else the first's): its turns' spans (receipts), how
+    # much history it holds
+    stored_metadata = [store.load_episode(e, lm.fingerprint)[1] for e in record.episodes[: None if routed else 1]]
+    extents = [_stored_extent(metadata) for metadata in stored_metadata]
     continuing = Continuation(
         turns=int(record.stats.get("turns", 0)), history_tokens=int(record.stats.get("history_tokens", 0)),
         source=record.settings.get("source"),
         place=lambda segments, notes: _moved_episodes(record, segments, encoder, notes),
+        episode_tokens=tuple(tokens for _, tokens in extents) if routed else (),
     )  # fmt: skip
     reads = dict(record.settings.get("reads") or {}) | ({source_now: read} if source_now and read else {})
     plan = plan_ingest(
@@ -81,17 +91,21 @@ def append(
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
                           "(`--append --reingest` of the files you mean rebuilds it without them)")
     side_file = features.side_file_name(config.cache)
-    stored_metadata = store.load_episode(record.episodes[0], lm.fingerprint)[1]
-    stored_spans = sources.from_metadata(stored_metadata)
-    # receipts need every turn's span: none when the stored caches predate them
-    plan = dataclasses.replace(plan, turn_spans=(*stored_spans, *plan.turn_spans) if stored_spans else ())
+    # receipts need every turn's span: none when the stored caches predate them (routed: one list per episode)
+    if routed:
+        both = tuple((*spans, *new) for (spans, _), new in zip(extents, plan.turn_spans, strict=True)) if (
+            plan.turn_spans and all(spans for spans, _ in extents)) else ()  # fmt: skip
+    else:
+        both = (*extents[0][0], *plan.turn_spans) if extents[0][0] else ()
+    plan = dataclasses.replace(plan, turn_spans=both)
     if plan.recall is not None:  # questions recall from the stored turns' chunks and the new ones'
-        stored_recall = _stored_recall(store, record, stored_metadata)
+        stored_recall = _stored_recall(store, record, stored_metadata[0])
         plan = dataclasses.replace(plan, recall=recall.joined(stored_recall, plan.recall))
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]
-        cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device)
+        cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device,
+                                origins=True)  # fmt: skip
         cache.dequantize()  # a quantized cache continues in full precision, and is quantized again when done
         return cache, (lambda: store.load_pages(stored, lm.fingerprint)) if side_file else None
 
@@ -161,12 +175,20 @@ def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
     return record
 
 
+def _stored_extent(metadata: dict[str, str]) -> tuple[tuple[TurnSpan, ...], int]:
+    """A stored episode file's turn spans and the history tokens its cache holds (a routed episode's: its own)."""
+    spans, meta = tuple(sources.from_metadata(metadata)), codec.EpisodeMeta.from_metadata(metadata)
+    end = spans[-1].end if spans else meta.next_origin if meta.next_origin is not None else meta.next_position
+    return spans, end - meta.protected
+
+
 def _moved_episodes(
     record: ConversationRecord, segments: list[str], encoder: SentenceEncoder, notes: list[str]
-) -> tuple[list[Episode], list[int]]:
-    """The stored episodes with the new segments joined to their nearest one, and each one's segment count:
-    centroids move to the mean of their members (stored counts; an older store's are taken as equal shares).
-    Medoids, hence patched prompts, stay: they decided what the stored caches kept."""
+) -> tuple[list[Episode], list[int], list[int]]:
+    """The stored episodes with the new segments joined to their nearest one, each one's segment count, and the
+    episode each new segment joined: centroids move to the mean of their members (stored counts; an older
+    store's are taken as equal shares). Medoids, hence patched prompts, stay: they decided what the stored caches
+    kept."""
     centroids = np.asarray([e.centroid for e in record.episodes], dtype=np.float64)
     counts = record.stats.get("episode_segments") or []
     if len(counts) != len(centroids):
@@ -174,10 +196,12 @@ def _moved_episodes(
         counts = [max(1, -(-turns // window) // len(centroids))] * len(centroids)
     sums = centroids * np.asarray(counts, dtype=np.float64)[:, None]
     members = [int(n) for n in counts]
+    joined: list[int] = []
     if segments:
         embeddings = np.asarray(encoder.embed(segments), dtype=np.float64)
         similarity = embeddings @ centroids.T
         nearest = similarity.argmax(axis=1)
+        joined = [int(e) for e in nearest]
         for row, episode in zip(embeddings, nearest, strict=True):
             sums[episode] += row
             members[episode] += 1
@@ -189,4 +213,4 @@ def _moved_episodes(
             )
     moved = sums / np.linalg.norm(sums, axis=1, keepdims=True)
     episodes = [Episode(e.index, moved[i].astype(np.float32), (), e.medoid_text) for i, e in enumerate(record.episodes)]
-    return episodes, members
+    return episodes, members, joined

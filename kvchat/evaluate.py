@@ -367,14 +367,18 @@ class _SetRunner:
     def _kept_positions(self, episode) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
         """[layers * heads, positions] booleans saying which original positions each head kept, the
         length of the protected system prompt, and each head's positions in cache order (empty when
-        compacted)."""
+        compacted without keeping them)."""
         cache, meta = codec.decode(
-            *self.store.load_episode(episode, self.lm.fingerprint), dtype=self.lm.dtype, device=self.lm.device
+            *self.store.load_episode(episode, self.lm.fingerprint), dtype=self.lm.dtype, device=self.lm.device,
+            origins=True,
         )
         protected = meta.protected
-        if meta.positions == "compact":  # re-rotated: original positions are gone
+        if cache.origins is not None:  # compacted, with each entry's original position kept (an offload's)
+            heads = [o.cpu() for layer in cache.origins for o in layer]
+        elif meta.positions == "compact":  # re-rotated: original positions are gone
             return torch.zeros(0, 0, dtype=torch.bool), protected, []
-        heads = [p.cpu() for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
+        else:
+            heads = [p.cpu() for layer in cache.layers for p in layer.positions]  # rows of [heads, n], or ragged
         kept = torch.zeros(len(heads), max(int(p.max()) + 1 for p in heads), dtype=torch.bool)
         for row, positions in zip(kept, heads, strict=True):
             row[positions] = True

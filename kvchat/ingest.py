@@ -150,12 +150,13 @@ def build_episode(
     compact = cache_cfg.positions == "compact"
     parts = EpisodeParts(EpisodeSetup(cache_cfg, lm.model, plan.trained, scratch, stored))
     recent = features.resident_window(cache_cfg) if scorer is not None else 0
+    origins = compact and scorer is not None and parts.needs_origins  # where compaction moves entries
     if plan.prefill == "full":
         if full is None:
             raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
         last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
         cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
-                            compact=compact, on_evict=parts.on_evict, recent=recent)  # fmt: skip
+                            compact=compact, on_evict=parts.on_evict, recent=recent, origins=origins)  # fmt: skip
         if on_block is not None:
             on_block(1, 1)
         peaks = cache.peak_layer_entries, cache.peak_total_entries
@@ -164,7 +165,7 @@ def build_episode(
             lm.model, None if resume is not None else plan.prefix_ids,
             plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,  # routed: its own turns
             block_size=cache_cfg.block_size, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=on_block,
-            heads=plan.heads, on_evict=parts.on_evict, recent=recent, resume=resume,
+            heads=plan.heads, on_evict=parts.on_evict, recent=recent, resume=resume, origins=origins,
         )  # fmt: skip
         cache, peaks = result.cache, (result.peak_layer_entries, result.peak_total_entries)
     parts.finish(cache, evicted=scorer is not None)

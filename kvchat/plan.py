@@ -135,8 +135,11 @@ class Continuation:
     turns: int                 # turns stored
     history_tokens: int        # history tokens the stored caches hold
     source: str | None         # the stored history's path, kept for rebuild commands
-    # the new segments (and the notes list) -> the stored episodes they join, and each one's segment count
-    place: Callable[[list[str], list[str]], tuple[list[Episode], list[int]]]
+    # the new segments (and the notes list) -> the stored episodes they join, each one's segment count, and the
+    # episode each new segment joined
+    place: Callable[[list[str], list[str]], tuple[list[Episode], list[int], list[int]]]
+    # per stored episode, the history tokens its cache holds (routed: its own turns'); () when all hold the history
+    episode_tokens: tuple[int, ...] = ()
 
 
 def plan_ingest(
@@ -202,16 +205,28 @@ def plan_ingest(
             f"the system prompt's {protected} tokens, which every layer keeps; raise --budget"
         )
     episode_ids: list[torch.Tensor] = []
+    held_turns: list[list[int]] = []  # routed: the turns each episode's cache is fed now (indices into `turns`)
+    fed = total - earlier  # the tokens the longest cache is fed now (an append: the new turns only)
+    w = config.episodes.window
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
-        episodes, members = continuing.place(segment(lines, config.episodes.window), notes)
+        episodes, members, joined = continuing.place(segment(lines, w), notes)
+        if method(cache_cfg.method).routed:  # each new segment continues the cache of the episode it joined
+            held_turns = [_segment_turns([s for s, e in enumerate(joined) if e == episode.index], w, len(turns))
+                          for episode in episodes]  # fmt: skip
+            episode_ids = _routed_ids(turns, held_turns, lm, lead="\n")
+            stored = continuing.episode_tokens or (earlier,) * len(episodes)
+            total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
+                             for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
     else:
         episodes, episode_count = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic,
                                             notes=notes, step=step)
         config = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, episodes=episode_count))
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
-            episode_ids = _routed_ids(turns, episodes, config, lm)
+            held_turns = [_segment_turns(e.segments, w, len(turns)) for e in episodes]
+            episode_ids = _routed_ids(turns, held_turns, lm)
             total = protected + max(int(ids.shape[-1]) for ids in episode_ids)
+            fed = total
     dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
     trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
     cache_cfg = features.resolve(cache_cfg, trained, notes)
@@ -223,7 +238,7 @@ def plan_ingest(
     shape = preflight.ModelShape.of(lm.model)
     available = max_memory if max_memory is not None else preflight.available_bytes(lm.device)
     # A cache under budget holds what an ingest of the new turns alone would; full KV holds the stored ones too.
-    held = total if budgets is None else total - earlier
+    held = total if budgets is None else fed
 
     def estimate(select_from_full: bool) -> int:
         return estimate_bytes(config, lm, layout, held, budgets, heads, protected, select_from_full=select_from_full)
@@ -236,12 +251,17 @@ def plan_ingest(
     if not force:
         preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=available, device=lm.device)
     positions = cache_cfg.positions
-    if not continuing:  # an append keeps the stored caches' positions, checked when they were built
+    if not continuing:
         families.check_context(lm.model.config, total + ANSWER_ROOM, lm.spec, what=f"the history ({total} tokens with "
                                f"the system prompt) and {ANSWER_ROOM} for an answer")  # fmt: skip
         positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
         families.check_positions(lm.model.config, positions, lm.spec)
-        features.check_plan(cache_cfg, positions=positions, history_tokens=total, context_window=lm.context_window)
+    elif positions == "original" and _positions_mode("auto", total, lm.context_window) == "compact":
+        # an append keeps the stored caches' positions until the history outgrows the window, as `auto` would
+        families.check_positions(lm.model.config, "compact", lm.spec)
+        positions = "compact"
+        notes.append(f"the history ({total} tokens with the system prompt) now exceeds the model's window "
+                     f"({lm.context_window}): the caches continue at compact positions")
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(
@@ -249,8 +269,11 @@ def plan_ingest(
             prefill=cache_cfg.prefill if continuing else prefill,
         ),
     )
-    if episode_ids:  # routed: each episode's own turns, from the system prompt on
-        spans = _routed_spans(turns, episodes, config, lm, protected, episode_ids)
+    if episode_ids:  # routed: each episode's own turns, from the system prompt on (an append: after its stored ones)
+        first = continuing.turns if continuing else 0
+        starts = [protected + h for h in continuing.episode_tokens] if continuing and continuing.episode_tokens else (
+            [protected + earlier] * len(episodes))  # fmt: skip
+        spans = _routed_spans(turns, held_turns, lm, starts, episode_ids, lead="\n" if continuing else "", first=first)
     else:
         first = continuing.turns if continuing else 0  # an append's turns follow the stored ones
         spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "",
@@ -386,23 +409,30 @@ def _prefill_mode(
     return "full" if why_not is None and fits else "block"
 
 
-def _routed_ids(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel) -> list:
-    """Token ids of each episode's own turns (`--method routed`): the turns of its segments in history order,
-    rendered as the history is, so a session's date opens the first of its turns that the episode holds."""
-    w = config.episodes.window
-    return [lm.encode("\n".join(format_turns([t for s in sorted(e.segments) for t in turns[s * w : (s + 1) * w]])))
-            for e in episodes]  # fmt: skip
+def _segment_turns(segments: Sequence[int], w: int, turns: int) -> list[int]:
+    """The turns (indices, in history order) of `segments` of `w` turns each, of a history of `turns` turns."""
+    return [i for s in sorted(segments) for i in range(s * w, min((s + 1) * w, turns))]
 
 
-def _routed_spans(turns: Sequence[Turn], episodes: list[Episode], config: IngestConfig, lm: LoadedModel,
-                  protected: int, episode_ids: list[torch.Tensor]) -> list[tuple[TurnSpan, ...]]:
-    """Each routed episode's turn spans, laid out as `_routed_ids` lays out its turns (none when they disagree)."""
-    w = config.episodes.window
+def _routed_ids(turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel, lead: str = "") -> list[torch.Tensor]:
+    """Token ids of each episode's own turns (`--method routed`; `held`: their indices in history order), rendered
+    as the history is, so a session's date opens the first of its turns that the episode holds. An append's start
+    with a newline (`lead`) after the stored ones; an episode that gets none is fed nothing."""
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    return [lm.encode(lead + "\n".join(format_turns([turns[i] for i in ids]))) if ids else empty for ids in held]
+
+
+def _routed_spans(turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel, starts: Sequence[int],
+                  episode_ids: list[torch.Tensor], *, lead: str = "", first: int = 0) -> list[tuple[TurnSpan, ...]]:
+    """Each routed episode's turn spans from `starts` on, laid out as `_routed_ids` lays out its turns (none when
+    they disagree); `first`, the history index of `turns[0]`."""
     out = []
-    for episode, ids in zip(episodes, episode_ids, strict=True):
-        held = [i for s in sorted(episode.segments) for i in range(s * w, min((s + 1) * w, len(turns)))]
-        spans = turn_spans(lm.tokenizer, [turns[i] for i in held], protected, indices=held)
-        if not spans or spans[-1].end != protected + int(ids.shape[-1]):
+    for ids, start, tokens in zip(held, starts, episode_ids, strict=True):
+        if not ids:
+            out.append(())
+            continue
+        spans = turn_spans(lm.tokenizer, [turns[i] for i in ids], start, lead=lead, indices=[first + i for i in ids])
+        if not spans or spans[-1].end != start + int(tokens.shape[-1]):
             return []
         out.append(tuple(spans))
     return out

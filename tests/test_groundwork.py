@@ -75,8 +75,9 @@ def test_every_eviction_reaches_the_observer_and_partitions_the_history(model, k
     seen: dict[tuple[int, int], list[torch.Tensor]] = {}
 
     def observe(layer: int, heads: list) -> None:
-        for h, (keys, values, positions) in enumerate(heads):
+        for h, (keys, values, positions, origins) in enumerate(heads):
             assert keys.shape == values.shape == (positions.shape[0], 16)
+            assert torch.equal(origins, positions)  # nothing was compacted
             seen.setdefault((layer, h), []).append(positions)
 
     cache = EpisodeCache(2)

@@ -262,7 +262,7 @@ def test_files_of_format_3_still_load(tmp_path, model, monkeypatch):
     loaded, meta = store.load_episode(store.get("old").episodes[0], "fp")
     back, back_meta = codec.decode(loaded, meta)
     assert meta["format_version"] == "3" and back_meta.precision == "full" and back.precision == "full"
-    assert codec.FORMAT_VERSION == "4" and codec.READABLE_FORMAT_VERSIONS == ("1", "2", "3", "4", "5", "6")
+    assert codec.FORMAT_VERSION == "4" and codec.READABLE_FORMAT_VERSIONS == ("1", "2", "3", "4", "5", "6", "7")
 
 
 @pytest.mark.parametrize("precision", ["full", "int8", "int4"])
@@ -288,11 +288,11 @@ def test_a_file_of_an_unknown_format_version_is_refused(tmp_path, model, monkeyp
     cache = _cache(model)
     cache.quantize(GROUP, 0, 4)
     tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
-    monkeypatch.setattr(codec, "INT4_FORMAT_VERSION", "7")
+    monkeypatch.setattr(codec, "INT4_FORMAT_VERSION", "99")
     with store.begin("c") as pending:
         pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
         pending.commit(model="default", fingerprint="fp", settings={}, stats={})
-    with pytest.raises(store_module.CacheIntegrityError, match="unsupported format version '7'"):
+    with pytest.raises(store_module.CacheIntegrityError, match="unsupported format version '99'"):
         store.load_episode(store.get("c").episodes[0], "fp")
 
 

@@ -291,12 +291,6 @@ def test_bad_offload_settings_are_user_errors(tmp_path, history, tiny_lm, encode
         _ingest(Store(tmp_path), history, tiny_lm, encoder, config)
 
 
-def test_offload_refuses_compact_positions(tmp_path, history, tiny_lm, encoder):
-    config = replace(OFFLOAD, cache=replace(OFFLOAD.cache, positions="compact"))
-    with pytest.raises(UserError, match="original positions"):
-        _ingest(Store(tmp_path), history, tiny_lm, encoder, config)
-
-
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
 def test_a_damaged_or_missing_pages_file_is_refused_with_the_rebuild_command(
     tmp_path, history, tiny_lm, encoder, damage

@@ -60,11 +60,6 @@ def budgets(cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
     return budgets
 
 
-def check_plan(cache: CacheConfig, *, positions: str, history_tokens: int, context_window: int) -> None:
-    for feature in active(cache):
-        feature.check_plan(cache, positions=positions, history_tokens=history_tokens, context_window=context_window)
-
-
 def check_append(cache: CacheConfig, name: str) -> None:
     for feature in active(cache):
         feature.check_append(cache, name)
@@ -129,6 +124,11 @@ class EpisodeParts:
     @property
     def offloaded(self) -> int:
         return sum(p.offloaded for p in self.parts)
+
+    @property
+    def needs_origins(self) -> bool:
+        """A part needs each entry's original position where compaction moves it (`EpisodeCache.track_origins`)."""
+        return any(p.needs_origins for p in self.parts)
 
     def side_file(self, fingerprint: str) -> SideFileWriter | None:
         return next((w for w in (p.side_file(fingerprint) for p in self.parts) if w is not None), None)

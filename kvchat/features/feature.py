@@ -51,6 +51,7 @@ class EpisodePart:
 
     on_evict: EvictionObserver | None = None  # sees every entry an eviction drops (kvchat.kv.cache)
     offloaded: int = 0                        # entries its side file holds (the ingest report)
+    needs_origins: bool = False               # a compacted cache must keep each entry's original position for it
 
     def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
         """The prefill is done (`evicted`: a scorer chose what stays; full KV evicted nothing) and the cache's
@@ -85,9 +86,6 @@ class Feature:
     def budgets(self, cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
         """Per-layer budgets as this feature keeps them (`entries`: the whole history with the system prompt)."""
         return budgets
-
-    def check_plan(self, cache: CacheConfig, *, positions: str, history_tokens: int, context_window: int) -> None:
-        """Refuse a resolved plan this feature cannot build (errors.UserError)."""
 
     def check_append(self, cache: CacheConfig, name: str) -> None:
         """Refuse continuing conversation `name`'s caches with new turns (errors.UserError)."""

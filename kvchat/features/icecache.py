@@ -6,6 +6,10 @@ when the cache is done they are paged into the episode's pages file (kvchat.kv.p
 cache file. Every head keeps its last `window` entries resident beside its budget M (budgets M + W). An
 append spills the stored pages again first, so old and new evictions are paged together. While answering,
 each layer becomes a paged layer over its own page pool (kvchat.kv.retrieval).
+
+Beyond the model's window (`--positions compact`) the cache keeps every entry's original position beside its
+compacted one, and the pages are written at positions beside the resident entries in history order
+(kvchat.kv.spill.beside_residents), so what an answer reads back is where the resident cache expects it.
 """
 
 from __future__ import annotations
@@ -71,14 +75,6 @@ class IceCache(Feature):
             return dataclasses.replace(budgets, budget=budgets.budget + window)
         return [max(entries, b) if i < first else b + window for i, b in enumerate(budgets)]
 
-    def check_plan(self, cache: CacheConfig, *, positions: str, history_tokens: int, context_window: int) -> None:
-        if positions == "compact":
-            raise UserError(
-                f"--offload {cache.offload.mode} keeps evicted entries at their original positions, so the history "
-                f"({history_tokens} tokens with the system prompt) must fit the model's window ({context_window}) "
-                "with --positions original"
-            )
-
     def check_append(self, cache: CacheConfig, name: str) -> None:
         if cache.method == "full":
             raise UserError(
@@ -95,7 +91,7 @@ class IceCache(Feature):
             raise ValueError("IceCache spills an episode's evictions into a scratch dir; none was given")
         shape = ModelShape.of(setup.model)
         spill = SpillWriter(setup.scratch, num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                            dtype=PAGE_DTYPES[setup.config.offload.dtype])  # fmt: skip
+                            dtype=PAGE_DTYPES[setup.config.offload.dtype], rotary_emb=setup.model.model.rotary_emb)
         if setup.stored is not None:  # an append: the stored pages are paged again with the new evictions
             spill.spill_pages(pagefile.decode(*setup.stored()))
         return _Spill(spill, setup.config.offload)
@@ -138,7 +134,10 @@ class IceCache(Feature):
 
 
 class _Spill(EpisodePart):
-    """The episode's evictions on disk (kvchat.kv.spill), paged into its pages file when it is written."""
+    """The episode's evictions on disk (kvchat.kv.spill), paged into its pages file when it is written, at positions
+    beside the resident entries'."""
+
+    needs_origins = True
 
     def __init__(self, spill: SpillWriter, offload: IceCacheConfig) -> None:
         self.spill, self.offload = spill, offload
@@ -153,6 +152,7 @@ class _Spill(EpisodePart):
 
         if not evicted:  # full KV evicted nothing: page everything but the system prompt and the window
             keep_sink_and_window(cache, self.offload.window, self.offload.first_paged_layer)
+        self.spill.place_beside(cache)
 
     def side_file(self, fingerprint: str) -> SideFileWriter:
         return lambda path: self.spill.write_pages(path, self.offload.paging, {"fingerprint": fingerprint})

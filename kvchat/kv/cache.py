@@ -8,7 +8,9 @@ and decode loops need:
 - `keep()` / `keep_layer()`: evict down to chosen entries per head — the one path every eviction takes,
   so an observer (`on_evict`) sees every entry that leaves (IceCache spills them to disk);
 - `checkpoint()/rollback()`: decode an answer on top of the cache, then restore it exactly;
-- `quantize()` / `dequantize()`: hold the finished cache in 8 or 4 bits (kvchat.kv.quantize) and back.
+- `quantize()` / `dequantize()`: hold the finished cache in 8 or 4 bits (kvchat.kv.quantize) and back;
+- `track_origins()`: keep every entry's original token position beside the position its key is rotated for,
+  which `compact()` changes (an offload places the entries it reads back beside the resident ones by them).
 """
 
 from __future__ import annotations
@@ -17,22 +19,36 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache
 
-from kvchat.kv.layers import CacheLayer, EvictedHead, HeadIndex, QuantizedLayer, RaggedLayer, UniformLayer
+from kvchat.kv.layers import CacheLayer, HeadIndex, QuantizedLayer, RaggedLayer, UniformLayer, dropped_index
 
-__all__ = ["Checkpoint", "EpisodeCache", "EvictionObserver", "RaggedLayer", "UniformLayer"]
+__all__ = ["Checkpoint", "EpisodeCache", "Evicted", "EvictionObserver", "RaggedLayer", "UniformLayer"]
+
+
+class Evicted(NamedTuple):
+    """One KV head's entries leaving the cache: keys and values `[n, D]` as cached, `positions` `[n]` the positions
+    their keys are rotated for, `origins` `[n]` their original token positions (the same unless compacted)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    origins: torch.Tensor
+
 
 # Called with (layer index, per KV head the entries leaving it) just before an eviction.
-EvictionObserver = Callable[[int, list[EvictedHead]], None]
+EvictionObserver = Callable[[int, list[Evicted]], None]
+Origins = list[list[torch.Tensor]]  # per layer, per KV head: the original token position of every entry
 
 
 @dataclass(frozen=True)
 class Checkpoint:
     lengths: tuple[tuple[int, ...], ...]  # per layer, per head
     next_position: int
+    next_origin: int | None = None  # with tracked origins (`EpisodeCache.track_origins`)
 
 
 class EpisodeCache(Cache):
@@ -49,6 +65,8 @@ class EpisodeCache(Cache):
         self.peak_total_entries = 0          # most entries all layers together have held at once (same counting)
         self.on_evict: EvictionObserver | None = None  # sees every entry an eviction drops
         self.memory = None  # a latent memory of what was evicted (kvchat.kv.latent), read while answering
+        self.origins: Origins | None = None  # tracked original positions (`track_origins`), else None
+        self.next_origin = 0         # with tracked origins: the original position of the next token fed
         self._probing = False
         self._positions_key: tuple | None = None
         self._positions = torch.zeros(0, 0, dtype=torch.long)
@@ -70,6 +88,8 @@ class EpisodeCache(Cache):
         )
         other.peak_layer_entries, other.peak_total_entries = self.peak_layer_entries, self.peak_total_entries
         other.memory = self.memory
+        if self.origins is not None:
+            other.origins, other.next_origin = [list(heads) for heads in self.origins], self.next_origin
         return other
 
     # --- the transformers side -------------------------------------------------------------------
@@ -80,6 +100,9 @@ class EpisodeCache(Cache):
             self._note_peak(layer.size + q_len, q_len)
             return layer.peek(key_states, value_states)
         layer.append(key_states, value_states, self._new_positions(q_len, heads, key_states.device))
+        if self.origins is not None:
+            new = torch.arange(self.next_origin, self.next_origin + q_len, device=key_states.device)
+            self.origins[layer_idx] = [torch.cat([o, new]) for o in self.origins[layer_idx]]
         self._note_peak(layer.size, 0)
         return layer.keys, layer.values
 
@@ -105,6 +128,14 @@ class EpisodeCache(Cache):
     def advance(self, n: int) -> None:
         if not self._probing:
             self.next_position += n
+            self.next_origin += n
+
+    def track_origins(self) -> None:
+        """From now on keep each entry's original token position (`origins`), which eviction and compaction
+        carry along and observers receive. The positions held now must still be the original ones."""
+        if self.origins is None:
+            self.origins = [[p.clone() for p in per_head(layer.positions)] for layer in self.layers]
+            self.next_origin = self.next_position
 
     @contextmanager
     def probing(self) -> Iterator[None]:
@@ -142,8 +173,16 @@ class EpisodeCache(Cache):
         if not isinstance(index, torch.Tensor) and not layer.ragged:
             layer = self.layers[layer_idx] = RaggedLayer.from_uniform(layer)
         index = _on_device_of(layer, index)
+        dropped = None
+        if self.origins is not None:
+            heads = self.origins[layer_idx]
+            dropped = [o[dropped_index(o.shape[0], i, o.device)] for o, i in zip(heads, index, strict=True)]
+            self.origins[layer_idx] = [o[i] for o, i in zip(heads, index, strict=True)]
         if self.on_evict is not None:
-            self.on_evict(layer_idx, layer.evicted(index))
+            self.on_evict(layer_idx, [
+                Evicted(k, v, p, p if dropped is None else dropped[h])
+                for h, (k, v, p) in enumerate(layer.evicted(index))
+            ])  # fmt: skip
         layer.keep(index)
 
     def compact(self, rotary_emb: torch.nn.Module) -> None:
@@ -154,13 +193,18 @@ class EpisodeCache(Cache):
 
     # --- answering on top of the cache ------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
-        return Checkpoint(tuple(tuple(layer.lengths) for layer in self.layers), self.next_position)
+        tracked = self.next_origin if self.origins is not None else None
+        return Checkpoint(tuple(tuple(layer.lengths) for layer in self.layers), self.next_position, tracked)
 
     def rollback(self, mark: Checkpoint) -> None:
         """Drop everything appended since `mark` (an answer and its question)."""
-        for layer, lengths in zip(self.layers, mark.lengths, strict=True):
+        for i, (layer, lengths) in enumerate(zip(self.layers, mark.lengths, strict=True)):
             layer.truncate_heads(lengths)
+            if self.origins is not None:
+                self.origins[i] = [o[:n] for o, n in zip(self.origins[i], lengths, strict=True)]
         self.next_position = mark.next_position
+        if mark.next_origin is not None:
+            self.next_origin = mark.next_origin
 
     def reserve(self, extra: int) -> None:
         """Make room for `extra` more entries in every layer that keeps spare room, so feeding that many
@@ -189,6 +233,11 @@ class EpisodeCache(Cache):
     def nbytes(self) -> int:
         """Bytes of the kept keys and values (positions not counted)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+
+def per_head(positions: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One `[n_h]` tensor per KV head, of a uniform layer's `[kv_heads, n]` or a ragged layer's per-head tensors."""
+    return list(positions.unbind(0)) if isinstance(positions, torch.Tensor) else list(positions)
 
 
 def _on_device_of(layer: CacheLayer, index: torch.Tensor | HeadIndex) -> torch.Tensor | HeadIndex:

@@ -1,10 +1,11 @@
 """The episode file format, in one place: the tensors and metadata an episode cache is stored as.
 
 One safetensors file per episode (never pickle): per-layer keys, values and positions, the 8- and 4-bit
-codes with their scales, an optional latent memory, and `EpisodeMeta` as string metadata. Keeping every
+codes with their scales, an optional latent memory, each entry's original position where compaction moved it
+(`orig.{l}`), and `EpisodeMeta` as string metadata. Keeping every
 tensor name and format version here means a new layer type changes one module. kvchat writes the oldest
 format version that describes a file, so older kvchat keeps reading what it can; the store stamps and
-checks it before anything is decoded. The tensors, shapes and versions "1" to "6" are described in
+checks it before anything is decoded. The tensors, shapes and versions "1" to "7" are described in
 ARCHITECTURE.md, "The episode file format".
 
 Importing this module loads torch only (the cache classes load transformers, which takes seconds), so
@@ -29,11 +30,14 @@ if TYPE_CHECKING:
 FORMAT_VERSION = "4"  # written for full-precision and 8-bit caches
 INT4_FORMAT_VERSION = "5"  # written for 4-bit caches
 MASS_MEMORY_FORMAT_VERSION = "6"  # written for caches whose latent memory has the mass readout
-READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4", "5", "6")
+ORIGINS_FORMAT_VERSION = "7"  # written for compacted caches that keep their entries' original positions
+READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4", "5", "6", "7")
 
 
 def format_version(metadata: dict[str, str]) -> str:
     """The version a file of this metadata is stamped with (the store stamps it): the oldest that reads it."""
+    if "next_origin" in metadata:
+        return ORIGINS_FORMAT_VERSION
     if "memory" in metadata and json.loads(metadata["memory"])["config"].get("readout", "additive") == "mass":
         return MASS_MEMORY_FORMAT_VERSION
     return INT4_FORMAT_VERSION if metadata.get("precision") == "int4" else FORMAT_VERSION
@@ -50,9 +54,11 @@ class EpisodeMeta:
     protected: int              # leading entries of every head (the system prompt) never evicted
     budgets: tuple[int, ...] = ()  # per layer, kept entries per KV head (ragged: the mean, rounded up)
     precision: str = "full"     # full | int8 (8-bit layers; format "4") | int4 (4-bit layers; format "5")
+    next_origin: int | None = None  # with `orig.{l}` tensors (format "7"): the next token's original position
 
     def to_metadata(self) -> dict[str, str]:
-        return {
+        origin = {} if self.next_origin is None else {"next_origin": str(self.next_origin)}
+        return origin | {
             "precision": self.precision,
             "fingerprint": self.fingerprint,
             "method": self.method,
@@ -75,6 +81,7 @@ class EpisodeMeta:
                 protected=int(metadata.get("protected", "0")),
                 budgets=tuple(int(b) for b in budgets.split(",")) if budgets else (),
                 precision=metadata.get("precision", "full"),
+                next_origin=int(metadata["next_origin"]) if "next_origin" in metadata else None,
             )
         except KeyError as e:
             raise ValueError(f"episode metadata has no {e.args[0]!r}") from None
@@ -85,13 +92,16 @@ class EpisodeMeta:
 def meta_of(cache: EpisodeCache, *, fingerprint: str, method: str, positions: str) -> EpisodeMeta:
     """The metadata of a freshly built cache."""
     return EpisodeMeta(
-        fingerprint, method, positions, cache.next_position, cache.protected, tuple(cache.sizes), cache.precision
+        fingerprint, method, positions, cache.next_position, cache.protected, tuple(cache.sizes), cache.precision,
+        next_origin=None if cache.origins is None else cache.next_origin,
     )
 
 
 def encode(cache: EpisodeCache, meta: EpisodeMeta) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of an episode file (the store adds `format_version`)."""
     tensors, metadata = encode_layers(cache), meta.to_metadata()
+    if cache.origins is not None:
+        tensors |= {f"orig.{i}": torch.cat(heads).to(torch.int32) for i, heads in enumerate(cache.origins)}
     if cache.memory is not None:
         memory_tensors, metadata["memory"] = _encode_memory(cache.memory)
         tensors |= memory_tensors
@@ -104,23 +114,40 @@ def decode(
     *,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
+    origins: bool = False,
 ) -> tuple[EpisodeCache, EpisodeMeta]:
     """The cache an episode file holds, its keys and values converted to `dtype` and everything moved to
     `device` (None: as stored, on the CPU): a cache built on a GPU in bfloat16 answers on a CPU in float32 and
-    the other way round (the fingerprint leaves dtype and device out, kvchat.llm). Raises ValueError when the
-    tensors or metadata do not describe one."""
+    the other way round (the fingerprint leaves dtype and device out, kvchat.llm). With `origins`, a file that
+    keeps its entries' original positions gives them back as tracked origins (`EpisodeCache.track_origins`: to
+    continue it, or to map its entries to turns); answering needs none. Raises ValueError when the tensors or
+    metadata do not describe one."""
     meta = EpisodeMeta.from_metadata(metadata)
-    layers = {k: _placed(v, k, dtype, device) for k, v in tensors.items() if not k.startswith("mem.")}
+    layers = {k: _placed(v, k, dtype, device) for k, v in tensors.items() if not k.startswith(("mem.", "orig."))}
     cache = decode_layers(
         layers, next_position=meta.next_position, protected=meta.protected, bits=PRECISION_BITS.get(meta.precision, 8)
     )
     if cache.precision != meta.precision:
         raise ValueError(f"metadata says {meta.precision} precision, the layers are {cache.precision}")
+    if origins and meta.next_origin is not None:
+        cache.origins = _decode_origins(tensors, cache, device)
+        cache.next_origin = meta.next_origin
     if "memory" in metadata:
         cache.memory = _decode_memory(tensors, metadata["memory"], len(cache.layers))
         if device is not None:
             cache.memory.to(device)
     return cache, meta
+
+
+def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, device) -> list[list[torch.Tensor]]:
+    out = []
+    for i, layer in enumerate(cache.layers):
+        stored = tensors.get(f"orig.{i}")
+        if stored is None or stored.dim() != 1 or stored.shape[0] != sum(layer.lengths):
+            raise ValueError(f"layer {i}: original positions do not match its {sum(layer.lengths)} entries")
+        stored = stored.to(torch.long) if device is None else stored.to(device, torch.long)
+        out.append(list(stored.split(layer.lengths)))
+    return out
 
 
 def _placed(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:

@@ -11,14 +11,17 @@ made where the paper is ambiguous, are in docs/how-it-works.md, "IndexMem's late
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from kvchat.kv.config import MEMORY_READOUTS, IndexMemConfig
 from kvchat.kv.indexer import IndexMemShape
-from kvchat.kv.layers import EvictedHead
 from kvchat.kv.rope import rotate_keys
+
+if TYPE_CHECKING:
+    from kvchat.kv.cache import Evicted
 
 GATE_BIAS = -2.0  # a new memory starts mostly closed (g about 0.12): training opens it where it helps
 CLOSED_GATE = -1e4  # a gate bias that shuts a layer's memory (g = 0): kvchat.training closes layers it does not help
@@ -124,7 +127,7 @@ class LatentMemory:
         self.written = 0  # entries written (all layers and heads), for reports
         self.closed = [gate_closed(weights, layer) for layer in range(s.layers)]  # shut gates: skipped
 
-    def write(self, layer_idx: int, evicted: list[EvictedHead], rotary_emb: nn.Module) -> None:
+    def write(self, layer_idx: int, evicted: list[Evicted], rotary_emb: nn.Module) -> None:
         """Fold what layer `layer_idx` evicts (per KV head: post-RoPE keys, values, positions) into its state."""
         if self.closed[layer_idx]:
             return
@@ -135,12 +138,12 @@ class LatentMemory:
             self.b[layer_idx].mul_(lam)
             if readout == "mass":  # move the reference to the last position written, decaying what is there
                 gamma, ref = self.weights.gamma(layer_idx), self.ref[layer_idx]
-                last = max([float(p.max()) for _, _, p in evicted if p.numel()], default=float(ref))
+                last = max([float(p.max()) for _, _, p, *_ in evicted if p.numel()], default=float(ref))
                 new_ref = max(float(ref), last)
                 self.m[layer_idx].mul_(torch.exp(-gamma * (new_ref - ref)))
                 self.b[layer_idx].mul_(torch.exp(-gamma * (new_ref - ref)))
                 self.ref[layer_idx] = new_ref
-            for h, (keys, values, positions) in enumerate(evicted):
+            for h, (keys, values, positions, *_) in enumerate(evicted):
                 if keys.shape[0] == 0:
                     continue
                 pre = rotate_keys(keys[None, None], -positions[None].to(torch.long), rotary_emb)[0, 0]

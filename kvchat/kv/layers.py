@@ -59,7 +59,7 @@ class CacheLayer(Protocol):
     def nbytes(self) -> int: ...
 
 
-def _dropped(length: int, kept: torch.Tensor, device: torch.device) -> torch.Tensor:
+def dropped_index(length: int, kept: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Indices in 0..length-1 that are not in `kept`, ascending."""
     mask = torch.ones(length, dtype=torch.bool, device=device)
     mask[kept] = False
@@ -159,7 +159,7 @@ class UniformLayer(DynamicLayer):
     def evicted(self, index: torch.Tensor | HeadIndex) -> list[EvictedHead]:
         out = []
         for h, kept in enumerate(index):
-            drop = _dropped(self.size, kept, self.keys.device)
+            drop = dropped_index(self.size, kept, self.keys.device)
             out.append((self.keys[0, h, drop], self.values[0, h, drop], self.positions[h, drop]))
         return out
 
@@ -298,7 +298,7 @@ class RaggedLayer(DynamicLayer):
     def evicted(self, index: HeadIndex | torch.Tensor) -> list[EvictedHead]:
         out = []
         for k, v, p, kept in zip(self.keys, self.values, self.positions, index, strict=True):
-            drop = _dropped(p.shape[0], kept, p.device)
+            drop = dropped_index(p.shape[0], kept, p.device)
             out.append((k[0, 0, drop], v[0, 0, drop], p[drop]))
         return out
 

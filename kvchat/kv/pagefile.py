@@ -13,13 +13,17 @@ import torch
 from kvchat.kv.pages import HeadPages
 from kvchat.kv.tensorfile import FileRows, SafetensorsWriter, open_tensors
 
-PAGES_FORMAT = "1"
+PAGES_FORMAT = "1"  # keys rotated for their original positions
+COMPACT_PAGES_FORMAT = "2"  # keys rotated for positions beside a compacted cache's (`at.{l}`, metadata positions)
+READABLE_PAGES_FORMATS = (PAGES_FORMAT, COMPACT_PAGES_FORMAT)
 LayerPages = Sequence[HeadPages]  # one per KV head
 
 
 def layer_tensors(index: int, layer: LayerPages, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-    """The six tensors of layer `index` (see the module docstring)."""
-    return {
+    """The six tensors of layer `index` (see the module docstring), and `at.{index}` where the keys are rotated
+    for other positions than the original ones."""
+    placed = any(h.at is not None for h in layer)
+    return ({f"at.{index}": torch.cat([h.rotated_for for h in layer]).to(torch.int32)} if placed else {}) | {
         f"k.{index}": torch.cat([h.keys for h in layer]).to(dtype),
         f"v.{index}": torch.cat([h.values for h in layer]).to(dtype),
         f"pos.{index}": torch.cat([h.positions for h in layer]).to(torch.int32),
@@ -29,11 +33,14 @@ def layer_tensors(index: int, layer: LayerPages, dtype: torch.dtype = torch.floa
     }
 
 
-def pages_metadata(layers: int, kv_heads: int, head_dim: int, page_size: int) -> dict[str, str]:
+def pages_metadata(layers: int, kv_heads: int, head_dim: int, page_size: int, positions: str = "original"
+                   ) -> dict[str, str]:  # fmt: skip
+    """`positions`: "original" (keys rotated for `pos`, format "1") or "compact" (for `at`, format "2")."""
+    compact = {"pages_format": COMPACT_PAGES_FORMAT, "positions": "compact"} if positions == "compact" else {}
     return {
         "pages_format": PAGES_FORMAT, "layers": str(layers), "kv_heads": str(kv_heads),
         "head_dim": str(head_dim), "page_size": str(page_size),
-    }
+    } | compact
 
 
 def encode(
@@ -70,20 +77,25 @@ def write_layers(
 def decode(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list[list[HeadPages]]:
     """The inverse of `encode`. Page tables and centroids are copied into memory; keys, values and positions
     stay views of `tensors` (`FileRows` stay on disk). Raises ValueError when they disagree."""
-    if metadata.get("pages_format") != PAGES_FORMAT:
-        raise ValueError(f"unsupported pages format {metadata.get('pages_format')!r}")
+    layout = metadata.get("pages_format")
+    if layout not in READABLE_PAGES_FORMATS:
+        raise ValueError(f"unsupported pages format {layout!r}")
     try:
         num_layers, kv_heads, head_dim = (int(metadata[k]) for k in ("layers", "kv_heads", "head_dim"))
     except (KeyError, ValueError):
         raise ValueError("pages metadata lacks layers, kv_heads or head_dim") from None
-    return [_decode_layer(tensors, i, kv_heads, head_dim) for i in range(num_layers)]
+    placed = layout == COMPACT_PAGES_FORMAT
+    return [_decode_layer(tensors, i, kv_heads, head_dim, placed) for i in range(num_layers)]
 
 
-def _decode_layer(tensors: Mapping[str, torch.Tensor], i: int, kv_heads: int, head_dim: int) -> list[HeadPages]:
+def _decode_layer(
+    tensors: Mapping[str, torch.Tensor], i: int, kv_heads: int, head_dim: int, placed: bool
+) -> list[HeadPages]:
     try:
         keys, values, positions, page_len, head_pages, centroids = (
             tensors[f"{name}.{i}"] for name in ("k", "v", "pos", "page_len", "head_pages", "centroid")
         )
+        at = tensors[f"at.{i}"] if placed else None
     except KeyError as e:
         raise ValueError(f"pages file lacks tensor {e.args[0]!r}") from None
     page_len, head_pages, centroids = (_in_memory(t) for t in (page_len, head_pages, centroids))
@@ -92,6 +104,7 @@ def _decode_layer(tensors: Mapping[str, torch.Tensor], i: int, kv_heads: int, he
     n, pages = keys.shape[0], lengths.shape[0]
     if (
         keys.shape != (n, head_dim) or values.shape != keys.shape or positions.shape != (n,)
+        or (at is not None and at.shape != (n,))
         or centroids.shape != (pages, head_dim) or per_head.shape != (kv_heads,)
         or bool((per_head < 0).any()) or int(per_head.sum()) != pages
         or bool((lengths < 1).any()) or int(lengths.sum()) != n
@@ -104,6 +117,7 @@ def _decode_layer(tensors: Mapping[str, torch.Tensor], i: int, kv_heads: int, he
             HeadPages(
                 keys[row : row + rows], values[row : row + rows], positions[row : row + rows],
                 lengths[page : page + count].clone(), centroids[page : page + count].clone(),
+                None if at is None else at[row : row + rows],
             )
         )
         page, row = page + count, row + rows

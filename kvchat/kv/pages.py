@@ -30,8 +30,9 @@ class HeadPages:
 
     `keys`/`values` `[n, D]` and `positions` `[n]` (original token positions) hold page 0's entries,
     then page 1's, ...; `lengths` `[P]` says how many entries each page has (all >= 1) and `centroids`
-    `[P, D]` the mean key of each page. The tensors may be `FileRows` of a pages file
-    (kvchat.kv.pagefile); only what `take` selects is then read from disk.
+    `[P, D]` the mean key of each page. `at` `[n]`, when set, are the positions the keys are rotated for, where
+    those are not the original ones (a compacted cache's offload, kvchat.kv.spill). The tensors may be `FileRows`
+    of a pages file (kvchat.kv.pagefile); only what `take` selects is then read from disk.
     """
 
     keys: torch.Tensor
@@ -39,6 +40,12 @@ class HeadPages:
     positions: torch.Tensor
     lengths: torch.Tensor
     centroids: torch.Tensor
+    at: torch.Tensor | None = None
+
+    @property
+    def rotated_for(self) -> torch.Tensor:
+        """The positions the keys are rotated for `[n]`."""
+        return self.positions if self.at is None else self.at
 
     @property
     def num_pages(self) -> int:

@@ -44,6 +44,7 @@ def block_prefill(
     resume: EpisodeCache | None = None,
     on_evict: EvictionObserver | None = None,
     recent: int = 0,
+    origins: bool = False,
 ) -> PrefillResult:
     """Build an episode cache: `prefix_ids` (never evicted), then `context_ids` in blocks.
 
@@ -57,7 +58,8 @@ def block_prefill(
     cache's `EpisodeCache.on_evict` (a latent memory's writer, kvchat.kv.latent). `recent` entries at the end
     of every head are kept at every eviction whatever the scorer says, inside the budgets: a window that
     slides with the blocks, so the finished cache holds the history's last `recent` tokens (IceCache's
-    window pages under offload; `EpisodeCache.recent`).
+    window pages under offload; `EpisodeCache.recent`). `origins` keeps every entry's original position
+    beside its compacted one (`EpisodeCache.track_origins`; a resumed cache that tracks them goes on doing so).
     """
     if resume is None:
         cache = EpisodeCache(model.config.num_hidden_layers)
@@ -69,8 +71,10 @@ def block_prefill(
     else:
         cache = resume
         cache.on_evict = on_evict or cache.on_evict
+    if origins:
+        cache.track_origins()
     cache.recent = recent
-    blocks = list(context_ids.split(block_size, dim=-1))
+    blocks = [b for b in context_ids.split(block_size, dim=-1) if b.shape[-1]]  # none: nothing new to feed
     rotary = model.model.rotary_emb
     in_forward = scorer is not None and scores_in_forward(scorer)
     for done, block in enumerate(blocks, start=1):
@@ -111,16 +115,19 @@ def select_from(
     compact: bool = False,
     on_evict: EvictionObserver | None = None,
     recent: int = 0,
+    origins: bool = False,
 ) -> EpisodeCache:
     """An episode cache chosen from `full` (everything kept, e.g. `block_prefill(budgets=None)`): `scorer`
     reads it once, as after the history's last block (`last_block`, its ids), and each layer keeps its top
     `budgets[l]` entries, shared among heads by `heads`, its last `recent` among them whatever they score
     (as `block_prefill`'s). `full` is left whole for the next episode; its peaks count the scorer's probe.
-    `on_evict` sees what the selection drops (`full` itself evicts nothing)."""
+    `on_evict` sees what the selection drops (`full` itself evicts nothing); `origins` as `block_prefill`'s."""
     if scores_in_forward(scorer):
         raise ValueError("selecting from a full cache needs a scorer that reads it after the block")
     scores = scorer(model, full, last_block)
     cache = full.copy()
+    if origins:
+        cache.track_origins()
     cache.on_evict = on_evict
     cache.recent = recent
     cache.keep(

@@ -1,0 +1,231 @@
+"""Histories three times the model's window: every cache option ingests, appends and answers there, with every
+position a key is rotated for inside the window (compact positions), IceCache's pages included."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model, tiny_tokenizer
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from kvchat import sources
+from kvchat.append import append
+from kvchat.ask import Session
+from kvchat.config import (
+    AskConfig,
+    CacheConfig,
+    EpisodeConfig,
+    IndexMemConfig,
+    IngestConfig,
+    OffloadConfig,
+    PagingConfig,
+    TrainConfig,
+)
+from kvchat.history import format_turns, load_history
+from kvchat.ingest import ingest
+from kvchat.kv import codec, pagefile
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.layers import QuantizedLayer
+from kvchat.kv.prefill import block_prefill
+from kvchat.kv.scoring import PatchedPromptScorer
+from kvchat.kv.spill import SpillWriter
+from kvchat.store import Store
+from kvchat.synthetic import planted_conversation
+
+BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=32, prefill="block"),
+                    episodes=EpisodeConfig(episodes=2, window=4, prompt_tokens=48))  # fmt: skip
+OFFLOAD = OffloadConfig(mode="icecache", window=8, dtype="float32")
+EVERYTHING = 10**6  # entries read back per head: every page
+
+
+def _config(**cache) -> IngestConfig:
+    return dataclasses.replace(BASE, cache=dataclasses.replace(BASE.cache, **cache))
+
+
+@pytest.fixture(scope="module")
+def histories(tmp_path_factory) -> dict[str, Path]:
+    """A planted-fact history (`whole`), its first eighth (`start`: inside the window with room for an answer) and
+    the rest (`rest`)."""
+    messages, _ = planted_conversation(seed=5, topics=4, turns_per_topic=48)
+    folder = tmp_path_factory.mktemp("histories")
+    eighth = len(messages) // 8
+    paths = {"whole": messages, "start": messages[:eighth], "rest": messages[eighth:]}
+    for name, part in paths.items():
+        (folder / f"{name}.json").write_text(json.dumps(part))
+    return {name: folder / f"{name}.json" for name in paths}
+
+
+@pytest.fixture(scope="module")
+def short_lm(histories, tmp_path_factory):
+    """The tiny Llama with a window a third of the whole history's tokens."""
+    from kvchat.llm import load_model
+
+    tokenizer = tiny_tokenizer()
+    tokens = len(tokenizer("\n".join(format_turns(load_history(histories["whole"]))))["input_ids"])
+    path = tmp_path_factory.mktemp("short-llama")
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    model.config.max_position_embeddings = tokens // 3
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return load_model(str(path), tmp_path_factory.mktemp("models"))
+
+
+def _rotated_for(cache: EpisodeCache) -> list[list[torch.Tensor]]:
+    """Per layer, per KV head, the positions its keys are rotated for."""
+    return [list(layer.positions) if layer.ragged else list(layer.positions.unbind(0)) for layer in cache.layers]
+
+
+def _assert_inside_the_window(cache: EpisodeCache, window: int) -> None:
+    assert cache.next_position < window
+    assert all(int(p.max()) < cache.next_position for layer in _rotated_for(cache) for p in layer)
+
+
+def _first_answer(store: Store, name: str, lm, encoder, question: str, **ask) -> tuple[torch.Tensor, list, object]:
+    """The first answer token's logits, what every layer read back from the pages then, and the answer."""
+    session = Session(store, store.get(name), lm, encoder, AskConfig(max_new_tokens=4, **ask))
+    seen: list = []
+    answer = session.ask(question, episode=0, on_first_logits=lambda logits: seen.extend(
+        [logits, session.retrieved_positions()]), log=False)  # fmt: skip
+    return seen[0], seen[1], answer
+
+
+def _assert_pages_beside_the_residents(store: Store, name: str, lm) -> None:
+    """Every history entry of every head is resident or paged once, and each paged key is rotated for the compact
+    position of its nearest resident predecessor in history order, inside the window."""
+    for episode in store.get(name).episodes:
+        cache, meta = codec.decode(*store.load_episode(episode, lm.fingerprint), origins=True)
+        _assert_inside_the_window(cache, lm.context_window)
+        tensors, metadata = store.load_pages(episode, lm.fingerprint)
+        assert metadata["positions"] == "compact" and metadata["pages_format"] == pagefile.COMPACT_PAGES_FORMAT
+        for layer, (heads, resident, placed) in enumerate(zip(
+                pagefile.decode(tensors, metadata), cache.origins, _rotated_for(cache), strict=True)):  # fmt: skip
+            for pages, origins, positions in zip(heads, resident, placed, strict=True):
+                assert sorted(origins.tolist() + pages.positions.tolist()) == list(range(meta.next_origin)), layer
+                before = torch.searchsorted(origins, pages.positions) - 1
+                assert torch.equal(pages.at.to(torch.long), positions[before])
+
+
+@pytest.mark.parametrize(("method", "heads"), [("auto", "uniform"), ("epicache", "uniform"), ("epicache", "adaptive")])
+def test_offload_pages_sit_beside_the_compacted_cache_and_are_read_back(tmp_path, histories, short_lm, encoder,
+                                                                        method, heads):  # fmt: skip
+    store = Store(tmp_path)
+    config = _config(method=method, offload=OFFLOAD, head_budgets=heads)
+    report = ingest(histories["whole"], name="c", config=config, store=store, lm=short_lm, encoder=encoder)
+    window = short_lm.context_window
+    assert report.method == ("recall" if method == "auto" else method)  # the default beyond the window: recall
+    assert report.positions == "compact" and report.history_tokens >= 3 * window and report.offloaded_entries > 0
+    _assert_pages_beside_the_residents(store, "c", short_lm)
+    logits, retrieved, answer = _first_answer(store, "c", short_lm, encoder, "Which gate does the flight leave from?",
+                                              retrieve=EVERYTHING)  # fmt: skip
+    assert torch.isfinite(logits).all() and answer.answer_tokens > 0
+    read = torch.cat([p for layer in retrieved if layer for p in layer])
+    assert read.numel() > 0 and int(read.max()) >= window  # entries from past the window were read back
+
+
+def test_offloaded_keys_are_what_the_model_computes_at_their_new_positions(tmp_path, model):
+    """Layer 0's keys depend only on the token and its position: a paged key moved beside the residents must equal
+    the model's own key of that token at that position (transformers' RoPE, not kvchat's)."""
+    prefix, context = random_ids(5, 1), random_ids(300, 2)
+    cfg = model.config
+    spill = SpillWriter(tmp_path, num_layers=2, kv_heads=2, head_dim=16, dtype=torch.float32,
+                        rotary_emb=model.model.rotary_emb)  # fmt: skip
+    cache = block_prefill(model, prefix, context, block_size=32, budgets=[40, 40], scorer=PatchedPromptScorer(
+        random_ids(6, 7)), compact=True, on_evict=spill, recent=8, origins=True).cache  # fmt: skip
+    spill.place_beside(cache)
+    pages = next(iter(spill.layers(PagingConfig(page_size=4, cluster_size=4))))
+    ids = torch.cat([prefix, context], -1)[0]
+    attention = model.model.layers[0].self_attn
+    hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+    raw = attention.k_proj(hidden).view(len(ids), cfg.num_key_value_heads, cfg.head_dim).transpose(0, 1)[None]
+    assert cache.next_position == 40  # compacted: the budget's entries at 0..39
+    for h, head in enumerate(pages):
+        assert head.at is not None and int(head.at.max()) < cache.next_position
+        cos, sin = model.model.rotary_emb(raw, head.at[None].to(torch.long))
+        want, _ = apply_rotary_pos_emb(raw[:, h : h + 1, head.positions], raw[:, h : h + 1, head.positions], cos, sin)
+        torch.testing.assert_close(head.keys, want[0, 0].detach(), rtol=1e-4, atol=1e-5)
+    assert sum(head.num_entries for head in pages) == 2 * (305 - 40)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_an_append_past_the_window_continues_at_compact_positions(tmp_path, histories, short_lm, encoder, offload):
+    """Ingested inside the window (original positions), then appended past it: the caches go on compacted, the
+    stored pages are placed beside them, and every turn's span is in every episode's file."""
+    store = Store(tmp_path)
+    config = _config(offload=OFFLOAD) if offload else _config()
+    first = ingest(histories["start"], name="c", config=config, store=store, lm=short_lm, encoder=encoder)
+    assert first.positions == "original"
+    report = append(histories["rest"], name="c", store=store, lm=short_lm, encoder=encoder)
+    assert report.positions == "compact" and store.get("c").settings["positions"] == "compact"
+    assert any("exceeds the model's window" in note for note in report.notes)
+    turns = len(load_history(histories["whole"]))
+    for episode in store.get("c").episodes:
+        cache, meta = codec.decode(*store.load_episode(episode, short_lm.fingerprint), origins=True)
+        _assert_inside_the_window(cache, short_lm.context_window)
+        spans = sources.from_metadata(store.load_episode(episode, short_lm.fingerprint)[1])
+        assert [s.index for s in spans] == list(range(turns)) and spans[-1].end > 3 * short_lm.context_window
+        if offload:
+            assert meta.next_origin == spans[-1].end  # the cache was fed every appended token
+    if offload:
+        _assert_pages_beside_the_residents(store, "c", short_lm)
+
+
+@pytest.mark.parametrize("method", ["routed", "recall"])
+def test_a_routed_append_feeds_each_new_turn_to_the_episode_it_joins(tmp_path, histories, short_lm, encoder, method):
+    store = Store(tmp_path)
+    config = _config(method=method, offload=OFFLOAD)
+    ingest(histories["start"], name="r", config=config, store=store, lm=short_lm, encoder=encoder)
+    before = [sources.from_metadata(store.load_episode(e, short_lm.fingerprint)[1]) for e in store.get("r").episodes]
+    append(histories["rest"], name="r", store=store, lm=short_lm, encoder=encoder)
+    held: list[int] = []
+    for episode, stored in zip(store.get("r").episodes, before, strict=True):
+        cache, meta = codec.decode(*store.load_episode(episode, short_lm.fingerprint), origins=True)
+        _assert_inside_the_window(cache, short_lm.context_window)
+        spans = sources.from_metadata(store.load_episode(episode, short_lm.fingerprint)[1])
+        assert spans[: len(stored)] == stored  # its own turns first, then the new turns that joined it
+        assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))  # laid out one after another
+        assert meta.next_origin == spans[-1].end  # the cache was fed every turn its spans say it holds
+        held += [s.index for s in spans]
+    assert sorted(held) == list(range(len(load_history(histories["whole"]))))  # each turn in one episode, once
+    _assert_pages_beside_the_residents(store, "r", short_lm)
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("int8", 0.05), ("int4", 0.5)])
+def test_quantized_caches_beyond_the_window(tmp_path, histories, short_lm, encoder, precision, tolerance):
+    """A compacted cache held in 8 or 4 bits answers as the same cache in full precision does, nearly."""
+    store = Store(tmp_path)
+    groups = {"quant_group": 8, "quant_group_4bit": 8}
+    report = ingest(histories["whole"], name="q", config=_config(precision=precision, **groups), store=store,
+                    lm=short_lm, encoder=encoder)  # fmt: skip
+    ingest(histories["whole"], name="full", config=_config(**groups), store=store, lm=short_lm, encoder=encoder)
+    assert report.positions == "compact" and report.cache_precision == precision
+    cache, _ = codec.decode(*store.load_episode(store.get("q").episodes[0], short_lm.fingerprint))
+    assert all(isinstance(layer, QuantizedLayer) for layer in cache.layers)
+    _assert_inside_the_window(cache, short_lm.context_window)
+    question = "Which gate does the flight leave from?"
+    logits, _, answer = _first_answer(store, "q", short_lm, encoder, question)
+    want, _, _ = _first_answer(store, "full", short_lm, encoder, question)
+    assert answer.answer_tokens > 0 and (logits - want).abs().max() < tolerance
+
+
+def test_indexmem_and_its_memory_beyond_the_window(tmp_path, histories, short_lm, encoder):
+    from kvchat.training import default_out, train
+
+    small = TrainConfig(steps=2, chunk_tokens=96, train_chunks=2, held_out_chunks=1, checkpoint_every=2, warmup=1,
+                        memory_queries=16, memory_budgets=(40,), memory_block=24, memory_min_gain=float("-inf"))
+    train(short_lm, default_out(tmp_path, short_lm), small, files=[histories["start"]], indexmem=IndexMemConfig())
+    store = Store(tmp_path)
+    report = ingest(histories["whole"], name="m", config=_config(method="indexmem"), store=store, lm=short_lm,
+                    encoder=encoder)  # fmt: skip
+    assert report.positions == "compact" and store.get("m").settings["memory"] is True
+    cache, _ = codec.decode(*store.load_episode(store.get("m").episodes[0], short_lm.fingerprint))
+    _assert_inside_the_window(cache, short_lm.context_window)
+    memory = cache.memory
+    assert memory is not None and any(m.abs().sum() > 0 for m in memory.m)  # evicted entries were written
+    # the mass readout's distances are measured in the compacted frame its keys were written in
+    assert memory.weights.readout == "mass" and 0 < float(memory.ref.max()) < short_lm.context_window
+    logits, _, answer = _first_answer(store, "m", short_lm, encoder, "Which gate does the flight leave from?")
+    assert torch.isfinite(logits).all() and answer.answer_tokens > 0
