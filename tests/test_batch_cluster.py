@@ -108,6 +108,20 @@ def files(tmp_path) -> list[Path]:
     return found
 
 
+_CHILD = "KVCHAT_CLUSTER_TEST_CHILD"  # set in the fresh pytest process that runs the test itself
+
+
+@pytest.mark.skipif(bool(os.environ.get(_CHILD)), reason="the child process runs the test itself")
+def test_the_cluster_test_runs_in_a_fresh_process():
+    """Ray keeps a process-wide connection (and reads its token when first imported): another test that started a
+    local Ray in this worker would make the driver connect there. So the test runs in its own pytest process."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"{__file__}::test_killing_the_second_node_mid_batch_loses_no_history"],
+                          env={**os.environ, _CHILD: "1"}, capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
+@pytest.mark.skipif(not os.environ.get(_CHILD), reason="runs in a fresh process, started by the test above")
 def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_path, tiny_model_dir, monkeypatch):
     address, second_port, session, env = cluster
     for key in ("TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # read when Ray is first imported

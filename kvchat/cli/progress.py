@@ -87,8 +87,8 @@ class LineIngestProgress:
 
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         self.blocks, self.blocks_started = BlockTally(blocks), time.monotonic()
-        err.print(f"kvchat: {tokens} history tokens: {blocks} blocks over {episodes} episode{'s' * (episodes != 1)}",
-                  markup=False, soft_wrap=True)  # fmt: skip
+        err.print(f"kvchat: history of {tokens} tokens: {blocks} blocks over {episodes} "
+                  f"episode{'s' * (episodes != 1)}", markup=False, soft_wrap=True)  # fmt: skip
 
     def planning(self, step: str, done: int, total: int) -> None:
         self._tenths(step, done, total)
