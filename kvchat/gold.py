@@ -413,12 +413,31 @@ def _mb(value: float | None) -> str:
     return "" if value is None else f"{value / 2**20:.1f}"
 
 
-def gold_markdown(records: Sequence[dict], *, title: str, notes: Sequence[str] = ()) -> str:
-    """The report of an eval against gold: one row per system (F1 with its interval, per category, answer and
-    ingest seconds, KV entries attended, megabytes on disk and resident), then the verdict lines."""
+GOLD_COLUMNS = (  # what each column of `gold_markdown`'s table means, stated under it
+    ("entries attended", "KV entries per layer and KV head the first answer token attends to: resident, read back "
+     "from pages and prefilled at question time (system prompt and question included); systems are compared at "
+     "equal entries"),
+    ("questions", "n: the questions the row's F1 is the mean over"),
+    ("F1 [95% interval]", "LoCoMo's token F1 against the gold answers, with a percentile bootstrap interval over the "
+     f"questions ({RESAMPLES} resamples, seed {SEED})"),
+    ("multi-hop ... single-hop", "the same F1 per LoCoMo category"),
+    ("answer s", "seconds per answer in this one process, everything done at question time included"),
+    ("ingest s", "seconds of the system's ingest (rag: chunking and embedding)"),
+    ("disk MB / resident MB", "what the system stores, and holds in memory while answering"),
+)
+
+
+def gold_markdown(records: Sequence[dict], *, title: str, notes: Sequence[str] = (),
+                  settings: dict[str, str] | None = None) -> str:  # fmt: skip
+    """The report of an eval against gold: the `settings` it ran with, one row per system (F1 with its interval,
+    per category, answer and ingest seconds, KV entries attended, megabytes on disk and resident), what each
+    column means, then the verdict lines."""
     rows = summarize_gold(records)
     categories = [CATEGORIES[c] for c in (1, 2, 3, 4)]
-    lines = [f"# {title}", "", *[line for note in notes for line in (note, "")],
+    lines = [f"# {title}", "", *[line for note in notes for line in (note, "")]]
+    if settings:
+        lines += ["Settings:", "", *[f"- {name}: {value}" for name, value in settings.items()], ""]
+    lines += [
              "| system | entries attended | questions | F1 [95% interval] | " + " | ".join(categories)
              + " | answer s | ingest s | disk MB | resident MB |",
              "|---|---:|---:|---|" + "---:|" * len(categories) + "---:|---:|---:|---:|"]  # fmt: skip
@@ -429,4 +448,5 @@ def gold_markdown(records: Sequence[dict], *, title: str, notes: Sequence[str] =
         lines.append(f"| {r['variant']} | {r['entries']:.0f} | {r['questions']} | {r['f1']:.3f} [{low:.3f}, {high:.3f}]"
                      f" | {' | '.join(cells)} | {r['answer_seconds']:.2f} | {ingest} | {_mb(r['disk_bytes'])} | "
                      f"{_mb(r['resident_bytes'])} |")  # fmt: skip
-    return "\n".join([*lines, "", *[f"- {line}" for line in verdict(records)], ""])
+    legend = ["Columns:", "", *[f"- {name}: {meaning}" for name, meaning in GOLD_COLUMNS]]
+    return "\n".join([*lines, "", *[f"- {line}" for line in verdict(records)], "", *legend, ""])

@@ -14,6 +14,7 @@ from kvchat.gold import (
     bootstrap_interval,
     evaluate_gold,
     fits_window,
+    gold_markdown,
     kvchat_variant,
     paired_difference,
     rag_variant,
@@ -133,6 +134,15 @@ def test_verdict_calls_a_win_only_outside_the_noise():
     rows = summarize_gold(clear)
     assert [r["variant"] for r in rows] == ["snapkv@1024", "rag@4x256"]
     assert set(rows[0]["f1_by_category"]) == {"multi-hop", "temporal", "open-domain", "single-hop"}
+
+
+def test_the_gold_report_states_its_settings_n_and_what_each_column_means():
+    base = np.linspace(0, 0.5, 40)
+    records = _answers("snapkv@1024", base + 0.3, baseline=False) + _answers("rag@4x256", base, baseline=True)
+    text = gold_markdown(records, title="t", settings={"budgets": "1024"})
+    assert "- budgets: 1024" in text and "| 40 |" in text
+    for column in ("entries attended", "questions", "F1 [95% interval]", "answer s", "disk MB / resident MB"):
+        assert f"- {column}: " in text
 
 
 def test_verdict_compares_only_systems_measured_on_the_most_questions():

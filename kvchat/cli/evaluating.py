@@ -127,16 +127,20 @@ def eval_command(
     skips += [f"{r['variant']} on {r['set']} skipped: {r['reason']}" for r in against_gold if r["kind"] == "skipped"]
     for line in skips:
         say(f"kvchat: {line}", console=err)
-    if report is not None and gold_rows:
-        report.parent.mkdir(parents=True, exist_ok=True)
-        target = report if not sets else report.with_suffix(".gold.md")
-        target.write_text(gold.gold_markdown(against_gold, title=f"kvchat eval against gold ({lm.spec})",
-                                             notes=[s.describe(config.questions) for s in gold_sets]))  # fmt: skip
-    if report is not None and sets:
+    if report is not None:
         from kvchat import report as eval_report
 
         ran = eval_report.settings(config, base, model=lm.spec, offloads=_names(offload),
                                    precisions=_names(cache_precision), retrieve=retrieve)
+    if report is not None and gold_rows:
+        report.parent.mkdir(parents=True, exist_ok=True)
+        target = report if not sets else report.with_suffix(".gold.md")
+        against = {**ran, "methods": ", ".join(config.methods), "baselines": f"rag (the top chunks of at most "
+                   f"{config.chunk_tokens} tokens of raw turns) and recent (sink + the last entries) at each budget"}
+        target.write_text(gold.gold_markdown(against_gold, title=f"kvchat eval against gold ({lm.spec})",
+                                             notes=[s.describe(config.questions) for s in gold_sets],
+                                             settings=against))  # fmt: skip
+    if report is not None and sets:
         eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data, settings=ran,
                           notes=[s.describe(config.questions) for s in sets] + skips)
     columns = EVAL_COLUMNS
