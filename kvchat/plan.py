@@ -262,6 +262,10 @@ def plan_ingest(
         positions = "compact"
         notes.append(f"the history ({total} tokens with the system prompt) now exceeds the model's window "
                      f"({lm.context_window}): the caches continue at compact positions")
+    if full and positions == "compact" and not cache_cfg.offload.enabled:  # nothing evicted: nothing compacts
+        raise UserError(f"--method full keeps every entry at its own position, and the history ({total} tokens with "
+                        f"the system prompt) exceeds the model's window ({lm.context_window}); use a method with a "
+                        "budget (the default does), or --offload icecache")  # fmt: skip
     resolved = dataclasses.replace(
         config,
         cache=dataclasses.replace(

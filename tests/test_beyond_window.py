@@ -229,3 +229,17 @@ def test_indexmem_and_its_memory_beyond_the_window(tmp_path, histories, short_lm
     assert memory.weights.readout == "mass" and 0 < float(memory.ref.max()) < short_lm.context_window
     logits, _, answer = _first_answer(store, "m", short_lm, encoder, "Which gate does the flight leave from?")
     assert torch.isfinite(logits).all() and answer.answer_tokens > 0
+
+
+def test_full_kv_beyond_the_window_is_refused_unless_it_offloads(histories, short_lm, encoder, tmp_path):
+    """Full KV evicts nothing, so nothing would be re-rotated: its keys would sit past the window."""
+    from kvchat.errors import UserError
+    from kvchat.plan import plan_ingest
+
+    store = Store(tmp_path)
+    with pytest.raises(UserError, match="--method full keeps every entry at its own position"):
+        plan_ingest(histories["whole"], name="f", config=_config(method="full"), store=store, lm=short_lm,
+                    encoder=encoder)  # fmt: skip
+    paged = plan_ingest(histories["whole"], name="f", config=_config(method="full", offload=OFFLOAD), store=store,
+                        lm=short_lm, encoder=encoder)  # fmt: skip
+    assert paged.config.cache.positions == "compact"
