@@ -76,7 +76,7 @@ class Session:
         self._resident: tuple[int, EpisodeCache] | None = None
         self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
         self._positions = "original"  # the resident episode's positions mode
-        self._recall: RagIndex | None = None  # the resident episode file's recall index (--method recall)
+        self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
 
     def ask(
         self,
@@ -269,7 +269,7 @@ class Session:
             self.conversation = current
             self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
             self._centroids = self._routing_centroids(current)
-            self._split = _recall_split(current)
+            self._split, self._recall = _recall_split(current), None
             self._resident = None
 
     def _cache(self, index: int) -> EpisodeCache:
@@ -288,12 +288,13 @@ class Session:
                             lambda: self.store.load_pages(record, self.lm.fingerprint), self.config.retrieve)
         except UnreadableFile as e:
             raise self._unreadable(index, e.what, e.problem) from None
+        if self._split is not None and self._recall is None:  # every episode file holds the same index: read once
+            try:
+                self._recall = recall.from_metadata(metadata)
+            except ValueError as e:
+                raise self._unreadable(index, "cache", str(e)) from None
         self._resident = (index, cache)
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
-        try:
-            self._recall = recall.from_metadata(metadata) if self._split is not None else None
-        except ValueError as e:
-            raise self._unreadable(index, "cache", str(e)) from None
         self._positions = meta.positions
         return cache
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
 
 from kvchat.int8_weights import Int8Linear
 from kvchat.kv import families
@@ -118,14 +119,13 @@ class DecodeStep:
         hidden = self.model.model.embed_tokens(ids)                              # [1, 1, H]
         position = torch.full((1, 1), cache.next_position, dtype=torch.long, device=ids.device)
         cos, sin = self.rotary(hidden, position)                                 # [1, 1, D]
-        q_rows, kv_rows, half = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.head_dim // 2
+        q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
         rotated_heads = self.heads + self.kv_heads
         for index, (norm_in, qkv, scale, o_proj, norm_post, gate_up, down) in enumerate(self.layers):
             x = _rms_norm(hidden, norm_in)
             projected = qkv(x)[0, 0]                                             # [q_rows + 2 kv_rows]
             qk = projected[: q_rows + kv_rows].view(rotated_heads, self.head_dim)
-            turned = torch.cat((-qk[:, half:], qk[:, :half]), dim=-1)
-            qk = qk * cos[0] + turned * sin[0]
+            qk = qk * cos[0] + rotate_half(qk) * sin[0]
             query = qk[: self.heads].view(1, self.heads, 1, self.head_dim)
             key = qk[self.heads :].view(1, self.kv_heads, 1, self.head_dim)
             value = projected[q_rows + kv_rows :].view(1, self.kv_heads, 1, self.head_dim)

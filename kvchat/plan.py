@@ -39,6 +39,7 @@ from kvchat.kv.methods import (
     REGISTRY,
     ScorerInputs,
     across_heads_methods,
+    candidates,
     may_recall,
     method,
 )
@@ -63,8 +64,7 @@ def validate(config: IngestConfig) -> None:
         )
     if may_recall(cache.method):
         recall.split(cache)  # refuses a share it cannot split the budget by
-    entries = [method(m) for m in (AUTO_METHODS if cache.method == AUTO_METHOD else (cache.method,))]
-    if cache.head_budgets == "adaptive" and not all(e.across_heads for e in entries):
+    if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
         raise UserError(
             f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
             f"has none (use it with {', '.join(across_heads_methods())})"
@@ -195,8 +195,8 @@ def plan_ingest(
     cache_cfg = _resolve_method(config.cache, total, lm.context_window, notes)
     config = dataclasses.replace(config, cache=cache_cfg)
     full = method(cache_cfg.method).scorer is None
-    recalls = method(cache_cfg.method).recalls
-    kept = recall.split(cache_cfg).cache_budget if recalls else cache_cfg.budget  # M of each episode cache
+    split = recall.split(cache_cfg) if method(cache_cfg.method).recalls else None
+    kept = split.cache_budget if split else cache_cfg.budget  # M of each episode cache
     if not full and kept <= protected:  # every layer's floor lies above the prompt when M does
         raise UserError(
             f"--budget {cache_cfg.budget} must exceed the system prompt's {protected} tokens, which every "
@@ -285,8 +285,8 @@ def plan_ingest(
         if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
             spans = []
     recall_index = None
-    if recalls:  # the chunks each question's turns are recalled from: an append's new turns only
-        index = RagIndex.build(turns, lm, encoder, recall.split(cache_cfg).chunk_tokens)
+    if split:  # the chunks each question's turns are recalled from: an append's new turns only
+        index = RagIndex.build(turns, lm, encoder, split.chunk_tokens)
         recall_index = recall.offset(index, continuing.turns) if continuing else index
     return IngestPlan(
         name=name,

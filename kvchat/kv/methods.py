@@ -158,9 +158,14 @@ def method(name: str) -> Method:
         raise ValueError(f"unknown method {name!r} (choose from {', '.join(METHODS)})") from None
 
 
+def candidates(name: str) -> list[Method]:
+    """The registry entries `name` may run as: auto's, unresolved, or the method it names."""
+    return [method(m) for m in (AUTO_METHODS if name == AUTO_METHOD else (name,))]
+
+
 def may_recall(name: str) -> bool:
     """Whether `name` (a registry method or auto, unresolved) spends part of its budget on recalled turns."""
-    return any(method(m).recalls for m in (AUTO_METHODS if name == AUTO_METHOD else (name,)))
+    return any(m.recalls for m in candidates(name))
 
 
 def across_heads_methods() -> tuple[str, ...]:
