@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.errors import UserError
-from kvchat.store.files import fsync_dir, rename
+from kvchat.store.files import fsync_dir, rename, write_file
 from kvchat.store.layout import validate_name
 
 DEFAULT_NAME = "default-conversation"
@@ -30,11 +30,9 @@ def read_default(home: Path) -> str | None:
 def write_default(home: Path, name: str) -> None:
     """Choose `name` (a stored conversation's, checked by the caller), atomically: a reader sees the old or new."""
     temp = home / f".{DEFAULT_NAME}.{os.getpid()}"
+    temp.unlink(missing_ok=True)  # a leftover of a crashed choice by a process of the same id
     try:
-        with open(temp, "w", encoding="utf-8") as f:
-            f.write(validate_name(name) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_file(temp, (validate_name(name) + "\n").encode("utf-8"))
         rename(temp, home / DEFAULT_NAME)
     finally:
         temp.unlink(missing_ok=True)
