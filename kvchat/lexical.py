@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from sklearn.feature_extraction.text import TfidfVectorizer
 
 
 class LexicalIndex:
     """Chunks' TF-IDF vectors (sublinear term frequency, English stop words left out), unit length."""
 
     def __init__(self, texts: Sequence[str]) -> None:
+        from sklearn.feature_extraction.text import TfidfVectorizer  # scikit-learn loads when recall ranks by words
+
         self._vectorizer = TfidfVectorizer(sublinear_tf=True, stop_words="english")
         try:
             self._vectors = self._vectorizer.fit_transform(texts)
