@@ -5,9 +5,9 @@ At ingest every turn's token range is recorded (`turn_spans`, stored in each epi
 each entry carrying its original position (`pos` tensors; a compacted cache's, re-rotated to 0..n-1, in `orig`
 tensors beside them), so a cached entry belongs to the turn whose range holds it. Turns recalled for a question
 (`--method recall`) are prefilled as text after the cache; their tokens belong to their turns too
-(`recalled_spans`). While an answer is decoded a `SourceRecorder` sees each forward that picks an answer token
-(the question's last query, then every decode step) and adds, per layer (the upper ones: lower layers attend by
-position more than by content) and KV head, the attention each resident, retrieved (IceCache) or recalled
+(`kvchat.recall.recalled_spans`). While an answer is decoded a `SourceRecorder` sees each forward that picks an
+answer token (the question's last query, then every decode step) and adds, per layer (the upper ones: lower layers
+attend by position more than by content) and KV head, the attention each resident, retrieved (IceCache) or recalled
 entry gets to its turn. The turns with the most attention are the answer's sources; a turn's share is of the
 attention paid to the history's turns (the system prompt, the question and the answer so far are left out: an
 attention sink would dwarf everything else), `kept_tokens` says how much of the turn the episode's cache still
@@ -146,8 +146,9 @@ class SourceRecorder:
     positions they are rotated for, or `origins` (per layer and KV head, each entry's original position in cache
     order) where compaction moved them. Tokens fed afterwards (recalled turns, the question, the answer) belong
     to no stored turn, except those of `recalled`: turns prefilled as text right after the cache, their
-    `[start, end)` counted from its first token (`recalled_spans`). `spans` are then the stored turns followed
-    by the recalled turns the cache does not hold; `recalled` the indices of recalled turns among them."""
+    `[start, end)` counted from its first token (`kvchat.recall.recalled_spans`). `spans` are then the stored
+    turns followed by the recalled turns the cache does not hold; `recalled` the indices of recalled turns among
+    them."""
 
     query_rows = 1
 
