@@ -17,7 +17,7 @@ import base64
 import binascii
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -60,7 +60,7 @@ def split(cache: CacheConfig) -> RecallSplit:
 
 def offset(index: RagIndex, turns: int) -> RagIndex:
     """`index` of turns that follow `turns` stored ones: its chunks' turn numbers counted from the history's start."""
-    chunks = [Chunk(c.first + turns, c.end + turns, c.text, c.tokens, c.marks) for c in index.chunks]
+    chunks = [replace(c, first=c.first + turns, end=c.end + turns) for c in index.chunks]
     return RagIndex(chunks, index.embeddings)
 
 
