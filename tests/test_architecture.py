@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
      "kvchat.preflight", "kvchat.settings", "kvchat.device", "kvchat.features", "kvchat.sources", "kvchat.packed_text"),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.history", "kvchat.encoder", "kvchat.lexical", "kvchat.synthetic", "kvchat.__init__"),
     ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
 ]
 
