@@ -159,7 +159,9 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
         recall=RecallConfig(share=get("recall_share", cache_d.recall.share),
                             chunk_tokens=get("recall_chunk_tokens", cache_d.recall.chunk_tokens),
-                            retrieval=get("recall_retrieval", "dense"),  # stores written before it ranked densely
+                            # recall stores written before recall_retrieval ranked by the encoder
+                            retrieval=get("recall_retrieval", "dense" if "recall_share" in settings
+                                          else cache_d.recall.retrieval),
                             dated=get("recall_dated", False)),
     )
     cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
