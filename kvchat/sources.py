@@ -1,6 +1,6 @@
 """Receipts: which turns of the history an answer drew on, by the attention its tokens paid them.
 
-At ingest every turn's token range is recorded (`turn_spans`, stored in each episode file's metadata as
+At ingest every turn's token range is recorded (`history_tokens`, stored in each episode file's metadata as
 `turns`): an episode cache holds the history (`--method routed`: the episode's own turns) at its positions,
 each entry carrying its position (`pos` tensors), so a cached entry belongs to the turn whose range holds it. While an
 answer is decoded a `SourceRecorder` sees each forward that picks an answer token (the question's last
@@ -14,14 +14,13 @@ turn the episode's cache still holds, averaged over layers and KV heads.
 
 from __future__ import annotations
 
-import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
-from kvchat.history import Turn, format_turns
+from kvchat.history import Turn
 from kvchat.history import excerpt as quote  # a source's quote
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
@@ -32,7 +31,7 @@ _STORED_CHARS = 400     # of each turn's text, kept for quotes
 _MAX_SPANS_BYTES = 1 << 28  # what an episode file's spans may inflate to: bounded before it allocates
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a history may have a million turns
 class TurnSpan:
     """One turn of the history: its original positions `[start, end)` in the cache and what a receipt shows."""
 
@@ -62,32 +61,9 @@ class Source:
         return asdict(self)
 
 
-def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "",
-               indices: Sequence[int] | None = None) -> list[TurnSpan]:
-    """The token range of each turn when the history is tokenized as ingest does (`lead` + turn lines joined
-    by newlines; an append's new turns start with a newline), positions starting at `offset`; `indices`, the
-    turns' places in the history (default: 0, 1, ...; a routed episode holds some turns only). A token belongs
-    to the turn its last character lies in (a line's newline counts as its own). Empty when the tokenizer
-    cannot give character offsets."""
-    lines = format_turns(turns)
-    text = lead + "\n".join(lines)
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except (NotImplementedError, ValueError):  # a slow (Python) tokenizer has no offsets
-        return []
-    starts, cursor = [], len(lead)
-    for line in lines:
-        starts.append(cursor)
-        cursor += len(line) + 1
-    owner = [max(0, bisect.bisect_right(starts, max(end - 1, begin)) - 1) for begin, end in encoded["offset_mapping"]]
-    spans = []
-    for i, turn in enumerate(turns):
-        first = bisect.bisect_left(owner, i)
-        last = bisect.bisect_right(owner, i)
-        index = indices[i] if indices is not None else i
-        spans.append(TurnSpan(offset + first, offset + last, index, turn.role, turn.text.strip()[:_STORED_CHARS],
-                              turn.time, turn.turn_id))
-    return spans
+def span_of(turn: Turn, start: int, end: int, index: int) -> TurnSpan:
+    """`turn`'s span: its tokens at positions `[start, end)`, its place `index` in the history, what a receipt shows."""
+    return TurnSpan(start, end, index, turn.role, turn.text.strip()[:_STORED_CHARS], turn.time, turn.turn_id)
 
 
 def to_metadata(spans: Sequence[TurnSpan]) -> str:
