@@ -515,7 +515,7 @@ def test_concurrent_processes(tmp_path: Path) -> None:
             with store.begin(sys.argv[2], replace=True) as p:
                 for i in range(2):
                     p.write_episode(i, {"k.0": torch.full((2, 3), float(round))}, {"fingerprint": "fp"},
-                                    centroid=centroid(0.0), medoid_text="m", budgets=[3], n_tokens=6)
+                                    centroid=[0.0], medoid_text="m", budgets=[3], n_tokens=6)
                 p.commit(model="default", fingerprint="fp", settings={}, stats={})
             store.log_ask({"question": sys.argv[2], "answer": str(round)})
         """
