@@ -58,7 +58,7 @@ from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
 _SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?"
-                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?")
+                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical))?(?P<dated>:dated)?")
 
 
 def parse_system(spec: str) -> GoldVariant:
@@ -70,13 +70,15 @@ def parse_system(spec: str) -> GoldVariant:
         raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE][:rR][:sS][:cC], "
                          "CACHE+rag@KxC)")
     name, a, b = match["name"], int(match["a"]), match["b"]
-    if name in ("rag", "rag-dated"):
-        return rag_variant(a * int(b or 256), int(b or 256), dated=name == "rag-dated")
+    if name in ("rag", "rag-dated", "rag-lexical"):
+        return rag_variant(a * int(b or 256), int(b or 256), dated=name == "rag-dated",
+                           retrieval="lexical" if name == "rag-lexical" else "dense")
     if name == "recent":
         return recent_variant(a)
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
     offload = OffloadConfig(mode="icecache", retrieve=int(match["r"])) if match["r"] else OffloadConfig()
-    recall = RecallConfig(share=int(match["s"] or 50) / 100, chunk_tokens=int(match["c"] or 256))
+    recall = RecallConfig(share=int(match["s"] or 50) / 100, chunk_tokens=int(match["c"] or 256),
+                          retrieval=match["ret"] or RecallConfig.retrieval, dated=bool(match["dated"]))
     cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload, recall=recall)
     variant = kvchat_variant(cache, spec.strip())
     if match["e"]:

@@ -7,8 +7,9 @@ what appending one new session costs against ingesting everything again.
 Every command is the real `kvchat` command line, each in its own process under `/usr/bin/time` (wall seconds
 and peak resident memory), one torch thread, the embedded model already converted, all side by side in one
 run on one store. Per conversation: `kvchat ingest` at the defaults (a whole conversation is beyond the
-window: `--method auto` resolves to recall), the same history's first half of sessions at the defaults (peak
-memory should not grow with the history), `--method snapkv` (one cache: the unit), and an ingest of every
+window: `--method auto` resolves to recall), `--method recall` over the first half of its sessions and over the
+whole history twice over (peak memory must not grow with the history's length), the first half at the defaults
+(within the window: epicache's full prefill), `--method snapkv` (one cache: the unit), and an ingest of every
 session but the last followed by `--append` of the last one.
 """
 
@@ -74,11 +75,16 @@ def main() -> None:
             but_last = [t for s in parts[:-1] for t in s]
             whole = write_turns(turns, files / f"{path.stem}.json")
             first_half = write_turns(half, files / f"{path.stem}-half.json")
+            twice = write_turns(turns + turns, files / f"{path.stem}-twice.json")
             earlier = write_turns(but_last, files / f"{path.stem}-a.json")
             last = write_turns(parts[-1], files / f"{path.stem}-b.json")
             name = path.stem
             measured = {
                 "defaults": run(home, "ingest", str(whole), "--name", f"{name}-d"),
+                "--method recall, first half of the sessions": run(home, "ingest", str(first_half), "--name",
+                                                                   f"{name}-rh", "--method", "recall"),
+                "--method recall, the history twice over": run(home, "ingest", str(twice), "--name", f"{name}-r2",
+                                                                "--method", "recall"),
                 "defaults, first half of the sessions": run(home, "ingest", str(first_half), "--name", f"{name}-h"),
                 "--method snapkv": run(home, "ingest", str(whole), "--name", f"{name}-s", "--method", "snapkv"),
                 "defaults, all sessions but the last": run(home, "ingest", str(earlier), "--name", f"{name}-a"),

@@ -132,7 +132,7 @@ class Session:
         )
         chunks: list[list[int]] | None = None
         if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
-            recalled, picked = recall.recalled_text(self._recall, query, self._split.chunks)
+            recalled, picked = recall.recalled_text(self._recall, question, query, self._split)
             chunks = recall.turn_ranges(picked)
         if recalled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)

@@ -40,6 +40,9 @@ from kvchat.kv.config import (
     QUANT_RESIDUAL as QUANT_RESIDUAL,
 )
 from kvchat.kv.config import (
+    RETRIEVALS as RETRIEVALS,
+)
+from kvchat.kv.config import (
     CacheConfig,
 )
 from kvchat.kv.config import (
@@ -209,6 +212,7 @@ class RagConfig:
     chunk_tokens: int = 256  # at most this many tokens of consecutive turns per chunk (a longer turn is cut)
     top_k: int = 4           # chunks prefilled per question
     dated: bool = False      # each chunk opens with its first turn's date (plain rag: only a session's first turn)
+    retrieval: str = "dense"  # RETRIEVALS: plain rag ranks by the sentence encoder alone
 
 
 @dataclass(frozen=True)

@@ -84,12 +84,13 @@ def recent_variant(budget: int, base: CacheConfig = CacheConfig()) -> GoldVarian
     return GoldVariant(f"recent@{budget}", budget, cache=cache, baseline=True)
 
 
-def rag_variant(budget: int, chunk_tokens: int, dated: bool = False) -> GoldVariant:
+def rag_variant(budget: int, chunk_tokens: int, dated: bool = False, retrieval: str = "dense") -> GoldVariant:
     """The top budget // chunk_tokens chunks: `budget` entries of retrieved turns (at least one chunk); `dated`,
-    each chunk opening with its date."""
+    each chunk opening with its date; `retrieval`, how they are ranked (RETRIEVALS)."""
     k = max(1, budget // chunk_tokens)
-    return GoldVariant(f"rag{'-dated' if dated else ''}@{k}x{chunk_tokens}", k * chunk_tokens,
-                       rag=RagConfig(chunk_tokens, k, dated), baseline=True)  # fmt: skip
+    name = "rag" + ("-dated" if dated else "") + ("-lexical" if retrieval == "lexical" else "")
+    return GoldVariant(f"{name}@{k}x{chunk_tokens}", k * chunk_tokens,
+                       rag=RagConfig(chunk_tokens, k, dated, retrieval), baseline=True)  # fmt: skip
 
 
 def baselines(budgets: Iterable[int], chunk_tokens: int, base: CacheConfig = CacheConfig()) -> list[GoldVariant]:

@@ -291,7 +291,7 @@ def plan_ingest(
     del tokenized
     recall_index = None
     if split:  # the chunks each question's turns are recalled from: an append's new turns only
-        index = RagIndex.build(turns, lm, encoder, split.chunk_tokens)
+        index = RagIndex.build(turns, lm, encoder, split.chunk_tokens, resolved.cache.recall.dated)
         recall_index = recall.offset(index, continuing.turns) if continuing else index
     return IngestPlan(
         name=name,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
 from kvchat.kv.cache import EpisodeCache
+from kvchat.lexical import LexicalIndex
 from kvchat.llm import ChatLayout, LoadedModel, generate
 
 
@@ -90,11 +92,20 @@ class RagIndex:
             raise UserError("the history has no turns to retrieve from")
         return cls(chunks, encoder.embed([c.text for c in chunks]))
 
-    def top(self, query: np.ndarray, k: int) -> list[int]:
-        """The `k` chunks most similar to `query` (cosine), in history order."""
-        sims = self.embeddings @ query
-        best = np.argsort(-sims, kind="stable")[: max(0, k)]
-        return sorted(int(i) for i in best)
+    def top(self, query: np.ndarray, k: int, question: str | None = None) -> list[int]:
+        """The `k` chunks most similar to `query` (cosine of embeddings), in history order. With `question` (its
+        text), ranked by their words first (kvchat.lexical) and by `query` among chunks that tie."""
+        dense = self.embeddings @ query
+        if question is None:
+            order = np.argsort(-dense, kind="stable")
+        else:
+            order = np.lexsort((-dense, -self.lexical.scores(question)))
+        return sorted(int(i) for i in order[: max(0, k)])
+
+    @cached_property
+    def lexical(self) -> LexicalIndex:
+        """The chunks' words, indexed the first time a question is ranked by them."""
+        return LexicalIndex([c.text for c in self.chunks])
 
     @property
     def nbytes(self) -> int:
@@ -129,7 +140,8 @@ class RagSession:
         return torch.cat(parts, dim=-1)
 
     def retrieve(self, question: str) -> list[int]:
-        return self.index.top(self.encoder.embed([question])[0], self.config.top_k)
+        lexical = question if self.config.retrieval == "lexical" else None
+        return self.index.top(self.encoder.embed([question])[0], self.config.top_k, lexical)
 
     def ask(self, question: str, *, on_first_logits: Callable[[torch.Tensor], None] | None = None) -> RagAnswer:
         question = question.strip()

@@ -33,11 +33,12 @@ _MAX_INDEX_BYTES = 1 << 30  # what an index may inflate to: bounded before it al
 @dataclass(frozen=True)
 class RecallSplit:
     """How `--method recall` spends a budget M per layer and KV head: `cache_budget` entries of the routed episode
-    cache, `chunks` x `chunk_tokens` of recalled turns."""
+    cache, `chunks` x `chunk_tokens` of recalled turns, ranked by `retrieval` (RecallConfig.retrieval)."""
 
     cache_budget: int
     chunks: int
     chunk_tokens: int
+    retrieval: str = "dense"
 
     @property
     def recalled(self) -> int:
@@ -53,7 +54,7 @@ def split(cache: CacheConfig) -> RecallSplit:
     recalled = max(1, int(cache.budget * share))
     chunk_tokens = min(cache.recall.chunk_tokens, recalled)
     chunks = recalled // chunk_tokens
-    return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens)
+    return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens, cache.recall.retrieval)
 
 
 def offset(index: RagIndex, turns: int) -> RagIndex:
@@ -92,9 +93,10 @@ def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
     return RagIndex(chunks, embeddings)
 
 
-def recalled_text(index: RagIndex, query: np.ndarray, chunks: int) -> tuple[str, list[Chunk]]:
-    """The text prefilled for a question embedded as `query`: its top `chunks` chunks in history order."""
-    picked = [index.chunks[i] for i in index.top(query, chunks)]
+def recalled_text(index: RagIndex, question: str, query: np.ndarray, split: RecallSplit) -> tuple[str, list[Chunk]]:
+    """The text prefilled for `question` (embedded as `query`): its top chunks in history order."""
+    lexical = question if split.retrieval == "lexical" else None
+    picked = [index.chunks[i] for i in index.top(query, split.chunks, lexical)]
     return "\n".join(c.text for c in picked), picked
 
 

@@ -115,7 +115,8 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
     if cache.method == "cake":
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
     if may_recall(cache.method):
-        settings |= {"recall_share": cache.recall.share, "recall_chunk_tokens": cache.recall.chunk_tokens}
+        settings |= {"recall_share": cache.recall.share, "recall_chunk_tokens": cache.recall.chunk_tokens,
+                     "recall_retrieval": cache.recall.retrieval, "recall_dated": cache.recall.dated}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
     return settings | features.settings(cache)  # the settings of the features it turns on (kvchat.features)
@@ -157,7 +158,9 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
         prefill=get("prefill", "block"),  # stores written before --prefill existed were built block by block
         precision=get("cache_precision", cache_d.precision),  # stores written before it were full precision
         recall=RecallConfig(share=get("recall_share", cache_d.recall.share),
-                            chunk_tokens=get("recall_chunk_tokens", cache_d.recall.chunk_tokens)),
+                            chunk_tokens=get("recall_chunk_tokens", cache_d.recall.chunk_tokens),
+                            retrieval=get("recall_retrieval", "dense"),  # stores written before it ranked densely
+                            dated=get("recall_dated", False)),
     )
     cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(

@@ -84,7 +84,7 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
     answer = session.ask(question, on_first_logits=first.append, log=False)
     _, metadata = store.load_episode(conversation.episodes[answer.episode], short_lm.fingerprint)
     index = recall.from_metadata(metadata)
-    expected = index.top(encoder.embed([question])[0], 3)
+    expected = index.top(encoder.embed([question])[0], 3, question)  # ranked by its words (the default)
     assert answer.recalled == [[index.chunks[i].first, index.chunks[i].end] for i in expected]
     text = "\n".join(index.chunks[i].text for i in expected)
     question_ids = short_lm.encode(session.layout.question(session.config.question_template.format(question=question)))
@@ -95,6 +95,16 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
     bare: list[torch.Tensor] = []  # and something else than no recall at all
     session.ask(question, on_first_logits=bare.append, log=False, recalled=" ", episode=answer.episode)
     assert not torch.allclose(first[0], bare[0])
+
+
+def test_chunks_are_ranked_by_the_retrieval_the_conversation_was_built_with(stored, short_lm):
+    store, _ = stored
+    settings = store.get("long").settings
+    assert settings["recall_retrieval"] == "lexical"
+    assert recall.split(from_settings(settings).cache).retrieval == "lexical"
+    dense = {k: v for k, v in settings.items() if k != "recall_retrieval"}  # a store written before lexical ranking
+    assert recall.split(from_settings(dense).cache).retrieval == "dense"
+    assert "--setting recall_retrieval=lexical" in rebuild_command("long", "default", settings)
 
 
 def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):

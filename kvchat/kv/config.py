@@ -22,6 +22,7 @@ OFFLOAD_MODES = ("none", "icecache")  # kvchat.features registers a feature for 
 CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a feature for each but "full"
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
+RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.rag.RagIndex.top)
 
 
 
@@ -119,6 +120,11 @@ class RecallConfig:
     share: float = field(default=0.5, metadata={"key": "recall_share"})  # of M, in whole chunks (at least one)
     chunk_tokens: int = field(default=256, metadata={"key": "recall_chunk_tokens", "option": "recall chunk tokens",
                                                      "min": 1})  # consecutive turns of at most this many tokens
+    # How a question's chunks are ranked: lexical (TF-IDF of their words, the encoder breaking ties) or dense
+    # (the sentence encoder alone)
+    retrieval: str = field(default="lexical", metadata={"key": "recall_retrieval", "choices": RETRIEVALS})
+    # Each chunk opens with the date of its first turn: a chunk lifted out of the history keeps its time
+    dated: bool = field(default=False, metadata={"key": "recall_dated"})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,43 @@
+"""Lexical ranking of retrieval chunks (kvchat.lexical) and how RagIndex.top combines it with the encoder's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvchat.lexical import LexicalIndex
+from kvchat.rag import Chunk, RagIndex
+
+TEXTS = [
+    "Caroline: I went to the support group yesterday, it was lovely.",
+    "Melanie: We painted a sunrise with the kids last weekend.",
+    "Caroline: The adoption agency called me back this morning.",
+    "Melanie: The kids loved the camping trip in the mountains.",
+]
+
+
+def test_the_chunk_sharing_the_rarest_words_ranks_first():
+    scores = LexicalIndex(TEXTS).scores("When did Melanie paint a sunrise?")
+    assert int(np.argmax(scores)) == 1
+    assert scores[0] == 0 and scores[2] == 0  # no shared word: nothing (Melanie's name alone weighs in 1 and 3)
+    assert scores[1] > scores[3] > 0
+
+
+def test_a_question_without_shared_words_scores_zero_and_stop_word_chunks_do_not_break_it():
+    assert not LexicalIndex(TEXTS).scores("zebra xylophone?").any()
+    assert not LexicalIndex(["the and of", "a an"]).scores("the").any()
+
+
+def _index(embeddings: list[list[float]]) -> RagIndex:
+    chunks = [Chunk(i, i + 1, text, 10) for i, text in enumerate(TEXTS)]
+    vectors = np.asarray(embeddings, dtype=np.float32)
+    return RagIndex(chunks, vectors / np.linalg.norm(vectors, axis=1, keepdims=True))
+
+
+def test_top_ranks_by_words_first_and_by_the_encoder_among_ties():
+    index = _index([[1, 0], [0, 1], [1, 0.1], [0.2, 1]])
+    query = np.asarray([1, 0], dtype=np.float32)
+    assert index.top(query, 1) == [0]  # the encoder alone
+    assert index.top(query, 1, "When did Melanie paint a sunrise?") == [1]  # its words, although far by embedding
+    # "adoption" is in chunk 2 only; the other three tie at 0 and the encoder orders them: 0 first
+    assert index.top(query, 2, "What did the adoption agency say?") == [0, 2]
+    assert index.top(query, 2, "zebra?") == index.top(query, 2)  # no shared word: the encoder decides
