@@ -275,18 +275,14 @@ def test_a_re_signed_manifest_with_a_wrong_centroid_is_not_restored(tmp_path):
     assert Store(home).conversations() == []
 
 
-def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_caught(
-    tmp_path, history, tiny_lm, tiny_model_dir, encoder
-):
-    """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
-    tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
-    `repair` removes it."""
-    from kvchat.encoder import embedding_dimension
+def _one_episode_re_signed_with_a_short_centroid(tmp_path, history, lm, encoder) -> Path:
+    """A home whose one conversation, "chat" (one episode), has a manifest re-signed with a 3-number centroid and no
+    kvchat.db (so it is listed again from that manifest)."""
     from kvchat.store.manifest import MANIFEST_NAME, digest
 
     home = tmp_path / "home"
     config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=1))
-    ingest(history, name="chat", config=config, store=(store := Store(home)), lm=tiny_lm, encoder=encoder)
+    ingest(history, name="chat", config=config, store=(store := Store(home)), lm=lm, encoder=encoder)
     ingest_dir = store.get("chat").episodes[0].path.parent
     _closed(store).unlink()
     manifest = ingest_dir / MANIFEST_NAME
@@ -295,6 +291,18 @@ def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_
     body["sha256"] = digest(body["conversation"])
     manifest.write_text(json.dumps(body))
     _age(ingest_dir)
+    return home
+
+
+def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_caught(
+    tmp_path, history, tiny_lm, tiny_model_dir, encoder
+):
+    """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
+    tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
+    `repair` removes it."""
+    from kvchat.encoder import embedding_dimension
+
+    home = _one_episode_re_signed_with_a_short_centroid(tmp_path, history, tiny_lm, encoder)
 
     asked = run_main(home, "ask", "Where did Alice go?", "--conversation", "chat")  # listed again, then refused
     assert asked.returncode == 2, asked.stderr
@@ -315,19 +323,7 @@ def test_kvchat_doctor_finds_centroids_of_the_wrong_length_and_fix_does_not_rest
     """Issue 29, case 8 through the command line: `kvchat doctor` checks every centroid against the encoder's length
     (read from its config), and `doctor --fix` removes such a conversation rather than listing it again as healthy,
     whether a command listed it again first (`listed_first`) or the fix itself does."""
-    from kvchat.store.manifest import MANIFEST_NAME, digest
-
-    home = tmp_path / "home"
-    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=1))
-    ingest(history, name="chat", config=config, store=(store := Store(home)), lm=tiny_lm, encoder=encoder)
-    ingest_dir = store.get("chat").episodes[0].path.parent
-    _closed(store).unlink()
-    manifest = ingest_dir / MANIFEST_NAME
-    body = json.loads(manifest.read_text())
-    body["conversation"]["episodes"][0]["centroid"] = [0.6, 0.8, 0.0]
-    body["sha256"] = digest(body["conversation"])
-    manifest.write_text(json.dumps(body))
-    _age(ingest_dir)
+    home = _one_episode_re_signed_with_a_short_centroid(tmp_path, history, tiny_lm, encoder)
     if listed_first:
         assert run_main(home, "list").returncode == 0  # lists it again from its manifest
         found = run_main(home, "doctor")
