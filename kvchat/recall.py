@@ -38,7 +38,7 @@ class RecallSplit:
     cache_budget: int
     chunks: int
     chunk_tokens: int
-    retrieval: str = "dense"
+    retrieval: str
 
     @property
     def recalled(self) -> int:

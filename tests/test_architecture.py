@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
      "kvchat.history_tokens"),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.history", "kvchat.encoder", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.history", "kvchat.encoder", "kvchat.lexical", "kvchat.synthetic", "kvchat.__init__"),
     ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
 ]
 

@@ -17,7 +17,7 @@ from kvchat.ingest import ingest, plan_ingest
 from kvchat.kv import codec
 from kvchat.qa import planted_sets
 from kvchat.rag import RagIndex
-from kvchat.settings import from_settings, rebuild_command
+from kvchat.settings import from_settings, rebuild_command, with_settings
 from kvchat.store import Store
 
 SYSTEM = "You are a helpful assistant . Conversation :\n"
@@ -29,8 +29,8 @@ CONFIG = IngestConfig(
 
 
 def test_the_budget_splits_into_whole_chunks_and_the_episode_caches_keep_the_rest():
-    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256)
-    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256)
+    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "lexical")
+    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "lexical")
     small = recall.split(CacheConfig(budget=64))  # chunks shrink to fit a small budget
     assert (small.chunks, small.chunk_tokens, small.cache_budget) == (1, 32, 32)
     with pytest.raises(UserError, match="recall share"):
@@ -104,7 +104,8 @@ def test_chunks_are_ranked_by_the_retrieval_the_conversation_was_built_with(stor
     assert recall.split(from_settings(settings).cache).retrieval == "lexical"
     dense = {k: v for k, v in settings.items() if k != "recall_retrieval"}  # a store written before lexical ranking
     assert recall.split(from_settings(dense).cache).retrieval == "dense"
-    assert "--setting recall_retrieval=lexical" in rebuild_command("long", "default", settings)
+    assert "recall_retrieval" not in rebuild_command("long", "default", settings)  # the default
+    assert "'--setting=recall_retrieval=\"dense\"'" in rebuild_command("long", "default", dense)
 
 
 def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):
@@ -139,4 +140,10 @@ def test_a_budget_that_leaves_the_caches_no_more_than_the_system_prompt_is_refus
     config = dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, method="recall", budget=budget,
                                                                    block_size=16))  # fmt: skip
     with pytest.raises(UserError, match="recall's episode caches"):
+        plan_ingest(QA.turns, name="x", config=config, store=Store(tmp_path), lm=short_lm, encoder=encoder)
+
+
+def test_an_unknown_retrieval_is_refused(short_lm, encoder, tmp_path):
+    config = with_settings(CONFIG, ["recall_retrieval=bm42"])
+    with pytest.raises(UserError, match="bm42"):
         plan_ingest(QA.turns, name="x", config=config, store=Store(tmp_path), lm=short_lm, encoder=encoder)

@@ -122,7 +122,8 @@ class RecallConfig:
                                                      "min": 1})  # consecutive turns of at most this many tokens
     # How a question's chunks are ranked: lexical (TF-IDF of their words, the encoder breaking ties) or dense
     # (the sentence encoder alone)
-    retrieval: str = field(default="lexical", metadata={"key": "recall_retrieval", "choices": RETRIEVALS})
+    retrieval: str = field(default="lexical", metadata={"key": "recall_retrieval", "option": "recall retrieval",
+                                                        "choices": RETRIEVALS})
     # Each chunk opens with the date of its first turn: a chunk lifted out of the history keeps its time
     dated: bool = field(default=False, metadata={"key": "recall_dated"})
 
