@@ -11,8 +11,9 @@
   per layer and KV head, uniform), in float32, with the model and cache in bfloat16, and with int8 weights
   (`--weights int8`);
 - llama.cpp (llama-cpp-python, the extra `kvchat[bench]`, never imported by kvchat) over the same model's
-  Q4_1 GGUF, on the same token ids, with its defaults (f16 KV cache); skipped, with a line saying so,
-  when it is not installed.
+  Q4_1 GGUF, and over each `--gguf` file (the same weights in other precisions, e.g. written by llama.cpp's
+  `convert_hf_to_gguf.py --outtype f32|f16|q8_0` from kvchat's converted model directory), on the same token
+  ids, with its defaults (f16 KV cache); skipped, with a line saying so, when it is not installed.
 Every engine gets the same question's ids, then decodes `--tokens` greedy tokens (end of turn ignored);
 tokens/s counts the steps after the first token, which every engine takes from its prompt pass.
 The bandwidth limit of a row is the bytes a step must read (weights, lm_head included, plus the cache)
@@ -124,11 +125,11 @@ def kvchat_rate(lm: LoadedModel, cache: EpisodeCache, question: torch.Tensor, to
 class LlamaCpp:
     """llama.cpp over the GGUF, fed token ids; its KV cache keeps a prefix between measurements."""
 
-    def __init__(self, threads: int, n_ctx: int) -> None:
+    def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(str(default_gguf_path()), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)  # fmt: skip
+        self.weights = weight_type(gguf)
+        self.llm = Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -146,6 +147,14 @@ class LlamaCpp:
             self.llm.eval([token])
             token = self.llm.sample(temp=0.0)
         return (tokens - 1) / (time.perf_counter() - clock)
+
+
+def weight_type(gguf: Path) -> str:
+    """The GGUF's weight precision as llama.cpp names it (`general.file_type`: Q4_1, Q8_0, F16, F32...)."""
+    from gguf import GGUFReader, LlamaFileType
+
+    field = GGUFReader(gguf).fields["general.file_type"]
+    return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_").removeprefix("ALL_")
 
 
 def copy_bandwidth(threads: int) -> float:
@@ -196,13 +205,14 @@ def speed(args: argparse.Namespace) -> str:
     bandwidth = copy_bandwidth(threads)
     log(f"{threads} threads, copy bandwidth {bandwidth / 1e9:.1f} GB/s, history {data.history.shape[-1]} tokens")
 
-    llama = None
+    llamas = []
     if importlib.util.find_spec("llama_cpp") is None:
         log("llama.cpp skipped: llama-cpp-python is not installed (pip install 'kvchat[bench]')")
     else:
-        llama = LlamaCpp(threads, n_ctx=8192)
         ids = torch.cat([data.prefix, data.history[:, :longest]], dim=-1)[0].tolist()
-        log(f"llama.cpp prefill {len(ids)} tokens: {llama.prefill(ids):.0f} tokens/s")
+        for gguf in [default_gguf_path(), *args.gguf]:
+            llamas.append(LlamaCpp(gguf, threads, n_ctx=8192))
+            log(f"llama.cpp {llamas[-1].weights} prefill {len(ids)} tokens: {llamas[-1].prefill(ids):.0f} tokens/s")
 
     clock = time.perf_counter()
     with torch.inference_mode():
@@ -234,11 +244,11 @@ def speed(args: argparse.Namespace) -> str:
             rows.append(Row(n, engine, max(cache.sizes), rate, limit))
             log(f"{n:5d} {engine}: {rate:.1f} tokens/s (limit {limit:.0f})")
         del whole, episode, episode16
-        if llama is not None:
+        for llama in llamas:
             rate = llama.rate(keep, data.question[0].tolist(), args.tokens)
-            rows.append(Row(n, "llama.cpp, full KV, Q4_1 weights, f16 cache", keep, rate, None))
-            log(f"{n:5d} llama.cpp: {rate:.1f} tokens/s")
-    return report(rows, threads, bandwidth, args, llama is not None)
+            rows.append(Row(n, f"llama.cpp, full KV, {llama.weights} weights, f16 cache", keep, rate, None))
+            log(f"{n:5d} llama.cpp {llama.weights}: {rate:.1f} tokens/s")
+    return report(rows, threads, bandwidth, args, bool(llamas))
 
 
 def report(rows: list[Row], threads: int, bandwidth: float, args: argparse.Namespace, with_llama: bool) -> str:
@@ -328,6 +338,8 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=6)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--gguf", type=Path, action="append", default=[],
+                        help="llama.cpp also over this GGUF of the same model (repeatable)")
     parser.add_argument("--models-dir", type=Path, default=MODELS_DIR, help="where the embedded GGUF is converted")
     args = parser.parse_args()
     text = speed(args) if args.mode == "speed" else precision(args)

@@ -104,8 +104,10 @@ def append(
 
     def resume(episode: Episode) -> tuple[EpisodeCache, StoredFile | None]:
         stored = record.episodes[episode.index]
-        cache, _ = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device,
-                                origins=True)  # fmt: skip
+        cache, meta = codec.decode(*store.load_episode(stored, lm.fingerprint), dtype=lm.dtype, device=lm.device,
+                                   origins=True)  # fmt: skip
+        if meta.positions == "original" and plan.config.cache.positions == "compact":
+            cache.track_origins()  # its positions are the original ones until it is compacted
         cache.dequantize()  # a quantized cache continues in full precision, and is quantized again when done
         return cache, (lambda: store.load_pages(stored, lm.fingerprint)) if side_file else None
 

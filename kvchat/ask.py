@@ -30,7 +30,7 @@ from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.rag import RagIndex
 from kvchat.settings import from_settings, rebuild_command
-from kvchat.sources import METADATA_KEY, Source, SourceRecorder, from_metadata, rank
+from kvchat.sources import METADATA_KEY, Source, SourceRecorder, TurnSpan, from_metadata, rank
 from kvchat.store import ConversationRecord, Store
 
 
@@ -75,7 +75,8 @@ class Session:
         self._split = _recall_split(conversation)
         self._resident: tuple[int, EpisodeCache] | None = None
         self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
-        self._positions = "original"  # the resident episode's positions mode
+        self._compacted = False  # the resident episode's keys were re-rotated to compact positions
+        self._origins: list[list[torch.Tensor]] | None = None  # its entries' original positions, where compacted
         self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
 
     def ask(
@@ -99,9 +100,9 @@ class Session:
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
         `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs an attention
         pass per step, nothing when off); `recalled`, turns of the history prefilled after the cache and before
-        the question (retrieved for it, kvchat.rag), so the answer sees them in the conversation (they are not
-        counted as sources). An off-topic question is not answered when the config refuses them (`finish_reason`
-        "refused")."""
+        the question (retrieved for it, kvchat.rag), so the answer sees them in the conversation (given this way
+        they are not counted as sources; the turns `--method recall` recalls are). An off-topic question is not
+        answered when the config refuses them (`finish_reason` "refused")."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -131,16 +132,18 @@ class Session:
             self.layout.question(self.config.question_template.format(question=question), earlier)
         )
         chunks: list[list[int]] | None = None
+        recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens in the prefilled text
         if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
             recalled, picked = recall.recalled_text(self._recall, question, query, self._split)
             chunks = recall.turn_ranges(picked)
+            recalled_turns = recall.recalled_spans(self.lm.tokenizer, picked) if sources else []
         if recalled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",
         )
-        recorder, note = self._source_recorder(cache) if sources else (None, None)
+        recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
         kept = recorder.kept_tokens() if recorder is not None else None
         mark = cache.checkpoint()
         stream = Detokenizer(self.lm.decode)
@@ -183,7 +186,8 @@ class Session:
             attention_backend=self.lm.attention_backend,
             off_topic=off_topic,
             sources=None if recorder is None else rank(
-                recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars),
+                recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
+                recorder.recalled),
             sources_note=note,
             recalled=chunks,
         )
@@ -227,17 +231,21 @@ class Session:
             )
         return episode, float(self._centroids[episode] @ query)
 
-    def _source_recorder(self, cache: EpisodeCache) -> tuple[SourceRecorder | None, str | None]:
-        """A recorder of the answer's attention per turn, or why there can be none."""
+    def _source_recorder(self, cache: EpisodeCache, recalled: Sequence[TurnSpan]
+                         ) -> tuple[SourceRecorder | None, str | None]:  # fmt: skip
+        """A recorder of the answer's attention per turn (`recalled`: turns prefilled after the cache), or why
+        there can be none."""
         spans = from_metadata(self._turns)
+        c = self.conversation
+        rebuild = f"rebuild it with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
         if spans is None:
-            c = self.conversation
             return None, (f"no sources: conversation '{c.name}' was ingested before kvchat recorded turn spans; "
-                          f"rebuild it with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`")
-        if self._positions == "compact":
-            return None, "no sources: this conversation's caches were re-rotated to compact positions"
+                          f"{rebuild}")
+        if self._compacted and self._origins is None:
+            return None, (f"no sources: conversation '{c.name}' was re-rotated to compact positions before kvchat "
+                          f"kept each cached entry's original position; {rebuild}")
         first = int(self.config.source_layers_from * len(cache.layers))
-        return SourceRecorder(cache, spans, first_layer=first), None
+        return SourceRecorder(cache, spans, first_layer=first, origins=self._origins, recalled=recalled), None
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its
@@ -281,6 +289,7 @@ class Session:
         tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
         try:
             cache, meta = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
+            origins = codec.stored_origins(tensors, meta, cache)  # for receipts of a compacted cache
         except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
             raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
         try:  # what the cache features stored beside it (IceCache's pages, read on demand)
@@ -295,7 +304,8 @@ class Session:
                 raise self._unreadable(index, "cache", str(e)) from None
         self._resident = (index, cache)
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
-        self._positions = meta.positions
+        # full KV evicts nothing, so nothing was re-rotated, whatever its positions setting says
+        self._compacted, self._origins = meta.positions == "compact" and meta.method != "full", origins
         return cache
 
     @contextmanager

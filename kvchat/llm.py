@@ -105,7 +105,7 @@ class LoadedModel:
 
     @property
     def decode_step(self) -> DecodeStep | None:
-        """The few-call decode step for this model (kvchat.decode_step), built at the first answer token; None
+        """The few-call decode step for this model (kvchat.decode_step), built at the second answer token; None
         where the model's forward must run."""
         if self._decode_step is None:
             self._decode_step = DecodeStep.for_model(self.model) or False
@@ -484,7 +484,6 @@ def generate(
     if on_first_logits is not None:
         on_first_logits(logits[0, -1])
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
-    fast = lm.decode_step if recorder is None else None
     for step in range(max_new_tokens):
         token = int(logits[0, -1].argmax())
         if token in stop:
@@ -492,6 +491,7 @@ def generate(
         yield token
         if step + 1 < max_new_tokens:
             step_ids.fill_(token)
+            fast = lm.decode_step if recorder is None else None  # built once, after the first token is out
             if fast is not None and fast.applies(cache, step_ids):
                 logits = fast(cache, step_ids)
             else:

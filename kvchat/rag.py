@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
@@ -25,16 +25,19 @@ from kvchat.history import Turn, format_turns
 from kvchat.kv.cache import EpisodeCache
 from kvchat.lexical import LexicalIndex
 from kvchat.llm import ChatLayout, LoadedModel, generate
+from kvchat.sources import TurnMark, turn_marks
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Consecutive rendered turns `[first, end)` of the history, as one retrievable text."""
+    """Consecutive rendered turns `[first, end)` of the history, as one retrievable text; `marks`, where each turn
+    sits in it (receipts for recalled turns, kvchat.sources; empty in an index stored before kvchat kept them)."""
 
     first: int
     end: int
     text: str
     tokens: int
+    marks: tuple[TurnMark, ...] = ()
 
 
 def chunk_turns(turns: int, render: Callable[[int, int], str], count_tokens: Callable[[str], int],
@@ -87,7 +90,14 @@ class RagIndex:
         def cut(text: str, n: int) -> str:
             return lm.decode(lm.encode(text)[0, :n].tolist())
 
-        chunks = chunk_turns(len(turns), render, count, chunk_tokens, cut)
+        def marked(chunk: Chunk) -> Chunk:
+            shown = format_turns(turns[chunk.first : chunk.end]) if dated else lines[chunk.first : chunk.end]
+            marks = turn_marks(turns[chunk.first : chunk.end], shown)
+            if chunk.text != "\n".join(shown):  # one turn cut to the chunk's tokens: its text as far as it goes
+                marks = (replace(marks[0], text=min(marks[0].text, len(chunk.text))),)
+            return replace(chunk, marks=marks)
+
+        chunks = [marked(c) for c in chunk_turns(len(turns), render, count, chunk_tokens, cut)]
         if not chunks:
             raise UserError("the history has no turns to retrieve from")
         return cls(chunks, encoder.embed([c.text for c in chunks]))

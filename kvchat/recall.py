@@ -17,7 +17,7 @@ import base64
 import binascii
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from kvchat.errors import UserError
 from kvchat.kv.config import CacheConfig
 from kvchat.packed_text import pack, unpack
 from kvchat.rag import Chunk, RagIndex
+from kvchat.sources import STORED_CHARS, TurnMark, TurnSpan, token_ranges
 
 METADATA_KEY = "recall"  # the episode file metadata entry holding the chunk index
 _MAX_INDEX_BYTES = 1 << 30  # what an index may inflate to: bounded before it allocates
@@ -59,7 +60,7 @@ def split(cache: CacheConfig) -> RecallSplit:
 
 def offset(index: RagIndex, turns: int) -> RagIndex:
     """`index` of turns that follow `turns` stored ones: its chunks' turn numbers counted from the history's start."""
-    chunks = [Chunk(c.first + turns, c.end + turns, c.text, c.tokens) for c in index.chunks]
+    chunks = [replace(c, first=c.first + turns, end=c.end + turns) for c in index.chunks]
     return RagIndex(chunks, index.embeddings)
 
 
@@ -82,7 +83,8 @@ def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
         return None
     try:
         document = json.loads(unpack(raw, _MAX_INDEX_BYTES))
-        chunks = [Chunk(**c) for c in document["chunks"]]
+        chunks = [Chunk(**(c | {"marks": tuple(TurnMark(**m) for m in c.get("marks", ()))}))
+                  for c in document["chunks"]]  # fmt: skip
         embeddings = np.frombuffer(base64.b64decode(document["embeddings"], validate=True),
                                    dtype=np.float16)
         embeddings = embeddings.reshape(len(chunks), int(document["dim"])).astype(np.float32)
@@ -98,6 +100,27 @@ def recalled_text(index: RagIndex, question: str, query: np.ndarray, split: Reca
     lexical = question if split.retrieval == "lexical" else None
     picked = [index.chunks[i] for i in index.top(query, split.chunks, lexical)]
     return "\n".join(c.text for c in picked), picked
+
+
+def recalled_spans(tokenizer, chunks: Sequence[Chunk], lead: str = "\n") -> list[TurnSpan]:
+    """Each turn of `chunks` (a question's, as `recalled_text` joins them) with its `[start, end)` tokens in the
+    text prefilled for them (`lead` + that text), counted from its first token: receipts for recalled turns
+    (kvchat.sources). Empty when the tokenizer gives no character offsets or a chunk was stored without its
+    turns' places (an index written before kvchat kept them)."""
+    if not chunks or any(len(c.marks) != c.end - c.first for c in chunks):
+        return []
+    starts, turns, cursor = [], [], len(lead)
+    for chunk in chunks:
+        for i, mark in enumerate(chunk.marks):
+            starts.append(cursor + mark.line)
+            end = chunk.marks[i + 1].line - 1 if i + 1 < len(chunk.marks) else len(chunk.text)
+            turns.append((chunk.first + i, mark, chunk.text[mark.text : end].strip()))
+        cursor += len(chunk.text) + 1
+    ranges = token_ranges(tokenizer, lead + "\n".join(c.text for c in chunks), starts)
+    if ranges is None:
+        return []
+    return [TurnSpan(first, end, index, mark.speaker, text[:STORED_CHARS], mark.time, mark.turn_id)
+            for (index, mark, text), (first, end) in zip(turns, ranges, strict=True)]  # fmt: skip
 
 
 def turn_ranges(chunks: Sequence[Chunk]) -> list[list[int]]:

@@ -2,20 +2,23 @@
 
 At ingest every turn's token range is recorded (`history_tokens`, stored in each episode file's metadata as
 `turns`): an episode cache holds the history (`--method routed`: the episode's own turns) at its positions,
-each entry carrying its position (`pos` tensors), so a cached entry belongs to the turn whose range holds it. While an
-answer is decoded a `SourceRecorder` sees each forward that picks an answer token (the question's last
-query, then every decode step) and adds, per layer (the upper ones: lower layers attend by position more
-than by content) and KV head, the attention each resident or retrieved
-(IceCache) entry gets to its turn. The turns with the most attention are the answer's sources; a turn's
-share is of the attention paid to the history's turns (the system prompt, the question and the answer so
-far are left out: an attention sink would dwarf everything else), and `kept_tokens` says how much of the
-turn the episode's cache still holds, averaged over layers and KV heads.
+each entry carrying its original position (`pos` tensors; a compacted cache's, re-rotated to 0..n-1, in `orig`
+tensors beside them), so a cached entry belongs to the turn whose range holds it. Turns recalled for a question
+(`--method recall`) are prefilled as text after the cache; their tokens belong to their turns too
+(`kvchat.recall.recalled_spans`). While an answer is decoded a `SourceRecorder` sees each forward that picks an
+answer token (the question's last query, then every decode step) and adds, per layer (the upper ones: lower layers
+attend by position more than by content) and KV head, the attention each resident, retrieved (IceCache) or recalled
+entry gets to its turn. The turns with the most attention are the answer's sources; a turn's share is of the
+attention paid to the history's turns (the system prompt, the question and the answer so far are left out: an
+attention sink would dwarf everything else), `kept_tokens` says how much of the turn the episode's cache still
+holds, averaged over layers and KV heads, and `recalled` whether its text was recalled for the question.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -27,7 +30,7 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.packed_text import pack, unpack
 
 METADATA_KEY = "turns"  # the episode file metadata entry holding the turn spans (JSON)
-_STORED_CHARS = 400     # of each turn's text, kept for quotes
+STORED_CHARS = 400     # of each turn's text, kept for quotes
 _MAX_SPANS_BYTES = 1 << 28  # what an episode file's spans may inflate to: bounded before it allocates
 
 
@@ -39,7 +42,7 @@ class TurnSpan:
     end: int
     index: int                # the turn's 0-based index in the history
     speaker: str
-    text: str                 # the turn's text, cut to _STORED_CHARS
+    text: str                 # the turn's text, cut to STORED_CHARS
     time: str | None = None
     turn_id: str | None = None  # the format's own id (LoCoMo's "D1:3"), when it has one
 
@@ -55,7 +58,8 @@ class Source:
     quote: str
     attention_share: float    # of the attention the answer paid to the history's turns
     kept_tokens: int          # of the turn's tokens the episode cache holds (mean over layers and KV heads)
-    tokens: int
+    tokens: int               # the turn's tokens (in the cache's history; a turn only recalled: as recalled)
+    recalled: bool = False    # its text was recalled for the question (--method recall) and prefilled
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,7 +67,42 @@ class Source:
 
 def span_of(turn: Turn, start: int, end: int, index: int) -> TurnSpan:
     """`turn`'s span: its tokens at positions `[start, end)`, its place `index` in the history, what a receipt shows."""
-    return TurnSpan(start, end, index, turn.role, turn.text.strip()[:_STORED_CHARS], turn.time, turn.turn_id)
+    return TurnSpan(start, end, index, turn.role, turn.text.strip()[:STORED_CHARS], turn.time, turn.turn_id)
+
+
+def token_ranges(tokenizer, text: str, starts: Sequence[int]) -> list[tuple[int, int]] | None:
+    """The `[first, end)` tokens of each piece of `text` that starts at character `starts[i]` (ascending; the
+    text before the first belongs to it): a token belongs to the piece its last character lies in. None when the
+    tokenizer cannot give character offsets."""
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # a slow (Python) tokenizer has no offsets
+        return None
+    owner = [max(0, bisect.bisect_right(starts, max(end - 1, begin)) - 1) for begin, end in encoded["offset_mapping"]]
+    return [(bisect.bisect_left(owner, i), bisect.bisect_right(owner, i)) for i in range(len(starts))]
+
+
+@dataclass(frozen=True)
+class TurnMark:
+    """Where one turn sits in a text of rendered turns (a recall chunk's, kvchat.recall): the character its lines
+    start at (a "[time]" line included), the character its text starts at (after "speaker: "), and what a
+    receipt shows of it."""
+
+    line: int
+    text: int
+    speaker: str
+    time: str | None = None
+    turn_id: str | None = None
+
+
+def turn_marks(turns: Sequence[Turn], lines: Sequence[str]) -> tuple[TurnMark, ...]:
+    """The marks of `turns` in their rendered `lines` (`format_turns`' lines of them) joined by newlines."""
+    marks, cursor = [], 0
+    for turn, line in zip(turns, lines, strict=True):
+        body = len(line) - len(f"{turn.role}: {turn.text.strip()}")
+        marks.append(TurnMark(cursor, cursor + body + len(turn.role) + 2, turn.role, turn.time, turn.turn_id))
+        cursor += len(line) + 1
+    return tuple(marks)
 
 
 def to_metadata(spans: Sequence[TurnSpan]) -> str:
@@ -84,18 +123,42 @@ def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
 class SourceRecorder:
     """A `kvchat.kv.attention.Recorder` summing, over the forwards it is passed to, the attention each turn's
     entries get from the forward's last query (the one that picks the next answer token), over the layers from
-    `first_layer` up, every KV head and query head."""
+    `first_layer` up, every KV head and query head.
+
+    The cache's entries when the recorder is made belong to the turns their original positions fall in: the
+    positions they are rotated for, or `origins` (per layer and KV head, each entry's original position in cache
+    order) where compaction moved them. Tokens fed afterwards (recalled turns, the question, the answer) belong
+    to no stored turn, except those of `recalled`: turns prefilled as text right after the cache, their
+    `[start, end)` counted from its first token (`kvchat.recall.recalled_spans`). `spans` are then the stored
+    turns followed by the recalled turns the cache does not hold; `recalled` the indices of recalled turns among
+    them."""
 
     query_rows = 1
 
-    def __init__(self, cache: EpisodeCache, spans: Sequence[TurnSpan], first_layer: int = 0) -> None:
-        self.cache, self.spans, self.first_layer = cache, list(spans), first_layer
-        self.turns = len(spans)
+    def __init__(self, cache: EpisodeCache, spans: Sequence[TurnSpan], first_layer: int = 0, *,
+                 origins: Sequence[Sequence[torch.Tensor]] | None = None,
+                 recalled: Sequence[TurnSpan] = ()) -> None:  # fmt: skip
+        self.cache, self.first_layer = cache, first_layer
+        place = {s.index: i for i, s in enumerate(spans)}
+        extra = [r for r in recalled if r.index not in place]
+        self.spans = [*spans, *extra]
+        self.turns = len(self.spans)
+        place |= {r.index: len(spans) + i for i, r in enumerate(extra)}
+        self.recalled = {place[r.index] for r in recalled}
         end = max((s.end for s in spans), default=0)
         owner = torch.full((end,), self.turns, dtype=torch.long)  # `turns`: no turn (the system prompt)
         for i, s in enumerate(spans):
             owner[s.start : s.end] = i
         self._owner = owner
+        appended = torch.full((max((r.end for r in recalled), default=0),), self.turns, dtype=torch.long)
+        for r in recalled:
+            appended[r.start : r.end] = place[r.index]
+        self._appended, self._base = appended, cache.next_position
+        self._held = [  # per layer and KV head: the turn of each entry held now
+            [self.turn_of(o) for o in heads] if origins is not None else
+            [self.turn_of(p[p < cache.next_position]) for p in _head_positions(layer)]
+            for layer, heads in zip(cache.layers, origins if origins is not None else cache.layers, strict=True)
+        ]  # fmt: skip
         self.mass = torch.zeros(self.turns + 1, dtype=torch.float64)
 
     def turn_of(self, positions: torch.Tensor) -> torch.Tensor:
@@ -104,6 +167,15 @@ class SourceRecorder:
         inside = positions < len(self._owner)
         return torch.where(inside, self._owner[positions.clamp(max=max(len(self._owner) - 1, 0))], self.turns)
 
+    def _fed_turn(self, positions: torch.Tensor) -> torch.Tensor:
+        """The turn of each token fed after the recorder was made (positions the cache gave it): a recalled turn's,
+        else `self.turns`."""
+        offsets = positions.cpu().long() - self._base
+        if not len(self._appended):
+            return torch.full_like(offsets, self.turns)
+        inside = (offsets >= 0) & (offsets < len(self._appended))
+        return torch.where(inside, self._appended[offsets.clamp(0, len(self._appended) - 1)], self.turns)
+
     def record(self, view: LayerView) -> None:
         if view.layer_idx < self.first_layer:
             return
@@ -111,27 +183,32 @@ class SourceRecorder:
         current = getattr(getattr(layer, "pool", None), "current", None)  # IceCache: retrieved this forward
         weights = view.weights[:, :, -1].sum(dim=1)  # [kv_heads, columns]: cached, retrieved, then this forward's
         turns, mass = [], []
-        for h, resident in enumerate(_head_positions(layer)):
-            cached = resident[resident < self.cache.next_position]  # new tokens come last in the layer
-            columns = [cached] if current is None else [cached, current[h].positions.to(cached.device)]
-            positions = torch.cat(columns)
-            turns.append(self.turn_of(positions))
-            mass.append(weights[h, : len(positions)].double().cpu())
+        for h, (positions, held) in enumerate(zip(_head_positions(layer), self._held[view.layer_idx], strict=True)):
+            fed = positions[len(held):]  # since the recorder was made: this forward's tokens come last
+            earlier = int((fed < self.cache.next_position).sum())
+            columns = [held, self._fed_turn(fed[:earlier])]
+            if current is not None:  # retrieved entries carry their original positions
+                columns.append(self.turn_of(current[h].positions))
+            columns.append(self._fed_turn(fed[earlier:]))
+            turns.append(torch.cat(columns))
+            mass.append(weights[h, : len(turns[-1])].double().cpu())
         self.mass += torch.bincount(torch.cat(turns), torch.cat(mass), minlength=self.turns + 1)
 
     def kept_tokens(self) -> torch.Tensor:
-        """Per turn, the tokens the cache holds, averaged over layers and KV heads (call before answering)."""
+        """Per turn, the tokens the cache held when the recorder was made, averaged over layers and KV heads."""
         held = torch.zeros(self.turns + 1, dtype=torch.float64)
         heads = 0
-        for layer in self.cache.layers:
-            for resident in _head_positions(layer):
-                held += torch.bincount(self.turn_of(resident), minlength=self.turns + 1).double()
+        for layer in self._held:
+            for turns in layer:
+                held += torch.bincount(turns, minlength=self.turns + 1).double()
                 heads += 1
         return held[: self.turns] / max(heads, 1)
 
 
-def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top: int, quote_chars: int) -> list[Source]:
-    """The `top` turns by attention `mass` (per turn, as `SourceRecorder.mass`), shares of the turns' total."""
+def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top: int, quote_chars: int,
+         recalled: Collection[int] = ()) -> list[Source]:  # fmt: skip
+    """The `top` turns by attention `mass` (per turn, as `SourceRecorder.mass`), shares of the turns' total;
+    `recalled`, the indices of `spans` recalled for the question (`SourceRecorder.recalled`)."""
     turns = mass[: len(spans)]
     total = float(turns.sum())
     if total <= 0:
@@ -140,7 +217,7 @@ def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top:
     return [
         Source(turn=spans[i].index, turn_id=spans[i].turn_id, speaker=spans[i].speaker, time=spans[i].time,
                quote=quote(spans[i].text, quote_chars), attention_share=round(float(turns[i]) / total, 4),
-               kept_tokens=int(round(float(kept[i]))), tokens=spans[i].end - spans[i].start)
+               kept_tokens=int(round(float(kept[i]))), tokens=spans[i].end - spans[i].start, recalled=i in recalled)
         for i in order
     ]  # fmt: skip
 

@@ -243,3 +243,54 @@ def test_full_kv_beyond_the_window_is_refused_unless_it_offloads(histories, shor
     paged = plan_ingest(histories["whole"], name="f", config=_config(method="full", offload=OFFLOAD), store=store,
                         lm=short_lm, encoder=encoder)  # fmt: skip
     assert paged.config.cache.positions == "compact"
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_a_compacted_conversation_names_the_turns_its_answer_drew_on(tmp_path, histories, short_lm, encoder, offload):
+    """Receipts beyond the window: each compacted entry counts for the turn of its original position (`orig`), so
+    the turns are the history's own, the cache holds turns from all over it and the shares cover the answer's
+    attention to them (with --offload, the retrieved entries' too)."""
+    store = Store(tmp_path)
+    config = _config(method="epicache", offload=OFFLOAD) if offload else _config(method="epicache")
+    assert ingest(histories["whole"], name="c", config=config, store=store, lm=short_lm, encoder=encoder).positions == (
+        "compact")
+    turns = load_history(histories["whole"])
+    session = Session(store, store.get("c"), short_lm, encoder,
+                      AskConfig(max_new_tokens=4, source_count=len(turns), retrieve=EVERYTHING))  # fmt: skip
+    answer = session.ask("Which gate does the flight leave from?", episode=0, sources=True, log=False)
+    assert answer.sources_note is None and answer.sources
+    rounding = 5e-5 * len(answer.sources)  # each share is rounded to 4 decimals
+    assert sum(s.attention_share for s in answer.sources) == pytest.approx(1, abs=rounding)
+    for s in answer.sources:
+        assert s.speaker == turns[s.turn].role and s.quote == sources.quote(turns[s.turn].text, AskConfig.quote_chars)
+        assert 0 <= s.kept_tokens <= s.tokens and not s.recalled
+    held = sorted(s.turn for s in answer.sources if s.kept_tokens)
+    assert held and held[-1] > len(turns) // 2  # not only the first turns, as compacted positions would map
+    if offload:  # every page read back: entries past the resident ones get attention too
+        assert len([s for s in answer.sources if s.attention_share > 0]) > len(held)
+
+
+def test_a_compacted_cache_stored_without_its_origins_says_why_it_has_no_sources(tmp_path, histories, short_lm,
+                                                                                 encoder):  # fmt: skip
+    """Files compacted before kvchat kept every entry's original position: no sources, the command that rebuilds them;
+    an append to them does not make up origins from the compacted positions."""
+    from kvchat.ingest import build_episodes, commit_ingest, write_episode
+    from kvchat.plan import plan_ingest
+
+    store = Store(tmp_path)
+    config = _config(method="epicache")
+    plan = plan_ingest(histories["whole"], name="old", config=config, store=store, lm=short_lm, encoder=encoder)
+    with store.begin("old") as pending:
+        built = list(build_episodes(plan, short_lm, scratch=pending.scratch_dir))
+        for b in built:
+            assert b.cache.origins is not None  # kept now; dropped to write what older kvchat wrote
+            b.cache.origins = None
+        records = [write_episode(pending, plan, b, short_lm) for b in built]
+        commit_ingest(pending, plan, [b.stats() for b in built], records, short_lm, 0.0)
+    answer = Session(store, store.get("old"), short_lm, encoder, AskConfig(max_new_tokens=2)).ask(
+        "Which gate does the flight leave from?", sources=True, log=False)
+    assert answer.sources is None and "re-rotated to compact positions before kvchat kept" in answer.sources_note
+    assert "kvchat ingest" in answer.sources_note and "--replace" in answer.sources_note
+    append(histories["start"], name="old", store=store, lm=short_lm, encoder=encoder)
+    for episode in store.get("old").episodes:
+        assert codec.decode(*store.load_episode(episode, short_lm.fingerprint))[1].next_origin is None

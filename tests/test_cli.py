@@ -527,15 +527,20 @@ _NO_MODEL = [
 ]
 
 
-def _heavy_imports(home: Path, *args: str) -> set[str]:
-    """Which of torch and transformers `kvchat ARGS` imports, from `python -X importtime`'s report."""
+def _imports(home: Path, *args: str) -> set[str]:
+    """The modules `kvchat ARGS` imports, from `python -X importtime`'s report."""
     result = subprocess.run([sys.executable, "-X", "importtime", "-m", "kvchat", *args], capture_output=True,
                             text=True, env=cli_env(home), timeout=300)  # fmt: skip
     assert result.returncode in (0, 2), result.stderr
     imported = {line.rsplit("|", 1)[-1].strip() for line in result.stderr.splitlines()
                 if line.startswith("import time:")}  # fmt: skip
     assert "kvchat.cli" in imported
-    return imported & {"torch", "transformers"}
+    return imported
+
+
+def _heavy_imports(home: Path, *args: str) -> set[str]:
+    """Which of torch and transformers `kvchat ARGS` imports."""
+    return _imports(home, *args) & {"torch", "transformers"}
 
 
 @pytest.mark.parametrize("args", [p.values[0] for p in _NO_MODEL], ids=[p.id for p in _NO_MODEL])
@@ -548,6 +553,15 @@ def test_commands_without_a_model_do_not_import_transformers(ingested, args):
 def test_commands_without_a_model_do_not_import_torch(ingested, args):
     home, _ = ingested
     assert "torch" not in _heavy_imports(home, *args)
+
+
+def test_a_question_answered_in_process_imports_neither_scikit_learn_nor_sentence_transformers(ingested):
+    """Answering needs the encoder's BERT and the episodes' centroids, not their clustering (scikit-learn, with
+    SciPy) nor sentence-transformers: both cost a cold `kvchat ask` time before its first answer token."""
+    home, _ = ingested
+    imported = _imports(home, "ask", "Where did Tom go?", "--conversation", "chat", "--local", "--max-new-tokens", "2")
+    assert {"torch", "kvchat.encoder", "kvchat.ask"} <= imported  # it answered
+    assert not imported & {"sklearn", "sentence_transformers"}
 
 
 def test_a_batch_ask_reports_a_bad_line_by_number_and_goes_on(monkeypatch, capsys):

@@ -147,3 +147,47 @@ def test_an_unknown_retrieval_is_refused(short_lm, encoder, tmp_path):
     config = with_settings(CONFIG, ["recall_retrieval=bm42"])
     with pytest.raises(UserError, match="bm42"):
         plan_ingest(QA.turns, name="x", config=config, store=Store(tmp_path), lm=short_lm, encoder=encoder)
+
+
+def test_each_recalled_turn_has_its_tokens_in_the_prefilled_text(encoder, short_lm):
+    """Receipts for recalled turns: a turn's token range in the text a question prefills holds that turn's line."""
+    index = RagIndex.build(QA.turns[:40], short_lm, encoder, chunk_tokens=24)
+    picked = index.chunks[1::2]
+    spans = recall.recalled_spans(short_lm.tokenizer, picked)
+    ids = short_lm.encode("\n" + "\n".join(c.text for c in picked))[0]
+    assert [s.index for s in spans] == [t for c in picked for t in range(c.first, c.end)]
+    assert spans[0].start == 0 and spans[-1].end == len(ids)
+    assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))  # every token owned once
+    whole = [s for s in spans if QA.turns[s.index].text.strip() == s.text]  # not cut to a chunk's tokens
+    assert len(whole) > len(spans) // 2
+    for span in whole:
+        turn = QA.turns[span.index]
+        line = short_lm.decode(short_lm.encode(f"{turn.role}: {turn.text}")[0].tolist())
+        assert short_lm.decode(ids[span.start : span.end].tolist()).split() == line.split()
+        assert (span.speaker, span.turn_id) == (turn.role, turn.turn_id)
+    unmarked = [dataclasses.replace(c, marks=()) for c in picked]  # an index stored before kvchat kept them
+    assert recall.recalled_spans(short_lm.tokenizer, unmarked) == []
+
+
+def test_a_recalled_planted_fact_is_among_the_sources_marked_recalled(stored, short_lm, encoder):
+    """Beyond the window the answer's sources are the turns its compacted cache holds (by their original positions)
+    and the turns recalled for the question, marked so, with the attention their prefilled tokens got."""
+    store, _ = stored
+    session = Session(store, store.get("long"), short_lm, encoder,
+                      AskConfig(max_new_tokens=3, source_count=len(QA.turns)))  # fmt: skip
+    for question in QA.questions:
+        fact = int(question.evidence[0][1:])
+        answer = session.ask(question.text, log=False, sources=True)
+        if any(first <= fact < end for first, end in answer.recalled):
+            break
+    else:
+        pytest.fail("no question recalled the turn of its planted fact")
+    assert answer.sources_note is None
+    rounding = 5e-5 * len(answer.sources)  # each share is rounded to 4 decimals
+    assert sum(s.attention_share for s in answer.sources) == pytest.approx(1, abs=rounding)
+    source = next(s for s in answer.sources if s.turn == fact)
+    assert source.recalled and source.attention_share > 0 and source.turn_id == f"T{fact}"
+    assert source.speaker == QA.turns[fact].role and QA.turns[fact].text.startswith(source.quote.rstrip("…"))
+    recalled = {t for first, end in answer.recalled for t in range(first, end)}
+    assert {s.turn for s in answer.sources if s.recalled} == recalled
+    assert any(s.kept_tokens > 0 and not s.recalled for s in answer.sources)  # and the episode cache's own turns

@@ -25,7 +25,7 @@ from kvchat.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
 
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                      episodes=EpisodeConfig(prompt_tokens=48))
-SOURCE_KEYS = {"turn", "turn_id", "speaker", "time", "quote", "attention_share", "kept_tokens", "tokens"}
+SOURCE_KEYS = {"turn", "turn_id", "speaker", "time", "quote", "attention_share", "kept_tokens", "tokens", "recalled"}
 
 
 def _turns(seed: int = 3) -> tuple[list[Turn], list]:
@@ -84,6 +84,34 @@ def test_retrieved_entries_count_for_their_turn():
     weights[:, 0, 0, 3] = 1.0          # all on the retrieved entry
     recorder.record(LayerView(0, weights, 4, torch.zeros(1, 2, 1, 4)))
     assert recorder.mass[:3].tolist() == [1.0, 0.0, 1.0]  # head 0 retrieved 10 (turn 2), head 1 retrieved 3 (turn 0)
+
+
+def test_a_compacted_cache_counts_entries_by_origin_and_recalled_tokens_for_their_turns():
+    """Keys re-rotated to 0..4, `origins` their original positions; after the cache, recalled text (positions 5..7:
+    history turn 7, which the episode does not hold, then turn 1, which it does), then the question (8)."""
+    held = UniformLayer.of(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4), torch.arange(5).expand(2, 5))
+    cache = SimpleNamespace(layers=[held], next_position=5)
+    origins = [[torch.tensor([0, 1, 5, 6, 11]), torch.tensor([0, 1, 3, 9, 10])]]
+    recalled = [TurnSpan(0, 2, 7, "Ann", "the code is 4711"), TurnSpan(2, 3, 1, "Tom", "the gate is C42")]
+    recorder = SourceRecorder(cache, _spans(), origins=origins, recalled=recalled)
+    kept = recorder.kept_tokens()
+    assert kept.tolist() == [0.5, 1.0, 1.5, 0.0]  # by origin: head 0 holds 5, 6 (turn 1), 11; head 1 3, 9, 10
+    cache.layers = [UniformLayer.of(torch.zeros(1, 2, 9, 4), torch.zeros(1, 2, 9, 4), torch.arange(9).expand(2, 9))]
+    prompt = torch.zeros(2, 1, 1, 9)  # the question's forward: the recalled text and the question are its own tokens
+    prompt[0, 0, 0, 6] = 1.0          # recalled turn 7
+    prompt[1, 0, 0, 2] = 1.0          # compacted position 2 of head 1: origin 3, turn 0
+    recorder.record(LayerView(0, prompt, 5, torch.zeros(1, 2, 1, 4)))
+    cache.next_position = 8           # a decode step: the recalled text is cached now, 8 is this forward's
+    step = torch.zeros(2, 1, 1, 9)
+    step[0, 0, 0, [0, 2, 7]] = torch.tensor([0.5, 0.25, 0.25])  # the sink, origin 5 (turn 1), recalled turn 1
+    step[1, 0, 0, [4, 8]] = 0.5       # origin 10 (turn 2), the step's own token (no turn)
+    recorder.record(LayerView(0, step, 8, torch.zeros(1, 2, 1, 4)))
+    assert recorder.mass.tolist() == [1.0, 0.5, 0.5, 1.0, 1.0]  # turns 0, 1, 2, recalled 7, none
+    top = rank(recorder.spans, recorder.mass, kept, 4, 40, recorder.recalled)
+    assert [(s.turn, s.recalled) for s in top] == [(0, False), (7, True), (1, True), (2, False)]
+    assert (top[1].speaker, top[1].kept_tokens, top[1].tokens) == ("Ann", 0, 2)  # recalled only: not in the cache
+    assert (top[2].kept_tokens, top[2].tokens) == (1, 4)  # stored and recalled: the cache's tokens of it
+    assert sum(s.attention_share for s in top) == pytest.approx(1, abs=1e-3)
 
 
 def test_quote_cuts_at_a_word_boundary():

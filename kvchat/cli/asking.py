@@ -391,5 +391,8 @@ def show_sources(sources: list[dict] | None, note: str | None, episode: int | No
     say((f"sources (episode {episode}):", "bold"))
     for n, s in enumerate(sources, start=1):
         who = ", ".join(part for part in (s["speaker"], s["time"]) if part)
+        held = f"{s['kept_tokens']}/{s['tokens']} tokens kept"
+        if s.get("recalled"):  # a server before recalled turns were sources leaves it out
+            held = "recalled, " + (held if s["kept_tokens"] else f"{s['tokens']} tokens, not in the cache")
         say(f"  {n}. turn {s['turn']} {who}: \u201c{s['quote']}\u201d ",
-            (f"{s['attention_share']:.0%} of attention, {s['kept_tokens']}/{s['tokens']} tokens kept", "dim"))
+            (f"{s['attention_share']:.0%} of attention, {held}", "dim"))

@@ -125,10 +125,5 @@ class EpisodeParts:
     def offloaded(self) -> int:
         return sum(p.offloaded for p in self.parts)
 
-    @property
-    def needs_origins(self) -> bool:
-        """A part needs each entry's original position where compaction moves it (`EpisodeCache.track_origins`)."""
-        return any(p.needs_origins for p in self.parts)
-
     def side_file(self, fingerprint: str) -> SideFileWriter | None:
         return next((w for w in (p.side_file(fingerprint) for p in self.parts) if w is not None), None)

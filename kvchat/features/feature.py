@@ -51,7 +51,6 @@ class EpisodePart:
 
     on_evict: EvictionObserver | None = None  # sees every entry an eviction drops (kvchat.kv.cache)
     offloaded: int = 0                        # entries its side file holds (the ingest report)
-    needs_origins: bool = False               # a compacted cache must keep each entry's original position for it
 
     def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
         """The prefill is done (`evicted`: a scorer chose what stays; full KV evicted nothing) and the cache's

@@ -137,8 +137,6 @@ class _Spill(EpisodePart):
     """The episode's evictions on disk (kvchat.kv.spill), paged into its pages file when it is written, at positions
     beside the resident entries'."""
 
-    needs_origins = True
-
     def __init__(self, spill: SpillWriter, offload: IceCacheConfig) -> None:
         self.spill, self.offload = spill, offload
         self.on_evict = spill

@@ -10,7 +10,8 @@ and decode loops need:
 - `checkpoint()/rollback()`: decode an answer on top of the cache, then restore it exactly;
 - `quantize()` / `dequantize()`: hold the finished cache in 8 or 4 bits (kvchat.kv.quantize) and back;
 - `track_origins()`: keep every entry's original token position beside the position its key is rotated for,
-  which `compact()` changes (an offload places the entries it reads back beside the resident ones by them).
+  which `compact()` changes (an offload places the entries it reads back beside the resident ones by them, and
+  receipts map entries to turns by them: every compacted cache keeps them).
 """
 
 from __future__ import annotations

@@ -120,8 +120,8 @@ def decode(
     `device` (None: as stored, on the CPU): a cache built on a GPU in bfloat16 answers on a CPU in float32 and
     the other way round (the fingerprint leaves dtype and device out, kvchat.llm). With `origins`, a file that
     keeps its entries' original positions gives them back as tracked origins (`EpisodeCache.track_origins`: to
-    continue it, or to map its entries to turns); answering needs none. Raises ValueError when the tensors or
-    metadata do not describe one."""
+    continue it); answering needs none (`stored_origins` reads them without tracking them). Raises ValueError
+    when the tensors or metadata do not describe one."""
     meta = EpisodeMeta.from_metadata(metadata)
     layers = {k: _placed(v, k, dtype, device) for k, v in tensors.items() if not k.startswith(("mem.", "orig."))}
     cache = decode_layers(
@@ -137,6 +137,14 @@ def decode(
         if device is not None:
             cache.memory.to(device)
     return cache, meta
+
+
+def stored_origins(tensors: dict[str, torch.Tensor], meta: EpisodeMeta, cache: EpisodeCache
+                   ) -> list[list[torch.Tensor]] | None:  # fmt: skip
+    """Per layer and KV head of `cache` (decoded from `tensors`), each entry's original position on the CPU, where
+    the file keeps them (format "7"), else None; the cache does not track them (`EpisodeCache.track_origins` would
+    grow them at every answer token), so a receipt maps entries to turns at no cost to an answer without one."""
+    return None if meta.next_origin is None else _decode_origins(tensors, cache, None)
 
 
 def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, device) -> list[list[torch.Tensor]]:

@@ -18,8 +18,6 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from sklearn.cluster import KMeans
-from sklearn.exceptions import ConvergenceWarning
 
 from kvchat.kv.config import PagingConfig
 
@@ -113,6 +111,9 @@ def kmeans(points: torch.Tensor, clusters: int, iterations: int, seed: int) -> t
     """Cluster label of every point `[n]`: scikit-learn's Lloyd k-means from `clusters` random points,
     at most `iterations` steps. Random initialisation, not k-means++: at n/16 clusters the ++ seeding
     costs more than the iterations and pages recall no better (benchmarks/icecache_pages.py)."""
+    from sklearn.cluster import KMeans  # scikit-learn and SciPy load here: answering a question needs neither
+    from sklearn.exceptions import ConvergenceWarning
+
     n = points.shape[0]
     clusters = max(1, min(clusters, n))
     if clusters == 1:
