@@ -51,6 +51,7 @@ from core_loop import patched_prompt_ids  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, AskConfig, IceCacheConfig, PagingConfig
 from kvchat.history import format_turns
+from kvchat.history_tokens import turn_spans
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -60,7 +61,6 @@ from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import Placement, SpillWriter, beside_residents
 from kvchat.llm import ChatLayout, LoadedModel, load_model
 from kvchat.qa import QASet, load_locomo, planted_sets, sample_questions, score_answer, token_f1
-from kvchat.sources import turn_spans
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = REPO / ".venv" / "kvchat-test-models"

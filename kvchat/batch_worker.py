@@ -25,6 +25,7 @@ from kvchat.history import Turn
 from kvchat.ingest import EpisodeStats, IngestPlan, build_episodes, encode_episode, plan_ingest
 from kvchat.llm import LoadedModel, ModelIdentity, load_model, use_threads
 from kvchat.settings import to_settings
+from kvchat.store.files import hold_point
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class HistoryWorker:
                 encoded = encode_episode(plan, built, lm, side_file_at=Path(scratch) / f"{built.episode.index}.side")
                 del built  # one episode cache at a time
                 yield encoded
+                hold_point("batch-episode-sent")  # a test hook (the driver has the episode): nothing in a real run
         yield Finished(plan, stats, lm.identity)
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvchat import preflight
-from kvchat.checked_files import FileMismatch, open_regular
+from kvchat.checked_files import FileMismatch, open_regular, read_safetensors_header
 from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND, WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
@@ -303,6 +303,24 @@ def _check_model_files(directory: Path) -> None:
             raise UserError(f"{entry}: not a regular file; a model directory holds only files and directories")
 
 
+def _check_weights(directory: Path, fix: str) -> None:
+    """Every safetensors file of a model directory holds all the bytes its header says (the header alone is read):
+    the weights are memory-mapped, and reading past the end of a file cut short kills the process (SIGBUS)."""
+    for path in sorted(directory.glob("*.safetensors")):
+        try:
+            read_safetensors_header(path)
+        except (ValueError, FileMismatch) as exc:
+            raise UserError(f"{path}: damaged or cut short ({_first_line(exc)}); {fix}") from None
+        except OSError as exc:
+            raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+
+
+def _checked_copy(directory: Path) -> Path:
+    """A converted copy in the store's models/ dir, its weights checked (`_check_weights`)."""
+    _check_weights(directory, f"remove {directory} and kvchat converts the model again")
+    return directory
+
+
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
@@ -310,16 +328,17 @@ def _first_line(exc: BaseException) -> str:
 def _resolve(spec: str, models_dir: Path, progress: ConversionProgress | None = None) -> tuple[str, Path | str]:
     """(display name, what from_pretrained loads) for a --model value."""
     if spec == DEFAULT_MODEL:
-        return "SmolLM2-135M-Instruct", convert_gguf(default_gguf_path(), models_dir, progress)
+        return "SmolLM2-135M-Instruct", _checked_copy(convert_gguf(default_gguf_path(), models_dir, progress))
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.exists():
             raise UserError(f"model file not found: {spec}")
-        return path.stem, convert_gguf(path, models_dir, progress)
+        return path.stem, _checked_copy(convert_gguf(path, models_dir, progress))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"{spec}: not a model directory (no config.json)")
         _check_model_files(path)
+        _check_weights(path, "copy or download the model again")
         return path.name, path
     if path.exists():
         raise UserError(f"{spec}: expected 'default', a model directory or a .gguf file")

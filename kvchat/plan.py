@@ -28,6 +28,7 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns, load_history
+from kvchat.history_tokens import TokenizedTurns, tokenize_turns
 from kvchat.kv import families
 from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
@@ -47,7 +48,7 @@ from kvchat.kv.scoring import Scorer
 from kvchat.llm import ChatLayout, LoadedModel
 from kvchat.profile import find_indexmem, find_profile
 from kvchat.rag import RagIndex
-from kvchat.sources import TurnSpan, turn_spans
+from kvchat.sources import TurnSpan
 from kvchat.store import Store, validate_name
 
 
@@ -181,12 +182,16 @@ def plan_ingest(
     if from_file:
         step("reading the history", 0, 1)
     turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
-    step(f"tokenizing {len(turns):,} turns", 0, 1)
+    tokenizing = f"tokenizing {len(turns):,} turns"
+    step(tokenizing, 0, 1)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
     prefix_ids = lm.encode(layout.before_conversation)
     # an append's first new line follows the stored history's last one, which ends without a newline
-    context_ids = lm.encode(("\n" if continuing else "") + "\n".join(lines))
+    lead = "\n" if continuing else ""
+    tokenized = tokenize_turns(lm.tokenizer, turns, lead=lead, lines=lines,
+                               on_progress=lambda done, total: step(tokenizing, done, total))  # fmt: skip
+    context_ids = tokenized.ids.to(lm.device)
     earlier = continuing.history_tokens if continuing else 0
     history_tokens = earlier + int(context_ids.shape[-1])
     protected = prefix_ids.shape[-1]
@@ -213,7 +218,8 @@ def plan_ingest(
         if method(cache_cfg.method).routed:  # each new segment continues the cache of the episode it joined
             held_turns = [_segment_turns([s for s, e in enumerate(joined) if e == episode.index], w, len(turns))
                           for episode in episodes]  # fmt: skip
-            episode_ids = _routed_ids(turns, held_turns, lm, lead="\n")
+            routed = _routed_tokens(turns, held_turns, lm, lead="\n")
+            episode_ids = [t.ids.to(lm.device) for t in routed]
             stored = continuing.episode_tokens or (earlier,) * len(episodes)
             total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
                              for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
@@ -224,7 +230,8 @@ def plan_ingest(
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
             held_turns = [_segment_turns(e.segments, w, len(turns)) for e in episodes]
-            episode_ids = _routed_ids(turns, held_turns, lm)
+            routed = _routed_tokens(turns, held_turns, lm)
+            episode_ids = [t.ids.to(lm.device) for t in routed]
             total = protected + max(int(ids.shape[-1]) for ids in episode_ids)
             fed = total
     dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
@@ -277,13 +284,11 @@ def plan_ingest(
         first = continuing.turns if continuing else 0
         starts = [protected + h for h in continuing.episode_tokens] if continuing and continuing.episode_tokens else (
             [protected + earlier] * len(episodes))  # fmt: skip
-        spans = _routed_spans(turns, held_turns, lm, starts, episode_ids, lead="\n" if continuing else "", first=first)
+        spans = _routed_spans(turns, held_turns, routed, starts, first=first)
     else:
         first = continuing.turns if continuing else 0  # an append's turns follow the stored ones
-        spans = turn_spans(lm.tokenizer, turns, protected + earlier, lead="\n" if continuing else "",
-                           indices=range(first, first + len(turns)))
-        if not spans or spans[-1].end != total:  # not tokenized as the caches were: no receipts, not wrong ones
-            spans = []
+        spans = tokenized.spans(turns, protected + earlier, indices=range(first, first + len(turns)))
+    del tokenized
     recall_index = None
     if split:  # the chunks each question's turns are recalled from: an append's new turns only
         index = RagIndex.build(turns, lm, encoder, split.chunk_tokens, resolved.cache.recall.dated)
@@ -418,25 +423,24 @@ def _segment_turns(segments: Sequence[int], w: int, turns: int) -> list[int]:
     return [i for s in sorted(segments) for i in range(s * w, min((s + 1) * w, turns))]
 
 
-def _routed_ids(turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel, lead: str = "") -> list[torch.Tensor]:
-    """Token ids of each episode's own turns (`--method routed`; `held`: their indices in history order), rendered
+def _routed_tokens(
+    turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel, lead: str = ""
+) -> list[TokenizedTurns]:
+    """Each episode's own turns tokenized (`--method routed`; `held`: their indices in history order), rendered
     as the history is, so a session's date opens the first of its turns that the episode holds. An append's start
     with a newline (`lead`) after the stored ones; an episode that gets none is fed nothing."""
-    empty = torch.zeros(1, 0, dtype=torch.long)
-    return [lm.encode(lead + "\n".join(format_turns([turns[i] for i in ids]))) if ids else empty for ids in held]
+    empty = TokenizedTurns(torch.zeros(1, 0, dtype=torch.long), None)
+    return [tokenize_turns(lm.tokenizer, [turns[i] for i in ids], lead=lead) if ids else empty for ids in held]
 
 
-def _routed_spans(turns: Sequence[Turn], held: list[list[int]], lm: LoadedModel, starts: Sequence[int],
-                  episode_ids: list[torch.Tensor], *, lead: str = "", first: int = 0) -> list[tuple[TurnSpan, ...]]:
-    """Each routed episode's turn spans from `starts` on, laid out as `_routed_ids` lays out its turns (none when
-    they disagree); `first`, the history index of `turns[0]`."""
+def _routed_spans(turns: Sequence[Turn], held: list[list[int]], routed: list[TokenizedTurns], starts: Sequence[int],
+                  *, first: int = 0) -> list[tuple[TurnSpan, ...]]:
+    """Each routed episode's turn spans from `starts` on (none when the tokenizer gives no offsets); `first`, the
+    history index of `turns[0]`."""
     out = []
-    for ids, start, tokens in zip(held, starts, episode_ids, strict=True):
-        if not ids:
-            out.append(())
-            continue
-        spans = turn_spans(lm.tokenizer, [turns[i] for i in ids], start, lead=lead, indices=[first + i for i in ids])
-        if not spans or spans[-1].end != start + int(tokens.shape[-1]):
+    for ids, start, tokenized in zip(held, starts, routed, strict=True):
+        spans = tokenized.spans([turns[i] for i in ids], start, [first + i for i in ids]) if ids else []
+        if ids and not spans:
             return []
         out.append(tuple(spans))
     return out

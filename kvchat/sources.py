@@ -1,6 +1,6 @@
 """Receipts: which turns of the history an answer drew on, by the attention its tokens paid them.
 
-At ingest every turn's token range is recorded (`turn_spans`, stored in each episode file's metadata as
+At ingest every turn's token range is recorded (`history_tokens`, stored in each episode file's metadata as
 `turns`): an episode cache holds the history (`--method routed`: the episode's own turns) at its positions,
 each entry carrying its original position (`pos` tensors; a compacted cache's, re-rotated to 0..n-1, in `orig`
 tensors beside them), so a cached entry belongs to the turn whose range holds it. Turns recalled for a question
@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvchat.history import Turn, format_turns
+from kvchat.history import Turn
 from kvchat.history import excerpt as quote  # a source's quote
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
@@ -34,7 +34,7 @@ STORED_CHARS = 400     # of each turn's text, kept for quotes
 _MAX_SPANS_BYTES = 1 << 28  # what an episode file's spans may inflate to: bounded before it allocates
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # a history may have a million turns
 class TurnSpan:
     """One turn of the history: its original positions `[start, end)` in the cache and what a receipt shows."""
 
@@ -65,26 +65,9 @@ class Source:
         return asdict(self)
 
 
-def turn_spans(tokenizer, turns: Sequence[Turn], offset: int, *, lead: str = "",
-               indices: Sequence[int] | None = None) -> list[TurnSpan]:
-    """The token range of each turn when the history is tokenized as ingest does (`lead` + turn lines joined
-    by newlines; an append's new turns start with a newline), positions starting at `offset`; `indices`, the
-    turns' places in the history (default: 0, 1, ...; a routed episode holds some turns only). A token belongs
-    to the turn its last character lies in (a line's newline counts as its own). Empty when the tokenizer
-    cannot give character offsets."""
-    lines = format_turns(turns)
-    starts, cursor = [], len(lead)
-    for line in lines:
-        starts.append(cursor)
-        cursor += len(line) + 1
-    ranges = token_ranges(tokenizer, lead + "\n".join(lines), starts)
-    if ranges is None:
-        return []
-    return [
-        TurnSpan(offset + first, offset + end, indices[i] if indices is not None else i, turn.role,
-                 turn.text.strip()[:STORED_CHARS], turn.time, turn.turn_id)
-        for i, (turn, (first, end)) in enumerate(zip(turns, ranges, strict=True))
-    ]  # fmt: skip
+def span_of(turn: Turn, start: int, end: int, index: int) -> TurnSpan:
+    """`turn`'s span: its tokens at positions `[start, end)`, its place `index` in the history, what a receipt shows."""
+    return TurnSpan(start, end, index, turn.role, turn.text.strip()[:STORED_CHARS], turn.time, turn.turn_id)
 
 
 def token_ranges(tokenizer, text: str, starts: Sequence[int]) -> list[tuple[int, int]] | None:

@@ -185,3 +185,11 @@ def encoder():
     from kvchat.encoder import SentenceEncoder
 
     return SentenceEncoder()
+
+
+def centroid(*values: float) -> list[float]:
+    """A test store's episode centroid: `values`, then zeros to the encoder's length (which `kvchat doctor` checks
+    every centroid against)."""
+    from kvchat.encoder import embedding_dimension
+
+    return [*values, *[0.0] * ((embedding_dimension() or 384) - len(values))]

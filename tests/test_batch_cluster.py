@@ -1,8 +1,9 @@
 """`kvchat ingest-batch --address` on a real two-node Ray cluster on this machine (issue 29, "Ray for real"): a head
 (`ray start --head`, one CPU) and a second node (`ray start --address`, one CPU and a resource of its own), both with
-a small object store. The second node is killed (its raylet, SIGKILL) once a history on it has written an episode:
-its history is retried on the head's worker (unless every episode of it had reached the driver already) and
-nothing is lost.
+a small object store. The second node's worker holds after sending each episode until the test releases it (the
+test hook `kvchat.store.files.hold_point`, set in that node's environment only), so its history is always unfinished
+when the test kills the node (its raylet, SIGKILL) on seeing that history's first episode written: the history is
+retried on the head's worker, which does not hold, and nothing is lost.
 
 Heavy on a small machine: run it alone. The cluster's processes are ended by their ids (every process whose command
 line names this test's session dir, and their children), never by name, so another Ray on the machine is left alone;
@@ -27,6 +28,7 @@ import pytest
 from cli_helpers import run_main
 
 from kvchat.store import Store
+from kvchat.store.files import HOLD_AT
 from kvchat.synthetic import planted_conversation
 
 pytestmark = [
@@ -73,7 +75,8 @@ def _raylet_of_port(session: Path, port: int):
 
 @pytest.fixture
 def cluster():
-    """(head address, the second node's node-manager port, session dir, env): two nodes on this machine."""
+    """(head address, the second node's node-manager port, session dir, env, the file that releases the second
+    node's held worker): two nodes on this machine."""
     session = Path(tempfile.mkdtemp(prefix="kr-", dir="/tmp"))  # sockets: a path of at most 107 bytes
     # Ray's token authentication: every node and the driver share one token
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", TMPDIR=str(session), RAY_AUTH_MODE="token",
@@ -81,15 +84,18 @@ def cluster():
     env.pop("RAY_ADDRESS", None)
     head, second = _free_port(), _free_port()
     address = f"127.0.0.1:{head}"
+    release = session / "release-second-node"
     try:
         _ray("start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(head), "--num-cpus", "1",
              "--object-store-memory", OBJECT_STORE, "--temp-dir", str(session), "--include-dashboard", "false",
              env=env)  # fmt: skip
         _ray("start", "--address", address, "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
              "--object-store-memory", OBJECT_STORE, "--node-manager-port", str(second),
-             "--resources", json.dumps({"second_node": 1}), env=env)  # fmt: skip
-        yield address, second, session, env
+             "--resources", json.dumps({"second_node": 1}),
+             env={**env, HOLD_AT: f"batch-episode-sent:{release}"})  # fmt: skip
+        yield address, second, session, env, release
     finally:
+        release.touch()
         for process in _ours(session):
             try:
                 process.kill()
@@ -123,7 +129,7 @@ def test_the_cluster_test_runs_in_a_fresh_process():
 
 @pytest.mark.skipif(not os.environ.get(_CHILD), reason="runs in a fresh process, started by the test above")
 def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_path, tiny_model_dir, monkeypatch):
-    address, second_port, session, env = cluster
+    address, second_port, session, env, _ = cluster
     for key in ("TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # read when Ray is first imported
         monkeypatch.setenv(key, env[key])
     import ray
@@ -136,17 +142,13 @@ def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_
     second_node = next(n["NodeID"] for n in ray_nodes(address) if "second_node" in n["Resources"])
     seen: dict[str, object] = {}
 
-    finished_there: set[str] = set()  # histories whose every episode reached the driver from the second node
-
     def on_episode(self, name: str, done: int, total: int) -> None:
-        """Once a history on the second node's worker has written an episode: that node dies."""
-        if _node_of(seen[name]) != second_node:
+        """Once a history on the second node's worker has written an episode (the worker now holds): that node
+        dies, with the history unfinished."""
+        if killed.is_set() or done < 1 or _node_of(seen[name]) != second_node:
             return
-        if done == total:
-            finished_there.add(name)
-        if killed.is_set() or done < 1:
-            return
-        _raylet_of_port(session, second_port).kill()
+        assert done < total, "the second node's worker did not hold after its first episode"
+        _raylet_of_port(session, second_port).kill()  # its held worker stays held: released at clean-up only
         killed.set()
 
     def on_running(self, name: str, attempt: int, worker) -> None:
@@ -161,8 +163,7 @@ def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_
                       "1", "--model", str(tiny_model_dir), *SMALL, "--json")  # fmt: skip
     assert killed.is_set(), "no history ran on the second node"
     assert result.returncode == 0, result.stderr
-    # a history whose episodes were all sent before the raylet died needs no retry; any other one on that node does
-    assert "retrying" in result.stderr or finished_there, result.stderr
+    assert "retrying" in result.stderr, result.stderr  # the killed node's unfinished history, on the head
     store = Store(home)
     stored = {c.name: c for c in store.conversations()}
     assert set(stored) == {f.stem for f in files}

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import centroid
 from test_store import FP, SETTINGS, STATS, _tensors
 
 from kvchat.store import Store, diagnose, repair
@@ -34,7 +35,7 @@ def _commit(store: Store, name: str, *, replace: bool = False, expect: str | Non
     with store.begin(name, replace=replace, expect=expect) as pending:
         for i in range(2):
             pending.write_episode(i, TENSORS[(seed + i) % 3], {"fingerprint": FP, "method": "epicache"},
-                                  centroid=[0.25 * i, -1.0, 3.0], medoid_text=f"episode {i}", budgets=[8, 12],
+                                  centroid=centroid(0.25 * i, -1.0, 3.0), medoid_text=f"episode {i}", budgets=[8, 12],
                                   n_tokens=20)  # fmt: skip
         return pending.commit(model="default", fingerprint=FP, settings=SETTINGS, stats=STATS)
 

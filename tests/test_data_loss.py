@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_main
+from conftest import centroid
 from test_store import FP, _ingest, _tensors, _tmp_dirs
 
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
@@ -150,8 +151,8 @@ def test_two_writers_from_one_version_both_cannot_commit(tmp_path):
     version = _ingest(store, "chat").ingest_id
     pendings = [store.begin("chat", replace=True, expect=version) for _ in range(2)]
     for seed, pending in enumerate(pendings):
-        pending.write_episode(0, _tensors(seed), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4],
-                              n_tokens=8)  # fmt: skip
+        pending.write_episode(0, _tensors(seed), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m",
+                              budgets=[4], n_tokens=8)  # fmt: skip
     winner = pendings[0].commit(model="default", fingerprint=FP, settings={}, stats={})
     with pytest.raises(UserError, match=CHANGED):
         pendings[1].commit(model="default", fingerprint=FP, settings={}, stats={})
@@ -274,18 +275,14 @@ def test_a_re_signed_manifest_with_a_wrong_centroid_is_not_restored(tmp_path):
     assert Store(home).conversations() == []
 
 
-def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_caught(
-    tmp_path, history, tiny_lm, tiny_model_dir, encoder
-):
-    """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
-    tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
-    `repair` removes it."""
-    from kvchat.encoder import embedding_dimension
+def _one_episode_re_signed_with_a_short_centroid(tmp_path, history, lm, encoder) -> Path:
+    """A home whose one conversation, "chat" (one episode), has a manifest re-signed with a 3-number centroid and no
+    kvchat.db (so it is listed again from that manifest)."""
     from kvchat.store.manifest import MANIFEST_NAME, digest
 
     home = tmp_path / "home"
     config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=1))
-    ingest(history, name="chat", config=config, store=(store := Store(home)), lm=tiny_lm, encoder=encoder)
+    ingest(history, name="chat", config=config, store=(store := Store(home)), lm=lm, encoder=encoder)
     ingest_dir = store.get("chat").episodes[0].path.parent
     _closed(store).unlink()
     manifest = ingest_dir / MANIFEST_NAME
@@ -294,6 +291,18 @@ def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_
     body["sha256"] = digest(body["conversation"])
     manifest.write_text(json.dumps(body))
     _age(ingest_dir)
+    return home
+
+
+def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_caught(
+    tmp_path, history, tiny_lm, tiny_model_dir, encoder
+):
+    """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
+    tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
+    `repair` removes it."""
+    from kvchat.encoder import embedding_dimension
+
+    home = _one_episode_re_signed_with_a_short_centroid(tmp_path, history, tiny_lm, encoder)
 
     asked = run_main(home, "ask", "Where did Alice go?", "--conversation", "chat")  # listed again, then refused
     assert asked.returncode == 2, asked.stderr
@@ -304,4 +313,24 @@ def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_
     assert [(p.kind, p.conversation) for p in found] == [("centroids", "chat")]
     assert "centroids of 3 numbers where the encoder's embeddings have 384" in found[0].message
     assert any("removed conversation 'chat'" in line for line in repair(home, found))
+    assert Store(home).conversations() == []
+
+
+@pytest.mark.parametrize("listed_first", [True, False])
+def test_kvchat_doctor_finds_centroids_of_the_wrong_length_and_fix_does_not_restore_them(
+    tmp_path, history, tiny_lm, encoder, listed_first
+):
+    """Issue 29, case 8 through the command line: `kvchat doctor` checks every centroid against the encoder's length
+    (read from its config), and `doctor --fix` removes such a conversation rather than listing it again as healthy,
+    whether a command listed it again first (`listed_first`) or the fix itself does."""
+    home = _one_episode_re_signed_with_a_short_centroid(tmp_path, history, tiny_lm, encoder)
+    if listed_first:
+        assert run_main(home, "list").returncode == 0  # lists it again from its manifest
+        found = run_main(home, "doctor")
+        assert found.returncode == 1
+        assert "centroids of 3 numbers where the encoder's embeddings have 384" in found.stdout
+    fixed = run_main(home, "doctor", "--fix")
+    assert fixed.returncode == 0 and "removed conversation 'chat'" in fixed.stdout, fixed.stdout
+    assert "healthy now" in fixed.stdout
+    assert run_main(home, "doctor").returncode == 0
     assert Store(home).conversations() == []

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from kvchat.encoder import embedding_dimension
 from kvchat.store import Store
 
 mount, report, room, commands = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
@@ -48,7 +49,8 @@ for name, values in (("big", 65536), ("small", 4)):  # "big": two episode files 
     with store.begin(name) as pending:
         for i in range(2):
             pending.write_episode(i, {"k.0": torch.zeros(values, dtype=torch.float32) + i}, {"fingerprint": "fp"},
-                                  centroid=[float(i), 1.0], medoid_text=f"episode {i}", budgets=[4], n_tokens=8)
+                                  centroid=[float(i), 1.0] + [0.0] * (embedding_dimension() - 2),
+                                  medoid_text=f"episode {i}", budgets=[4], n_tokens=8)
         pending.commit(model="default", fingerprint="fp", settings={"budget": 64}, stats={})
 store.close()
 turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]

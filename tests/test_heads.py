@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 from cli_helpers import run_main
-from conftest import ARCHITECTURES, tiny_model
+from conftest import ARCHITECTURES, centroid, tiny_model
 from conftest import random_ids as _ids
 from conftest import with_kvchat_attention as _with_kvchat_attention
 from hypothesis import given, settings
@@ -314,7 +314,7 @@ def test_uniform_files_of_format_1_still_load(tmp_path, monkeypatch):
     tensors = {"k.0": torch.ones(2, 3, 4), "v.0": torch.ones(2, 3, 4), "pos.0": torch.zeros(2, 3, dtype=torch.int32)}
     monkeypatch.setattr(codec, "FORMAT_VERSION", "1")
     with store.begin("old") as pending:
-        pending.write_episode(0, tensors, {"fingerprint": "fp"}, centroid=[1.0], medoid_text="x", budgets=[3],
+        pending.write_episode(0, tensors, {"fingerprint": "fp"}, centroid=centroid(1.0), medoid_text="x", budgets=[3],
                               n_tokens=6)
         pending.commit(model="default", fingerprint="fp", settings={}, stats={})
     monkeypatch.undo()

@@ -188,3 +188,36 @@ def test_a_fifo_inside_a_model_directory_is_refused(tmp_path, tiny_model_dir):
                             model / "model.safetensors")
     assert error is None and outcome[0].returncode == 2
     assert "not a regular file" in outcome[0].stderr
+
+
+def _cut_short(source: Path, target: Path) -> Path:
+    """A copy of the model directory `source` in `target` whose weights file lost its last bytes."""
+    target.mkdir(parents=True)
+    for f in source.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    weights = target / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 4096)
+    return weights
+
+
+def test_a_model_directory_whose_weights_are_cut_short_is_refused_before_it_is_mapped(tmp_path, tiny_model_dir):
+    """safetensors memory-maps the weights: a file cut short would kill the process (SIGBUS) where it is read."""
+    weights = _cut_short(tiny_model_dir, tmp_path / "model")
+    result = run_main(tmp_path / "home", "profile-layers", "--model", str(weights.parent))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(weights) in lines[0] and "cut short" in lines[0]
+    assert "copy or download the model again" in lines[0]
+
+
+def test_a_converted_copy_cut_short_is_refused_with_how_to_convert_it_again(tmp_path, tiny_model_dir):
+    from kvchat.llm import _converted_dir, default_gguf_path, load_model
+
+    models = tmp_path / "models"
+    copy = _converted_dir(default_gguf_path(), models)
+    weights = _cut_short(tiny_model_dir, copy)
+    (copy / "kvchat-converted.txt").write_text("a test's copy\n")
+    with pytest.raises(UserError) as caught:
+        load_model("default", models)
+    assert str(weights) in str(caught.value) and f"remove {copy} and kvchat converts the model again" in str(
+        caught.value)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from cli_helpers import run_main
+from conftest import centroid
 from conftest import random_ids as _ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -256,7 +257,8 @@ def test_files_of_format_3_still_load(tmp_path, model, monkeypatch):
     del metadata["precision"]  # what kvchat wrote before format 4
     monkeypatch.setattr(codec, "FORMAT_VERSION", "3")
     with store.begin("old") as pending:
-        pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
+        pending.write_episode(0, tensors, metadata, centroid=centroid(1.0), medoid_text="x", budgets=[60, 60],
+                              n_tokens=240)
         pending.commit(model="default", fingerprint="fp", settings={}, stats={})
     monkeypatch.undo()
     loaded, meta = store.load_episode(store.get("old").episodes[0], "fp")
@@ -274,7 +276,8 @@ def test_only_4_bit_files_are_stamped_format_5(tmp_path, model, precision):
         cache.quantize(GROUP, 0, {"int8": 8, "int4": 4}[precision])
     tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
     with store.begin("c") as pending:
-        pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
+        pending.write_episode(0, tensors, metadata, centroid=centroid(1.0), medoid_text="x", budgets=[60, 60],
+                              n_tokens=240)
         pending.commit(model="default", fingerprint="fp", settings={}, stats={})
     loaded, meta = store.load_episode(store.get("c").episodes[0], "fp")
     assert meta["format_version"] == ("5" if precision == "int4" else "4")
@@ -290,7 +293,8 @@ def test_a_file_of_an_unknown_format_version_is_refused(tmp_path, model, monkeyp
     tensors, metadata = codec.encode(cache, codec.meta_of(cache, fingerprint="fp", method="m", positions="original"))
     monkeypatch.setattr(codec, "INT4_FORMAT_VERSION", "99")
     with store.begin("c") as pending:
-        pending.write_episode(0, tensors, metadata, centroid=[1.0], medoid_text="x", budgets=[60, 60], n_tokens=240)
+        pending.write_episode(0, tensors, metadata, centroid=centroid(1.0), medoid_text="x", budgets=[60, 60],
+                              n_tokens=240)
         pending.commit(model="default", fingerprint="fp", settings={}, stats={})
     with pytest.raises(store_module.CacheIntegrityError, match="unsupported format version '99'"):
         store.load_episode(store.get("c").episodes[0], "fp")

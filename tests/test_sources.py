@@ -14,11 +14,12 @@ from kvchat import documents
 from kvchat.ask import Session
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.history import Turn
+from kvchat.history_tokens import turn_spans
 from kvchat.ingest import build_episodes, commit_ingest, ingest, plan_ingest, write_episode
 from kvchat.kv.attention import LayerView, Retrieved
 from kvchat.kv.layers import UniformLayer
 from kvchat.llm import ChatLayout
-from kvchat.sources import SourceRecorder, TurnSpan, quote, rank, turn_spans
+from kvchat.sources import SourceRecorder, TurnSpan, quote, rank
 from kvchat.store import Store
 from kvchat.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
 

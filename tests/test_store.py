@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_main
+from conftest import centroid
 
 from kvchat import store as store_module
 from kvchat.errors import CacheIntegrityError, UserError
@@ -50,7 +51,8 @@ def _ingest(store: Store, name: str, n: int = 2, *, replace: bool = False, fp: s
         for i in range(n):
             pending.write_episode(
                 i, _tensors(seed + i), {"fingerprint": fp, "method": "epicache"},
-                centroid=[0.25 * i + offset, -1.0, 3.0], medoid_text=f"episode {i}", budgets=[8, 12], n_tokens=20,
+                centroid=centroid(0.25 * i + offset, -1.0, 3.0), medoid_text=f"episode {i}", budgets=[8, 12],
+                n_tokens=20,
             )  # fmt: skip
         return pending.commit(model="default", fingerprint=fp, settings=SETTINGS, stats=STATS)
 
@@ -105,7 +107,7 @@ def test_round_trip_is_bit_exact(store: Store) -> None:
         assert ep.path.is_relative_to(store.caches_dir / "chat")
         assert ep.bytes == ep.path.stat().st_size
         assert ep.sha256 == hashlib.sha256(ep.path.read_bytes()).hexdigest()
-        assert ep.centroid == [0.25 * ep.index, -1.0, 3.0]
+        assert ep.centroid == centroid(0.25 * ep.index, -1.0, 3.0)
         assert ep.budgets == [8, 12] and ep.n_tokens == 20 and ep.medoid_text == f"episode {ep.index}"
         tensors, meta = store.load_episode(ep, FP)
         expected = _tensors(ep.index)
@@ -191,7 +193,7 @@ def test_not_visible_before_commit(store: Store) -> None:
     other = Store(store.home)
     with store.begin("chat") as pending:
         pending.write_episode(
-            0, _tensors(), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+            0, _tensors(), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
         )
         assert store.conversations() == [] and other.conversations() == []
         assert not (store.caches_dir / "chat").exists()
@@ -205,7 +207,7 @@ def test_not_visible_before_commit(store: Store) -> None:
 def test_exception_in_with_leaves_nothing(store: Store) -> None:
     with pytest.raises(RuntimeError, match="boom"), store.begin("chat") as pending:
         pending.write_episode(
-            0, _tensors(), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+            0, _tensors(), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
         )
         raise RuntimeError("boom")
     assert _tmp_dirs(store) == []
@@ -216,7 +218,7 @@ def test_exception_in_with_leaves_nothing(store: Store) -> None:
 def test_abort_and_leaving_without_commit(store: Store) -> None:
     pending = store.begin("chat")
     pending.write_episode(
-        0, _tensors(), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+        0, _tensors(), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
     )
     pending.abort()
     pending.abort()  # idempotent
@@ -231,7 +233,7 @@ def test_abort_and_leaving_without_commit(store: Store) -> None:
 def test_commit_refuses_inconsistent_fingerprint(store: Store) -> None:
     with store.begin("chat") as pending:
         pending.write_episode(
-            0, _tensors(), {"fingerprint": "other"}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+            0, _tensors(), {"fingerprint": "other"}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
         )
         with pytest.raises(ValueError, match="fingerprint"):
             pending.commit(model="default", fingerprint=FP, settings={}, stats={})
@@ -240,7 +242,7 @@ def test_commit_refuses_inconsistent_fingerprint(store: Store) -> None:
 
 def test_write_episode_requires_fingerprint_and_str_metadata(store: Store) -> None:
     with store.begin("chat") as pending:
-        kwargs = {"centroid": [1.0], "medoid_text": "m", "budgets": [4], "n_tokens": 8}
+        kwargs = {"centroid": centroid(1.0), "medoid_text": "m", "budgets": [4], "n_tokens": 8}
         with pytest.raises(ValueError, match="fingerprint"):
             pending.write_episode(0, _tensors(), {"method": "full"}, **kwargs)
         with pytest.raises(ValueError, match="str"):
@@ -269,7 +271,7 @@ def test_name_taken_while_pending_is_refused(store: Store) -> None:
     first, second = store.begin("chat"), store.begin("chat")
     for pending in (first, second):
         pending.write_episode(
-            0, _tensors(), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+            0, _tensors(), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
         )
     committed = first.commit(model="default", fingerprint=FP, settings={}, stats={})
     with pytest.raises(UserError, match="use --replace"):
@@ -490,7 +492,7 @@ def test_two_stores_on_one_home_write_different_conversations(tmp_path: Path) ->
     pa, pb = a.begin("alpha"), b.begin("beta")
     for i, pending in enumerate((pa, pb)):
         pending.write_episode(
-            0, _tensors(i), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+            0, _tensors(i), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
         )
     ra = pa.commit(model="default", fingerprint=FP, settings={}, stats={})
     rb = pb.commit(model="default", fingerprint=FP, settings={}, stats={})
@@ -550,7 +552,7 @@ def test_disk_full_while_writing_aborts_with_one_line(store: Store, monkeypatch,
     with pytest.raises(UserError) as info, store.begin("chat") as pending:
         for i in range(2):
             pending.write_episode(
-                i, _tensors(i), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4], n_tokens=8
+                i, _tensors(i), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
             )
     assert str(info.value) == (
         f"no space left on device while writing caches to {store.caches_dir}: free space or lower --budget"
@@ -565,7 +567,7 @@ def test_other_write_errors_are_not_disguised(store: Store, monkeypatch) -> None
 
     monkeypatch.setattr(store_module, "_write_file", broken)
     with pytest.raises(OSError, match="Input/output") as info, store.begin("chat") as pending:
-        pending.write_episode(0, _tensors(), {"fingerprint": FP}, centroid=[1.0], medoid_text="m", budgets=[4],
+        pending.write_episode(0, _tensors(), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4],
                               n_tokens=8)  # fmt: skip
     assert not isinstance(info.value, UserError)
     assert _tmp_dirs(store) == [] and store.conversations() == []

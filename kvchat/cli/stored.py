@@ -162,12 +162,13 @@ def doctor(
 
     Exit status: 0 when the store is healthy (with --fix: once repaired), 1 when problems remain.
     """
+    from kvchat.encoder import embedding_dimension
     from kvchat.store import diagnose, repair
 
-    home = default_home()
-    found = diagnose(home)
-    fixed = repair(home, found) if fix and found else []
-    remaining = diagnose(home) if fix and found else found
+    home, dimension = default_home(), embedding_dimension()  # from the encoder's config: no model, no torch
+    found = diagnose(home, embedding_dimension=dimension)
+    fixed = repair(home, found, embedding_dimension=dimension) if fix and found else []
+    remaining = diagnose(home, embedding_dimension=dimension) if fix and found else found
     if as_json:
         emit_json(documents.document(healthy=not remaining, problems=[p.to_dict() for p in found], fixed=fixed))
     else:

@@ -522,18 +522,24 @@ def diagnose(home: Path, *, embedding_dimension: int | None = None) -> list[Prob
         store.close()
 
 
-def repair(home: Path, problems: Iterable[Problem]) -> list[str]:
+def repair(home: Path, problems: Iterable[Problem], *, embedding_dimension: int | None = None) -> list[str]:
     """Repair what `diagnose` found (`kvchat doctor --fix`); one line per action taken.
 
     A damaged kvchat.db is moved aside, kept, and rebuilt from what survives (`recovery`); then, or
-    else, the store fixes its files and leftovers (`Store.fix`).
+    else, the store fixes its files and leftovers (`Store.fix`). A conversation listed again from its
+    manifest (the rebuild, an unlisted one) is checked as every other (`embedding_dimension`, as `diagnose`'s)
+    before it counts as restored: a manifest re-signed with centroids of another length is removed, not listed.
     """
     home = Path(home).expanduser().absolute()
     problems = list(problems)
     done = _rebuild(home) if any(p.kind == "database" for p in problems) else []
     store = Store(home, clean_stale=False, frees_space=True)
     try:
-        return done + store.fix(store.check() if done else problems)
+        done += store.fix(store.check(embedding_dimension=embedding_dimension) if done else problems)
+        if embedding_dimension is not None and any(p.kind == "unlisted" for p in problems):
+            done += store.fix([p for p in store.check(embedding_dimension=embedding_dimension)
+                               if p.kind == "centroids"])  # fmt: skip
+        return done
     finally:
         store.close()
 

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import sqlite3
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -52,6 +53,20 @@ def crash_point(what: str) -> None:
             f.write(f"{n} {what}\n")
     if at is not None and n == int(at):
         os._exit(CRASH_EXIT)
+
+
+HOLD_AT = "KVCHAT_HOLD_AT"
+
+
+def hold_point(what: str) -> None:
+    """A test hook beside `crash_point`: with KVCHAT_HOLD_AT=WHAT:FILE the process waits at the point named `what`
+    until FILE exists, so a test can act while it is held there (tests/test_batch_cluster.py kills a Ray node
+    whose worker has sent an episode and holds before its next one). Unset (every real run): nothing."""
+    held, _, barrier = os.environ.get(HOLD_AT, "").partition(":")
+    if held != what or not barrier:
+        return
+    while not os.path.exists(barrier):
+        time.sleep(0.05)  # polls for the test's file: no timing rides on it
 
 
 def write_file(path: Path, data: bytes) -> None:
