@@ -238,5 +238,5 @@ def test_a_truncated_safetensors_model_is_the_users_to_fix(tmp_path, tiny_model_
     weights = model / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     result = run_main(tmp_path / "home", "profile-layers", "--model", str(model))
-    assert result.returncode == 2 and "cannot load model" in result.stderr, result.stderr
+    assert result.returncode == 2 and "model.safetensors: damaged or cut short" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
