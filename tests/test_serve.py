@@ -252,9 +252,10 @@ def test_a_client_leaving_mid_answer_stops_it_and_others_are_served(server, home
         with client.stream("POST", server.url + "/v1/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {KEY}"}) as response:
             assert response.status_code == 200
-            assert next(response.iter_lines()).startswith("data: ")  # the role chunk
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # the role chunk
             held = server.gate.holding.wait(WAIT_S)  # else say what the stream did instead
-            assert held, f"the answer never reached its first token; the stream said {list(response.iter_lines())}"
+            assert held, f"the answer never reached its first token; the stream said {list(lines)}"
             job = server.gate.held
         # the client has hung up; the server notices before the held token is taken
     _until(lambda: job.cancelled)
