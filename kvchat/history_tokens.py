@@ -11,7 +11,6 @@ space marker, gets one chunk), so the ids are those of tokenizing the whole text
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from kvchat.history import Turn, format_turns
-from kvchat.sources import TurnSpan, span_of
+from kvchat.sources import TurnSpan, span_of, token_owners
 
 CHUNK_CHARS = 1 << 16  # characters of rendered lines per tokenizer call (a chunk ends at the next line that allows)
 _TRIES = 64  # lines in a row a chunk may look for a cut at before it takes the rest
@@ -113,9 +112,5 @@ def _cuts_between(tokenizer, before: str, after: str) -> bool:
 
 def _owners(offset_mapping: Sequence[tuple[int, int]], lines: Sequence[str], start: int) -> np.ndarray:
     """Per token, the index (in `lines`) of the line its last character lies in; the lines begin at `start`."""
-    starts, cursor = [], start
-    for line in lines:
-        starts.append(cursor)
-        cursor += len(line) + 1
-    return np.fromiter((max(0, bisect.bisect_right(starts, max(end - 1, begin)) - 1) for begin, end in offset_mapping),
-                       dtype=np.int64, count=len(offset_mapping))  # fmt: skip
+    starts = np.cumsum([start, *(len(line) + 1 for line in lines[:-1])]).tolist() if lines else []
+    return token_owners(offset_mapping, starts)

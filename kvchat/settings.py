@@ -162,7 +162,7 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
                             # recall stores written before recall_retrieval ranked by the encoder
                             retrieval=get("recall_retrieval", "dense" if "recall_share" in settings
                                           else cache_d.recall.retrieval),
-                            dated=get("recall_dated", False)),
+                            dated=get("recall_dated", cache_d.recall.dated)),
     )
     cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(

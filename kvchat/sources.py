@@ -21,6 +21,7 @@ import json
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from kvchat.history import Turn
@@ -78,8 +79,16 @@ def token_ranges(tokenizer, text: str, starts: Sequence[int]) -> list[tuple[int,
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     except (NotImplementedError, ValueError):  # a slow (Python) tokenizer has no offsets
         return None
-    owner = [max(0, bisect.bisect_right(starts, max(end - 1, begin)) - 1) for begin, end in encoded["offset_mapping"]]
-    return [(bisect.bisect_left(owner, i), bisect.bisect_right(owner, i)) for i in range(len(starts))]
+    owner, pieces = token_owners(encoded["offset_mapping"], starts), np.arange(len(starts))
+    return list(zip(np.searchsorted(owner, pieces, "left").tolist(), np.searchsorted(owner, pieces, "right").tolist(),
+                    strict=True))
+
+
+def token_owners(offset_mapping: Sequence[tuple[int, int]], starts: Sequence[int]) -> np.ndarray:
+    """Per token (its character offsets), the index of the piece of text that starting at character `starts[i]`
+    (ascending; the text before the first belongs to it) holds the token's last character."""
+    return np.fromiter((max(0, bisect.bisect_right(starts, max(end - 1, begin)) - 1) for begin, end in offset_mapping),
+                       dtype=np.int64, count=len(offset_mapping))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -154,27 +163,19 @@ class SourceRecorder:
         for r in recalled:
             appended[r.start : r.end] = place[r.index]
         self._appended, self._base = appended, cache.next_position
-        self._held = [  # per layer and KV head: the turn of each entry held now
-            [self.turn_of(o) for o in heads] if origins is not None else
-            [self.turn_of(p[p < cache.next_position]) for p in _head_positions(layer)]
-            for layer, heads in zip(cache.layers, origins if origins is not None else cache.layers, strict=True)
-        ]  # fmt: skip
+        if origins is None:  # the entries sit at their original positions
+            origins = [[p[p < cache.next_position] for p in _head_positions(layer)] for layer in cache.layers]
+        self._held = [[self.turn_of(o) for o in heads] for heads in origins]  # per layer and KV head, held now
         self.mass = torch.zeros(self.turns + 1, dtype=torch.float64)
 
     def turn_of(self, positions: torch.Tensor) -> torch.Tensor:
         """The turn index of each original position; `self.turns` for positions in no turn."""
-        positions = positions.cpu().long()
-        inside = positions < len(self._owner)
-        return torch.where(inside, self._owner[positions.clamp(max=max(len(self._owner) - 1, 0))], self.turns)
+        return _looked_up(self._owner, positions.cpu().long(), self.turns)
 
     def _fed_turn(self, positions: torch.Tensor) -> torch.Tensor:
         """The turn of each token fed after the recorder was made (positions the cache gave it): a recalled turn's,
         else `self.turns`."""
-        offsets = positions.cpu().long() - self._base
-        if not len(self._appended):
-            return torch.full_like(offsets, self.turns)
-        inside = (offsets >= 0) & (offsets < len(self._appended))
-        return torch.where(inside, self._appended[offsets.clamp(0, len(self._appended) - 1)], self.turns)
+        return _looked_up(self._appended, positions.cpu().long() - self._base, self.turns)
 
     def record(self, view: LayerView) -> None:
         if view.layer_idx < self.first_layer:
@@ -220,6 +221,14 @@ def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top:
                kept_tokens=int(round(float(kept[i]))), tokens=spans[i].end - spans[i].start, recalled=i in recalled)
         for i in order
     ]  # fmt: skip
+
+
+def _looked_up(table: torch.Tensor, index: torch.Tensor, missing: int) -> torch.Tensor:
+    """`table[index]` where `index` lies in the table, else `missing`."""
+    if not len(table):
+        return torch.full_like(index, missing)
+    inside = (index >= 0) & (index < len(table))
+    return torch.where(inside, table[index.clamp(0, len(table) - 1)], missing)
 
 
 def _head_positions(layer) -> list[torch.Tensor]:
