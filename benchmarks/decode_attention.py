@@ -2,7 +2,8 @@
 
     HF_HUB_OFFLINE=1 python benchmarks/decode_attention.py [--threads 1 2] [--out PATH]
 
-The embedded model's shape (9 query heads over 3 KV heads of 64 dimensions, float32), 30 layers of distinct
+The embedded model's shape (9 query heads over 3 KV heads of 64 dimensions; float32, and bfloat16 as a
+`--dtype bfloat16` model holds its cache), 30 layers of distinct
 random keys and values per length so a step reads them from memory as a decode step does; microseconds per
 layer, best of 5 repeats of 20 passes. What `kvchat.kv.attention.SDPA_DECODE_ENTRIES` is chosen from.
 """
@@ -47,17 +48,20 @@ def main() -> None:
     lines = [
         f"### One decode query's attention, microseconds per layer ({platform.machine()}, {os.cpu_count()} CPUs, "
         f"torch {torch.__version__}, {dt.date.today()}; `{Path(__file__).name}`)", "",
-        "| threads | entries per head | grouped matmuls | SDPA | SDPA / grouped |", "|---:|---:|---:|---:|---:|",
+        "| dtype | threads | entries per head | grouped matmuls | SDPA | SDPA / grouped |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
-    for threads in args.threads:
-        torch.set_num_threads(threads)
-        for n in LENGTHS:
-            queries = [torch.randn(1, HEADS, 1, DIM) for _ in range(LAYERS)]
-            keys = [torch.randn(1, KV_HEADS, n, DIM) for _ in range(LAYERS)]
-            values = [torch.randn(1, KV_HEADS, n, DIM) for _ in range(LAYERS)]
-            a, b = per_layer_us(grouped, queries, keys, values), per_layer_us(sdpa, queries, keys, values)
-            lines.append(f"| {threads} | {n} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
-            print(lines[-1], flush=True)
+    for dtype in (torch.float32, torch.bfloat16):
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            for n in LENGTHS:
+                queries = [torch.randn(1, HEADS, 1, DIM, dtype=dtype) for _ in range(LAYERS)]
+                keys = [torch.randn(1, KV_HEADS, n, DIM, dtype=dtype) for _ in range(LAYERS)]
+                values = [torch.randn(1, KV_HEADS, n, DIM, dtype=dtype) for _ in range(LAYERS)]
+                a, b = per_layer_us(grouped, queries, keys, values), per_layer_us(sdpa, queries, keys, values)
+                lines.append(f"| {str(dtype).removeprefix('torch.')} | {threads} | {n} | {a:.1f} | {b:.1f} | "
+                             f"{b / a:.2f} |")
+                print(lines[-1], flush=True)
     args.out.write_text("\n".join(lines) + "\n")
 
 

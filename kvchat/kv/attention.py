@@ -178,14 +178,17 @@ def attend(
     return _weighted_values(weights, value)
 
 
-# Entries per head up to which torch's SDPA CPU kernel beats `decode_attention` for one query when torch runs more
-# than one intra-op thread; beyond it, and on one thread, the grouped matmuls win (benchmarks/decode_attention.py).
+# Entries per head up to which torch's SDPA CPU kernel beats `decode_attention` for one float32 query when torch
+# runs more than one intra-op thread; beyond it, and on one thread, the grouped matmuls win
+# (benchmarks/decode_attention.py).
 SDPA_DECODE_ENTRIES = 2048
 
 
 def _sdpa_decodes_faster(key: torch.Tensor) -> bool:
-    """Whether one query over `key` runs faster through SDPA (CPU, several threads, not too many entries)."""
-    return key.device.type == "cpu" and key.shape[2] <= SDPA_DECODE_ENTRIES and torch.get_num_threads() > 1
+    """Whether one query over `key` runs faster through SDPA (CPU, float32, several threads, not too many
+    entries; in bfloat16 the grouped matmuls are faster)."""
+    return (key.device.type == "cpu" and key.dtype == torch.float32 and key.shape[2] <= SDPA_DECODE_ENTRIES
+            and torch.get_num_threads() > 1)
 
 
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
