@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import rotate_half
 
 from kvchat.int8_weights import Int8Linear
 from kvchat.kv import families
 from kvchat.kv.attention import attend
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import UniformLayer
+from kvchat.kv.rope import rotate_half
 
 FAMILIES = ("llama",)
 
