@@ -20,7 +20,7 @@ import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -101,30 +101,34 @@ class ModelIdentity:
     attention_backend: str = "torch"  # the decode attention kernel (kvchat.kv.backends)
 
 
+@dataclass
 class LoadedModel:
     """A model ready for kvchat: tokenizer, identity, and the model that answers.
 
     Where kvchat builds the model itself (`native`, kvchat.native_llama: answering then imports none of transformers'
     model code), it answers, and transformers' model (`model`) is built on first use, around the same modules;
-    elsewhere `model` is loaded at once and answers."""
+    elsewhere transformers' model is loaded at once (`transformers_model`) and answers."""
 
-    def __init__(self, spec: str, tokenizer: PreTrainedTokenizerBase, fingerprint: str, *,
-                 model: PreTrainedModel | None = None, native: NativeLlama | None = None) -> None:
-        if (model is None) == (native is None):
-            raise ValueError("a LoadedModel has transformers' model or kvchat's native one")
-        self.spec, self.tokenizer, self.fingerprint, self.native = spec, tokenizer, fingerprint, native
-        self._model = model
-        self._decode_step: DecodeStep | bool | None = None
+    spec: str
+    tokenizer: PreTrainedTokenizerBase
+    fingerprint: str
+    native: NativeLlama | None = None
+    transformers_model: PreTrainedModel | None = field(default=None, repr=False)
+    _decode_step: DecodeStep | bool | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.native is None and self.transformers_model is None:
+            raise ValueError("a LoadedModel needs transformers' model or kvchat's native one")
 
     @property
     def model(self) -> PreTrainedModel:
         """transformers' model with kvchat's attention attached: for what kvchat's native model does not compute
         (ingest, recorders, latent memories, paged and quantized caches, training); built on first use where the
         native model answers, holding its modules."""
-        if self._model is None:
-            self._model = native_llama.as_transformers(self.native)
-            self._model.set_attn_implementation(attention.register())
-        return self._model
+        if self.transformers_model is None:
+            self.transformers_model = native_llama.as_transformers(self.native)
+            self.transformers_model.set_attn_implementation(attention.register())
+        return self.transformers_model
 
     @property
     def answering(self) -> nn.Module:
@@ -267,11 +271,9 @@ def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | No
     try:
         try:
             progress.phase("dequantizing the weights")
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = _gguf_model(gguf)
             progress.phase("reading the tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = _gguf_tokenizer(gguf)
         except (ValueError, KeyError, IndexError, struct.error, EOFError) as exc:  # what gguf's reader raises
             raise UserError(f"{gguf}: not a GGUF model kvchat can read ({_first_line(exc)})") from exc
         progress.phase("writing the safetensors copy")
@@ -290,6 +292,18 @@ def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | No
         shutil.rmtree(tmp, ignore_errors=True)
     progress.converted(time.monotonic() - started)
     return target
+
+
+def _gguf_model(gguf: Path) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM  # transformers' model code: only when a model is converted
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
 def _write_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path, note: str) -> None:
@@ -492,7 +506,7 @@ def load_model(
         families.check_supported(model, spec)
         model.set_attn_implementation(attention.register())
         model.to(placement.device).eval()
-        lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), model=model)
+        lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), transformers_model=model)
     if weights == "int8":
         quantize_linears(lm.answering)
     _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
