@@ -4,8 +4,9 @@ one-shot commands a user runs without a server.
     HF_HUB_OFFLINE=1 python benchmarks/serve_latency.py [--clients 4] [--tokens 32] [--threads 2] [--out PATH]
 
 A planted-fact conversation (kvchat.synthetic, 4 topics) is ingested with the embedded model into a temporary
-home (the model converted there first, so every later load finds it converted); the server (uvicorn on
-127.0.0.1, the model and encoder preloaded) runs in this process. Each client uses the `openai` package,
+home (the model converted there first, so every later load finds it converted); the server is `kvchat serve` in
+its own process, as a user runs it (port 0, found through `$KVCHAT_HOME`, the model and encoder preloaded before
+the first question). Each client uses the `openai` package in this process,
 streams its answer and measures the time from sending its request to its first content chunk; the usage chunk
 gives the answer's tokens, so the decode rate through the server is (tokens - 1) over the time from the first
 content chunk to the last. Pass 1 asks every question alone (the server's caches warm after the first one per
@@ -15,7 +16,7 @@ first token waits for the answers queued before it: pass 2's p95 is about the an
 
 Then the command line, each a new process (`python -m kvchat`, `$KVCHAT_HOME` the temporary home): `kvchat ask
 QUESTION` while the server runs (it finds the server in `$KVCHAT_HOME` and asks it), `kvchat ask --local
-QUESTION` after it stopped (torch, the model and the encoder loaded in the process), both timed from the start
+QUESTION` after it stopped (SIGTERM) (torch, the model and the encoder loaded in the process), both timed from the start
 of the process to the first byte of the answer on stdout; and `kvchat list` to its exit. `--repeat` runs each.
 
 A markdown section goes to stdout and to `--out`; progress to stderr.
@@ -26,21 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvchat.config import CacheConfig, IngestConfig, ServeConfig
+from kvchat.config import CacheConfig, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.ingest import ingest
 from kvchat.llm import load_model, use_threads
-from kvchat.serve.engine import Engine
-from kvchat.serve.server import build_server
+from kvchat.serve.announcement import announced_url
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 
@@ -71,15 +72,10 @@ def main() -> None:
     store.close()
     questions = [fact.question for fact in qa]
 
-    config = ServeConfig(port=0, preload=False, log=False, threads=args.threads, queue_size=max(8, args.clients),
-                         weights=args.weights)
-    served = lm if args.weights == "float" else load_model("default", home / "models", weights=args.weights)
-    server = build_server(config, home=home, engine=Engine(home, config, models={lm.spec: served}, encoder=encoder))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    client = OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+    del lm, encoder
+    env = os.environ | {"KVCHAT_HOME": str(home), "OMP_NUM_THREADS": str(args.threads)}
+    server, url = _start_server(home, env, args)
+    client = OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
 
     def ask(question: str) -> tuple[float, float, str, float]:
         """(first token s, answer s, text, decode tokens/s after the first token)."""
@@ -110,11 +106,11 @@ def main() -> None:
             for question, result in zip(batch, pool.map(ask, batch), strict=True):
                 together.append(result)
                 equal += result[2] == alone[question][2]
-    env = os.environ | {"KVCHAT_HOME": str(home), "OMP_NUM_THREADS": str(args.threads)}
     _say(f"kvchat ask through the server, {args.repeat} times")
     through = [_first_byte(["ask", questions[0], "--conversation", "planted"], env) for _ in range(args.repeat)]
-    server.should_exit = True
-    thread.join()
+    server.terminate()
+    if server.wait(timeout=60) not in (0, 128 + signal.SIGTERM):  # kvchat exits 128 + signal after a clean stop
+        raise RuntimeError(f"kvchat serve exited {server.returncode} on SIGTERM")
     _say(f"kvchat ask --local and kvchat list, {args.repeat} times each")
     local = [_first_byte(["ask", "--local", "--no-log", questions[0], "--conversation", "planted"], env)
              for _ in range(args.repeat)]
@@ -125,8 +121,9 @@ def main() -> None:
     lines = [
         f"### kvchat serve: first-token latency ({args.clients} streaming clients, {args.tokens} tokens)", "",
         f"Embedded SmolLM2-135M, {'float32' if args.weights == 'float' else 'int8 weights'}, {args.threads} threads, "
-        f"planted-fact conversation ({len(questions)} questions), budget {args.budget}; one worker answers one "
-        f"request at a time. Load average at the end {os.getloadavg()[0]:.1f}.", "",
+        f"planted-fact conversation ({len(questions)} questions), budget {args.budget}; `kvchat serve` in its own "
+        f"process, the clients in another; one worker answers one request at a time. Load average at the end "
+        f"{os.getloadavg()[0]:.1f}.", "",
         "| pass | answers | first token p50 (s) | first token p95 (s) | answer p95 (s) |",
         "|---|---:|---:|---:|---:|", *rows, "",
         f"Concurrent answers equal to the same question asked alone: {equal} of {len(together)}. Decode through the "
@@ -142,6 +139,24 @@ def main() -> None:
     sys.stdout.write(report)
     if args.out is not None:
         args.out.write_text(report)
+
+
+def _start_server(home: Path, env: dict[str, str], args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """`kvchat serve` in its own process; its URL once it is announced in the home and says it is ready."""
+    command = [sys.executable, "-m", "kvchat", "serve", "--port", "0", "--weights", args.weights, "--no-log",
+               "--threads", str(args.threads), "--queue-size", str(max(8, args.clients))]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    while server.poll() is None:
+        url = announced_url(home)
+        if url is not None:
+            try:
+                with urllib.request.urlopen(url + "/kvchat/health", timeout=5) as response:
+                    if json.load(response).get("status") == "ok":
+                        return server, url
+            except OSError:
+                pass
+        time.sleep(0.2)
+    raise RuntimeError(f"kvchat serve exited {server.returncode} before it was ready")
 
 
 def _first_byte(command: list[str], env: dict[str, str], to_exit: bool = False) -> float:

@@ -116,7 +116,8 @@ class EpisodeConfig:
     """How a history is cut into topical episodes (EpiCache §3.1)."""
 
     episodes: int | None = field(default=None, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
-    # clusters; None: DEFAULT_EPISODES, or fewer when the history has fewer segments (a given E is not lowered)
+    # clusters; None: DEFAULT_EPISODES, or fewer when the history has fewer segments (a given E is not lowered),
+    # counted again at every re-ingest (saved as None: `--append --reingest` of a longer history gets more)
     window: int = field(default=4, metadata={"option": "--window", "min": 1})  # w: turns per segment
     prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes

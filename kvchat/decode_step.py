@@ -6,11 +6,14 @@ operations, three projections, rotary embedding per tensor, views and transposes
 same layer in about 25: `torch.rms_norm`, one projection for the query, key and value rows together and one
 for the gate and up rows together (their weights are put side by side once, in one tensor each, and the
 model's own Linear modules keep views of it, so memory does not grow and the model's forward is unchanged),
-the rotary embedding on query and key heads at once, then the cache's own `update` and kvchat's `attend`.
+the rotary embedding on query and key heads at once (a roll, the sign carried by the sine), the entries written
+straight into each layer's buffers (`EpisodeCache.append_token`: none of `update`'s per-layer bookkeeping), then
+kvchat's `attend`.
 
 It runs only where it computes what the model's forward computes: a Llama-architecture model (RMSNorm, SiLU
 MLP, no biases, RoPE from the model's own rotary module), one token, a cache of uniform full-precision layers
-without a latent memory, no recorder. Anything else goes through the model's forward (`kv/forward.py`).
+without a latent memory or tracked origins, no recorder. Anything else goes through the model's forward
+(`kv/forward.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from kvchat.kv import families
 from kvchat.kv.attention import attend
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import UniformLayer
-from kvchat.kv.rope import rotate_half
 
 FAMILIES = ("llama",)
 
@@ -78,6 +80,10 @@ class DecodeStep:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.rotary = model.model.rotary_emb
+        half = self.head_dim // 2  # rotate_half(x) == roll(x, half) with the first half negated: sin carries the sign
+        weight = model.model.embed_tokens.weight
+        self._sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(weight.device, weight.dtype)
+        self._embedding, self._head = weight, _linear(model.lm_head)
         self.layers = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -108,7 +114,7 @@ class DecodeStep:
     @staticmethod
     def applies(cache: EpisodeCache, ids: torch.Tensor) -> bool:
         """Whether this step computes what the model's forward would for `ids` on `cache`."""
-        return (ids.shape[-1] == 1 and cache.memory is None
+        return (ids.shape[-1] == 1 and cache.memory is None and cache.origins is None
                 and all(type(layer) is UniformLayer for layer in cache.layers))
 
     @torch.inference_mode()
@@ -116,26 +122,26 @@ class DecodeStep:
         """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`."""
         families.check_context(self.config, cache.next_position + 1, self.config.name_or_path or "the model",
                                what="the conversation with this question and answer")
-        hidden = self.model.model.embed_tokens(ids)                              # [1, 1, H]
+        hidden = F.embedding(ids, self._embedding)                               # [1, 1, H]
         position = torch.full((1, 1), cache.next_position, dtype=torch.long, device=ids.device)
         cos, sin = self.rotary(hidden, position)                                 # [1, 1, D]
-        q_rows, kv_rows = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        cos, sin = cos[0, 0], sin[0, 0] * self._sign
+        half, q_rows, kv_rows = self.head_dim // 2, self.heads * self.head_dim, self.kv_heads * self.head_dim
         rotated_heads = self.heads + self.kv_heads
         for index, (norm_in, qkv, scale, o_proj, norm_post, gate_up, down) in enumerate(self.layers):
             x = _rms_norm(hidden, norm_in)
             projected = qkv(x)[0, 0]                                             # [q_rows + 2 kv_rows]
             qk = projected[: q_rows + kv_rows].view(rotated_heads, self.head_dim)
-            qk = qk * cos[0] + rotate_half(qk) * sin[0]
+            qk = qk * cos + qk.roll(half, -1) * sin
             query = qk[: self.heads].view(1, self.heads, 1, self.head_dim)
             key = qk[self.heads :].view(1, self.kv_heads, 1, self.head_dim)
             value = projected[q_rows + kv_rows :].view(1, self.kv_heads, 1, self.head_dim)
-            keys, values = cache.update(key, value, index)
+            keys, values = cache.append_token(key, value, index)
             hidden = hidden + o_proj(attend(query, keys, values, None, scale).reshape(1, 1, q_rows))
             gate, up = gate_up(_rms_norm(hidden, norm_post)).chunk(2, dim=-1)
             hidden = hidden + down(F.silu(gate) * up)
-        hidden = _rms_norm(hidden, self.model.model.norm)
-        cache.advance(1)
-        return self.model.lm_head(hidden)
+        cache.note_decoded()
+        return self._head(_rms_norm(hidden, self.model.model.norm))
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:

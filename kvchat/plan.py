@@ -224,9 +224,8 @@ def plan_ingest(
             total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
                              for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
     else:
-        episodes, episode_count = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic,
-                                            notes=notes, step=step)
-        config = dataclasses.replace(config, episodes=dataclasses.replace(config.episodes, episodes=episode_count))
+        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic, notes=notes,
+                             step=step)  # the config keeps the count asked for: without one, a re-ingest counts again
         members = [len(e.segments) for e in episodes]
         if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
             held_turns = [_segment_turns(e.segments, w, len(turns)) for e in episodes]
@@ -468,8 +467,8 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 def _episodes(
     lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
     notes: list[str], step: Callable[[str, int, int], None],
-) -> tuple[list[Episode], int]:
-    """Episodes of the history, and the episode count the settings record. Only EpiCache is episodic: full KV
+) -> list[Episode]:
+    """Episodes of the history. Only EpiCache is episodic: full KV
     and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
     given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
     is refused."""
@@ -496,7 +495,7 @@ def _episodes(
         token_cap=_medoid_cap(config, lm),
         count_tokens=lambda text: lm.encode(text).shape[-1],
     )
-    return built, count
+    return built
 
 
 def episode_scorer(

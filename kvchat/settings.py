@@ -191,7 +191,7 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         "method": cache.method, "budget": cache.budget, "block-size": cache.block_size,
         "episodes": episodes.episodes, "window": episodes.window, "positions": cache.positions,
     }  # fmt: skip
-    if episodes.episodes is None:  # as many as the history holds (settings saved before the count was resolved)
+    if episodes.episodes is None:  # as many as the history holds: counted again from the history
         del options["episodes"]
     if cache.method != "full":
         options["layer-budgets"] = cache.layer_budgets

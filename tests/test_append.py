@@ -14,7 +14,7 @@ from cli_helpers import run_main
 
 from kvchat import store as store_module
 from kvchat.append import append, reingest
-from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.config import DEFAULT_EPISODES, CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.episodes import Episode
 from kvchat.errors import UserError
 from kvchat.history import format_turns, load_history
@@ -115,6 +115,22 @@ def test_reingest_clusters_the_stored_and_the_new_turns_again(tmp_path, halves, 
     record = store.get("chat")
     assert report.turns == 48 and record.settings["appended"] == [str(second.resolve())]
     assert record.settings["source"] == str(first.resolve()) and record.settings["budget"] == 64
+
+
+def test_reingest_counts_the_episodes_of_the_longer_history_again(tmp_path, tiny_lm, encoder):
+    """Without --episodes a short history holds fewer than the default count; re-ingested with more turns appended,
+    the conversation gets the default count, not the short history's."""
+    store = Store(tmp_path)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Message {i} about garden topic {i // 8}."}
+             for i in range(32)]  # fmt: skip
+    short, longer = tmp_path / "short.json", tmp_path / "more.json"
+    short.write_text(json.dumps(turns[:8]))
+    longer.write_text(json.dumps(turns[8:]))
+    config = IngestConfig(cache=CacheConfig(budget=64, block_size=32))
+    ingest(short, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
+    assert len(store.get("chat").episodes) == 2  # 8 turns: 2 segments of 4
+    reingest(longer, name="chat", store=store, lm=tiny_lm, encoder=encoder)
+    assert len(store.get("chat").episodes) == DEFAULT_EPISODES
 
 
 def test_cli_append_and_its_refusals(tmp_path, halves, tiny_model_dir):

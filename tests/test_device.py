@@ -17,7 +17,7 @@ from kvchat.config import DeviceConfig
 from kvchat.device import resolve
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv import backends, codec
-from kvchat.kv.attention import HeadList, kvchat_attention
+from kvchat.kv.attention import HeadList, attend, kvchat_attention
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.prefill import block_prefill
@@ -247,6 +247,22 @@ def test_decode_attention_equals_eager_softmax(layout, softcap):
                                                                                             HeadList(values))
     out, _ = kvchat_attention(_Module(), query, k, v, None, scaling=0.25, softcap=softcap)
     torch.testing.assert_close(out, _eager(query, keys, values, 0.25, softcap), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_query_attends_alike_through_either_cpu_kernel(threads):
+    """`attend` picks SDPA or the grouped matmuls for one query by thread count and length: both give the eager
+    softmax's output."""
+    torch.manual_seed(1)
+    query = torch.randn(1, 8, 1, 16) * 2
+    keys, values = [torch.randn(1, 1, 40, 16) * 2 for _ in range(2)], [torch.randn(1, 1, 40, 16) for _ in range(2)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = attend(query, torch.cat(keys, dim=1), torch.cat(values, dim=1), None, 0.25)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(out.transpose(1, 2), _eager(query, keys, values, 0.25, None), rtol=1e-5, atol=1e-5)
 
 
 def test_the_backend_is_torch_without_cuda_or_the_extra():

@@ -162,12 +162,13 @@ def attend(
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention output `[1, q_heads, q, D]` of `query` over `key`/`value` `[1, kv_heads, n, D]` (GQA): one
-    decode token through flashinfer where it runs (kvchat.kv.backends), else `decode_attention`; more tokens
-    through torch's SDPA; with a logit softcap, which SDPA cannot apply, softmax(softcap(QK^T)) V by hand."""
+    decode token through flashinfer where it runs (kvchat.kv.backends), else `decode_attention` or SDPA,
+    whichever is faster there (`_sdpa_decodes_faster`); more tokens through torch's SDPA; with a logit softcap,
+    which SDPA cannot apply, softmax(softcap(QK^T)) V by hand."""
     fast = backends.flashinfer_decode(query, key, value, scale, softcap) if mask is None else None
     if fast is not None:
         return fast
-    if mask is None and query.shape[2] == 1 and not softcap:
+    if mask is None and query.shape[2] == 1 and not softcap and not _sdpa_decodes_faster(key):
         return decode_attention(query, key, value, scale)
     if not softcap:
         return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -175,11 +176,21 @@ def attend(
     return _weighted_values(weights, value)
 
 
+# Entries per head up to which torch's SDPA CPU kernel beats `decode_attention` for one query when torch runs more
+# than one intra-op thread; beyond it, and on one thread, the grouped matmuls win (benchmarks/decode_attention.py).
+SDPA_DECODE_ENTRIES = 2048
+
+
+def _sdpa_decodes_faster(key: torch.Tensor) -> bool:
+    """Whether one query over `key` runs faster through SDPA (CPU, several threads, not too many entries)."""
+    return key.device.type == "cpu" and key.shape[2] <= SDPA_DECODE_ENTRIES and torch.get_num_threads() > 1
+
+
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of one new token, `query [1, q_heads, 1, D]` over `key/value [1, kv_heads, n, D]`, as
     `[1, q_heads, 1, D]`: each GQA group's queries as one matrix against its KV head, so every key and value
-    is read once (faster than SDPA's CPU kernel for one query: benchmarks/results/decode_speed.md). Softmax in
-    float32."""
+    is read once (on one thread faster than SDPA's CPU kernel beyond a few hundred entries:
+    benchmarks/results/decode_attention.md). Softmax in float32."""
     kv_heads, dim = key.shape[1], query.shape[-1]
     q = query.reshape(kv_heads, -1, dim)                                   # [kv_heads, group, D]
     logits = torch.matmul(q, key[0].transpose(1, 2)).float()                # [kv_heads, group, n]

@@ -107,6 +107,20 @@ class EpisodeCache(Cache):
         self._note_peak(layer.size, 0)
         return layer.keys, layer.values
 
+    def append_token(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for one answer token fed outside the model's forward (`kvchat.decode_step`): the layer's
+        append alone. The caller has checked that nothing else `update` does applies (it is not probing, no
+        origins are tracked) and calls `note_decoded` once after the last layer instead of a peak per layer."""
+        layer = self.layers[layer_idx]
+        layer.append(key_states, value_states, self._new_positions(1, key_states.shape[1], key_states.device))
+        return layer.keys, layer.values
+
+    def note_decoded(self) -> None:
+        """After `append_token` into every layer: the token's position taken, the peaks noted once."""
+        self._note_peak(max(self.sizes), 0)
+        self.advance(1)
+
     def _new_positions(self, q_len: int, heads: int, device: torch.device) -> torch.Tensor:
         """Positions `[heads, q_len]` of the tokens being fed: built once per forward, not once per layer."""
         key = (self.next_position, q_len, heads, device)

@@ -27,6 +27,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from kvchat.checked_files import read_safetensors_header
+
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -101,17 +103,11 @@ class SafetensorsWriter:
             self.path.unlink(missing_ok=True)
 
 
-def read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (the caller validates it, e.g. against the file's size)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n).decode("utf-8"))
-
-
 def open_tensors(path: Path, header: Mapping[str, Any] | None = None) -> tuple[dict[str, FileRows], dict[str, str]]:
     """Every tensor of a safetensors file as `FileRows` over one open read-only descriptor, and the metadata.
+    `header`: the file's, already checked (`checked_files.read_safetensors_header`, which reads it when not given).
     Raises ValueError when a tensor's span does not fit the file or its shape."""
-    header = read_header(path) if header is None else header
+    header = read_safetensors_header(path) if header is None else header
     file = open(path, "rb", buffering=0)  # noqa: SIM115 - shared by the FileRows, closed when the last is collected
     try:
         (n,) = struct.unpack("<Q", os.pread(file.fileno(), 8, 0))
