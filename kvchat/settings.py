@@ -237,5 +237,6 @@ def differing_options(given: IngestConfig, settings: dict, model: str) -> list[s
     for key, path in setting_paths().items():
         mine, theirs = _get(given, path), _get(stored, path)
         if mine != _get(default, path) and mine != theirs:
-            differing.append(f"--{key.replace('_', '-')} {mine} (built with {theirs})")
+            built = "without it" if theirs is None else f"with {theirs}"
+            differing.append(f"--{key.replace('_', '-')} {mine} (built {built})")
     return differing

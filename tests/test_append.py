@@ -22,7 +22,7 @@ from kvchat.ingest import episode_scorer, ingest
 from kvchat.kv import codec
 from kvchat.kv.prefill import block_prefill
 from kvchat.llm import ChatLayout
-from kvchat.settings import from_settings
+from kvchat.settings import differing_options, from_settings, to_settings
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 
@@ -251,3 +251,9 @@ def test_appending_the_same_file_twice_says_so(tmp_path, halves, tiny_model_dir)
     twice = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
     assert twice.returncode == 0, twice.stderr
     assert any(f"{second.resolve()} was ingested into 'chat' before" in n for n in json.loads(twice.stdout)["notes"])
+
+
+def test_an_append_names_a_count_the_conversation_was_built_without():
+    stored = to_settings(IngestConfig(), source="h.json")
+    given = IngestConfig(episodes=EpisodeConfig(episodes=2))
+    assert differing_options(given, stored, "default") == ["--episodes 2 (built without it)"]
