@@ -140,7 +140,7 @@ class Session:
         if recalled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
-            self.lm.model.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
+            self.lm.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",
         )
         recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)

@@ -43,23 +43,33 @@ class SentenceEncoder:
     """Unit-norm sentence embeddings, so a dot product is a cosine similarity.
 
     What sentence-transformers computes for a mean-pooled, normalised encoder (the bundled one: BERT, then the
-    mean of the token states under the attention mask, then L2 normalisation), on transformers alone: that
-    library is not imported to answer a question (it pulls scikit-learn and SciPy at import), and the texts of
-    a batch are sorted by length as it sorts them, so padding stays short."""
+    mean of the token states under the attention mask, then L2 normalisation), with the `tokenizers` library and
+    BERT computed in torch (kvchat.native_bert): neither sentence-transformers (it pulls scikit-learn and SciPy at
+    import) nor transformers' model code is imported to answer a question, and the texts of a batch are sorted by
+    length as sentence-transformers sorts them, so padding stays short."""
 
     def __init__(self, path: Path | None = None) -> None:
-        from transformers import AutoModel, AutoTokenizer  # heavy import, only when used
+        from tokenizers import Tokenizer
+
+        from kvchat.native_bert import Bert  # torch loads here, only when used
 
         self.path = path or default_encoder_path()
         if not self.path.is_dir():
             raise UserError(f"encoder not found: {self.path}")
-        self.max_length = _max_length(self.path)
-        self._tokenizer = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-        self._model = AutoModel.from_pretrained(str(self.path), local_files_only=True).eval()
+        limit = _max_length(self.path)
+        self._model = Bert(self.path)
+        self.max_length = limit or self._model.config.max_position_embeddings
+        try:
+            self._tokenizer = Tokenizer.from_file(str(self.path / "tokenizer.json"))
+        except Exception as exc:  # the tokenizers library raises its own Exception for every failure
+            raise UserError(f"encoder {self.path}: its tokenizer.json cannot be read ({exc})") from None
+        pad = self._model.config.pad_token_id
+        self._tokenizer.enable_padding(pad_id=pad, pad_token=self._tokenizer.id_to_token(pad) or "[PAD]")
+        self._tokenizer.enable_truncation(self.max_length)  # the file's own padding and length are replaced
 
     @property
     def dimension(self) -> int:
-        return int(self._model.config.hidden_size)
+        return self._model.config.hidden_size
 
     def embed(self, texts: list[str], on_progress: Callable[[int, int], None] | None = None) -> np.ndarray:
         """[len(texts), dim] float32, L2-normalised. `on_progress(done, total)` hears of every `EMBED_CHUNK`
@@ -81,10 +91,11 @@ class SentenceEncoder:
         with torch.inference_mode():
             for start in range(0, len(texts), ENCODER_BATCH):
                 picked = order[start : start + ENCODER_BATCH]
-                batch = self._tokenizer([texts[i] for i in picked], padding=True, truncation="longest_first",
-                                        max_length=self.max_length, return_tensors="pt")
-                states = self._model(**batch).last_hidden_state                       # [b, n, dim]
-                mask = batch["attention_mask"].unsqueeze(-1).to(states.dtype)           # [b, n, 1]
+                encoded = self._tokenizer.encode_batch([texts[i] for i in picked])  # padded to the longest
+                ids = torch.tensor([e.ids for e in encoded])
+                attention = torch.tensor([e.attention_mask for e in encoded])
+                states = self._model(ids, attention)                                    # [b, n, dim]
+                mask = attention.unsqueeze(-1).to(states.dtype)                         # [b, n, 1]
                 mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
                 rows[picked] = torch.nn.functional.normalize(mean, p=2, dim=1).float().numpy()
         return rows

@@ -222,7 +222,7 @@ class _KvchatAnswerer:
     def __init__(self, session: Session, lm: LoadedModel, disk_bytes: int, retrieve: int,
                  recall: RagSession | None = None) -> None:  # fmt: skip
         self.session, self.disk_bytes, self.retrieve, self.recall = session, disk_bytes, retrieve, recall
-        self.heads = lm.num_layers * lm.model.config.num_key_value_heads
+        self.heads = lm.num_layers * lm.config.num_key_value_heads
         self.entry_bytes = _entry_bytes(lm)
 
     def ask(self, question: str) -> _Got:
@@ -244,7 +244,7 @@ class _RagAnswerer:
     def __init__(self, session: RagSession) -> None:
         self.session = session
         lm = session.lm
-        self.entry_bytes = _entry_bytes(lm) * lm.num_layers * lm.model.config.num_key_value_heads  # all layers, heads
+        self.entry_bytes = _entry_bytes(lm) * lm.num_layers * lm.config.num_key_value_heads  # all layers, heads
 
     def ask(self, question: str) -> _Got:
         answer = self.session.ask(question)  # everything it attends to is the prompt's keys and values
@@ -257,9 +257,9 @@ class _RagAnswerer:
 
 def _entry_bytes(lm: LoadedModel) -> float:
     """Bytes of one entry (key and value) of one layer and KV head in the model's dtype."""
-    config = lm.model.config
+    config = lm.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * head_dim * lm.model.dtype.itemsize
+    return 2 * head_dim * lm.dtype.itemsize
 
 
 def default_name(qa_set: QASet, variant: GoldVariant) -> str:

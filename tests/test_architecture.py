@@ -21,12 +21,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.ingest", "kvchat.plan", "kvchat.ask", "kvchat.recall", "kvchat.rag", "kvchat.profile", "kvchat.qa",
      "kvchat.training", "kvchat.training.pipeline", "kvchat.training.chunks", "kvchat.training.teacher",
      "kvchat.training.indexer_stage", "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
-    ("kvchat.llm", "kvchat.decode_step", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.store", "kvchat.episodes",
-     "kvchat.preflight", "kvchat.settings", "kvchat.device", "kvchat.features", "kvchat.sources", "kvchat.packed_text",
-     "kvchat.history_tokens"),
+    ("kvchat.llm", "kvchat.native_llama", "kvchat.decode_step", "kvchat.gguf_header", "kvchat.int8_weights",
+     "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings", "kvchat.device", "kvchat.features",
+     "kvchat.sources", "kvchat.packed_text", "kvchat.history_tokens"),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.history", "kvchat.encoder", "kvchat.lexical", "kvchat.synthetic", "kvchat.__init__"),
+    ("kvchat.history", "kvchat.encoder", "kvchat.native_bert", "kvchat.lexical", "kvchat.synthetic", "kvchat.__init__"),
     ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
 ]
 

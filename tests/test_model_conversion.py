@@ -30,19 +30,9 @@ def gguf(tmp_path, monkeypatch, tiny_model_dir) -> Path:
     path = tmp_path / "little.gguf"
     path.write_bytes(b"GGUF" + bytes(2**20))
 
-    class Model:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            return AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-
-    class Tokenizer:
-        @staticmethod
-        def from_pretrained(*args, **kwargs):
-            return AutoTokenizer.from_pretrained(tiny_model_dir)
-
     monkeypatch.setattr(llm, "_check_gguf", lambda p: WEIGHTS)
-    monkeypatch.setattr(llm, "AutoModelForCausalLM", Model)
-    monkeypatch.setattr(llm, "AutoTokenizer", Tokenizer)
+    monkeypatch.setattr(llm, "_gguf_model", lambda gguf: AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    monkeypatch.setattr(llm, "_gguf_tokenizer", lambda gguf: AutoTokenizer.from_pretrained(tiny_model_dir))
     return path
 
 

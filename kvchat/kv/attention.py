@@ -14,8 +14,6 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from kvchat.kv import backends
 
@@ -450,7 +448,11 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 def register() -> str:
-    """Register the attention and mask functions with transformers (idempotent); returns the name."""
+    """Register the attention and mask functions with transformers (idempotent); returns the name. Imported here:
+    transformers' attention registries come with its model code, which answering natively never imports."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(ATTENTION_NAME, kvchat_attention)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
     return ATTENTION_NAME

@@ -9,7 +9,13 @@ which must be applied once, not once per move.
 from __future__ import annotations
 
 import torch
-from transformers.models.llama.modeling_llama import rotate_half
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """The second half of the last dimension, negated, then the first: RoPE's rotation by 90 degrees in each pair of
+    channels, as transformers' Llama-family models pair them (kept here so answering never imports their code)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rotate_keys(
