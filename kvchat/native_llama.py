@@ -7,11 +7,13 @@ memory-mapped `model.safetensors` as plain torch modules named as transformers' 
 (the same state-dict keys, the norms' `variance_epsilon`, `model.rotary_emb`, `lm_head`, a `config` with the same
 attribute names), so kvchat's decode step, weights fingerprint and int8 weights take it as they take transformers'
 model, and `NativeLlama.forward` feeds tokens on top of an `EpisodeCache` as `kv.forward.forward` does through
-transformers' model and kvchat's attention, in the same operations.
+transformers' model, in the same operations: each layer's attention calls kvchat's attention function as
+transformers' `LlamaAttention` calls it, with the keywords `kv.forward.feeding` builds for both, so every cache
+layout, recorder and latent memory answers here.
 
 Built only where that holds: the plain Llama architecture (SiLU MLP, no biases, default RoPE), its weights in one
 safetensors file holding exactly its tensors; `load` returns None otherwise, and the model loads through
-transformers. Where transformers' model is needed after all (ingest, recorders, training), `as_transformers`
+transformers. Where transformers' model is needed after all (ingest, profiling, training), `as_transformers`
 puts these very modules into transformers' `LlamaForCausalLM`: one set of weights.
 """
 
@@ -159,7 +161,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """A layer's query, key, value and output projections and its attention's shape."""
+    """A layer's query, key, value and output projections, its attention's shape, and its attention."""
 
     def __init__(self, config: NativeConfig, layer_idx: int) -> None:
         super().__init__()
