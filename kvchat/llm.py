@@ -122,9 +122,9 @@ class LoadedModel:
 
     @property
     def model(self) -> PreTrainedModel:
-        """transformers' model with kvchat's attention attached: for what kvchat's native model does not compute
-        (ingest, recorders, latent memories, paged and quantized caches, training); built on first use where the
-        native model answers, holding its modules."""
+        """transformers' model with kvchat's attention attached: for what uses the model object itself (ingest's
+        prefill, scorers, profiling, training); built on first use where the native model answers, holding its
+        modules."""
         if self.transformers_model is None:
             self.transformers_model = native_llama.as_transformers(self.native)
             self.transformers_model.set_attn_implementation(attention.register())
@@ -143,9 +143,9 @@ class LoadedModel:
     def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: attention.Recorder | None = None
                 ) -> torch.Tensor:  # fmt: skip
         """Logits `[1, 1, vocab]` of the token after `ids`, fed on top of `cache` (kv.forward.forward): through the
-        native model where it computes the same (no recorder, a cache it applies to), else through transformers'."""
-        if self.native is not None and recorder is None and self.native.applies(cache):
-            return self.native(cache, ids)
+        native model where there is one (it computes the same for every cache and recorder), else transformers'."""
+        if self.native is not None:
+            return self.native(cache, ids, recorder=recorder)
         return model_forward(self.model, cache, ids, recorder=recorder)
 
     @property

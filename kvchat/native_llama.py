@@ -7,11 +7,13 @@ memory-mapped `model.safetensors` as plain torch modules named as transformers' 
 (the same state-dict keys, the norms' `variance_epsilon`, `model.rotary_emb`, `lm_head`, a `config` with the same
 attribute names), so kvchat's decode step, weights fingerprint and int8 weights take it as they take transformers'
 model, and `NativeLlama.forward` feeds tokens on top of an `EpisodeCache` as `kv.forward.forward` does through
-transformers' model and kvchat's attention, in the same operations.
+transformers' model, in the same operations: each layer's attention calls kvchat's attention function as
+transformers' `LlamaAttention` calls it, with the keywords `kv.forward.feeding` builds for both, so every cache
+layout, recorder and latent memory answers here.
 
 Built only where that holds: the plain Llama architecture (SiLU MLP, no biases, default RoPE), its weights in one
 safetensors file holding exactly its tensors; `load` returns None otherwise, and the model loads through
-transformers. Where transformers' model is needed after all (ingest, recorders, training), `as_transformers`
+transformers. Where transformers' model is needed after all (ingest, profiling, training), `as_transformers`
 puts these very modules into transformers' `LlamaForCausalLM`: one set of weights.
 """
 
@@ -28,10 +30,9 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvchat.checked_files import FileMismatch, read_bounded
-from kvchat.kv import families
-from kvchat.kv.attention import attend, causal_mask
+from kvchat.kv.attention import Recorder, kvchat_attention
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.layers import UniformLayer
+from kvchat.kv.forward import feeding
 from kvchat.kv.rope import rotate_half
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """A layer's query, key, value and output projections and its attention's shape."""
+    """A layer's query, key, value and output projections, its attention's shape, and its attention."""
 
     def __init__(self, config: NativeConfig, layer_idx: int) -> None:
         super().__init__()
@@ -173,6 +174,22 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_rows, bias=False)
         self.v_proj = nn.Linear(hidden, kv_rows, bias=False)
         self.o_proj = nn.Linear(q_rows, hidden, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EpisodeCache,
+                **extra) -> torch.Tensor:
+        """The layer's attention output `[1, n, hidden]` for its input `hidden_states [1, n, hidden]`, the tokens'
+        keys and values added to `cache`: what transformers' `LlamaAttention` computes with kvchat's attention
+        function (the same call, with the mask kvchat's mask function gives it, None, and `extra`, the keywords
+        `kv.forward.feeding` builds)."""
+        n = hidden_states.shape[1]
+        heads = (1, n, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(heads).transpose(1, 2)              # [1, heads, n, D]
+        key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
+        value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
+        query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+        keys, values = cache.update(key, value, self.layer_idx)
+        out, _ = kvchat_attention(self, query, keys, values, None, scaling=self.scaling, **extra)  # [1, n, heads, D]
+        return self.o_proj(out.reshape(1, n, -1))
 
 
 class MLP(nn.Module):
@@ -225,36 +242,17 @@ class NativeLlama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
-    @staticmethod
-    def applies(cache: EpisodeCache) -> bool:
-        """Whether `forward` computes on `cache` what transformers' model and kvchat's attention compute: layers
-        that are plain full-precision tensors (no per-head lengths, pages or quantized entries), no latent memory."""
-        return cache.memory is None and all(type(layer) is UniformLayer for layer in cache.layers)
-
     @torch.inference_mode()
-    def forward(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: Recorder | None = None) -> torch.Tensor:
         """Logits `[1, 1, vocab]` of the token after `ids [1, n]`, fed on top of `cache` at its positions (the cache
-        advances): `kv.forward.forward`'s result, where `applies(cache)`."""
-        n = ids.shape[-1]
-        families.check_context(self.config, cache.next_position + n, self.config.name_or_path or "the model",
-                               what="the conversation with this question and answer")
-        hidden = self.model.embed_tokens(ids)                                        # [1, n, H]
-        cos, sin = self.model.rotary_emb(hidden, cache.position_ids(n).to(ids.device))
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                                # [1, 1, n, D]: every head
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            heads = (1, n, -1, attn.head_dim)
-            query = attn.q_proj(x).view(heads).transpose(1, 2)                       # [1, heads, n, D]
-            key = attn.k_proj(x).view(heads).transpose(1, 2)
-            value = attn.v_proj(x).view(heads).transpose(1, 2)
-            query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
-            keys, values = cache.update(key, value, attn.layer_idx)
-            mask = causal_mask(n, keys.shape[2], ids.device)
-            out = attend(query, keys, values, mask, attn.scaling).transpose(1, 2).reshape(1, n, -1)
-            hidden = hidden + attn.o_proj(out)
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        cache.advance(n)
+        advances): `kv.forward.forward`'s result for any cache and `recorder`, in the same operations."""
+        with feeding(self, cache, ids, recorder) as (positions, extra):
+            hidden = self.model.embed_tokens(ids)                                    # [1, n, H]
+            cos, sin = self.model.rotary_emb(hidden, positions)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                            # [1, 1, n, D]: every head
+            for layer in self.model.layers:
+                hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, cache, **extra)
+                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return self.lm_head(self.model.norm(hidden)[:, -1:])
 
 

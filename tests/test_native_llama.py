@@ -3,6 +3,7 @@ the same fingerprint, and a question is answered without importing transformers'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from kvchat import native_llama
 from kvchat.ask import Session
-from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
+from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, RecallConfig
 from kvchat.decode_step import DecodeStep
 from kvchat.ingest import ingest
 from kvchat.int8_weights import quantize_linears
@@ -26,7 +27,7 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import KeyDiffScorer
-from kvchat.llm import _write_converted, load_model, model_fingerprint
+from kvchat.llm import LoadedModel, _write_converted, load_model, model_fingerprint
 from kvchat.qa import planted_sets
 from kvchat.store import Store
 
@@ -131,7 +132,6 @@ def test_a_question_on_a_stored_episode_cache_gives_transformers_logits(model_di
     if not compact:  # the kept entries' positions have gaps, and differ between heads
         assert int(positions[0, -1]) > 24 and not torch.equal(positions[0], positions[1])
     question = random_ids(9, seed=7, vocab=vocab)
-    assert native.applies(ours)
     _same(_greedy(native, ours, question, 5), _greedy(lambda c, i: forward(reference, c, i), theirs, question, 5))
 
 
@@ -234,8 +234,8 @@ ASK_IN_A_NEW_PROCESS = """
 import json, sys
 from kvchat.cli import run
 heavy, question = set(json.loads(sys.argv[1])), sys.argv[2]
-for conversation in sys.argv[3:]:
-    sys.argv = ["kvchat", "ask", "--local", "--json", "--conversation", conversation, question]
+for conversation, options in json.loads(sys.argv[3]):
+    sys.argv = ["kvchat", "ask", "--local", "--json", *options, "--conversation", conversation, question]
     try:
         run()
     except SystemExit as exc:
@@ -259,11 +259,50 @@ def test_a_question_is_answered_without_transformers_model_code(tmp_path, tiny_l
         "recall")
     assert ingest(qa.turns, name="beyond", config=config, store=store, lm=short_lm, encoder=encoder).method == "recall"
     question = qa.questions[0].text
+    answers = _asked_in_a_new_process(tmp_path, question, [("within", []), ("beyond", [])])
+    expected = [Session(store, store.get(name), lm, encoder).ask(question, log=False).text
+                for name, lm in (("within", tiny_lm), ("beyond", short_lm))]
+    assert [answer["answer"] for answer in answers] == expected
+
+
+def _asked_in_a_new_process(home, question: str, asks: list[tuple[str, list[str]]]) -> list[dict]:
+    """`kvchat ask --local --json [options] --conversation NAME question` for each (NAME, options) in one fresh
+    process: the answers' documents, after checking that none of `HEAVY` was imported."""
     process = subprocess.run([sys.executable, "-c", ASK_IN_A_NEW_PROCESS, json.dumps(sorted(HEAVY)), question,
-                              "within", "beyond"], capture_output=True, text=True, env=cli_env(tmp_path), timeout=300)
+                              json.dumps(asks)], capture_output=True, text=True, env=cli_env(home), timeout=300)
     assert process.returncode == 0, process.stderr
     *answers, imported = process.stdout.strip().splitlines()
     assert json.loads(imported) == []
-    expected = [Session(store, store.get(name), lm, encoder).ask(question, log=False).text
-                for name, lm in (("within", tiny_lm), ("beyond", short_lm))]
-    assert [json.loads(line)["answer"] for line in answers] == expected
+    return [json.loads(line) for line in answers]
+
+
+def test_sources_and_quantized_and_paged_caches_are_answered_without_transformers_model_code(tmp_path, tiny_lm,
+                                                                                            encoder):
+    """`ask --sources` (a recorder in every answer forward), a conversation ingested with `--cache-precision int8`
+    (quantized layers) and one with `--offload icecache` (paged layers with a page pool), each asked in a fresh
+    process: the answers and sources are those transformers' model gives, and its code was not imported."""
+    store = Store(tmp_path)
+    qa = planted_sets(1, topics=4, turns_per_topic=16)[0]
+    cache = CacheConfig(budget=64, block_size=32, prefill="block")
+    episodes = EpisodeConfig(episodes=2, prompt_tokens=48)
+    configs = {"int8": CacheConfig(budget=64, block_size=32, prefill="block", precision="int8"),
+               "icecache": CacheConfig(budget=64, block_size=32, prefill="block",
+                                       offload=OffloadConfig(mode="icecache", retrieve=32, dtype="float32")),
+               "plain": cache}
+    for name, config in configs.items():
+        ingest(qa.turns, name=name, config=IngestConfig(cache=config, episodes=episodes), store=store, lm=tiny_lm,
+               encoder=encoder)
+    assert store.get("int8").settings["cache_precision"] == "int8"
+    assert all(episode.pages is not None for episode in store.get("icecache").episodes)
+    question = qa.questions[0].text
+    asks = [("plain", ["--sources"]), ("int8", []), ("icecache", []), ("int8", ["--sources"])]
+    answers = _asked_in_a_new_process(tmp_path, question, asks)
+    through_transformers = LoadedModel(tiny_lm.spec, tiny_lm.tokenizer, tiny_lm.fingerprint,
+                                       transformers_model=tiny_lm.model)
+    for (name, options), answer in zip(asks, answers, strict=True):
+        expected = Session(store, store.get(name), through_transformers, encoder).ask(
+            question, log=False, sources=bool(options))
+        assert answer["answer"] == expected.text
+        if options:
+            assert answer["sources"] and answer["sources"] == json.loads(json.dumps(
+                [dataclasses.asdict(source) for source in expected.sources]))

@@ -1,4 +1,9 @@
-"""Running tokens through the model on top of an EpisodeCache, at the cache's logical positions."""
+"""Running tokens through the model on top of an EpisodeCache, at the cache's logical positions.
+
+`feeding` is what every forward on an EpisodeCache does around the model's layers, whichever model computes them
+(transformers' through `forward`, kvchat's own through `kvchat.native_llama.NativeLlama.forward`): the context
+check, the positions, the keywords kvchat's attention takes, and the cache's advance after.
+"""
 
 from __future__ import annotations
 
@@ -21,13 +26,34 @@ def forward(
     recorder: Recorder | None = None,
     last_logits_only: bool = True,
 ) -> torch.Tensor:
-    """Feed `ids` [1, n]; returns logits (of the last token only, by default) and advances the cache.
+    """Feed `ids` [1, n] through transformers' `model`; returns logits (of the last token only, by default) and
+    advances the cache.
 
     Position ids are passed explicitly: after eviction the physical cache is shorter than the logical
     position, and transformers would otherwise infer positions from the physical length. A `recorder`
     sees every layer's attention (kvchat.kv.attention.LayerView); one with `needs_hidden` also gets the
     layers' attention inputs. A cache with a latent memory has it read by every layer's attention.
     """
+    with feeding(model, cache, ids, recorder) as (positions, extra):
+        out = model(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1 if last_logits_only else 0,
+            **extra,
+        )
+    return out.logits
+
+
+@contextmanager
+def feeding(
+    model: torch.nn.Module, cache: EpisodeCache, ids: torch.Tensor, recorder: Recorder | None = None
+) -> Iterator[tuple[torch.Tensor, dict]]:
+    """One forward of `ids [1, n]` on `cache`: checks the model's context, yields the tokens' position ids `[1, n]`
+    and the keywords every layer's attention gets (kvchat.kv.attention.kvchat_attention: the recorder, the latent
+    memory's readout, the attention modules' inputs for a recorder with `needs_hidden`), and advances the cache
+    when the forward returns."""
     n = ids.shape[-1]
     families.check_context(model.config, cache.next_position + n, model.config.name_or_path or "the model",
                            what="the conversation with this question and answer")
@@ -40,16 +66,8 @@ def forward(
     with _hidden_states(model, getattr(recorder, "needs_hidden", False)) as hidden:
         if hidden is not None:
             extra["kvchat_hidden"] = hidden
-        out = model(
-            input_ids=ids,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1 if last_logits_only else 0,
-            **extra,
-        )
+        yield positions, extra
     cache.advance(n)
-    return out.logits
 
 
 @contextmanager
