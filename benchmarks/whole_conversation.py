@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 from kvchat.config import (
+    WEIGHT_MODES,
     CacheConfig,
     EpisodeConfig,
     EvalConfig,
@@ -109,12 +110,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, resumed")
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--note", default="", help="a line for the report (machine load, ...)")
+    parser.add_argument("--weights", choices=WEIGHT_MODES, default="float",
+                        help="the Linear weights answers are decoded with (as `kvchat ask --weights`); the caches "
+                             "are those a --weights float run stored, else they are built with these weights too")
     args = parser.parse_args()
     use_threads()
     variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
     home = default_home()
     store = Store(home)
-    lm = load_model("default", home / "models")
+    lm = load_model("default", home / "models", weights=args.weights)
     sets = [load_locomo(path) for path in args.data]
     for s in sets:
         print(f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions", file=sys.stderr)
