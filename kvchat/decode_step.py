@@ -67,8 +67,9 @@ def _linear(module: nn.Module):
 
 
 def _int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`Int8Linear`'s product (bfloat16 activations, the result in `x`'s dtype) of one token `x [1, 1, in]`."""
-    return torch._weight_int8pack_mm(x.view(1, -1).to(torch.bfloat16), weight, scale).to(x.dtype).view(1, 1, -1)
+    """`Int8Linear`'s product of one token `x [1, in]` on bfloat16 activations, left in bfloat16 `[1, out]`: the
+    step's next operation on it computes in float32 (type promotion upcasts exactly, as Int8Linear's `.to` does)."""
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, scale)
 
 
 class DecodeStep:
@@ -115,33 +116,32 @@ class DecodeStep:
     def applies(cache: EpisodeCache, ids: torch.Tensor) -> bool:
         """Whether this step computes what the model's forward would for `ids` on `cache`."""
         return (ids.shape[-1] == 1 and cache.memory is None and cache.origins is None
-                and all(type(layer) is UniformLayer for layer in cache.layers))
+                and all(type(layer) is UniformLayer and layer.is_initialized for layer in cache.layers))
 
     @torch.inference_mode()
     def __call__(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
         """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`."""
         families.check_context(self.config, cache.next_position + 1, self.config.name_or_path or "the model",
                                what="the conversation with this question and answer")
-        hidden = F.embedding(ids, self._embedding)                               # [1, 1, H]
+        hidden = F.embedding(ids.view(1), self._embedding)                      # [1, H]: one token, no batch axis
         position = torch.full((1, 1), cache.next_position, dtype=torch.long, device=ids.device)
         cos, sin = self.rotary(hidden, position)                                 # [1, 1, D]
         cos, sin = cos[0, 0], sin[0, 0] * self._sign
         half, q_rows, kv_rows = self.head_dim // 2, self.heads * self.head_dim, self.kv_heads * self.head_dim
         rotated_heads = self.heads + self.kv_heads
         for index, (norm_in, qkv, scale, o_proj, norm_post, gate_up, down) in enumerate(self.layers):
-            x = _rms_norm(hidden, norm_in)
-            projected = qkv(x)[0, 0]                                             # [q_rows + 2 kv_rows]
+            projected = qkv(_rms_norm(hidden, norm_in))[0]                       # [q_rows + 2 kv_rows]
             qk = projected[: q_rows + kv_rows].view(rotated_heads, self.head_dim)
-            qk = qk * cos + qk.roll(half, -1) * sin
+            qk = qk * cos + qk.roll(half, -1) * sin                              # in the cos's dtype, the model's
             query = qk[: self.heads].view(1, self.heads, 1, self.head_dim)
             key = qk[self.heads :].view(1, self.kv_heads, 1, self.head_dim)
-            value = projected[q_rows + kv_rows :].view(1, self.kv_heads, 1, self.head_dim)
+            value = projected[q_rows + kv_rows :].view(1, self.kv_heads, 1, self.head_dim)  # the cache casts it
             keys, values = cache.append_token(key, value, index)
-            hidden = hidden + o_proj(attend(query, keys, values, None, scale).reshape(1, 1, q_rows))
-            gate, up = gate_up(_rms_norm(hidden, norm_post)).chunk(2, dim=-1)
+            hidden = hidden + o_proj(attend(query, keys, values, None, scale).reshape(1, q_rows))
+            gate, up = gate_up(_rms_norm(hidden, norm_post)).to(hidden.dtype).chunk(2, dim=-1)
             hidden = hidden + down(F.silu(gate) * up)
         cache.note_decoded()
-        return self._head(_rms_norm(hidden, self.model.model.norm))
+        return self._head(_rms_norm(hidden, self.model.model.norm)).to(hidden.dtype).view(1, 1, -1)
 
 
 def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
