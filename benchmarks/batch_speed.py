@@ -26,7 +26,7 @@ from pathlib import Path
 
 from kvchat.batch import BatchProgress, histories, import_ray, ingest_batch
 from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.llm import convert_gguf, default_gguf_path
+from kvchat.model_files import convert_gguf, default_gguf_path
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
 

@@ -50,7 +50,8 @@ from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import PatchedPromptScorer
-from kvchat.llm import ChatLayout, LoadedModel, default_gguf_path, generate, load_model, use_threads
+from kvchat.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
+from kvchat.model_files import default_gguf_path
 from kvchat.qa import token_f1
 
 REPO = Path(__file__).resolve().parents[1]

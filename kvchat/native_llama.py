@@ -259,7 +259,7 @@ class NativeLlama(nn.Module):
 def load(directory: Path, dtype: torch.dtype, device: torch.device) -> NativeLlama | None:
     """The model in `directory` built natively in `dtype` on `device`, its weights memory-mapped (on the CPU in
     their own dtype, they are the file's pages); None where it is not one this module computes exactly (the caller
-    loads it through transformers). The weights file's header must have been checked (`llm._check_weights`)."""
+    loads it through transformers). The weights file's header must have been checked (`model_files.check_weights`)."""
     config = read_config(directory)
     if config is None or not (directory / WEIGHTS).is_file() or not dtype.is_floating_point:
         return None

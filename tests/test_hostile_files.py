@@ -211,7 +211,8 @@ def test_a_model_directory_whose_weights_are_cut_short_is_refused_before_it_is_m
 
 
 def test_a_converted_copy_cut_short_is_refused_with_how_to_convert_it_again(tmp_path, tiny_model_dir):
-    from kvchat.llm import _converted_dir, default_gguf_path, load_model
+    from kvchat.llm import load_model
+    from kvchat.model_files import _converted_dir, default_gguf_path
 
     models = tmp_path / "models"
     copy = _converted_dir(default_gguf_path(), models)

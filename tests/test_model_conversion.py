@@ -17,7 +17,7 @@ from cli_helpers import run_main
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvchat import llm
+from kvchat import model_files
 from kvchat.errors import UserError
 
 TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
@@ -30,9 +30,9 @@ def gguf(tmp_path, monkeypatch, tiny_model_dir) -> Path:
     path = tmp_path / "little.gguf"
     path.write_bytes(b"GGUF" + bytes(2**20))
 
-    monkeypatch.setattr(llm, "_check_gguf", lambda p: WEIGHTS)
-    monkeypatch.setattr(llm, "_gguf_model", lambda gguf: AutoModelForCausalLM.from_pretrained(tiny_model_dir))
-    monkeypatch.setattr(llm, "_gguf_tokenizer", lambda gguf: AutoTokenizer.from_pretrained(tiny_model_dir))
+    monkeypatch.setattr(model_files, "_check_gguf", lambda p: WEIGHTS)
+    monkeypatch.setattr(model_files, "_gguf_model", lambda gguf: AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    monkeypatch.setattr(model_files, "_gguf_tokenizer", lambda gguf: AutoTokenizer.from_pretrained(tiny_model_dir))
     return path
 
 
@@ -56,7 +56,7 @@ def _left_in(models: Path) -> list[str]:
 
 def test_a_conversion_reports_its_size_an_estimate_and_its_phases_once(gguf, tmp_path):
     heard = Heard()
-    target = llm.convert_gguf(gguf, tmp_path / "models", heard)
+    target = model_files.convert_gguf(gguf, tmp_path / "models", heard)
     assert (target / "model.safetensors").is_file()
     kind, path, weights, estimate = heard.events[0]
     assert (kind, path, weights) == ("converting", gguf, WEIGHTS) and estimate > 0
@@ -64,7 +64,7 @@ def test_a_conversion_reports_its_size_an_estimate_and_its_phases_once(gguf, tmp
         "dequantizing the weights", "reading the tokenizer", "writing the safetensors copy"]
     assert heard.events[-1] == ("converted",)
     again = Heard()
-    assert llm.convert_gguf(gguf, tmp_path / "models", again) == target and again.events == []  # once
+    assert model_files.convert_gguf(gguf, tmp_path / "models", again) == target and again.events == []  # once
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "safetensors"])
@@ -76,19 +76,19 @@ def test_a_disk_that_fills_during_a_conversion_is_one_line_and_leaves_nothing(gg
         raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
                               'space left on device" })')  # fmt: skip
 
-    monkeypatch.setattr(llm, "save_model", fills_up)
+    monkeypatch.setattr(model_files, "save_model", fills_up)
     models = tmp_path / "models"
     with pytest.raises(UserError, match=rf"^disk full: no space left in {models} while converting little.gguf once"):
-        llm.convert_gguf(gguf, models)
+        model_files.convert_gguf(gguf, models)
     assert _left_in(models) == []
 
 
 def test_a_disk_without_room_for_the_copy_refuses_the_conversion_before_it_starts(gguf, tmp_path, monkeypatch):
-    monkeypatch.setattr(llm.shutil, "disk_usage", lambda where: shutil._ntuple_diskusage(10**9, 10**9, 2**20))
+    monkeypatch.setattr(model_files.shutil, "disk_usage", lambda where: shutil._ntuple_diskusage(10**9, 10**9, 2**20))
     heard = Heard()
     with pytest.raises(UserError, match=r"^disk full: converting little.gguf once needs about 485 MiB in .* and 1 "
                                         r"MiB are free"):  # fmt: skip
-        llm.convert_gguf(gguf, tmp_path / "models", heard)
+        model_files.convert_gguf(gguf, tmp_path / "models", heard)
     assert heard.events == [] and _left_in(tmp_path / "models") == []
 
 
@@ -108,7 +108,7 @@ def test_a_full_disk_during_the_first_conversion_exits_2_with_one_line(gguf, tmp
     def full(model, filename: str) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), filename)
 
-    monkeypatch.setattr(llm, "save_model", full)
+    monkeypatch.setattr(model_files, "save_model", full)
     result = run_main(tmp_path / "home", "ingest", str(history), "--model", str(gguf), *TINY)
     assert result.returncode == 2, result.stderr
     errors = [line for line in result.stderr.splitlines() if not line.startswith("kvchat: converting")]

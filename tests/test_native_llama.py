@@ -27,7 +27,8 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import KeyDiffScorer
-from kvchat.llm import LoadedModel, _write_converted, load_model, model_fingerprint
+from kvchat.llm import LoadedModel, load_model, model_fingerprint
+from kvchat.model_files import _write_converted
 from kvchat.qa import planted_sets
 from kvchat.store import Store
 

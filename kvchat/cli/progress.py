@@ -30,7 +30,7 @@ def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
 
 
 class ConversionDisplay:
-    """A first model conversion (kvchat.llm.ConversionProgress) on stderr, once: what is converted, its size and
+    """A first model conversion (kvchat.model_files.ConversionProgress) on stderr, once: what is converted, its size and
     an estimate, then its phase and the time elapsed on a terminal (a line when it starts and one when it ends in a
     log). A context: the display ends with it, whether or not the conversion finished."""
 

@@ -11,7 +11,7 @@ from kvchat.errors import UserError
 
 DB_NAME = "kvchat.db"
 CACHES_DIR = "caches"
-MODELS_DIR = "models"  # converted models (kvchat.llm.convert_gguf); its dead temp dirs are leftovers
+MODELS_DIR = "models"  # converted models (kvchat.model_files.convert_gguf); its dead temp dirs are leftovers
 EPISODE_SUFFIX = ".safetensors"
 PAGES_SUFFIX = ".pages.safetensors"
 

@@ -3,7 +3,7 @@
 
 Kept apart from the store proper: no read or write of a conversation needs it. It agrees with the store
 on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`, and `models/.tmp-<pid>-*`,
-where `kvchat.llm.convert_gguf` writes a converted model) and on the lock:
+where `kvchat.model_files.convert_gguf` writes a converted model) and on the lock:
 a function marked "under the write lock" must run inside the store's write transaction, which a
 committing ingest holds from its rename to its row commit, so a dir about to be committed is never taken
 for an orphan. What goes is first renamed to a temp dir of this process and deleted after the lock is
