@@ -25,7 +25,7 @@ from kvchat import preflight
 from kvchat.batch_worker import Finished, HistoryJob, HistoryWorker, Planned, Skipped, StoredIngest, WorkerInfo
 from kvchat.batch_worker import stored_differences as stored_differences  # part of this module's API
 from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
-from kvchat.errors import UserError
+from kvchat.errors import UserError, first_line
 from kvchat.history import load_history
 from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate
 from kvchat.profile import profile_texts
@@ -255,7 +255,7 @@ def ray_session(ray: Any, address: str | None, cpus: int | None = None) -> Itera
         if session_dir is not None:
             shutil.rmtree(session_dir, ignore_errors=True)
         where = f"the Ray cluster at {address}" if address else "a local Ray"
-        raise UserError(f"cannot start {where}: {_first_line(exc)}") from None
+        raise UserError(f"cannot start {where}: {first_line(exc)}") from None
     try:
         yield
     finally:
@@ -297,7 +297,7 @@ class _Workers:
         except self.ray.exceptions.RayTaskError as exc:
             raise _as_user_error(exc) from None
         except self.ray.exceptions.RayError as exc:
-            raise UserError(f"a worker died while loading the model ({_first_line(exc)})") from None
+            raise UserError(f"a worker died while loading the model ({first_line(exc)})") from None
         fingerprints = sorted({info.fingerprint for info in infos})
         if len(fingerprints) > 1:
             raise UserError(f"workers loaded different models for --model {spec} ({', '.join(fingerprints)}): "
@@ -419,7 +419,7 @@ class _Driver:
         except errors.RayError as exc:  # the worker died, or its node, or what it sent was lost
             self._abort(running)
             self.workers.lost(running.worker)
-            why = f"its worker died ({_first_line(exc)})"
+            why = f"its worker died ({first_line(exc)})"
             if running.attempt < self.batch.attempts and self.workers.handles:
                 self.progress.retrying(running.source.name, why)
                 return running.index, running.source, running.attempt + 1
@@ -482,8 +482,6 @@ def _as_user_error(exc: BaseException) -> UserError:
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, UserError):
         return UserError(str(cause))
-    return UserError(f"internal error: {type(cause).__name__}: {_first_line(cause)}")
+    return UserError(f"internal error: {type(cause).__name__}: {first_line(cause)}")
 
 
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

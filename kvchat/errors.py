@@ -11,3 +11,8 @@ class UserError(KvchatError):
 
 class CacheIntegrityError(UserError):
     """A stored cache is damaged or was built by another model; the message says how to rebuild it."""
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line of a UserError: its first line, else its type's name."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -25,12 +25,12 @@ from kvchat import native_llama, preflight
 from kvchat.config import WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
-from kvchat.errors import UserError
+from kvchat.errors import UserError, first_line
 from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward as model_forward
-from kvchat.model_files import ConversionProgress, first_line, resolve
+from kvchat.model_files import ConversionProgress, resolve
 from kvchat.native_llama import NativeLlama
 
 if TYPE_CHECKING:

@@ -27,7 +27,7 @@ from safetensors.torch import save_model
 
 from kvchat.checked_files import FileMismatch, open_regular, read_safetensors_header
 from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND
-from kvchat.errors import UserError
+from kvchat.errors import UserError, first_line
 from kvchat.gguf_header import MAGIC, BadHeader, check_gguf_header
 
 if TYPE_CHECKING:
@@ -224,10 +224,6 @@ def _checked_copy(directory: Path) -> Path:
     """A converted copy in the store's models/ dir, its weights checked (`check_weights`)."""
     check_weights(directory, f"remove {directory} and kvchat converts the model again")
     return directory
-
-
-def first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def resolve(spec: str, models_dir: Path, progress: ConversionProgress | None = None) -> tuple[str, Path | str]:
