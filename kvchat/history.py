@@ -24,6 +24,7 @@ from kvchat.formats.common import (
     one_line,
     quote,
     refuse,
+    too_deep,
     type_name,
 )
 from kvchat.formats.finetune import parse_finetune
@@ -72,12 +73,15 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
         return _at_least(min_turns, _parse_text(format, text, source, pick), source)
     try:
         data = json.loads(text)
+        deep = too_deep(data)
     except RecursionError:
-        raise refuse(source, "is nested too deeply to be a chat history") from None
+        deep = True
     except ValueError as exc:
         if format is not None:
             raise refuse(source, _json_error(text, exc)) from None
         return _at_least(min_turns, _parse_text(_text_format(text, source, exc), text, source, pick), source)
+    if deep:
+        raise refuse(source, "is nested too deeply to be a chat history")
     return parse_history(data, source, format=format, pick=pick, min_turns=min_turns)
 
 

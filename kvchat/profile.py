@@ -76,11 +76,12 @@ def _is_number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def block_prefill_mask(n: int, *, budget: int, block_size: int, sink: int) -> torch.Tensor:
-    """Boolean [n, n]: token i sees token j <= i if j is a sink token or among the last
+def block_prefill_mask(n: int, *, budget: int, block_size: int, sink: int,
+                       device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean [n, n] on `device`: token i sees token j <= i if j is a sink token or among the last
     `budget - sink + (i mod block_size)` tokens (what a budget-M cache plus the current block holds)."""
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
+    i = torch.arange(n, device=device).unsqueeze(1)
+    j = torch.arange(n, device=device).unsqueeze(0)
     recent = (budget - sink) + (i % block_size)
     return (j <= i) & ((j < sink) | (i - j < recent))
 
@@ -109,7 +110,7 @@ def profile_layers(
         raise UserError(f"--sink must be within 1..budget-1 (got {settings.sink})")
     full = _keys(lm, ids, None)
     blocked = _keys(lm, ids, block_prefill_mask(n, budget=settings.budget, block_size=settings.block_size,
-                                                 sink=settings.sink))
+                                                 sink=settings.sink, device=ids.device))
     similarity = [
         float(torch.nn.functional.cosine_similarity(a, b, dim=-1).mean()) for a, b in zip(full, blocked, strict=True)
     ]

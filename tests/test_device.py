@@ -96,7 +96,7 @@ def test_a_cache_built_in_bfloat16_answers_in_float32_and_back(tmp_path, tiny_mo
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), *TINY,
-                        "--dtype", "bfloat16", "--json")
+                        "--device", "cpu", "--dtype", "bfloat16", "--json")
     assert ingested.returncode == 0, ingested.stderr
     report = json.loads(ingested.stdout)
     assert (report["device"], report["dtype"], report["attention_backend"]) == ("cpu", "bfloat16", "torch")
@@ -105,7 +105,8 @@ def test_a_cache_built_in_bfloat16_answers_in_float32_and_back(tmp_path, tiny_mo
         assert f.get_tensor("k.0").dtype == torch.bfloat16 and f.get_tensor("pos.0").dtype == torch.int32
     answers = {}
     for dtype in ("float32", "bfloat16"):
-        asked = run_main(tmp_path, "ask", "Where does Maya live?", "--dtype", dtype, "--max-new-tokens", "3", "--json")
+        asked = run_main(tmp_path, "ask", "Where does Maya live?", "--device", "cpu", "--dtype", dtype,
+                         "--max-new-tokens", "3", "--json")
         assert asked.returncode == 0, asked.stderr
         answers[dtype] = json.loads(asked.stdout)
     assert answers["float32"]["episode"] == answers["bfloat16"]["episode"]
@@ -275,7 +276,8 @@ def test_the_backend_is_torch_without_cuda_or_the_extra():
 def test_debug_prints_where_the_model_runs_and_its_backend(tmp_path, tiny_model_dir):
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
-    result = run_main(tmp_path, "--debug", "ingest", str(history), "--model", str(tiny_model_dir), *TINY)
+    result = run_main(tmp_path, "--debug", "ingest", str(history), "--model", str(tiny_model_dir), *TINY,
+                      "--device", "cpu")
     assert result.returncode == 0, result.stderr
     assert f"kvchat: debug: {tiny_model_dir} on cpu float32, decode attention: torch" in result.stderr
 

@@ -206,6 +206,16 @@ def test_deeply_nested_10000(tmp_path: Path) -> None:
     assert "nested too deeply" in _message(exc)
 
 
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_nesting_too_deep_for_a_history_is_refused_whatever_json_loads_manages(tmp_path: Path, suffix: str) -> None:
+    """100 levels parse on every Python (no RecursionError to lean on): kvchat's own depth check refuses them."""
+    path = tmp_path / f"nested{suffix}"
+    path.write_text('{"role": "user", "content": "hi"}\n' * (suffix == ".jsonl") + "[" * 100 + "]" * 100 + "\n")
+    with pytest.raises(UserError) as exc:
+        load_history(path)
+    assert "nested too deeply" in _message(exc)
+
+
 def test_100k_tiny_turns_parse(tmp_path: Path) -> None:
     """No timing asserted (the machine CI runs on may be busy: this one failed at load 5); speed belongs in
     benchmarks/."""

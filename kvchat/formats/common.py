@@ -17,6 +17,7 @@ from kvchat.errors import UserError
 # (a disk image, a log dump) from eating all memory before we can say what is wrong.
 MAX_TURNS = 1_000_000
 MAX_FILE_BYTES = 512 * 1024 * 1024
+MAX_NESTING = 64  # lists/objects inside each other; the deepest export kvchat reads nests about 8
 
 FORMATS = (
     'an OpenAI messages list or {"messages": [...]}, JSONL of messages, OpenAI fine-tune JSONL, '
@@ -54,6 +55,18 @@ def one_line(source: str, what: str) -> UserError:
 def refuse(source: str, what: str) -> UserError:
     """A refusal of the file's content: `what` is wrong, then which formats kvchat reads and where to look."""
     return one_line(source, f"{what}; kvchat reads {FORMATS} ({EXAMPLES})")
+
+
+def too_deep(value: object, limit: int = MAX_NESTING) -> bool:
+    """Whether JSON `value` nests lists and objects more than `limit` deep. Checked after parsing, without
+    recursion: whether json.loads itself gives up (RecursionError) depends on the Python version."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [child for item in level if isinstance(item, list | dict)
+                 for child in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return True
 
 
 def type_name(value: object) -> str:

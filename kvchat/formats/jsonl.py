@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvchat.formats.common import MAX_TURNS, Turn, refuse
+from kvchat.formats.common import MAX_TURNS, Turn, refuse, too_deep
 from kvchat.formats.openai import parse_messages
 
 
@@ -34,11 +34,14 @@ def read_lines(text: str, source: str, expects: str, what: str) -> tuple[list[in
     for n, line in lines:
         try:
             item = json.loads(line)
+            deep = too_deep(item)
         except RecursionError:
-            raise refuse(source, f"line {n} is nested too deeply (JSONL expects {expects})") from None
+            deep = True
         except ValueError as exc:
             raise refuse(source, f"line {n} is not valid JSON: {_decode_message(exc)} "
                          f"(JSONL expects {expects})") from None
+        if deep:
+            raise refuse(source, f"line {n} is nested too deeply (JSONL expects {expects})")
         items.append(item)
     return [n for n, _ in lines], items
 

@@ -140,6 +140,6 @@ def _file_lines(path: Path) -> list[str]:
 def data_hash(chunks: Sequence[Chunk]) -> str:
     digest = hashlib.sha256()
     for c in chunks:
-        digest.update(c.ids.to(torch.int64).numpy().tobytes())
+        digest.update(c.ids.to("cpu", torch.int64).numpy().tobytes())
         digest.update(b"|")
     return digest.hexdigest()[:16]
