@@ -176,9 +176,15 @@ class BatchConfig:
     device: DeviceConfig = DeviceConfig()  # each worker's model; on CUDA the workers share the GPUs (batch.gpu_share)
 
 
+ECHO_WORDS = 3  # an answer spelling out the question's first this many words repeats it (kvchat.echo)
+ECHO_RETRIES = 3  # times an answer's decoding goes back before such words, at most
+
+
 @dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
+    # An answer that repeats the question's opening words is decoded again from before them (kvchat.echo).
+    echo_guard: bool = True
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
@@ -234,6 +240,7 @@ class EvalConfig:
                                        # answers beside rag and recent (kvchat.gold); auto: gold for a history
                                        # that does not fit the model's window, else full
     chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
+    echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.echo)
 
 
 @dataclass(frozen=True)

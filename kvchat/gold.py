@@ -171,7 +171,8 @@ def evaluate_gold(
     (reused while their settings match; `conversation_name` names them, default `default_name`), else in a
     scratch store deleted afterwards."""
     progress = progress or _Quiet()
-    ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template)
+    ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template,
+                           echo_guard=config.echo_guard)
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
         own = store is None
         store = Store(Path(scratch)) if own else store

@@ -36,6 +36,8 @@ from kvchat.native_llama import NativeLlama
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from kvchat.echo import EchoGuard
+
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
 
@@ -332,12 +334,17 @@ def generate(
     stop_ids: Collection[int] | None = None,
     first_recorder: attention.Recorder | None = None,
     recorder: attention.Recorder | None = None,
+    echo: EchoGuard | None = None,
 ) -> Iterator[int]:
     """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback).
     `on_first_logits` receives the logits [vocab] the first answer token is chosen from; `first_recorder`
     sees every layer's attention in that forward (the prompt's); `recorder` that of every forward that picks an
     answer token (the prompt's, then each step's; kvchat.sources). The answer ends at one of `stop_ids`
     (default: the model's end-of-turn tokens; empty: always `max_new_tokens`).
+
+    `echo` holds tokens back while they could begin the question's opening words, and when they spell them out,
+    goes back to the token where they began and takes the next best there (kvchat.echo); `recorder` then also
+    offers `checkpoint()`/`rollback()` (kvchat.sources.SourceRecorder), so the discarded steps leave no trace.
 
     The cache first makes room for the prompt and the longest answer, so no step copies it; each step
     feeds the chosen token through one reused `[1, 1]` tensor, through `lm.decode_step` where it applies."""
@@ -348,19 +355,68 @@ def generate(
     if not 1 <= max_new_tokens <= longest:  # the cache reserves room for it: never an absurd allocation
         raise UserError(f"--max-new-tokens must be within 1..{longest}, the model's context (got {max_new_tokens})")
     cache.reserve(prompt_ids.shape[-1] + max_new_tokens)
-    logits = lm.forward(cache, prompt_ids, recorder=first_recorder or recorder)
+    scores = lm.forward(cache, prompt_ids, recorder=first_recorder or recorder)[0, -1]
     if on_first_logits is not None:
-        on_first_logits(logits[0, -1])
+        on_first_logits(scores)
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
-    for step in range(max_new_tokens):
-        token = int(logits[0, -1].argmax())
+    answer: list[int] = []  # every token chosen so far: answer[:given] given out, the rest held back
+    given, held = 0, []     # held: per token held back, where decoding stood when it was chosen
+    bans: dict[int, set[int]] = {}  # per answer position, tokens an echo began with there
+    retries = echo.retries if echo is not None else 0
+    while True:
+        token = int(scores.argmax())
         if token in stop:
+            yield from answer[given:]
             return
-        yield token
-        if step + 1 < max_new_tokens:
-            step_ids.fill_(token)
-            fast = lm.decode_step if recorder is None else None  # built once, after the first token is out
-            if fast is not None and fast.applies(cache, step_ids):
-                logits = fast(cache, step_ids)
-            else:
-                logits = lm.forward(cache, step_ids, recorder=recorder)
+        answer.append(token)
+        if retries:
+            held.append(_Choice(scores.clone(), cache.checkpoint(), recorder.checkpoint() if recorder else None))
+            found = echo.find(answer)
+            back = _token_at(echo, answer, given, found.start) if found is not None else None
+            if back is None:  # no echo, or one that began in text already given: too late to change
+                back, found = len(answer), None
+            if found is not None and found.complete:  # go back to the token the echo began with
+                choice = held[back - given]
+                cache.rollback(choice.cache)
+                if recorder is not None:
+                    recorder.rollback(choice.recorded)
+                bans = {p: b for p, b in bans.items() if p <= back}
+                bans.setdefault(back, set()).add(answer[back])
+                scores = choice.scores
+                scores[list(bans[back])] = float("-inf")
+                del answer[back:], held[back - given :]
+                retries -= 1
+                continue
+            yield from answer[given:back]
+            del held[: back - given]
+            given = back
+        else:
+            yield from answer[given:]
+            given = len(answer)
+        if len(answer) == max_new_tokens:
+            yield from answer[given:]
+            return
+        step_ids.fill_(token)
+        fast = lm.decode_step if recorder is None else None  # built once, after the first token is out
+        if fast is not None and fast.applies(cache, step_ids):
+            scores = fast(cache, step_ids)[0, -1]
+        else:
+            scores = lm.forward(cache, step_ids, recorder=recorder)[0, -1]
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """Where decoding stood when an answer token held back was chosen: its scores, the cache, the recorder."""
+
+    scores: torch.Tensor
+    cache: object
+    recorded: object
+
+
+def _token_at(echo: EchoGuard, answer: list[int], given: int, offset: int) -> int | None:
+    """The first token held back (from `given` on) whose text reaches past character `offset` of the answer's
+    text; None when the offset lies in the text already given."""
+    for i in range(given, len(answer)):
+        if len(echo.decode(answer[: i + 1])) > offset:
+            return i if i > given or len(echo.decode(answer[:given])) <= offset else None
+    return None

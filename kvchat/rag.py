@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kvchat.config import SYSTEM_PROMPT, AskConfig, RagConfig
+from kvchat.echo import EchoGuard
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
@@ -163,7 +164,8 @@ class RagSession:
         clock = time.perf_counter()
         ids = self.prompt(question, chunks)
         cache = EpisodeCache(self.lm.num_layers)
-        tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits))
+        echo = EchoGuard(question, self.lm.decode) if self.ask_config.echo_guard else None
+        tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits, echo=echo))
         timings["prefill_decode"] = _ms_since(clock)
         n = int(ids.shape[-1])
         return RagAnswer(self.lm.decode(tokens).strip(), tuple(chunks), n, len(tokens), n, timings)

@@ -195,6 +195,13 @@ class SourceRecorder:
             mass.append(weights[h, : len(turns[-1])].double().cpu())
         self.mass += torch.bincount(torch.cat(turns), torch.cat(mass), minlength=self.turns + 1)
 
+    def checkpoint(self) -> torch.Tensor:
+        """The attention summed so far, for `rollback` (an answer decoded again, kvchat.echo)."""
+        return self.mass.clone()
+
+    def rollback(self, mass: torch.Tensor) -> None:
+        self.mass = mass.clone()
+
     def kept_tokens(self) -> torch.Tensor:
         """Per turn, the tokens the cache held when the recorder was made, averaged over layers and KV heads."""
         held = torch.zeros(self.turns + 1, dtype=torch.float64)
