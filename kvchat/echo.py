@@ -13,11 +13,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from kvchat.config import ECHO_RETRIES, ECHO_WORDS
 
 _WORD = re.compile(r"\w+")
+
+
+class Rewindable(Protocol):
+    """What decoding goes back in: the cache, and `--sources`' recorder (kvchat.sources.SourceRecorder)."""
+
+    def checkpoint(self) -> object: ...
+
+    def rollback(self, mark: object) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -60,3 +71,73 @@ def _begins(tail: list[str], opening: list[str], open_end: bool) -> bool:
         return False
     want = opening[len(tail) - 1]
     return tail[-1] == want or (open_end and want.startswith(tail[-1]))
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """Where decoding stood when a token held back was chosen: its scores, and marks of what it went on to change."""
+
+    scores: torch.Tensor
+    marks: tuple[object, ...]
+
+
+@dataclass
+class HeldAnswer:
+    """One answer decoded under `guard`: `push` each chosen token before it is fed to the model; it says which
+    tokens can be given out, or, when they spelled out the question's opening, rolls `rewound` back to where the
+    opening began and returns the scores to choose from there, that token ruled out."""
+
+    guard: EchoGuard
+    rewound: Sequence[Rewindable]
+    tokens: list[int] = field(default_factory=list)  # every token chosen: tokens[:given] given out, the rest held
+    given: int = 0
+    _held: list[_Choice] = field(default_factory=list)  # per token held back
+    _bans: dict[int, set[int]] = field(default_factory=dict)  # per position, tokens an echo began with there
+    _retries: int = -1
+
+    def __post_init__(self) -> None:
+        self._retries = self.guard.retries
+
+    def push(self, token: int, scores: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+        """`token`, chosen from `scores`: the tokens to give out now, and None, or the scores to choose again from
+        (the answer went back; feed nothing)."""
+        self.tokens.append(token)
+        if not self._retries:
+            return self.flush(), None
+        found = self.guard.find(self.tokens)
+        back = self._token_at(found.start) if found is not None else None
+        if back is None:  # no echo, or one that began in text already given: too late to change
+            return self.flush(), None
+        self._held.append(_Choice(scores.clone(), tuple(r.checkpoint() for r in self.rewound)))  # held: this token
+        if not found.complete:  # it may become one: hold back from where it began
+            give = self.tokens[self.given : back]
+            del self._held[: back - self.given]
+            self.given = back
+            return give, None
+        choice = self._held[back - self.given]
+        for rewindable, mark in zip(self.rewound, choice.marks, strict=True):
+            rewindable.rollback(mark)
+        self._bans = {p: b for p, b in self._bans.items() if p <= back}
+        self._bans.setdefault(back, set()).add(self.tokens[back])
+        del self.tokens[back:], self._held[back - self.given :]
+        self._retries -= 1
+        again = choice.scores.clone()
+        again[list(self._bans[back])] = float("-inf")
+        return [], again
+
+    def flush(self) -> list[int]:
+        """Every token held back, given out (the answer ends, or can no longer be an echo)."""
+        give = self.tokens[self.given :]
+        self.given = len(self.tokens)
+        self._held.clear()
+        return give
+
+    def _token_at(self, offset: int) -> int | None:
+        """The first token held back, or the last one chosen, whose text reaches past character `offset`; None
+        when that character lies in the text already given."""
+        if len(self.guard.decode(self.tokens[: self.given])) > offset:
+            return None
+        for i in range(self.given, len(self.tokens)):
+            if len(self.guard.decode(self.tokens[: i + 1])) > offset:
+                return i
+        return None

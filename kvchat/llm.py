@@ -25,6 +25,7 @@ from kvchat import native_llama, preflight
 from kvchat.config import WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
+from kvchat.echo import EchoGuard, HeldAnswer
 from kvchat.errors import UserError, first_line
 from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
@@ -35,8 +36,6 @@ from kvchat.native_llama import NativeLlama
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-    from kvchat.echo import EchoGuard
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
@@ -359,42 +358,25 @@ def generate(
     if on_first_logits is not None:
         on_first_logits(scores)
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
-    answer: list[int] = []  # every token chosen so far: answer[:given] given out, the rest held back
-    given, held = 0, []     # held: per token held back, where decoding stood when it was chosen
-    bans: dict[int, set[int]] = {}  # per answer position, tokens an echo began with there
-    retries = echo.retries if echo is not None else 0
+    held = None if echo is None else HeldAnswer(echo, [cache] if recorder is None else [cache, recorder])
+    length = 0
     while True:
         token = int(scores.argmax())
         if token in stop:
-            yield from answer[given:]
+            yield from held.flush() if held is not None else ()
             return
-        answer.append(token)
-        if retries:
-            held.append(_Choice(scores.clone(), cache.checkpoint(), recorder.checkpoint() if recorder else None))
-            found = echo.find(answer)
-            back = _token_at(echo, answer, given, found.start) if found is not None else None
-            if back is None:  # no echo, or one that began in text already given: too late to change
-                back, found = len(answer), None
-            if found is not None and found.complete:  # go back to the token the echo began with
-                choice = held[back - given]
-                cache.rollback(choice.cache)
-                if recorder is not None:
-                    recorder.rollback(choice.recorded)
-                bans = {p: b for p, b in bans.items() if p <= back}
-                bans.setdefault(back, set()).add(answer[back])
-                scores = choice.scores
-                scores[list(bans[back])] = float("-inf")
-                del answer[back:], held[back - given :]
-                retries -= 1
-                continue
-            yield from answer[given:back]
-            del held[: back - given]
-            given = back
+        if held is None:
+            yield token
+            length += 1
         else:
-            yield from answer[given:]
-            given = len(answer)
-        if len(answer) == max_new_tokens:
-            yield from answer[given:]
+            give, again = held.push(token, scores)
+            yield from give
+            if again is not None:  # it went back before an echo of the question: choose there again
+                scores = again
+                continue
+            length = len(held.tokens)
+        if length == max_new_tokens:
+            yield from held.flush() if held is not None else ()
             return
         step_ids.fill_(token)
         fast = lm.decode_step if recorder is None else None  # built once, after the first token is out
@@ -402,21 +384,3 @@ def generate(
             scores = fast(cache, step_ids)[0, -1]
         else:
             scores = lm.forward(cache, step_ids, recorder=recorder)[0, -1]
-
-
-@dataclass(frozen=True)
-class _Choice:
-    """Where decoding stood when an answer token held back was chosen: its scores, the cache, the recorder."""
-
-    scores: torch.Tensor
-    cache: object
-    recorded: object
-
-
-def _token_at(echo: EchoGuard, answer: list[int], given: int, offset: int) -> int | None:
-    """The first token held back (from `given` on) whose text reaches past character `offset` of the answer's
-    text; None when the offset lies in the text already given."""
-    for i in range(given, len(answer)):
-        if len(echo.decode(answer[: i + 1])) > offset:
-            return i if i > given or len(echo.decode(answer[:given])) <= offset else None
-    return None
