@@ -155,7 +155,6 @@ class Session:
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
                     first_recorder=first_recorder, recorder=recorder, echo=self._echo_guard(question),
-                    no_repeat=self.config.no_repeat,
                 ):
                     if stop is not None and stop():
                         finish = "stopped"

@@ -185,7 +185,6 @@ class AskConfig:
     max_new_tokens: int = 64
     # An answer that repeats the question's opening words is decoded again from before them (kvchat.echo).
     echo_guard: bool = True
-    no_repeat: int = 4  # no answer repeats a run of this many of its own tokens (0: off; kvchat.echo)
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
@@ -242,7 +241,6 @@ class EvalConfig:
                                        # that does not fit the model's window, else full
     chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
     echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.echo)
-    no_repeat: int = AskConfig.no_repeat
 
 
 @dataclass(frozen=True)

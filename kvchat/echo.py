@@ -1,13 +1,12 @@
-"""Echoes: a small model that cannot find the answer often repeats the question back, as its answer or quoted
-inside one ('The answer to the question is: "When did ...?"'), or falls into repeating itself.
+"""Question echo: a small model that cannot find the answer often repeats the question back, as its answer or
+quoted inside one ('The answer to the question is: "When did ...?"').
 
 Such an answer says nothing, so kvchat does not give it: an answer's tokens are held back while they could be the
 start of the question's first words, verbatim, and once they are those words, decoding goes back to the token
 where they began and takes the next best token there (`kvchat.llm.generate`). Answers that never spell out the
 question's opening are untouched, token for token; only the tokens that might begin it are shown a little later.
 Words are compared as casefolded text, since the question in the prompt and the answer tokenize differently (the
-question follows a space, the answer opens a line). And no answer repeats a run of its own tokens
-(`repeat_bans`: the next best token where the best would complete a run already in it).
+question follows a space, the answer opens a line).
 """
 
 from __future__ import annotations
@@ -142,12 +141,3 @@ class HeldAnswer:
             if len(self.guard.decode(self.tokens[: i + 1])) > offset:
                 return i
         return None
-
-
-def repeat_bans(tokens: Sequence[int], n: int) -> set[int]:
-    """The tokens that would complete, after `tokens`, a run of `n` tokens already in them (no repeated n-grams,
-    as transformers' NoRepeatNGramLogitsProcessor); none when `n` is 0."""
-    if n <= 0 or len(tokens) < n:
-        return set()
-    last = list(tokens[len(tokens) - n + 1 :])
-    return {tokens[i + n - 1] for i in range(len(tokens) - n + 1) if list(tokens[i : i + n - 1]) == last}

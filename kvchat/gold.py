@@ -172,7 +172,7 @@ def evaluate_gold(
     scratch store deleted afterwards."""
     progress = progress or _Quiet()
     ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template,
-                           echo_guard=config.echo_guard, no_repeat=config.no_repeat)
+                           echo_guard=config.echo_guard)
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
         own = store is None
         store = Store(Path(scratch)) if own else store

@@ -25,7 +25,7 @@ from kvchat import native_llama, preflight
 from kvchat.config import WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
-from kvchat.echo import EchoGuard, HeldAnswer, repeat_bans
+from kvchat.echo import EchoGuard, HeldAnswer
 from kvchat.errors import UserError, first_line
 from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
@@ -334,7 +334,6 @@ def generate(
     first_recorder: attention.Recorder | None = None,
     recorder: attention.Recorder | None = None,
     echo: EchoGuard | None = None,
-    no_repeat: int = 0,
 ) -> Iterator[int]:
     """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback).
     `on_first_logits` receives the logits [vocab] the first answer token is chosen from; `first_recorder`
@@ -345,7 +344,6 @@ def generate(
     `echo` holds tokens back while they could begin the question's opening words, and when they spell them out,
     goes back to the token where they began and takes the next best there (kvchat.echo); `recorder` then also
     offers `checkpoint()`/`rollback()` (kvchat.sources.SourceRecorder), so the discarded steps leave no trace.
-    `no_repeat` > 0: where the best token would repeat a run of that many of the answer's tokens, the next best.
 
     The cache first makes room for the prompt and the longest answer, so no step copies it; each step
     feeds the chosen token through one reused `[1, 1]` tensor, through `lm.decode_step` where it applies."""
@@ -361,24 +359,23 @@ def generate(
         on_first_logits(scores)
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
     held = None if echo is None else HeldAnswer(echo, [cache] if recorder is None else [cache, recorder])
-    answer: list[int] = [] if held is None else held.tokens  # every token chosen (and not gone back on)
+    length = 0
     while True:
         token = int(scores.argmax())
-        if no_repeat and token in (bans := repeat_bans(answer, no_repeat)):
-            token = int(scores.index_fill(0, torch.tensor(sorted(bans), device=scores.device), float("-inf")).argmax())
         if token in stop:
             yield from held.flush() if held is not None else ()
             return
         if held is None:
-            answer.append(token)
             yield token
+            length += 1
         else:
             give, again = held.push(token, scores)
             yield from give
             if again is not None:  # it went back before an echo of the question: choose there again
                 scores = again
                 continue
-        if len(answer) == max_new_tokens:
+            length = len(held.tokens)
+        if length == max_new_tokens:
             yield from held.flush() if held is not None else ()
             return
         step_ids.fill_(token)

@@ -165,8 +165,7 @@ class RagSession:
         ids = self.prompt(question, chunks)
         cache = EpisodeCache(self.lm.num_layers)
         echo = EchoGuard(question, self.lm.decode) if self.ask_config.echo_guard else None
-        tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits, echo=echo,
-                               no_repeat=self.ask_config.no_repeat))
+        tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits, echo=echo))
         timings["prefill_decode"] = _ms_since(clock)
         n = int(ids.shape[-1])
         return RagAnswer(self.lm.decode(tokens).strip(), tuple(chunks), n, len(tokens), n, timings)

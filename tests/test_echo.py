@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvchat.echo import Echo, EchoGuard, repeat_bans
+from kvchat.echo import Echo, EchoGuard
 from kvchat.llm import generate
 
 WORDS = ["<eos>", "When", "did", "Tom", "plant", "tomatoes?", "In", "May", "when", "The", "answer:", '"When', "Tommy"]
@@ -128,30 +128,3 @@ def test_decoding_goes_back_at_most_retries_times():
 )
 def test_the_opening_is_found_as_words_of_the_text(tokens, found):
     assert EchoGuard(QUESTION, decode).find([ID[t] for t in tokens]) == found
-
-
-def test_repeat_bans_name_the_tokens_that_would_repeat_a_run():
-    assert repeat_bans([1, 2, 3, 4, 1, 2, 3], 4) == {4}
-    assert repeat_bans([1, 2, 3, 4, 1, 2, 5], 4) == set()
-    assert repeat_bans([7, 7, 7], 3) == {7}
-    assert repeat_bans([1, 2, 3, 4, 1, 2, 3], 0) == set()
-
-
-def test_an_answer_never_repeats_a_run_of_its_own_tokens():
-    """The scripted model loops 'In May In May ...'; with no_repeat=3 the token that would repeat the run
-    'In May In' is replaced by the next best, the end of the answer."""
-    loop = {"In": "May", "May": ("In", "<eos>")}
-    model = scripted_model(logits("In"))
-    forward = model.forward
-
-    def looping(cache, ids, recorder=None):
-        if ids.shape[-1] == 1 and WORDS[ids[0, 0]] in loop:
-            cache.fed += ids[0].tolist()
-            following = loop[WORDS[ids[0, 0]]]
-            return logits(*following if isinstance(following, tuple) else (following,)).view(1, 1, -1)
-        return forward(cache, ids, recorder)
-
-    model.forward = looping
-    prompt = torch.tensor([[1, 0]])
-    assert decode(list(generate(model, ScriptedCache(), prompt, 8))) == "In May In May In May In May"
-    assert decode(list(generate(model, ScriptedCache(), prompt, 8, no_repeat=3))) == "In May In May"
