@@ -41,8 +41,9 @@ class Echo:
 
 @dataclass(frozen=True)
 class EchoGuard:
-    """Finds the question's first `words` words (all of them in a shorter question) in an answer's text; decoding
-    goes back at most `retries` times per answer, after which the answer is left as it comes."""
+    """Finds the question's first `words` words in an answer's text (a question of fewer words has no echo to
+    find: repeating "Paris?" is an answer); decoding goes back at most `retries` times per answer, after which the
+    answer is left as it comes."""
 
     question: str
     decode: Callable[[list[int]], str]
@@ -52,6 +53,8 @@ class EchoGuard:
     def find(self, tokens: Sequence[int]) -> Echo | None:
         """The opening in the answer `tokens` decode to, complete, or begun at the text's end; None if neither."""
         opening = _WORD.findall(self.question.casefold())[: self.words]
+        if len(opening) < self.words:
+            return None
         text = self.decode(list(tokens)).casefold()
         found = list(_WORD.finditer(text))
         open_end = bool(found) and found[-1].end() == len(text)  # the last word may go on in the next token

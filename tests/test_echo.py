@@ -128,3 +128,7 @@ def test_decoding_goes_back_at_most_retries_times():
 )
 def test_the_opening_is_found_as_words_of_the_text(tokens, found):
     assert EchoGuard(QUESTION, decode).find([ID[t] for t in tokens]) == found
+
+
+def test_a_question_shorter_than_the_opening_has_no_echo():
+    assert EchoGuard("When did?", decode).find([ID["When"], ID["did"], ID["Tom"]]) is None
