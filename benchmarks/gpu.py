@@ -7,7 +7,8 @@ and answer; the same length for the 8K-window default model), block prefill (blo
 - an epicache cache (budget 1024 per layer and KV head, patched-prompt scoring), and
 - full KV (nothing evicted),
 and times the prefill (history tokens/s, after an untimed warm-up prefill of each) and a forced greedy decode
-of 64 tokens on top of each (tokens/s, EOS ignored, after a warm-up), with CUDA synchronised around every timing.
+of 64 tokens on top of each through `kvchat.llm.generate`, as `kvchat ask` answers (tokens/s, EOS ignored, after a
+warm-up), with CUDA synchronised around every timing.
 Peak GPU memory is torch.cuda.max_memory_allocated over each prefill + decode, reset in between
 (the model's weights included).
 Decode attention runs on flashinfer when the extra is installed (reported), else torch SDPA.
@@ -53,21 +54,23 @@ def _timed(fn) -> tuple[object, float]:
 
 
 def _decode(lm, cache, prompt: torch.Tensor, tokens: int) -> float:
-    """Seconds for `tokens` forced greedy steps on top of `cache` (the question prompt fed first, untimed)."""
-    from kvchat.kv.forward import forward
+    """Seconds for `tokens` forced greedy steps on top of `cache` through `kvchat.llm.generate`, the path `kvchat ask`
+    answers by (its decode step where it applies), from the question's logits on (the question's prefill untimed)."""
+    from kvchat.llm import generate
 
     mark = cache.checkpoint()
+    started: list[float] = []
+
+    def first_logits(_logits: torch.Tensor) -> None:
+        torch.cuda.synchronize()
+        started.append(time.perf_counter())
+
     try:
         with torch.inference_mode():
-            logits = forward(lm.model, cache, prompt)
-
-            def steps():
-                out = logits
-                for _ in range(tokens):
-                    out = forward(lm.model, cache, out[0, -1].argmax().view(1, 1))
-                return out
-
-            return _timed(steps)[1]
+            for _ in generate(lm, cache, prompt, tokens + 1, first_logits, stop_ids=()):  # N+1 tokens: N steps
+                pass
+        torch.cuda.synchronize()
+        return time.perf_counter() - started[0]
     finally:
         cache.rollback(mark)
 
