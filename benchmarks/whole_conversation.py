@@ -110,6 +110,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, resumed")
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--note", default="", help="a line for the report (machine load, ...)")
+    parser.add_argument("--no-echo-guard", action="store_true",
+                        help="decode answers without kvchat.echo's guard (as kvchat did before 2026-11-26)")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="float",
                         help="the Linear weights answers are decoded with (as `kvchat ask --weights`); the caches "
                              "are those a --weights float run stored, else they are built with these weights too")
@@ -125,8 +127,8 @@ def main() -> None:
     results = ResultsFile(args.out)
     records = evaluate_gold(
         sets, variants, lm=lm, encoder=SentenceEncoder(), results=results,
-        config=EvalConfig(questions=args.questions), base=IngestConfig(), profile_dirs=[home / "profiles"],
-        progress=_Progress(), store=store,
+        config=EvalConfig(questions=args.questions, echo_guard=not args.no_echo_guard), base=IngestConfig(),
+        profile_dirs=[home / "profiles"], progress=_Progress(), store=store,
         conversation_name=_name,
     )
     names = {s.name for s in sets}
