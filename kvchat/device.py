@@ -8,12 +8,16 @@ accuracy, so an answer would be both slower and different from float32's; bfloat
 
 from __future__ import annotations
 
+import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from kvchat.config import DEVICES, DTYPES, DeviceConfig
-from kvchat.errors import UserError
+from kvchat.errors import UserError, first_line
+
+_log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,13 +51,26 @@ def resolve(config: DeviceConfig = DeviceConfig(), *, cuda_available: bool | Non
         raise UserError(f"unknown --device {config.device!r} (choose from {', '.join(DEVICES)})")
     if config.dtype not in DTYPES:
         raise UserError(f"unknown --dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
-    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
+    cuda, why = cuda_status() if cuda_available is None else (cuda_available, None)
     if config.device == "cuda" and not cuda:
         raise UserError("--device cuda: torch sees no CUDA GPU here (torch "
-                        f"{torch.__version__}); use --device cpu or auto")
+                        f"{torch.__version__}{f': {why}' if why else ''}); use --device cpu or auto")
     device = "cuda" if config.device == "cuda" or (config.device == "auto" and cuda) else "cpu"
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if device == "cpu" and dtype == "float16":
         raise UserError("--dtype float16 is not supported on the CPU (slow, inexact kernels); "
                         "use bfloat16 or float32 there")
     return Placement(torch.device(device), _DTYPES[dtype])
+
+
+def cuda_status() -> tuple[bool, str | None]:
+    """Whether torch sees a CUDA GPU, and why not when its initialisation failed: torch says so in a Python
+    warning, which would reach the terminal as a traceback-like line; kvchat logs it (`--debug`) instead and names
+    it when `--device cuda` is refused."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        available = torch.cuda.is_available()
+    why = next((first_line(w.message) for w in caught if "CUDA" in str(w.message)), None)
+    if why:
+        _log.debug("torch: %s", why)
+    return available, why

@@ -4,6 +4,7 @@ rule (what must match, what may differ), the device-aware pre-flight, and decode
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -317,3 +318,21 @@ def test_a_cuda_decode_gives_the_cpu_logits():
     got = forward(gpu, block_prefill(gpu, prefix.cuda(), context.cuda(), block_size=16, budgets=[24, 24],
                                      scorer=PatchedPromptScorer(random_ids(6, 4).cuda())).cache, token.cuda())
     torch.testing.assert_close(got.cpu(), want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_failed_cuda_initialisation_is_no_python_warning_and_is_named_when_cuda_is_asked_for(monkeypatch):
+    """torch warns when CUDA fails to initialise (a busy or broken driver): kvchat keeps that warning off the
+    terminal and names it in `--device cuda`'s refusal."""
+    def failing() -> bool:
+        warnings.warn("CUDA initialization: Unexpected error from cudaGetDeviceCount()\nsecond line", UserWarning,
+                      stacklevel=2)
+        return False
+
+    monkeypatch.setattr(torch.cuda, "is_available", failing)
+    with warnings.catch_warnings(record=True) as escaped:
+        warnings.simplefilter("always")
+        assert resolve(DeviceConfig()).describe() == "cpu float32"
+        with pytest.raises(UserError, match=r"no CUDA GPU here \(torch .*: CUDA initialization: Unexpected error from "
+                                             r"cudaGetDeviceCount\(\)\); use --device cpu or auto$"):
+            resolve(DeviceConfig("cuda"))
+    assert escaped == []
