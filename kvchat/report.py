@@ -72,7 +72,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
                         else f"whole sessions up to the model's window minus {ANSWER_ROOM} tokens for the answer",
         "questions": ("all" if config.questions is None else f"at most {config.questions}") + " per conversation, "
                      f"LoCoMo categories {', '.join(map(str, config.categories))}, only those whose evidence is kept",
-        "answers": f"greedy, at most {config.max_new_tokens} tokens, LoCoMo's QA prompt",
+        "answers": f"greedy, at most {config.max_new_tokens} tokens, LoCoMo's QA prompt"
+                   + (", no answer repeating the question's first words (kvchat.echo)" if config.echo_guard else ""),
     }
     return found
 
