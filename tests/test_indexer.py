@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import tiny_model
 from memory_helpers import logits_with_shut_and_without_memory
 
 from kvchat.ask import Session
@@ -195,6 +197,23 @@ def test_the_scorer_ranks_by_the_indexer_inside_the_forward(tiny_lm):
     scorer.kept(0, torch.tensor([[0, 1, 5], [0, 1, 7]]))  # an eviction kept 3 entries per head
     assert [k.shape[0] for k in scorer.keys[0]] == [3, 3]
     assert torch.equal(scorer.keys[0][0][2], layer.keys(hidden[0])[3].detach())
+
+
+def test_the_indexer_and_the_memory_move_to_the_models_device():
+    """Trained weights load on the CPU; a model elsewhere (a GPU; here the meta device stands in) gets them where
+    it runs, so scoring and writing never mix devices."""
+    from kvchat.features.indexmem import IndexMem
+    from kvchat.kv.indexer import Indexer, IndexerScorer
+
+    model = tiny_model("llama").to("meta")
+    shape = IndexMemShape.of(model.config)
+    scorer = IndexerScorer(Indexer(shape), model)
+    assert {p.device.type for p in scorer.indexer.parameters()} == {"meta"}
+    assert {m.device.type for m, _ in scorer.query_maps} == {"meta"}
+    trained = SimpleNamespace(memory=MemoryWeights(shape), config=IndexMemConfig())
+    setup = SimpleNamespace(config=SimpleNamespace(memory=True), trained=trained, model=model)
+    memory = IndexMem().episode(setup).memory
+    assert {t.device.type for t in [*memory.m, *memory.b, memory.ref]} == {"meta"}
 
 
 def test_memory_returns_v_for_q_equal_k_with_identity_features():

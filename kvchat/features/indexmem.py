@@ -50,7 +50,8 @@ class IndexMem(Feature):
             return None
         from kvchat.kv.latent import LatentMemory  # torch: only when an episode is built
 
-        return _Memory(LatentMemory(setup.trained.memory, setup.trained.config), setup)
+        memory = LatentMemory(setup.trained.memory, setup.trained.config)  # written where the evictions are
+        return _Memory(memory.to(next(setup.model.parameters()).device), setup)
 
     def settings(self, cache: CacheConfig) -> dict:
         return {key: getattr(cache, key) for key in SETTINGS_KEYS}

@@ -158,7 +158,8 @@ class IndexerScorer(BlockScorer):
                  query_window: int = 0, attention_mix: float = 0.0, attention_window: int = 64) -> None:
         if not 0.0 <= attention_mix <= 1.0:
             raise ValueError(f"attention_mix must lie in [0, 1] (got {attention_mix})")
-        self.indexer = indexer.eval().requires_grad_(False)
+        # on the model's device (trained weights load on the CPU; a GPU ingest scores on the GPU)
+        self.indexer = indexer.to(next(model.parameters()).device).eval().requires_grad_(False)
         self.shape = indexer.shape
         self.pool_kernel = pool_kernel
         self.recent_window = recent_window
