@@ -21,10 +21,10 @@ from kvchat.formats.common import (
     MAX_TURNS,
     Pick,
     Turn,
+    load_json,
     one_line,
     quote,
     refuse,
-    too_deep,
     type_name,
 )
 from kvchat.formats.finetune import parse_finetune
@@ -72,16 +72,13 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
     if format in ("jsonl", "finetune", "transcript"):
         return _at_least(min_turns, _parse_text(format, text, source, pick), source)
     try:
-        data = json.loads(text)
-        deep = too_deep(data)
+        data = load_json(text)
     except RecursionError:
-        deep = True
+        raise refuse(source, "is nested too deeply to be a chat history") from None
     except ValueError as exc:
         if format is not None:
             raise refuse(source, _json_error(text, exc)) from None
         return _at_least(min_turns, _parse_text(_text_format(text, source, exc), text, source, pick), source)
-    if deep:
-        raise refuse(source, "is nested too deeply to be a chat history")
     return parse_history(data, source, format=format, pick=pick, min_turns=min_turns)
 
 

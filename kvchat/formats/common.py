@@ -57,16 +57,17 @@ def refuse(source: str, what: str) -> UserError:
     return one_line(source, f"{what}; kvchat reads {FORMATS} ({EXAMPLES})")
 
 
-def too_deep(value: object, limit: int = MAX_NESTING) -> bool:
-    """Whether JSON `value` nests lists and objects more than `limit` deep. Checked after parsing, without
-    recursion: whether json.loads itself gives up (RecursionError) depends on the Python version."""
+def load_json(text: str) -> object:
+    """`json.loads`, raising RecursionError also for a value that nests lists and objects more than MAX_NESTING
+    deep: whether json itself gives up depends on the Python version (3.12 parses 5,000 levels)."""
+    value = json.loads(text)
     level = [value]
-    for _ in range(limit + 1):
+    for _ in range(MAX_NESTING + 1):  # breadth first, without recursion
         level = [child for item in level if isinstance(item, list | dict)
                  for child in (item.values() if isinstance(item, dict) else item)]
         if not level:
-            return False
-    return True
+            return value
+    raise RecursionError(f"nested more than {MAX_NESTING} deep")
 
 
 def type_name(value: object) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvchat.formats.common import MAX_TURNS, Turn, refuse, too_deep
+from kvchat.formats.common import MAX_TURNS, Turn, load_json, refuse
 from kvchat.formats.openai import parse_messages
 
 
@@ -33,15 +33,12 @@ def read_lines(text: str, source: str, expects: str, what: str) -> tuple[list[in
     items: list[object] = []
     for n, line in lines:
         try:
-            item = json.loads(line)
-            deep = too_deep(item)
+            item = load_json(line)
         except RecursionError:
-            deep = True
+            raise refuse(source, f"line {n} is nested too deeply (JSONL expects {expects})") from None
         except ValueError as exc:
             raise refuse(source, f"line {n} is not valid JSON: {_decode_message(exc)} "
                          f"(JSONL expects {expects})") from None
-        if deep:
-            raise refuse(source, f"line {n} is nested too deeply (JSONL expects {expects})")
         items.append(item)
     return [n for n, _ in lines], items
 
