@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -50,10 +51,16 @@ class EchoGuard:
     words: int = ECHO_WORDS
     retries: int = ECHO_RETRIES
 
+    @cached_property
+    def opening(self) -> list[str]:
+        """The question's first `words` words, casefolded; none for a shorter question."""
+        words = _WORD.findall(self.question.casefold())[: self.words]
+        return words if len(words) == self.words else []
+
     def find(self, tokens: Sequence[int]) -> Echo | None:
         """The opening in the answer `tokens` decode to, complete, or begun at the text's end; None if neither."""
-        opening = _WORD.findall(self.question.casefold())[: self.words]
-        if len(opening) < self.words:
+        opening = self.opening
+        if not opening:
             return None
         text = self.decode(list(tokens)).casefold()
         found = list(_WORD.finditer(text))
@@ -86,20 +93,21 @@ class _Choice:
 
 @dataclass
 class HeldAnswer:
-    """One answer decoded under `guard`: `push` each chosen token before it is fed to the model; it says which
-    tokens can be given out, or, when they spelled out the question's opening, rolls `rewound` back to where the
-    opening began and returns the scores to choose from there, that token ruled out."""
+    """One answer as it is decoded: `push` each chosen token before it is fed to the model; it says which tokens
+    can be given out, or, when under `guard` they spelled out the question's opening, rolls `rewound` back to where
+    the opening began and returns the scores to choose from there, that token ruled out. Without a guard every
+    token is given out at once."""
 
-    guard: EchoGuard
+    guard: EchoGuard | None
     rewound: Sequence[Rewindable]
     tokens: list[int] = field(default_factory=list)  # every token chosen: tokens[:given] given out, the rest held
     given: int = 0
     _held: list[_Choice] = field(default_factory=list)  # per token held back
     _bans: dict[int, set[int]] = field(default_factory=dict)  # per position, tokens an echo began with there
-    _retries: int = -1
+    _retries: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self._retries = self.guard.retries
+        self._retries = self.guard.retries if self.guard is not None else 0
 
     def push(self, token: int, scores: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """`token`, chosen from `scores`: the tokens to give out now, and None, or the scores to choose again from

@@ -358,25 +358,19 @@ def generate(
     if on_first_logits is not None:
         on_first_logits(scores)
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
-    held = None if echo is None else HeldAnswer(echo, [cache] if recorder is None else [cache, recorder])
-    length = 0
+    answer = HeldAnswer(echo, [cache] if recorder is None else [cache, recorder])
     while True:
         token = int(scores.argmax())
         if token in stop:
-            yield from held.flush() if held is not None else ()
+            yield from answer.flush()
             return
-        if held is None:
-            yield token
-            length += 1
-        else:
-            give, again = held.push(token, scores)
-            yield from give
-            if again is not None:  # it went back before an echo of the question: choose there again
-                scores = again
-                continue
-            length = len(held.tokens)
-        if length == max_new_tokens:
-            yield from held.flush() if held is not None else ()
+        give, again = answer.push(token, scores)
+        yield from give
+        if again is not None:  # it went back before an echo of the question: choose there again
+            scores = again
+            continue
+        if len(answer.tokens) == max_new_tokens:
+            yield from answer.flush()
             return
         step_ids.fill_(token)
         fast = lm.decode_step if recorder is None else None  # built once, after the first token is out
