@@ -18,7 +18,7 @@ import torch
 
 from kvchat import features, recall
 from kvchat.config import AskConfig
-from kvchat.echo import EchoGuard
+from kvchat.echo import guard_for
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import route
 from kvchat.errors import CacheIntegrityError, UserError
@@ -154,7 +154,8 @@ class Session:
             try:
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
-                    first_recorder=first_recorder, recorder=recorder, echo=self._echo_guard(question),
+                    first_recorder=first_recorder, recorder=recorder,
+                    echo=guard_for(self.config, question, self.lm.decode),
                 ):
                     if stop is not None and stop():
                         finish = "stopped"
@@ -231,9 +232,6 @@ class Session:
                 f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
             )
         return episode, float(self._centroids[episode] @ query)
-
-    def _echo_guard(self, question: str) -> EchoGuard | None:
-        return EchoGuard(question, self.lm.decode) if self.config.echo_guard else None
 
     def _source_recorder(self, cache: EpisodeCache, recalled: Sequence[TurnSpan]
                          ) -> tuple[SourceRecorder | None, str | None]:  # fmt: skip

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from kvchat.config import ECHO_RETRIES, ECHO_WORDS
+from kvchat.config import ECHO_RETRIES, ECHO_WORDS, AskConfig
 
 _WORD = re.compile(r"\w+")
 
@@ -73,6 +73,11 @@ class EchoGuard:
             if at_end and _begins(tail, opening, open_end):
                 return Echo(word.start(), False)
         return None
+
+
+def guard_for(config: AskConfig, question: str, decode: Callable[[list[int]], str]) -> EchoGuard | None:
+    """The guard `config` asks for on `question`'s answer (`AskConfig.echo_guard`), or None."""
+    return EchoGuard(question, decode) if config.echo_guard else None
 
 
 def _begins(tail: list[str], opening: list[str], open_end: bool) -> bool:

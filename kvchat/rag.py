@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kvchat.config import SYSTEM_PROMPT, AskConfig, RagConfig
-from kvchat.echo import EchoGuard
+from kvchat.echo import guard_for
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn, format_turns
@@ -164,7 +164,7 @@ class RagSession:
         clock = time.perf_counter()
         ids = self.prompt(question, chunks)
         cache = EpisodeCache(self.lm.num_layers)
-        echo = EchoGuard(question, self.lm.decode) if self.ask_config.echo_guard else None
+        echo = guard_for(self.ask_config, question, self.lm.decode)
         tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits, echo=echo))
         timings["prefill_decode"] = _ms_since(clock)
         n = int(ids.shape[-1])
