@@ -8,8 +8,8 @@
 - kvchat full KV: one full-KV prefill of the longest history; shorter ones are its first entries (causal
   attention: the same cache a shorter prefill builds);
 - kvchat episode cache: `--prefill full`'s selection from that cache (EpiCache's patched prompt, budget 512
-  per layer and KV head, uniform), in float32, with the model and cache in bfloat16, and with int8 weights
-  (`--weights int8`);
+  per layer and KV head, uniform), in float32, with the model and cache in bfloat16, and with int8 and int4
+  weights (`--weights int8|int4`);
 - llama.cpp (llama-cpp-python, the extra `kvchat[bench]`, never imported by kvchat) over the same model's
   Q4_1 GGUF, and over each `--gguf` file (the same weights in other precisions, e.g. written by llama.cpp's
   `convert_hf_to_gguf.py --outtype f32|f16|q8_0` from kvchat's converted model directory), on the same token
@@ -19,7 +19,7 @@ tokens/s counts the steps after the first token, which every engine takes from i
 The bandwidth limit of a row is the bytes a step must read (weights, lm_head included, plus the cache)
 over the machine's copy bandwidth (2 x bytes of a 256 MiB `copy_` per second, on `--threads`).
 
-`precision`: int8 weights (`--weights int8`, answering from the float cache) and bfloat16 (model and its
+`precision`: int8 and int4 weights (`--weights`, answering from the float cache) and bfloat16 (model and its
 own cache) against float32 on the shared LoCoMo conversations (full KV at 4K tokens): first-answer-token
 KL(fp32 || other) and agreement (token F1 between the two greedy answers), as `kvchat eval` measures a
 method against full KV.
@@ -201,6 +201,7 @@ def speed(args: argparse.Namespace) -> str:
     lm = load_model("default", args.models_dir)
     lm16 = load_model("default", args.models_dir, placement=BFLOAT16)
     lm8 = load_model("default", args.models_dir, weights="int8")
+    lm4 = load_model("default", args.models_dir, weights="int4")
     data = inputs(lm, args.conversation)
     longest = max(args.lengths)
     bandwidth = copy_bandwidth(threads)
@@ -222,7 +223,7 @@ def speed(args: argparse.Namespace) -> str:
     rate = full.next_position / (time.perf_counter() - clock)
     log(f"kvchat prefill {full.next_position} tokens: {rate:.0f} tokens/s")
 
-    weights32, weights16, weights8 = weight_bytes(lm), weight_bytes(lm16), weight_bytes(lm8)
+    weights32, weights16, weights8, weights4 = (weight_bytes(x) for x in (lm, lm16, lm8, lm4))
     rows = []
     for n in sorted(args.lengths, reverse=True):  # llama.cpp keeps the longest history's prefix
         keep = data.prefix.shape[-1] + n
@@ -235,8 +236,10 @@ def speed(args: argparse.Namespace) -> str:
             ("kvchat, episode cache (budget 512), float32", lm, episode, weights32),
             ("kvchat, episode cache (budget 512), bfloat16", lm16, episode16, weights16),
             ("kvchat, episode cache (budget 512), int8 weights", lm8, episode, weights8),
+            ("kvchat, episode cache (budget 512), int4 weights", lm4, episode, weights4),
             ("kvchat, full KV, float32", lm, whole, weights32),
             ("kvchat, full KV, int8 weights", lm8, whole, weights8),
+            ("kvchat, full KV, int4 weights", lm4, whole, weights4),
         ]
         for engine, model, cache, wbytes in cases:
             kvchat_rate(model, cache, data.question, 4)  # warm-up: buffers, allocator
@@ -281,6 +284,7 @@ def precision(args: argparse.Namespace) -> str:
     lms = {
         "float32": load_model("default", args.models_dir),
         "int8 weights": load_model("default", args.models_dir, weights="int8"),
+        "int4 weights": load_model("default", args.models_dir, weights="int4"),
         "bfloat16": load_model("default", args.models_dir, placement=BFLOAT16),
     }
     reference = lms["float32"]
@@ -300,7 +304,7 @@ def precision(args: argparse.Namespace) -> str:
                     cache = block_prefill(lm.model, data.prefix, data.history[:, : args.context], block_size=BLOCK,
                                           budgets=None, scorer=None).cache  # fmt: skip
                 float_cache = cache
-            else:  # int8 weights answer from the float cache, as `kvchat ask --weights int8` does
+            else:  # int8 and int4 weights answer from the float cache, as `kvchat ask --weights int8` does
                 cache = float_cache
             answers[name] = []
             for question in questions:

@@ -65,7 +65,9 @@ from kvchat.kv.config import (
 )
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
 
-WEIGHT_MODES = ("float", "int8")  # how the model's Linear weights are held while answering (kvchat.int8_weights)
+# how the model's Linear weights are held while answering (kvchat.int8_weights, kvchat.int4_weights); auto: int4
+# on a CPU where the decoder's weights already are 4-bit groups (the embedded model), else float
+WEIGHT_MODES = ("auto", "float", "int8", "int4")
 CONVERSION_WEIGHTS_PER_SECOND = 3_000_000  # a first GGUF conversion's time estimate: weights done per second
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 DEVICES = ("auto", "cpu", "cuda")
@@ -188,7 +190,7 @@ class AskConfig:
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
-    weights: str = "float"  # float (as loaded) | int8 (weight-only, per channel: faster decode on a CPU)
+    weights: str = "auto"  # auto | float (as loaded) | int8 (per channel) | int4 (groups of 32): WEIGHT_MODES
     # A question whose routing similarity (cosine to the nearest episode centroid) is below this is flagged
     # off-topic, and with refuse_off_topic not answered (benchmarks/results/receipts.md measures it).
     off_topic_similarity: float = OFF_TOPIC_SIMILARITY

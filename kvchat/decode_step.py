@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.int4_weights import Int4Linear, stackable
+from kvchat.int4_weights import product as int4_product
 from kvchat.int8_weights import Int8Linear
 from kvchat.kv import families
 from kvchat.kv.attention import attend
@@ -33,11 +35,18 @@ FAMILIES = ("llama",)
 
 class _Projection:
     """Several Linear layers with the same input as one matrix product: their weights (and int8 scales) stacked
-    into one tensor, the modules' own weights rebound to views of it."""
+    into one tensor, the modules' own weights rebound to views of it. int4 weights stack the same way where the
+    kernel's packed layout allows it (`int4_weights.stackable`), but their scales and offsets, which the kernel
+    reads only as one contiguous tensor, are stacked as a copy (a fifth of the packed weights' bytes); int4 parts
+    that do not stack are multiplied one by one."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
-        self.int8 = isinstance(modules[0], Int8Linear)
-        names = ("weight", "scale") if self.int8 else ("weight",)
+        self.kind = type(modules[0])
+        self.parts = None
+        if self.kind is Int4Linear and not stackable([m.out_features for m in modules]):
+            self.parts = [(m.weight, m.scale_zero) for m in modules]
+            return
+        names = ("weight", "scale") if self.kind is Int8Linear else ("weight",)
         self.tensors = []
         for name in names:
             stacked = torch.cat([getattr(m, name).detach() for m in modules])
@@ -51,18 +60,26 @@ class _Projection:
                     setattr(module, name, view)
                 start += rows
             self.tensors.append(stacked)
+        if self.kind is Int4Linear:  # [groups, out, 2]: stacked along the output rows
+            self.tensors.append(torch.cat([m.scale_zero for m in modules], dim=1))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8:
-            weight, scale = self.tensors
-            return _int8(x, weight, scale)
+        if self.parts is not None:
+            return torch.cat([int4_product(x, *part) for part in self.parts], dim=-1)
+        if self.kind is Int8Linear:
+            return _int8(x, *self.tensors)
+        if self.kind is Int4Linear:
+            return int4_product(x, *self.tensors)
         return F.linear(x, self.tensors[0])
 
 
 def _linear(module: nn.Module):
-    """`module`'s product without the module call: F.linear for a Linear, the int8 kernel for an Int8Linear."""
+    """`module`'s product without the module call: F.linear for a Linear, the int8 or int4 kernel for an
+    Int8Linear or Int4Linear (left in bfloat16, as `_int8`)."""
     if isinstance(module, Int8Linear):
         return lambda x: _int8(x, module.weight, module.scale)
+    if isinstance(module, Int4Linear):
+        return lambda x: int4_product(x, module.weight, module.scale_zero)
     return lambda x: F.linear(x, module.weight, module.bias)
 
 
@@ -108,7 +125,7 @@ class DecodeStep:
         for layer in inner.layers:
             linears = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.mlp.gate_proj,
                        layer.mlp.up_proj]
-            if len({type(m) for m in linears}) != 1 or type(linears[0]) not in (nn.Linear, Int8Linear):
+            if len({type(m) for m in linears}) != 1 or type(linears[0]) not in (nn.Linear, Int8Linear, Int4Linear):
                 return None
         return cls(model)
 

@@ -21,13 +21,12 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from kvchat import native_llama, preflight
+from kvchat import int4_weights, int8_weights, native_llama, preflight
 from kvchat.config import WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
 from kvchat.echo import EchoGuard, HeldAnswer
 from kvchat.errors import UserError, first_line
-from kvchat.int8_weights import quantize_linears
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward as model_forward
@@ -37,6 +36,7 @@ from kvchat.native_llama import NativeLlama
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+QUANTIZERS = {"int8": int8_weights.quantize_linears, "int4": int4_weights.quantize_linears}  # --weights
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
 
@@ -100,6 +100,7 @@ class LoadedModel:
     fingerprint: str
     native: NativeLlama | None = None
     transformers_model: PreTrainedModel | None = field(default=None, repr=False)
+    weights: str = "float"  # how the Linear weights are held: float, int8 or int4 (`load_model`'s `weights`, resolved)
     _decode_step: DecodeStep | bool | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -257,13 +258,15 @@ def load_model(
     """Load a causal LM for kvchat with its attention attached, in `placement`'s dtype on its device (the
     library's default: the CPU in float32; the CLI resolves --device/--dtype, kvchat.device). Raises
     UserError when not found, or when the architecture is one kvchat would answer wrongly with
-    (kvchat.kv.families). `weights="int8"` then holds its Linear weights as int8 (kvchat.int8_weights: for
-    answering on a CPU); the fingerprint is the loaded weights', so caches built with them answer with it.
+    (kvchat.kv.families). `weights="int8"` then holds its Linear weights as int8 (kvchat.int8_weights), `"int4"` its
+    decoder's in 4-bit groups (kvchat.int4_weights), for answering on a CPU; `"auto"` is int4 on a CPU where the
+    decoder's weights already are 4-bit groups (the embedded model's are), else float. The fingerprint is the loaded
+    weights', so caches built with them answer with it.
     `conversion` hears of a first GGUF conversion (kvchat.model_files.convert_gguf), if one is needed."""
     if weights not in WEIGHT_MODES:
         raise UserError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
-    if weights == "int8" and placement.device.type != "cpu":
-        raise UserError("--weights int8 is for answering on the CPU (its kernel is torch's CPU one)")
+    if weights not in ("auto", "float") and placement.device.type != "cpu":
+        raise UserError(f"--weights {weights} is for answering on the CPU (its kernel is torch's CPU one)")
     name, source = resolve(spec, models_dir, conversion)
     native = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
     with _load_errors(spec, source):
@@ -282,8 +285,12 @@ def load_model(
         model.set_attn_implementation(attention.register())
         model.to(placement.device).eval()
         lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), transformers_model=model)
-    if weights == "int8":
-        quantize_linears(lm.answering)
+    if weights == "auto":  # the weights at the precision they hold: int4 only where that loses nothing but rounding
+        four = placement.device.type == "cpu" and int4_weights.holds_4_bit_groups(lm.answering)
+        weights = "int4" if four else "float"
+    if weights != "float":
+        QUANTIZERS[weights](lm.answering)
+    lm.weights = weights
     _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
                weights)
     return lm

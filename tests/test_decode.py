@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import safetensors.torch
 import torch
@@ -211,7 +213,7 @@ def test_the_decode_loop_makes_room_once_and_answers_as_asked(tiny_lm):
     assert again == tokens
 
 
-# --------------------------------------------------------------------------- int8 weights
+# --------------------------------------------------------------------------- int8 and int4 weights
 
 
 def test_int8_linear_holds_int8_rows_and_multiplies_like_the_float_layer():
@@ -248,4 +250,91 @@ def test_a_model_loaded_with_int8_weights_keeps_its_fingerprint_and_answers_clos
         q = int8.model(ids).logits[0, -1].log_softmax(-1)
     assert float((p.exp() * (p - q)).sum()) < 0.01
     with pytest.raises(UserError, match="unknown weights"):
-        load_model(str(tiny_model_dir), tmp_path, weights="int4")
+        load_model(str(tiny_model_dir), tmp_path, weights="int2")
+
+
+def _on_4_bit_grid(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Weights as a Q4_1 file holds them: per group of 32 columns, 16 levels `code * step + low` (a step and low
+    that bfloat16 holds exactly, as kvchat's scale and offset are stored)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = columns // 32
+    step = (torch.rand(rows, groups, 1, generator=g) * 0.1 + 0.01).to(torch.bfloat16).float()
+    low = -8 * step + (torch.randn(rows, groups, 1, generator=g) * 0.05).to(torch.bfloat16).float()
+    codes = torch.randint(0, 16, (rows, groups, 32), generator=g).float()
+    codes[..., 0], codes[..., 1] = 0, 15  # every group spans its 16 levels, as Q4_1's minimum and maximum do
+    return (codes * step + low).reshape(rows, columns)
+
+
+def test_int4_linear_finds_the_codes_of_weights_already_in_4_bit_groups():
+    from kvchat.int4_weights import Int4Linear
+
+    linear = torch.nn.Linear(96, 48, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(_on_4_bit_grid(48, 96))
+    q = Int4Linear(linear)
+    assert q.weight.dtype == torch.uint8 and q.weight.numel() == 48 * 96 // 2
+    assert q.scale_zero.shape == (3, 48, 2) and q.scale_zero.dtype == torch.bfloat16
+    x = torch.randn(3, 96)
+    want = x.to(torch.bfloat16).double() @ linear.weight.double().t()  # the activations' rounding only
+    got = q(x)
+    assert got.dtype == x.dtype and got.shape == (3, 48)
+    # the bfloat16 output's own rounding: the weights came back exactly
+    torch.testing.assert_close(got.double(), want, atol=0.02, rtol=2**-7)
+
+
+def test_int4_linear_of_any_weights_stays_within_4_bit_group_rounding():
+    from kvchat.int4_weights import Int4Linear
+
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    q = Int4Linear(linear)
+    x = torch.randn(2, 5, 64)
+    with torch.no_grad():
+        want = linear(x)
+    got = q(x)
+    assert got.shape == want.shape and got.dtype == x.dtype
+    assert (got - want).norm() / want.norm() < 0.1  # 16 levels a group of 32: a few percent
+    with pytest.raises(ValueError, match="int4"):
+        Int4Linear(torch.nn.Linear(40, 32))  # 40 columns: not whole groups
+
+
+def test_int4_weights_put_the_decoder_in_4_bits_and_the_lm_head_in_8(tiny_model_dir, tmp_path):
+    from kvchat.int4_weights import Int4Linear
+    from kvchat.int8_weights import Int8Linear
+    from kvchat.llm import load_model
+
+    plain = load_model(str(tiny_model_dir), tmp_path)
+    int4 = load_model(str(tiny_model_dir), tmp_path, weights="int4")
+    assert int4.fingerprint == plain.fingerprint  # caches built with float weights answer with int4 ones
+    kinds = {name: type(m) for name, m in int4.model.named_modules() if name.endswith(("_proj", "lm_head"))}
+    assert kinds.pop("lm_head") is Int8Linear
+    assert set(kinds.values()) == {Int4Linear} and len(kinds) == 7 * int4.num_layers
+    ids = _ids(40, 4, vocab=40)
+    with torch.no_grad():
+        p = plain.model(ids).logits[0, -1].log_softmax(-1)
+        q = int4.model(ids).logits[0, -1].log_softmax(-1)
+    assert float((p.exp() * (p - q)).sum()) < 0.05
+    assert not torch.equal(p, q)  # the 4-bit weights answered, not the float ones
+
+
+def test_auto_weights_are_int4_only_where_the_decoder_already_holds_4_bit_groups(tiny_model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from kvchat.int4_weights import Int4Linear, holds_4_bit_groups, on_4_bit_grid
+    from kvchat.llm import load_model
+
+    random = load_model(str(tiny_model_dir), tmp_path, weights="auto")  # random float weights: kept as loaded
+    assert random.weights == "float" and not holds_4_bit_groups(random.answering)
+    assert not any(isinstance(m, Int4Linear) for m in random.answering.modules())
+
+    grid = tmp_path / "on-grid"  # the same model with its decoder's weights put on 4-bit groups, as a Q4_1 GGUF's
+    shutil.copytree(tiny_model_dir, grid)
+    tensors = load_file(grid / "model.safetensors")
+    for name, tensor in tensors.items():
+        if name.endswith("_proj.weight"):
+            tensors[name] = _on_4_bit_grid(*tensor.shape, seed=len(name))
+            assert on_4_bit_grid(tensors[name]) and not on_4_bit_grid(tensors[name] + 1e-3 * torch.randn(tensor.shape))
+    save_file(tensors, grid / "model.safetensors", metadata={"format": "pt"})
+    four = load_model(str(grid), tmp_path, weights="auto")
+    assert four.weights == "int4" and any(isinstance(m, Int4Linear) for m in four.answering.modules())
+    assert load_model(str(grid), tmp_path).weights == "float"  # the library's default: as loaded

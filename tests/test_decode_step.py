@@ -6,8 +6,8 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model, with_kvchat_attention
 
+from kvchat import int4_weights, int8_weights
 from kvchat.decode_step import DecodeStep
-from kvchat.int8_weights import quantize_linears
 from kvchat.kv.cache import RaggedLayer
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
@@ -35,11 +35,13 @@ def _decode_both_ways(model: torch.nn.Module, step: DecodeStep, tokens: int = 6)
     return pairs, fast, slow
 
 
-@pytest.mark.parametrize("weights", ["float", "int8"])
-def test_the_decode_step_gives_the_forwards_logits_and_cache(weights):
-    model = with_kvchat_attention(tiny_model("llama", seed=3))
-    if weights == "int8":
-        quantize_linears(model)
+@pytest.mark.parametrize(("weights", "kv_heads"), [("float", 2), ("int8", 2), ("int4", 2), ("int4", 4)])
+def test_the_decode_step_gives_the_forwards_logits_and_cache(weights, kv_heads):
+    """int4 with 2 KV heads: key and value rows (32) that do not fill the kernel's packed blocks, multiplied one by
+    one; with 4 (64 rows) the query, key and value rows are one product."""
+    model = with_kvchat_attention(tiny_model("llama", seed=3, kv_heads=kv_heads))
+    if weights != "float":
+        {"int8": int8_weights, "int4": int4_weights}[weights].quantize_linears(model)
     before = {name: t.clone() for name, t in model.state_dict().items()}
     step = DecodeStep.for_model(model)
     assert step is not None

@@ -16,12 +16,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from kvchat import native_llama
+from kvchat import int4_weights, int8_weights, native_llama
 from kvchat.ask import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, RecallConfig
 from kvchat.decode_step import DecodeStep
 from kvchat.ingest import ingest
-from kvchat.int8_weights import quantize_linears
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -136,12 +135,13 @@ def test_a_question_on_a_stored_episode_cache_gives_transformers_logits(model_di
     _same(_greedy(native, ours, question, 5), _greedy(lambda c, i: forward(reference, c, i), theirs, question, 5))
 
 
-@pytest.mark.parametrize("weights", ["float", "int8"])
+@pytest.mark.parametrize("weights", ["float", "int8", "int4"])
 def test_the_decode_step_runs_on_the_native_model(model_dir, weights):
     native, reference = _both(model_dir)
-    if weights == "int8":
-        quantize_linears(native)
-        quantize_linears(reference)
+    if weights != "float":
+        quantize = {"int8": int8_weights, "int4": int4_weights}[weights].quantize_linears
+        quantize(native)
+        quantize(reference)
     vocab, layers = native.config.vocab_size, native.config.num_hidden_layers
     step = DecodeStep.for_model(native)
     assert step is not None

@@ -31,8 +31,8 @@ def serve(
     max_tokens: Annotated[int, typer.Option(
         help="Answer length when a request names none.")] = ServeConfig.max_tokens,
     threads: ThreadsOpt = None,
-    weights: Annotated[Weights, typer.Option(help="float or int8 Linear weights (as `kvchat ask --weights`).")
-                       ] = AskConfig.weights,
+    weights: Annotated[Weights, typer.Option(
+        help="auto, float, int8 or int4 Linear weights (as `kvchat ask --weights`).")] = AskConfig.weights,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
     preload: Annotated[bool, typer.Option(
