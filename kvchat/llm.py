@@ -100,8 +100,9 @@ class LoadedModel:
     fingerprint: str
     native: NativeLlama | None = None
     transformers_model: PreTrainedModel | None = field(default=None, repr=False)
-    weights: str = "float"  # how the Linear weights are held: float, int8 or int4 (`load_model`'s `weights`, resolved)
+    weights: str = "float"  # how the Linear weights are held: float, int8 or int4 (`hold_weights`)
     _decode_step: DecodeStep | bool | None = field(default=None, init=False, repr=False, compare=False)
+    _weight_ids: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.native is None and self.transformers_model is None:
@@ -116,6 +117,20 @@ class LoadedModel:
             self.transformers_model = native_llama.as_transformers(self.native)
             self.transformers_model.set_attn_implementation(attention.register())
         return self.transformers_model
+
+    @property
+    def weight_ids(self) -> tuple[str, ...]:
+        """The fingerprints a layer profile or IndexMem weights file made for this model may carry (`weights_ids`),
+        of the weights as loaded: an int8 or int4 model (`hold_weights`) finds the files of its float weights."""
+        if self._weight_ids is None:
+            self._weight_ids = weights_ids(self.answering)
+        return self._weight_ids
+
+    def hold_weights(self, weights: str) -> None:
+        """Hold the Linear weights as `weights` (int8 or int4: `QUANTIZERS`), their fingerprints taken first."""
+        self._weight_ids = self.weight_ids  # taken from the float weights, before they change
+        QUANTIZERS[weights](self.answering)
+        self.weights = weights
 
     @property
     def answering(self) -> nn.Module:
@@ -206,7 +221,8 @@ def weights_fingerprint(model: nn.Module) -> str:
 def legacy_weights_fingerprint(model: nn.Module) -> str | None:
     """The weights fingerprint of kvchat before caches could change dtype (exact values with their dtype):
     profiles and IndexMem weights made then carry it. Computable only on a float32 model, None otherwise."""
-    if model.dtype != torch.float32:
+    dtype = next((t.dtype for t in model.state_dict().values() if t.is_floating_point()), None)
+    if dtype != torch.float32:  # the first floating tensor's, as transformers' `model.dtype`
         return None
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
@@ -289,8 +305,7 @@ def load_model(
         four = placement.device.type == "cpu" and int4_weights.holds_4_bit_groups(lm.answering)
         weights = "int4" if four else "float"
     if weights != "float":
-        QUANTIZERS[weights](lm.answering)
-    lm.weights = weights
+        lm.hold_weights(weights)
     _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
                weights)
     return lm

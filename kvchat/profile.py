@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.config import ProfileSettings
 from kvchat.errors import UserError
-from kvchat.llm import LoadedModel, weights_fingerprint, weights_ids
+from kvchat.llm import LoadedModel
 
 DATA_DIR = Path(__file__).parent / "data"  # package data: the calibration text
 PROFILE_VERSION = 1
@@ -116,7 +116,7 @@ def profile_layers(
     ]
     return LayerProfile(
         model=lm.spec,
-        weights=weights_fingerprint(lm.model),
+        weights=lm.weight_ids[0],
         settings=asdict(settings),
         tokens=n,
         similarity=[round(s, 6) for s in similarity],
@@ -153,7 +153,7 @@ def shipped_profiles() -> list[Path]:
 
 def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile | None:
     """A profile measured on these exact weights: user-made ones (`extra_dirs`) first, then shipped."""
-    weights = weights_ids(lm.model)
+    weights = lm.weight_ids
     candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob("*.json"))] + shipped_profiles()
     for path in candidates:
         profile = LayerProfile.load(path)
@@ -176,7 +176,7 @@ def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
     from kvchat.kv.indexer import IndexMemShape
     from kvchat.kv.trained import SUFFIX, TrainedIndexMem, read_metadata, read_shape
 
-    weights = weights_ids(lm.model)
+    weights = lm.weight_ids
     shape = IndexMemShape.of(lm.model.config).to_dict()
     candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob(f"*{SUFFIX}"))] + shipped_indexers()
     others = []

@@ -301,11 +301,13 @@ def test_int4_linear_of_any_weights_stays_within_4_bit_group_rounding():
 def test_int4_weights_put_the_decoder_in_4_bits_and_the_lm_head_in_8(tiny_model_dir, tmp_path):
     from kvchat.int4_weights import Int4Linear
     from kvchat.int8_weights import Int8Linear
-    from kvchat.llm import load_model
+    from kvchat.llm import load_model, weights_ids
 
     plain = load_model(str(tiny_model_dir), tmp_path)
     int4 = load_model(str(tiny_model_dir), tmp_path, weights="int4")
     assert int4.fingerprint == plain.fingerprint  # caches built with float weights answer with int4 ones
+    # layer profiles and IndexMem weights are found by the float weights' fingerprints
+    assert int4.weights == "int4" and int4.weight_ids == plain.weight_ids == weights_ids(plain.model)
     kinds = {name: type(m) for name, m in int4.model.named_modules() if name.endswith(("_proj", "lm_head"))}
     assert kinds.pop("lm_head") is Int8Linear
     assert set(kinds.values()) == {Int4Linear} and len(kinds) == 7 * int4.num_layers

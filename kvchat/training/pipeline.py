@@ -26,7 +26,7 @@ from kvchat.kv import families
 from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
-from kvchat.llm import LoadedModel, weights_fingerprint
+from kvchat.llm import LoadedModel
 from kvchat.training.checkpoints import restore_checkpoint, save_checkpoint
 from kvchat.training.chunks import data_hash, make_chunks
 from kvchat.training.indexer_stage import evaluate_indexer, indexer_loss
@@ -69,7 +69,7 @@ class TrainReport:
 
 def default_out(home: Path, lm: LoadedModel) -> Path:
     """Where a user-trained file goes: `$KVCHAT_HOME/profiles/`, found there before the shipped ones."""
-    return home / "profiles" / f"{weights_fingerprint(lm.model)}{SUFFIX}"
+    return home / "profiles" / f"{lm.weight_ids[0]}{SUFFIX}"
 
 
 def train(
@@ -92,7 +92,7 @@ def train(
     started = time.perf_counter()
     notes: list[str] = []
     shape = IndexMemShape.of(lm.model.config, indexmem)
-    weights = weights_fingerprint(lm.model)
+    weights = lm.weight_ids[0]
     stages = ["indexer", "memory"] if config.stage == "both" else [config.stage]
     previous = None
     if stages == ["memory"]:
