@@ -37,7 +37,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvchat.config import CacheConfig, IngestConfig
+from kvchat.config import WEIGHT_MODES, AskConfig, CacheConfig, IngestConfig
 from kvchat.encoder import SentenceEncoder
 from kvchat.ingest import ingest
 from kvchat.llm import load_model, use_threads
@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--budget", type=int, default=256)
-    parser.add_argument("--weights", choices=("float", "int8"), default="float", help="the server's weights")
+    parser.add_argument("--weights", choices=WEIGHT_MODES, default=AskConfig.weights, help="the server's weights")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each command-line measurement")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -120,7 +120,7 @@ def main() -> None:
     rates = [r[3] for r in alone.values() if r[3] == r[3]]
     lines = [
         f"### kvchat serve: first-token latency ({args.clients} streaming clients, {args.tokens} tokens)", "",
-        f"Embedded SmolLM2-135M, {'float32' if args.weights == 'float' else 'int8 weights'}, {args.threads} threads, "
+        f"Embedded SmolLM2-135M, `--weights {args.weights}`, {args.threads} threads, "
         f"planted-fact conversation ({len(questions)} questions), budget {args.budget}; `kvchat serve` in its own "
         f"process, the clients in another; one worker answers one request at a time. Load average at the end "
         f"{os.getloadavg()[0]:.1f}.", "",

@@ -114,7 +114,8 @@ def main() -> None:
                         help="decode answers without kvchat.echo's guard (as kvchat did before 2026-11-26)")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="float",
                         help="the Linear weights answers are decoded with (as `kvchat ask --weights`); the caches "
-                             "are those a --weights float run stored, else they are built with these weights too")
+                             "are those a --weights float run stored, else they are built with these weights too "
+                             "(the report says so)")
     args = parser.parse_args()
     use_threads()
     variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
@@ -125,6 +126,7 @@ def main() -> None:
     for s in sets:
         print(f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions", file=sys.stderr)
     results = ResultsFile(args.out)
+    before = {c.name: c.created_at for c in store.conversations()}
     records = evaluate_gold(
         sets, variants, lm=lm, encoder=SentenceEncoder(), results=results,
         config=EvalConfig(questions=args.questions, echo_guard=not args.no_echo_guard), base=IngestConfig(),
@@ -136,6 +138,10 @@ def main() -> None:
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
             f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
+    built = sorted(c.name for c in store.conversations() if before.get(c.name) != c.created_at)
+    if built and args.weights != "float":  # no stored float caches matched: these were built with args.weights
+        note += f" Caches ingested in this run, with {args.weights} weights: {', '.join(built)}."
+        print(f"whole_conversation: {note.rsplit('. ', 1)[-1]}", file=sys.stderr)
     text = gold_markdown(records, title="Whole LoCoMo conversations against gold answers", notes=[f"`{command}`", note])
     print(text)
     if args.report is not None:
