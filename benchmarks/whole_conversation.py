@@ -138,7 +138,8 @@ def main() -> None:
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
             f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
-    built = sorted(c.name for c in store.conversations() if before.get(c.name) != c.created_at)
+    ours = {_name(s, v) for s in sets for v in variants if v.cache is not None}  # not another run's, side by side
+    built = sorted(c.name for c in store.conversations() if c.name in ours and before.get(c.name) != c.created_at)
     if built and args.weights != "float":  # no stored float caches matched: these were built with args.weights
         note += f" Caches ingested in this run, with {args.weights} weights: {', '.join(built)}."
         print(f"whole_conversation: {note.rsplit('. ', 1)[-1]}", file=sys.stderr)

@@ -34,7 +34,7 @@ class Int4Linear(nn.Module):
             raise ValueError(f"int4 weights need in_features % {GROUP} == 0 and out_features % {ROWS_MULTIPLE} == 0")
         weight = linear.weight.detach().float()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        groups = weight.view(self.out_features, -1, GROUP)
+        groups = weight.reshape(self.out_features, -1, GROUP)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
         # the scale and offset rounded first, then the codes chosen against the rounded ones
         scale = ((high - low) / 15).clamp(min=1e-12).to(torch.bfloat16)
@@ -75,7 +75,7 @@ def stackable(rows: list[int]) -> bool:
 def on_4_bit_grid(weight: torch.Tensor) -> bool:
     """Whether every group of `GROUP` columns of `weight` holds only the 16 levels between its minimum and maximum
     (to float rounding): weights a 4-bit group format such as Q4_1 stored, which `Int4Linear` holds exactly."""
-    groups = weight.detach().float().view(weight.shape[0], -1, GROUP)
+    groups = weight.detach().float().reshape(weight.shape[0], -1, GROUP)
     low = groups.amin(dim=-1, keepdim=True)
     step = ((groups.amax(dim=-1, keepdim=True) - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
     levels = (groups - low) / step
