@@ -28,23 +28,39 @@ GRID_TOLERANCE = 1e-3  # of a step: how far from its level a weight of a 4-bit g
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with `W` in 4-bit groups of `GROUP` columns (asymmetric: a scale and an offset each)."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scale_zero: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
+        if (in_features % GROUP or out_features % ROWS_MULTIPLE or weight.shape != (out_features, in_features // 2)
+                or weight.dtype != torch.uint8 or scale_zero.shape != (in_features // GROUP, out_features, 2)
+                or scale_zero.dtype != torch.bfloat16 or not scale_zero.is_contiguous()):
+            raise ValueError(f"int4 weights of {out_features} x {in_features} (in_features % {GROUP} == 0, "
+                             f"out_features % {ROWS_MULTIPLE} == 0): weight {tuple(weight.shape)}, scales and "
+                             f"offsets {tuple(scale_zero.shape)}")  # fmt: skip
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(f"a bias of {out_features}, not {tuple(bias.shape)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", weight)           # [out, in / 2] uint8, torch's packed layout
+        self.register_buffer("scale_zero", scale_zero)   # [in / GROUP, out, 2] bfloat16
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Int4Linear:
+        """`linear`'s weight in 4-bit groups: each group's scale and offset from its minimum and maximum, rounded to
+        bfloat16 first, then the codes chosen against the rounded ones."""
         if not fits(linear):
             raise ValueError(f"int4 weights need in_features % {GROUP} == 0 and out_features % {ROWS_MULTIPLE} == 0")
-        weight = linear.weight.detach().float()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        groups = weight.reshape(self.out_features, -1, GROUP)
+        out_features = linear.out_features
+        groups = linear.weight.detach().float().reshape(out_features, -1, GROUP)
         low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        # the scale and offset rounded first, then the codes chosen against the rounded ones
         scale = ((high - low) / 15).clamp(min=1e-12).to(torch.bfloat16)
         zero = (low + 8 * scale.float()).to(torch.bfloat16)
         start = zero.float() - 8 * scale.float()  # the value of code 0
-        codes = ((groups - start[..., None]) / scale.float()[..., None]).round().clamp(0, 15).to(torch.int32)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(self.out_features, -1), 1)
-        self.register_buffer("weight", packed)                                           # [out, in / 2] uint8
-        self.register_buffer("scale_zero", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        codes = ((groups - start[..., None]) / scale.float()[..., None]).round_().clamp_(0, 15).to(torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(out_features, -1), 1)
+        scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(linear.in_features, out_features, packed, scale_zero, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -95,7 +111,7 @@ def quantize_linears(model: nn.Module) -> int:
     four = {name for name, _ in _int4_candidates(model)}
     for name in [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]:
         linear = model.get_submodule(name)
-        model.set_submodule(name, Int4Linear(linear) if name in four else Int8Linear(linear))
+        model.set_submodule(name, Int4Linear.of(linear) if name in four else Int8Linear.of(linear))
     return len(four)
 
 

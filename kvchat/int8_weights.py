@@ -18,14 +18,27 @@ from torch import nn
 class Int8Linear(nn.Module):
     """`y = x W^T + b` with `W` stored as int8 rows times per-row scales."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
+        if weight.shape != (out_features, in_features) or scale.shape != (out_features,) or weight.dtype != torch.int8:
+            raise ValueError(f"int8 weights of {out_features} x {in_features}: weight {tuple(weight.shape)}, "
+                             f"scale {tuple(scale.shape)}")  # fmt: skip
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(f"a bias of {out_features}, not {tuple(bias.shape)}")
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Int8Linear:
+        """`linear`'s weight rounded to int8 with one scale per output channel (symmetric, round to nearest)."""
         weight = linear.weight.detach().float()
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight", (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        codes = (weight / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(linear.in_features, linear.out_features, codes, scale.to(torch.bfloat16), bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -42,5 +55,5 @@ def quantize_linears(model: nn.Module) -> int:
     returns how many. An lm_head tied to the embedding gets its own int8 copy; the embedding is kept."""
     names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name in names:
-        model.set_submodule(name, Int8Linear(model.get_submodule(name)))
+        model.set_submodule(name, Int8Linear.of(model.get_submodule(name)))
     return len(names)

@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
-from kvchat import int4_weights, int8_weights, native_llama, preflight
+from kvchat import held_weights, native_llama, preflight
 from kvchat.config import WEIGHT_MODES
 from kvchat.decode_step import DecodeStep
 from kvchat.device import CPU_FLOAT32, Placement
@@ -36,7 +36,6 @@ from kvchat.native_llama import NativeLlama
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-QUANTIZERS = {"int8": int8_weights.quantize_linears, "int4": int4_weights.quantize_linears}  # --weights
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
 
@@ -126,11 +125,11 @@ class LoadedModel:
             self._weight_ids = weights_ids(self.answering)
         return self._weight_ids
 
-    def hold_weights(self, weights: str) -> None:
-        """Hold the Linear weights as `weights` (int8 or int4: `QUANTIZERS`), their fingerprints taken first."""
+    def hold_weights(self, weights: str, models_dir: Path | None = None, source: Path | None = None) -> None:
+        """Hold the Linear weights as `weights` (auto, int8 or int4: `held_weights.hold`, which reads them from
+        `models_dir` when they were kept there for the float weights file `source`), fingerprints taken first."""
         self._weight_ids = self.weight_ids  # taken from the float weights, before they change
-        QUANTIZERS[weights](self.answering)
-        self.weights = weights
+        self.weights = held_weights.hold(self.answering, weights, self._weight_ids[0], models_dir, source)
 
     @property
     def answering(self) -> nn.Module:
@@ -301,11 +300,11 @@ def load_model(
         model.set_attn_implementation(attention.register())
         model.to(placement.device).eval()
         lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), transformers_model=model)
-    if weights == "auto":  # the weights at the precision they hold: int4 only where that loses nothing but rounding
-        four = placement.device.type == "cpu" and int4_weights.holds_4_bit_groups(lm.answering)
-        weights = "int4" if four else "float"
-    if weights != "float":
-        lm.hold_weights(weights)
+    if weights == "auto" and placement.device.type != "cpu":  # the int8 and int4 kernels are the CPU's
+        weights = "float"
+    if weights != "float":  # kvchat's own model is read from one file: its quantized form is kept beside it
+        kept = (models_dir, Path(source) / native_llama.WEIGHTS) if native is not None else ()
+        lm.hold_weights(weights, *kept)
     _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
                weights)
     return lm

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -221,7 +222,7 @@ def test_int8_linear_holds_int8_rows_and_multiplies_like_the_float_layer():
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
-    q = Int8Linear(linear)
+    q = Int8Linear.of(linear)
     assert q.weight.dtype == torch.int8 and q.scale.shape == (48,)
     dequantized = q.weight.float() * q.scale.float()[:, None]
     # half a step of rounding, plus the bfloat16 scale's own rounding (up to 2^-8 relative) over 127 steps
@@ -271,7 +272,7 @@ def test_int4_linear_finds_the_codes_of_weights_already_in_4_bit_groups():
     linear = torch.nn.Linear(96, 48, bias=False)
     with torch.no_grad():
         linear.weight.copy_(_on_4_bit_grid(48, 96))
-    q = Int4Linear(linear)
+    q = Int4Linear.of(linear)
     assert q.weight.dtype == torch.uint8 and q.weight.numel() == 48 * 96 // 2
     assert q.scale_zero.shape == (3, 48, 2) and q.scale_zero.dtype == torch.bfloat16
     x = torch.randn(3, 96)
@@ -287,7 +288,7 @@ def test_int4_linear_of_any_weights_stays_within_4_bit_group_rounding():
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 32, bias=True)
-    q = Int4Linear(linear)
+    q = Int4Linear.of(linear)
     x = torch.randn(2, 5, 64)
     with torch.no_grad():
         want = linear(x)
@@ -295,7 +296,7 @@ def test_int4_linear_of_any_weights_stays_within_4_bit_group_rounding():
     assert got.shape == want.shape and got.dtype == x.dtype
     assert (got - want).norm() / want.norm() < 0.1  # 16 levels a group of 32: a few percent
     with pytest.raises(ValueError, match="int4"):
-        Int4Linear(torch.nn.Linear(40, 32))  # 40 columns: not whole groups
+        Int4Linear.of(torch.nn.Linear(40, 32))  # 40 columns: not whole groups
 
 
 def test_int4_weights_put_the_decoder_in_4_bits_and_the_lm_head_in_8(tiny_model_dir, tmp_path):
@@ -340,3 +341,72 @@ def test_auto_weights_are_int4_only_where_the_decoder_already_holds_4_bit_groups
     four = load_model(str(grid), tmp_path, weights="auto")
     assert four.weights == "int4" and any(isinstance(m, Int4Linear) for m in four.answering.modules())
     assert load_model(str(grid), tmp_path).weights == "float"  # the library's default: as loaded
+
+
+def test_quantized_weights_are_kept_beside_the_models_and_read_back_not_computed(tiny_model_dir, tmp_path, caplog):
+    from kvchat.int4_weights import Int4Linear
+    from kvchat.llm import load_model
+
+    models = tmp_path / "models"
+    first = load_model(str(tiny_model_dir), models, weights="int4")
+    kept = sorted((models / "held").iterdir())
+    assert [p.name.split(".")[1] for p in kept] == ["int4"] and not list(models.glob(".tmp-*"))
+    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+        again = load_model(str(tiny_model_dir), models, weights="int4")
+    assert any("read from" in r.getMessage() for r in caplog.records)
+    assert again.weights == "int4" and again.weight_ids == first.weight_ids
+    ours, theirs = dict(again.answering.named_buffers()), dict(first.answering.named_buffers())
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert any(isinstance(m, Int4Linear) for m in again.answering.modules())
+    ids = _ids(30, 5, vocab=40)
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(ids).logits, first.model(ids).logits, atol=0, rtol=0)
+
+
+def test_kept_weights_that_do_not_fit_are_computed_again(tiny_model_dir, tmp_path, caplog):
+    from kvchat.llm import load_model
+
+    models = tmp_path / "models"
+    first = load_model(str(tiny_model_dir), models, weights="int8")
+    (kept,) = (models / "held").iterdir()
+    kept.write_bytes(kept.read_bytes()[:-100])  # cut short
+    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+        again = load_model(str(tiny_model_dir), models, weights="int8")
+    assert not any("read from" in r.getMessage() for r in caplog.records)
+    ids = _ids(30, 5, vocab=40)
+    with torch.no_grad():
+        torch.testing.assert_close(again.model(ids).logits, first.model(ids).logits, atol=0, rtol=0)
+    caplog.clear()
+    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+        load_model(str(tiny_model_dir), models, weights="int8")  # written again, whole
+    assert any("read from" in r.getMessage() for r in caplog.records)
+
+    caplog.clear()  # the model's weights file written again (its time changed): what was kept for it is not used
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    load_model(str(copy), models, weights="int8")
+    weights_file = copy / "model.safetensors"
+    os.utime(weights_file, ns=(weights_file.stat().st_atime_ns, weights_file.stat().st_mtime_ns + 10**9))
+    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+        reread = load_model(str(copy), models, weights="int8")
+    assert not any("read from" in r.getMessage() for r in caplog.records)
+    with torch.no_grad():
+        torch.testing.assert_close(reread.model(ids).logits, first.model(ids).logits, atol=0, rtol=0)
+
+
+def test_auto_keeps_its_verdict_and_a_read_only_home_still_answers(tiny_model_dir, tmp_path, caplog):
+    from kvchat.llm import load_model
+
+    models = tmp_path / "models"
+    assert load_model(str(tiny_model_dir), models, weights="auto").weights == "float"
+    (verdict,) = (models / "held").iterdir()
+    assert verdict.name.split(".")[1] == "auto" and verdict.stat().st_size < 1024  # no tensors: float stays float
+    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+        assert load_model(str(tiny_model_dir), models, weights="auto").weights == "float"
+    assert any("float weights read from" in r.getMessage() for r in caplog.records)
+
+    blocked = tmp_path / "blocked"  # nothing can be kept there (as in a read-only home): computed, and answers
+    blocked.mkdir()
+    (blocked / "held").write_text("not a directory")
+    lm = load_model(str(tiny_model_dir), blocked, weights="int4")
+    assert lm.weights == "int4" and sorted(p.name for p in blocked.iterdir()) == ["held"]
