@@ -114,35 +114,29 @@ def main() -> None:
                         help="decode answers without kvchat.echo's guard (as kvchat did before 2026-11-26)")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="float",
                         help="the Linear weights answers are decoded with (as `kvchat ask --weights`); the caches "
-                             "are those a --weights float run stored, else they are built with these weights too "
-                             "(the report says so)")
+                             "are built with the float weights, as `kvchat ingest` builds them")
     args = parser.parse_args()
     use_threads()
     variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
     home = default_home()
     store = Store(home)
-    lm = load_model("default", home / "models", weights=args.weights)
+    lm = load_model("default", home / "models")  # builds the caches
+    answering = lm if args.weights == "float" else load_model("default", home / "models", weights=args.weights)
     sets = [load_locomo(path) for path in args.data]
     for s in sets:
         print(f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions", file=sys.stderr)
     results = ResultsFile(args.out)
-    before = {c.name: c.created_at for c in store.conversations()}
     records = evaluate_gold(
         sets, variants, lm=lm, encoder=SentenceEncoder(), results=results,
         config=EvalConfig(questions=args.questions, echo_guard=not args.no_echo_guard), base=IngestConfig(),
         profile_dirs=[home / "profiles"], progress=_Progress(), store=store,
-        conversation_name=_name,
+        conversation_name=_name, answering=answering,
     )
     names = {s.name for s in sets}
     records = [r for r in records if r.get("set") in names]
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
             f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
-    ours = {_name(s, v) for s in sets for v in variants if v.cache is not None}  # not another run's, side by side
-    built = sorted(c.name for c in store.conversations() if c.name in ours and before.get(c.name) != c.created_at)
-    if built and args.weights != "float":  # no stored float caches matched: these were built with args.weights
-        note += f" Caches ingested in this run, with {args.weights} weights: {', '.join(built)}."
-        print(f"whole_conversation: {note.rsplit('. ', 1)[-1]}", file=sys.stderr)
     text = gold_markdown(records, title="Whole LoCoMo conversations against gold answers", notes=[f"`{command}`", note])
     print(text)
     if args.report is not None:

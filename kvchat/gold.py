@@ -165,11 +165,13 @@ def evaluate_gold(
     progress: Progress | None = None,
     store: Store | None = None,
     conversation_name: Callable[[QASet, GoldVariant], str] | None = None,
+    answering: LoadedModel | None = None,
 ) -> list[dict]:
     """Ask every set's questions of every variant and score them against gold; returns all records, those
     `results` held before included. kvchat's caches are built in `store` and kept there for the next run
     (reused while their settings match; `conversation_name` names them, default `default_name`), else in a
-    scratch store deleted afterwards."""
+    scratch store deleted afterwards. `lm` builds the caches, as `kvchat ingest` does; `answering` (default `lm`:
+    the same weights, held as `kvchat ask --weights` holds them) decodes every answer and prefills rag's chunks."""
     progress = progress or _Quiet()
     ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template,
                            echo_guard=config.echo_guard)
@@ -189,8 +191,8 @@ def evaluate_gold(
                 progress.variant(qa_set.name, variant.key, i, len(variant_list))
                 try:
                     name = (conversation_name or default_name)(qa_set, variant)
-                    answerer = _prepare(variant, qa_set, name, lm, encoder, base, ask_config, store, results,
-                                        profile_dirs, progress)  # fmt: skip
+                    answerer = _prepare(variant, qa_set, name, lm, answering or lm, encoder, base, ask_config, store,
+                                        results, profile_dirs, progress)  # fmt: skip
                 except UserError as error:  # a setting this model or history cannot take: say so, run the rest
                     results.append({"kind": "skipped", "against": GOLD, "set": qa_set.name, "variant": variant.key,
                                     "reason": str(error)})  # fmt: skip
@@ -268,13 +270,14 @@ def default_name(qa_set: QASet, variant: GoldVariant) -> str:
     return "gold." + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{qa_set.name}.{variant.key}")[:90]
 
 
-def _prepare(variant, qa_set, name, lm, encoder, base, ask_config, store, results, profile_dirs, progress):
-    """The variant's answerer for `qa_set`: its index built, or its caches ingested (or found in `store`)."""
+def _prepare(variant, qa_set, name, lm, answering, encoder, base, ask_config, store, results, profile_dirs, progress):
+    """The variant's answerer for `qa_set`: its index built, or its caches ingested by `lm` (or found in `store`);
+    `answering` answers."""
     recall = None
     if variant.rag is not None:
         clock = time.perf_counter()
         index = RagIndex.build(qa_set.turns, lm, encoder, variant.rag.chunk_tokens, variant.rag.dated)
-        recall = RagSession(index, lm, encoder, variant.rag, ask_config, base.system_prompt)
+        recall = RagSession(index, answering, encoder, variant.rag, ask_config, base.system_prompt)
         if variant.cache is None:
             _note_ingest(results, qa_set.name, variant, seconds=time.perf_counter() - clock, disk_bytes=index.nbytes)
             return _RagAnswerer(recall)
@@ -291,9 +294,9 @@ def _prepare(variant, qa_set, name, lm, encoder, base, ask_config, store, result
     _note_ingest(results, qa_set.name, variant, seconds=stats.get("seconds"), disk_bytes=disk,
                  history_tokens=stats.get("history_tokens"), peak_layer_entries=stats.get("peak_layer_entries"),
                  episodes=stats.get("episodes"), prefill=stats.get("prefill"))  # fmt: skip
-    session = Session(store, conversation, lm, encoder, ask_config)
+    session = Session(store, conversation, answering, encoder, ask_config)
     retrieve = variant.cache.offload.retrieve if variant.cache.offload.enabled else 0
-    return _KvchatAnswerer(session, lm, disk, retrieve, recall)
+    return _KvchatAnswerer(session, answering, disk, retrieve, recall)
 
 
 def _stored(store, name, qa_set, config, lm, encoder, profile_dirs):

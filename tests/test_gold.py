@@ -226,3 +226,25 @@ def test_cli_eval_scores_a_history_beyond_the_window_against_gold(tmp_path, shor
     assert again.returncode == 0 and json.loads(again.stdout) == document
     refused = run_main(tmp_path / "home", *args, "--against", "full")
     assert refused.returncode == 2 and "does not fit" in refused.stderr and "--against gold" in refused.stderr
+
+
+def test_gold_eval_builds_caches_with_lm_and_answers_with_the_answering_model(short_lm, short_model_dir, encoder,
+                                                                              tmp_path):
+    """As `kvchat ingest` then `kvchat ask --weights int4`: the caches are the float weights', the answers int4's."""
+    from kvchat.llm import load_model
+
+    int4 = load_model(str(short_model_dir), tmp_path / "models", weights="int4")
+    variants = [kvchat_variant(dataclasses.replace(BASE.cache, method="snapkv"), "snapkv@96"), rag_variant(96, 32)]
+    config = EvalConfig(max_new_tokens=6, echo_guard=False)
+    runs = {}
+    for label, answering in (("float", None), ("int4", int4)):
+        store = Store(tmp_path / label)
+        records = evaluate_gold([QA], variants, lm=short_lm, encoder=encoder, results=ResultsFile(None),
+                                config=config, base=BASE, store=store, answering=answering)  # fmt: skip
+        (record,) = store.conversations()
+        tensors, _ = store.load_episode(record.episodes[0], short_lm.fingerprint)
+        runs[label] = (tensors, {(r["variant"], r["qid"]): r["prediction"] for r in records if r["kind"] == "answer"})
+    ours, theirs = runs["int4"][0], runs["float"][0]
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)  # the float weights'
+    assert runs["int4"][1].keys() == runs["float"][1].keys()
+    assert runs["int4"][1] != runs["float"][1]  # decoded by the int4 weights
