@@ -210,9 +210,12 @@ def evaluate(
     results: ResultsFile | None = None,
     profile_dirs: Sequence[Path] = (),
     progress: EvalProgress | None = None,
+    answering: LoadedModel | None = None,
 ) -> list[dict]:
     """Run every variant on every set (full KV first, as the reference); returns all records, those
-    read from `results` included. Caches live in a scratch store that is deleted afterwards."""
+    read from `results` included. Caches live in a scratch store that is deleted afterwards. `lm` builds them, as
+    `kvchat ingest` does; `answering` (default `lm`: the same weights, held as `kvchat ask --weights` holds them)
+    answers from them."""
     results = results or ResultsFile(None)
     progress = progress or EvalProgress()
     ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template,
@@ -230,7 +233,8 @@ def evaluate(
             continue
         with tempfile.TemporaryDirectory(prefix="kvchat-eval-") as scratch:
             store = Store(Path(scratch))
-            runner = _SetRunner(qa_set, questions, lm, encoder, base, ask_config, store, results, profile_dirs)
+            runner = _SetRunner(qa_set, questions, lm, answering or lm, encoder, base, ask_config, store, results,
+                                profile_dirs)  # fmt: skip
             reference = runner.run(everything[0], progress, position=(0, len(pending)))
             for i, variant in enumerate(v for v in pending if v.key != REFERENCE):
                 try:
@@ -258,7 +262,8 @@ class _SetRunner:
 
     qa_set: QASet
     questions: list
-    lm: LoadedModel
+    lm: LoadedModel          # builds the caches
+    answering: LoadedModel   # answers from them
     encoder: SentenceEncoder
     base: IngestConfig
     ask_config: AskConfig
@@ -308,7 +313,7 @@ class _SetRunner:
                     "seconds": report.seconds,
                 }
             )
-        session = Session(self.store, conversation, self.lm, self.encoder, self.ask_config)
+        session = Session(self.store, conversation, self.answering, self.encoder, self.ask_config)
         kept, protected, positions = zip(*(self._kept_positions(e) for e in conversation.episodes), strict=True)
         spans = _turn_positions(self.lm, self.qa_set.turns, protected[0])
         ours = _Reference({}, {})

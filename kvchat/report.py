@@ -50,7 +50,7 @@ MEANINGS = {
 
 
 def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), precisions: Sequence[str] = ("full",),
-             retrieve: int | None = None) -> dict[str, str]:
+             retrieve: int | None = None, weights: str = "float") -> dict[str, str]:
     """The settings an eval ran with (an `EvalConfig` and the base `IngestConfig` its variants start from), as the
     report states them."""
     from kvchat.config import ANSWER_ROOM, DEFAULT_EPISODES
@@ -73,7 +73,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
         "questions": ("all" if config.questions is None else f"at most {config.questions}") + " per conversation, "
                      f"LoCoMo categories {', '.join(map(str, config.categories))}, only those whose evidence is kept",
         "answers": f"greedy, at most {config.max_new_tokens} tokens, LoCoMo's QA prompt"
-                   + (", no answer repeating the question's first words (kvchat.echo)" if config.echo_guard else ""),
+                   + (", no answer repeating the question's first words (kvchat.echo)" if config.echo_guard else "")
+                   + f"; {weights} weights (the caches built with the weights as loaded, as `kvchat ingest` does)",
     }
     return found
 

@@ -14,6 +14,7 @@ from kvchat.cli.options import (
     JsonOpt,
     Prefill,
     ThreadsOpt,
+    Weights,
     int_list,
     load_encoder,
     load_model,
@@ -78,6 +79,11 @@ def eval_command(
         EvalConfig.chunk_tokens
     ),
     threads: ThreadsOpt = None,
+    weights: Annotated[Weights, typer.Option(
+        help="The Linear weights answers are decoded with, as `kvchat ask --weights` (auto: int4 for the embedded "
+        "model on a CPU); the caches are built with the float weights, as `kvchat ingest` builds them.")] = (
+        EvalConfig.weights
+    ),
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
     as_json: JsonOpt = False,
@@ -89,14 +95,16 @@ def eval_command(
     config = EvalConfig(
         methods=_names(methods), budgets=int_list(budgets, "--budgets"), max_context=max_context,
         questions=questions, categories=int_list(categories, "--categories"), against=against,
-        chunk_tokens=chunk_tokens,
+        chunk_tokens=chunk_tokens, weights=weights,
     )
     base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
     variant_list = evaluate.plan_variants(data or [], synthetic, config, base, offloads=_names(offload),
                                           precisions=_names(cache_precision), retrieve=retrieve)
     results = evaluate.ResultsFile(out_path)
     store = open_store()
-    lm = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype))
+    answering = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype), weights=config.weights)
+    lm = answering if answering.weights == "float" else load_model(model, store, threads=threads,
+                                                                   device=DeviceConfig(device, dtype))
     sets = evaluate.qa_sets(data or [], synthetic, lm, config)
     for s in sets:
         if s.sessions_total:
@@ -107,14 +115,14 @@ def eval_command(
     with progress_bars(hidden=as_json) as bars:
         records = evaluate.evaluate(
             full_sets, variant_list, lm=lm, encoder=encoder, config=config, base=base, results=results,
-            profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
+            profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars), answering=answering,
         )
         if gold_sets:
             systems = gold.gold_variants([(v.key, v.cache) for v in variant_list], config.budgets,
                                          config.chunk_tokens, base.cache)  # fmt: skip
             records = gold.evaluate_gold(
                 gold_sets, systems, lm=lm, encoder=encoder, results=results, config=config, base=base,
-                profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
+                profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars), answering=answering,
             )
     gold_names = {s.name for s in gold_sets}
     against_gold = [r for r in gold.gold_records(records) if r["set"] in gold_names]
@@ -131,7 +139,7 @@ def eval_command(
         from kvchat import report as eval_report
 
         ran = eval_report.settings(config, base, model=lm.spec, offloads=_names(offload),
-                                   precisions=_names(cache_precision), retrieve=retrieve)
+                                   precisions=_names(cache_precision), retrieve=retrieve, weights=answering.weights)
     if report is not None and gold_rows:
         report.parent.mkdir(parents=True, exist_ok=True)
         target = report if not sets else report.with_suffix(".gold.md")
