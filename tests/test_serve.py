@@ -369,6 +369,34 @@ def test_ingest_as_a_job(server, home, tiny_lm):
     assert server.http("GET", "/kvchat/jobs/nosuch").status_code == 404
 
 
+def test_a_server_answering_with_int4_weights_ingests_with_the_weights_as_loaded(tmp_path, tiny_lm, encoder):
+    """An ingest job builds the caches `kvchat ingest` would, whatever weights the server answers with."""
+    import torch
+
+    from kvchat.llm import load_model
+
+    int4 = load_model(tiny_lm.spec, tmp_path / "int4-models", weights="int4")
+    messages, _ = planted_conversation(seed=11, topics=2, turns_per_topic=8)
+    stored = {}
+    for label, lm in (("float", tiny_lm), ("int4", int4)):
+        home = tmp_path / label
+        running = Running(home, lm, encoder, weights=lm.weights)
+        try:
+            started = running.http("POST", "/kvchat/ingest", json={
+                "name": "posted", "history": messages, "model": tiny_lm.spec, "budget": 64, "episodes": 2})
+            job = f"/kvchat/jobs/{started.json()['id']}"
+            _until(lambda r=running, j=job: r.http("GET", j).json()["state"] in ("done", "failed"))
+            assert running.http("GET", job).json()["state"] == "done"
+        finally:
+            running.stop()
+        store = Store(home)
+        record = store.get("posted")
+        stored[label] = [store.load_episode(e, tiny_lm.fingerprint)[0] for e in record.episodes]
+        store.close()
+    for ours, theirs in zip(stored["int4"], stored["float"], strict=True):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
 def test_a_full_queue_is_429(home, tiny_lm, encoder):
     running = Running(home, tiny_lm, encoder, queue_size=1)
     try:

@@ -90,6 +90,7 @@ class Engine:
                  encoder: Any = None, step_hook: Callable[[Job], None] | None = None) -> None:
         self.home, self.config, self.step_hook = Path(home), config, step_hook
         self._models: dict[str, Any] = dict(models or {})
+        self._builders: dict[str, Any] = {}  # the weights as loaded, for ingest, where `_models` quantized them
         self._encoder = encoder
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=config.queue_size)
         self._sessions: OrderedDict[tuple[str, str, int], tuple[Session, int]] = OrderedDict()
@@ -238,6 +239,19 @@ class Engine:
                                             weights=self.config.weights)
         return self._models[spec]
 
+    def _builder(self, spec: str):
+        """The model ingest and append build caches with: the weights as loaded, as `kvchat ingest` builds them
+        (the answering model itself when it holds them so)."""
+        lm = self._model(spec)
+        if lm.weights == "float":
+            return lm
+        if spec not in self._builders:
+            from kvchat.device import resolve
+            from kvchat.llm import load_model
+
+            self._builders[spec] = load_model(spec, self._store.models_dir, placement=resolve(self.config.device))
+        return self._builders[spec]
+
     def _encoder_(self):
         if self._encoder is None:
             from kvchat.encoder import SentenceEncoder
@@ -333,10 +347,10 @@ class Engine:
         progress = _JobProgress(job)
         if request.append:
             record = self._record(request.name)
-            report = append(request.turns, name=request.name, store=self._store, lm=self._model(record.model),
+            report = append(request.turns, name=request.name, store=self._store, lm=self._builder(record.model),
                             encoder=self._encoder_(), progress=progress, source="<kvchat serve>")
         else:
-            report = ingest(request.turns, store=self._store, lm=self._model(request.config.model),
+            report = ingest(request.turns, store=self._store, lm=self._builder(request.config.model),
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
                             replace=request.replace, source="<kvchat serve>")
         self.forget(request.name)
