@@ -114,6 +114,9 @@ def keep(model: nn.Module, path: Path, source: dict[str, str], weights: str) -> 
         write_file(temp / path.name, save(tensors, metadata=meta))
         rename(temp / path.name, path)
         fsync_dir(path.parent)
+        for stale in path.parent.glob(path.name.split(".torch-")[0] + ".torch-*.safetensors"):
+            if stale != path:  # the same weights packed by another torch: not read again by this one
+                stale.unlink(missing_ok=True)
     except OSError as exc:
         _log.debug("held weights not kept at %s: %s", path, exc)
     finally:

@@ -363,6 +363,21 @@ def test_quantized_weights_are_kept_beside_the_models_and_read_back_not_computed
         torch.testing.assert_close(again.model(ids).logits, first.model(ids).logits, atol=0, rtol=0)
 
 
+def test_weights_packed_by_another_torch_are_replaced_and_other_files_left_alone(tiny_model_dir, tmp_path):
+    from kvchat.llm import load_model
+
+    held = tmp_path / "models" / "held"
+    held.mkdir(parents=True)
+    fingerprint = load_model(str(tiny_model_dir), tmp_path / "models").weight_ids[0]
+    stale = held / f"{fingerprint}.int4.torch-0.1.safetensors"  # these weights, packed by an older torch
+    others = [held / f"{fingerprint}.int8.torch-0.1.safetensors", held / "0123456789abcdef.int4.torch-0.1.safetensors"]
+    for path in (stale, *others):
+        path.write_bytes(b"")
+    load_model(str(tiny_model_dir), tmp_path / "models", weights="int4")
+    assert not stale.exists() and all(path.exists() for path in others)
+    assert len(list(held.glob(f"{fingerprint}.int4.*"))) == 1
+
+
 def test_kept_weights_that_do_not_fit_are_computed_again(tiny_model_dir, tmp_path, caplog):
     from kvchat.llm import load_model
 
