@@ -54,6 +54,18 @@ def test_ask_json_one_shot(ingested):
     assert answer["answer_tokens"] <= 5
 
 
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_ask_answers_with_quantized_weights_kept_for_the_next_process(ingested, weights):
+    home, _ = ingested
+    asked = ("ask", "Which gate does the flight leave from?", "--json", "--max-new-tokens", "5", "--weights", weights)
+    first, again = run(home, *asked), run(home, *asked)
+    assert first.returncode == again.returncode == 0, first.stderr + again.stderr
+    assert json.loads(first.stdout)["answer"] == json.loads(again.stdout)["answer"]
+    assert len(list((home / "models" / "held").glob(f"*.{weights}.*"))) == 1
+    refused = run(home, *asked[:-1], "int2")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+
+
 def test_ask_reads_one_question_per_stdin_line(ingested):
     home, _ = ingested
     result = run(home, "ask", "--json", "--max-new-tokens", "3", stdin="first question?\n\n  second question?\r\n")
