@@ -7,7 +7,8 @@ costs a few hundredths. A file is named by the float weights' fingerprint, the m
 packing is torch's own layout), and says which file of float weights it was made from (path, size, modification
 time): a model file changed in place is quantized again. `auto`'s verdict is kept too, so a model whose weights
 are not 4-bit groups is not searched again. A file that cannot be read, or that does not fit the model, is ignored
-and written again; one that cannot be written (a read-only home, a full disk) is skipped: it only saves time.
+and written again; one that cannot be written (a read-only home, a disk with less than `SPARE_BYTES` left beside
+it) is skipped: it only saves time.
 Written under a temp dir in `models/` and renamed into place, so a crash leaves what `kvchat doctor` already
 finds there.
 """
@@ -31,6 +32,7 @@ from kvchat.store.files import fsync_dir, new_temp_path, rename, write_file
 
 FORMAT = "1"
 DIRECTORY = "held"
+SPARE_BYTES = 1 << 30  # kept only where at least this much (and the file's size again) stays free after it
 _KINDS = {"int4": Int4Linear, "int8": Int8Linear}
 _BUFFERS = {"int4": ("weight", "scale_zero"), "int8": ("weight", "scale")}  # besides a bias
 QUANTIZERS = {"int8": int8_weights.quantize_linears, "int4": int4_weights.quantize_linears}
@@ -107,11 +109,15 @@ def keep(model: nn.Module, path: Path, source: dict[str, str], weights: str) -> 
         for buffer, tensor in module.named_buffers(recurse=False):
             tensors[f"{name}.{buffer}"] = tensor.contiguous()
     meta = {"format": FORMAT, "weights": weights, "modules": json.dumps(listed), **source}
+    data = save(tensors, metadata=meta)
     temp = new_temp_path(path.parent.parent)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        if shutil.disk_usage(path.parent).free < 2 * len(data) + SPARE_BYTES:  # a cache must not fill a disk
+            _log.debug("held weights not kept at %s: the disk is nearly full", path)
+            return
         temp.mkdir()
-        write_file(temp / path.name, save(tensors, metadata=meta))
+        write_file(temp / path.name, data)
         rename(temp / path.name, path)
         fsync_dir(path.parent)
         for stale in path.parent.glob(path.name.split(".torch-")[0] + ".torch-*.safetensors"):

@@ -425,3 +425,12 @@ def test_auto_keeps_its_verdict_and_a_read_only_home_still_answers(tiny_model_di
     (blocked / "held").write_text("not a directory")
     lm = load_model(str(tiny_model_dir), blocked, weights="int4")
     assert lm.weights == "int4" and sorted(p.name for p in blocked.iterdir()) == ["held"]
+
+
+def test_quantized_weights_are_not_kept_where_they_would_nearly_fill_the_disk(tiny_model_dir, tmp_path, monkeypatch):
+    from kvchat import held_weights
+    from kvchat.llm import load_model
+
+    monkeypatch.setattr(held_weights, "SPARE_BYTES", shutil.disk_usage(tmp_path).free)  # no room to spare
+    lm = load_model(str(tiny_model_dir), tmp_path / "models", weights="int4")
+    assert lm.weights == "int4" and not list((tmp_path / "models").rglob("*.safetensors"))
