@@ -1,16 +1,15 @@
 """A model's int8/int4 Linear weights kept beside the converted models (`$KVCHAT_HOME/models/held/`), so that
 a process answering with `--weights auto|int8|int4` reads them instead of quantizing again.
 
-Quantizing the embedded model (finding that its decoder holds 4-bit groups, packing 210 matrices, an int8 lm_head)
-costs a one-shot `kvchat ask` about half a second before its first answer token; reading the packed tensors back
-costs a few hundredths. A file is named by the float weights' fingerprint, the mode and torch's version (the int4
-packing is torch's own layout), and says which file of float weights it was made from (path, size, modification
-time): a model file changed in place is quantized again. `auto`'s verdict is kept too, so a model whose weights
-are not 4-bit groups is not searched again. A file that cannot be read, or that does not fit the model, is ignored
-and written again; one that cannot be written (a read-only home, a disk with less than `SPARE_BYTES` left beside
-it) is skipped: it only saves time.
-Written under a temp dir in `models/` and renamed into place, so a crash leaves what `kvchat doctor` already
-finds there.
+Quantizing the embedded model (finding that its decoder holds 4-bit groups, packing its matrices, an int8 lm_head)
+delays a one-shot `kvchat ask`'s first answer token; reading the packed tensors back costs far less
+(benchmarks/results/cold_start.md). A file is named by the float weights' fingerprint, the mode, torch's version and
+the CPU kernels it runs (the int4 packing is their layout), and says which file of float weights it was made from
+(path, size, modification time): a model file changed in place is quantized again. `auto`'s verdict is kept too, so
+a model whose weights are not 4-bit groups is not searched again. A file that cannot be read, or that does not fit
+the model, is ignored and written again; one that cannot be written (a read-only home, a disk with less than
+`SPARE_BYTES` left beside it) is skipped: it only saves time. Written under a temp dir in `models/` and renamed into
+place, so a crash leaves what `kvchat doctor` already finds there.
 """
 
 from __future__ import annotations
@@ -66,8 +65,10 @@ def hold(model: nn.Module, weights: str, fingerprint: str, models_dir: Path | No
 
 
 def path_for(models_dir: Path, fingerprint: str, weights: str) -> Path:
-    """Where the `weights` form of the model with this float weights' fingerprint is kept."""
-    version = "".join(c if c.isalnum() or c in "._-" else "_" for c in torch.__version__)
+    """Where the `weights` form of the model with this float weights' fingerprint is kept: by torch's version and
+    the CPU kernels it runs (the int4 packing is theirs)."""
+    build = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
+    version = "".join(c if c.isalnum() or c in "._-" else "_" for c in build)
     return models_dir / DIRECTORY / f"{fingerprint}.{weights}.torch-{version}.safetensors"
 
 
