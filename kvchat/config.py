@@ -244,7 +244,7 @@ class EvalConfig:
     chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
     echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.echo)
     weights: str = AskConfig.weights   # the answers' Linear weights, as `kvchat ask --weights`; caches are built with
-                                       # the float weights, as `kvchat ingest` builds them
+                                       # the weights as loaded, as `kvchat ingest` builds them
 
 
 @dataclass(frozen=True)

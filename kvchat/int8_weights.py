@@ -21,7 +21,8 @@ class Int8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
-        if weight.shape != (out_features, in_features) or scale.shape != (out_features,) or weight.dtype != torch.int8:
+        if (weight.shape != (out_features, in_features) or scale.shape != (out_features,) or weight.dtype != torch.int8
+                or scale.dtype != torch.bfloat16):
             raise ValueError(f"int8 weights of {out_features} x {in_features}: weight {tuple(weight.shape)}, "
                              f"scale {tuple(scale.shape)}")  # fmt: skip
         if bias is not None and bias.shape != (out_features,):

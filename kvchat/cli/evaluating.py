@@ -81,7 +81,7 @@ def eval_command(
     threads: ThreadsOpt = None,
     weights: Annotated[Weights, typer.Option(
         help="The Linear weights answers are decoded with, as `kvchat ask --weights` (auto: int4 for the embedded "
-        "model on a CPU); the caches are built with the float weights, as `kvchat ingest` builds them.")] = (
+        "model on a CPU); the caches are built with the weights as loaded, as `kvchat ingest` builds them.")] = (
         EvalConfig.weights
     ),
     device: DeviceOpt = DeviceConfig.device,
