@@ -48,6 +48,7 @@ class Answer:
     # "stop": the model ended it; "length": cut at max_new_tokens; "stopped": `stop` asked (Ctrl-C)
     finish_reason: str = "stop"
     attention_backend: str = "torch"  # the decode attention kernel that answered: torch | flashinfer
+    weights: str = "float"  # how the answering model's Linear weights were held: float | int8 | int4 (--weights)
     off_topic: bool = False  # routing similarity under AskConfig.off_topic_similarity
     sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
     sources_note: str | None = None  # asked for and unavailable: why
@@ -120,7 +121,7 @@ class Session:
         off_topic = similarity < self.config.off_topic_similarity
         if off_topic and self.config.refuse_off_topic:
             return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, False, timings,
-                          "refused", self.lm.attention_backend, off_topic=True)
+                          "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
 
         clock = time.perf_counter()
         reused = self._resident is not None and self._resident[0] == index
@@ -186,6 +187,7 @@ class Session:
             timings_ms=timings,
             finish_reason=finish,
             attention_backend=self.lm.attention_backend,
+            weights=self.lm.weights,
             off_topic=off_topic,
             sources=None if recorder is None else rank(
                 recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,

@@ -52,6 +52,7 @@ def test_ask_json_one_shot(ingested):
     assert answer["conversation"] == "chat" and 0 <= answer["episode"] < 3
     assert set(answer["timings_ms"]) == {"embed", "route", "load", "decode"}
     assert answer["answer_tokens"] <= 5
+    assert answer["weights"] == "float"  # --weights auto: the tiny model's random weights are not 4-bit groups
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
@@ -61,6 +62,7 @@ def test_ask_answers_with_quantized_weights_kept_for_the_next_process(ingested, 
     first, again = run(home, *asked), run(home, *asked)
     assert first.returncode == again.returncode == 0, first.stderr + again.stderr
     assert json.loads(first.stdout)["answer"] == json.loads(again.stdout)["answer"]
+    assert json.loads(first.stdout)["weights"] == json.loads(again.stdout)["weights"] == weights
     assert len(list((home / "models" / "held").glob(f"*.{weights}.*"))) == 1
     refused = run(home, *asked[:-1], "int2")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
