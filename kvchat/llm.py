@@ -128,8 +128,8 @@ class LoadedModel:
     def hold_weights(self, weights: str, models_dir: Path | None = None, source: Path | None = None) -> None:
         """Hold the Linear weights as `weights` (auto, int8 or int4: `held_weights.hold`, which reads them from
         `models_dir` when they were kept there for the float weights file `source`), fingerprints taken first."""
-        self._weight_ids = self.weight_ids  # taken from the float weights, before they change
-        self.weights = held_weights.hold(self.answering, weights, self._weight_ids[0], models_dir, source)
+        fingerprint = self.weight_ids[0]  # taken (and kept) from the float weights, before they change
+        self.weights = held_weights.hold(self.answering, weights, fingerprint, models_dir, source)
 
     @property
     def answering(self) -> nn.Module:
@@ -306,7 +306,7 @@ def load_model(
         kept = (models_dir, Path(source) / native_llama.WEIGHTS) if native is not None else ()
         lm.hold_weights(weights, *kept)
     _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
-               weights)
+               lm.weights)
     return lm
 
 

@@ -232,11 +232,7 @@ class Engine:
 
     def _model(self, spec: str):
         if spec not in self._models:
-            from kvchat.device import resolve
-            from kvchat.llm import load_model
-
-            self._models[spec] = load_model(spec, self._store.models_dir, placement=resolve(self.config.device),
-                                            weights=self.config.weights)
+            self._models[spec] = self._load(spec, self.config.weights)
         return self._models[spec]
 
     def _builder(self, spec: str):
@@ -246,11 +242,14 @@ class Engine:
         if lm.weights == "float":
             return lm
         if spec not in self._builders:
-            from kvchat.device import resolve
-            from kvchat.llm import load_model
-
-            self._builders[spec] = load_model(spec, self._store.models_dir, placement=resolve(self.config.device))
+            self._builders[spec] = self._load(spec, "float")
         return self._builders[spec]
+
+    def _load(self, spec: str, weights: str):
+        from kvchat.device import resolve
+        from kvchat.llm import load_model
+
+        return load_model(spec, self._store.models_dir, placement=resolve(self.config.device), weights=weights)
 
     def _encoder_(self):
         if self._encoder is None:
