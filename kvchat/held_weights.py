@@ -28,9 +28,9 @@ from kvchat import int4_weights, int8_weights
 from kvchat.int4_weights import Int4Linear
 from kvchat.int8_weights import Int8Linear
 from kvchat.store.files import fsync_dir, new_temp_path, rename, write_file
+from kvchat.store.layout import HELD_DIR, held_name, held_source
 
 FORMAT = "1"
-DIRECTORY = "held"
 SPARE_BYTES = 1 << 30  # kept only where at least this much (and the file's size again) stays free after it
 _KINDS = {"int4": Int4Linear, "int8": Int8Linear}
 _BUFFERS = {"int4": ("weight", "scale_zero"), "int8": ("weight", "scale")}  # besides a bias
@@ -45,7 +45,7 @@ def hold(model: nn.Module, weights: str, fingerprint: str, models_dir: Path | No
     weights file `source`, what was kept there for that file is read instead of computed, and what is computed is
     kept there."""
     keeping = models_dir is not None and source is not None
-    identity = source_of(source) if keeping else {}
+    identity = held_source(source) if keeping else {}
     if weights == "auto":  # the verdict alone is kept: a file without tensors
         path = path_for(models_dir, fingerprint, "auto") if keeping else None
         verdict = restore(model, path, identity) if path else None
@@ -68,15 +68,7 @@ def path_for(models_dir: Path, fingerprint: str, weights: str) -> Path:
     """Where the `weights` form of the model with this float weights' fingerprint is kept: by torch's version and
     the CPU kernels it runs (the int4 packing is theirs)."""
     build = f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}"
-    version = "".join(c if c.isalnum() or c in "._-" else "_" for c in build)
-    return models_dir / DIRECTORY / f"{fingerprint}.{weights}.torch-{version}.safetensors"
-
-
-def source_of(weights_file: Path) -> dict[str, str]:
-    """What identifies the float weights file a held file was made from."""
-    stat = weights_file.stat()
-    return {"source": str(weights_file.resolve()), "source_size": str(stat.st_size),
-            "source_mtime_ns": str(stat.st_mtime_ns)}  # fmt: skip
+    return models_dir / HELD_DIR / held_name(fingerprint, weights, build)
 
 
 def restore(model: nn.Module, path: Path, source: dict[str, str]) -> str | None:

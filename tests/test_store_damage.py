@@ -384,6 +384,42 @@ def test_ask_refuses_a_fifo_with_the_rebuild_command(tiny_home, tmp_path):
     _one_line_error(asked, "is not a regular file but a FIFO", "rebuild with `kvchat ingest ")
 
 
+# --------------------------------------------------------------------------- held weights no process reads
+
+
+def test_held_weights_no_process_will_read_are_found_and_removed(tmp_path):
+    from torch import nn
+
+    from kvchat.held_weights import keep, path_for
+    from kvchat.store.layout import held_name, held_source
+
+    home = _home(tmp_path)
+    models = home / "models"
+    sources = {name: models / name / "model.safetensors" for name in ("kept", "changed", "gone")}
+    for source in sources.values():
+        source.parent.mkdir(parents=True)
+        source.write_bytes(b"float weights")
+    current = path_for(models, "a" * 16, "int4")  # what this torch would read: made from the file as it is
+    changed, gone = path_for(models, "b" * 16, "int4"), path_for(models, "c" * 16, "auto")
+    other_torch = models / "held" / held_name("d" * 16, "int8", "0.1+cpu-AVX2")
+    for path, source in ((current, "kept"), (changed, "changed"), (gone, "gone"), (other_torch, "kept")):
+        keep(nn.Module(), path, held_source(sources[source]), "float")
+    garbage = models / "held" / held_name("e" * 16, "int4", "0.1+cpu-AVX2")
+    garbage.write_bytes(b"not a safetensors file")
+    sources["changed"].write_bytes(b"float weights, converted again")
+    sources["gone"].unlink()
+
+    problems = diagnose(home)
+    assert sorted((p.kind, p.path) for p in problems) == sorted(
+        ("stale-held", path) for path in (changed, gone, other_torch, garbage))
+    why = {p.path: p.message for p in problems}
+    assert "an earlier version of" in why[changed] and "which is gone" in why[gone]
+    assert "another torch" in why[other_torch] and "cannot be read" in why[garbage]
+    fixed = run_main(home, "doctor", "--fix")
+    assert fixed.returncode == 0 and f"deleted stale-held {gone}" in fixed.stdout, fixed.stdout
+    assert sorted((models / "held").iterdir()) == [current]
+
+
 # --------------------------------------------------------------------------- a killed model conversion
 
 

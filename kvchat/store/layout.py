@@ -12,6 +12,8 @@ from kvchat.errors import UserError
 DB_NAME = "kvchat.db"
 CACHES_DIR = "caches"
 MODELS_DIR = "models"  # converted models (kvchat.model_files.convert_gguf); its dead temp dirs are leftovers
+HELD_DIR = "held"  # in MODELS_DIR: int8/int4 weights kept by kvchat.held_weights
+HELD_SUFFIX = ".safetensors"
 EPISODE_SUFFIX = ".safetensors"
 PAGES_SUFFIX = ".pages.safetensors"
 
@@ -23,6 +25,30 @@ _RESERVED_RE = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])(\..*)?", re.IGNO
 def show(name: str) -> str:
     """A name quoted for a one-line message, whatever it contains."""
     return repr(name if len(name) <= 40 else name[:40] + "...")
+
+
+def held_name(fingerprint: str, weights: str, torch_build: str) -> str:
+    """The file name of held weights (kvchat.held_weights): the float weights' fingerprint, the mode (int8, int4,
+    or auto for its verdict) and the torch build that packed them (its version and CPU kernels, as
+    `torch_build_tag` writes them)."""
+    return f"{fingerprint}.{weights}.torch-{torch_build_tag(torch_build)}{HELD_SUFFIX}"
+
+
+def held_source(weights_file: Path) -> dict[str, str]:
+    """What identifies the float weights file held weights were made from, as their metadata records it."""
+    stat = weights_file.stat()
+    return {"source": str(weights_file.resolve()), "source_size": str(stat.st_size),
+            "source_mtime_ns": str(stat.st_mtime_ns)}  # fmt: skip
+
+
+def held_by_torch(name: str, torch_version: str) -> bool:
+    """Whether the held weights file `name` was packed by torch `torch_version` (its CPU kernels aside)."""
+    return name.partition(".torch-")[2].startswith(torch_build_tag(torch_version) + "-")
+
+
+def torch_build_tag(build: str) -> str:
+    """`build` as a file name allows it: letters, digits, '.', '_' and '-' kept, anything else '_'."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in build)
 
 
 def validate_name(name: str) -> str:

@@ -2,8 +2,9 @@
 `kvchat doctor`) and removed without ever taking a file a live process may use.
 
 Kept apart from the store proper: no read or write of a conversation needs it. It agrees with the store
-on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`, and `models/.tmp-<pid>-*`,
-where `kvchat.model_files.convert_gguf` writes a converted model) and on the lock:
+on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`, `models/.tmp-<pid>-*`,
+where `kvchat.model_files.convert_gguf` writes a converted model, and `models/held/`, where
+`kvchat.held_weights` keeps quantized weights) and on the lock:
 a function marked "under the write lock" must run inside the store's write transaction, which a
 committing ingest holds from its rename to its row commit, so a dir about to be committed is never taken
 for an orphan. What goes is first renamed to a temp dir of this process and deleted after the lock is
@@ -12,6 +13,7 @@ released (`delete_trees`), so a crash mid-delete leaves only another stale temp 
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import time
@@ -19,7 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.checked_files import read_safetensors_header
 from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
+from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source
 from kvchat.store.manifest import manifest_of
 
 ORPHAN_GRACE_S = 60.0
@@ -34,7 +38,7 @@ class Problem:
     """
 
     kind: str  # missing | not-a-file | size | checksum | outside | unreadable | orphan | stray | stale-temp
-    #          | special-file (a FIFO or device in profiles/)
+    #          | stale-held | special-file (a FIFO or device in profiles/)
     conversation: str | None
     episode: int | None
     path: Path
@@ -69,11 +73,60 @@ def dead_temp_dirs(directory: Path) -> list[Path]:
 
 
 def model_leftovers(models_dir: Path) -> list[Problem]:
-    """Temp dirs of model conversions that died (a first GGUF conversion killed: hundreds of MiB)."""
+    """Temp dirs of model conversions that died (a first GGUF conversion killed: hundreds of MiB), and held weights
+    no process will read again (`stale_held_weights`)."""
     return [
         Problem("stale-temp", None, None, path, f"temp dir of a model conversion that died: {path}; --fix deletes it")
         for path in dead_temp_dirs(models_dir)
-    ]
+    ] + stale_held_weights(models_dir)
+
+
+def stale_held_weights(models_dir: Path) -> list[Problem]:
+    """Files in `models/held/` (kvchat.held_weights) that no process will read: made from a float weights file that
+    is gone or has changed since, packed by a torch other than the one installed, or not readable as held weights.
+    Each is written again where it is next needed, so deleting one costs time, never an answer."""
+    try:
+        entries = sorted(p for p in (models_dir / HELD_DIR).iterdir() if p.name.endswith(HELD_SUFFIX))
+    except OSError:
+        return []
+    torch_version = _installed("torch")
+    found = []
+    for path in entries:
+        if path.is_symlink() or not path.is_file():
+            continue
+        why = _why_stale(path, torch_version)
+        if why is not None:
+            found.append(Problem("stale-held", None, None, path, f"held weights {path} {why}; --fix deletes them "
+                                 "(they are written again when next needed)"))  # fmt: skip
+    return found
+
+
+def _why_stale(path: Path, torch_version: str | None) -> str | None:
+    """Why no process will read the held weights at `path`, or None when one may."""
+    try:
+        meta = read_safetensors_header(path).get("__metadata__") or {}
+    except (OSError, ValueError) as e:
+        return f"cannot be read ({getattr(e, 'strerror', None) or e})"
+    source = meta.get("source")
+    if not isinstance(source, str):
+        return "do not say which weights they were made from"
+    try:
+        now = held_source(Path(source))
+    except OSError:
+        return f"were made from {source}, which is gone"
+    if any(meta.get(key) != value for key, value in now.items()):
+        return f"were made from an earlier version of {source}"
+    if torch_version is not None and not held_by_torch(path.name, torch_version):
+        return f"were packed by another torch than the one installed ({torch_version})"
+    return None
+
+
+def _installed(distribution: str) -> str | None:
+    """The installed version of `distribution`, read from its metadata (nothing imported), or None."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def stale_orphans(caches_dir: Path, referenced: set[str]) -> list[Path]:
