@@ -113,15 +113,18 @@ def main() -> None:
     parser.add_argument("--no-echo-guard", action="store_true",
                         help="decode answers without kvchat.echo's guard (as kvchat did before 2026-11-26)")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="float",
-                        help="the Linear weights answers are decoded with (as `kvchat ask --weights`); the caches "
-                             "are built with the float weights, as `kvchat ingest` builds them")
+                        help="the Linear weights answers are decoded with (as `kvchat ask --weights`)")
+    parser.add_argument("--ingest-weights", choices=WEIGHT_MODES, default=None,
+                        help="the Linear weights the caches are built with (as `kvchat ingest --weights`; default: "
+                             "--weights, as kvchat builds and answers with the same weights)")
     args = parser.parse_args()
     use_threads()
     variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
     home = default_home()
     store = Store(home)
-    lm = load_model("default", home / "models")  # builds the caches
-    answering = lm if args.weights == "float" else load_model("default", home / "models", weights=args.weights)
+    building = args.weights if args.ingest_weights is None else args.ingest_weights
+    lm = load_model("default", home / "models", weights=building)  # builds the caches
+    answering = lm if args.weights == building else load_model("default", home / "models", weights=args.weights)
     sets = [load_locomo(path) for path in args.data]
     for s in sets:
         print(f"{s.name}: {len(s.turns)} turns, {len(s.questions)} questions", file=sys.stderr)

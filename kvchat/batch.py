@@ -275,7 +275,7 @@ class _Workers:
         # A local Ray's workers inherit this process's environment; a cluster's get WORKER_ENV set (which costs
         # each worker a fresh process, a few seconds once per batch).
         env = {} if batch.address is None else {"runtime_env": {"env_vars": WORKER_ENV}}
-        self.device = batch.device
+        self.device, self.weights = batch.device, batch.weights
         self.actor = ray.remote(HistoryWorker).options(
             num_cpus=batch.threads, num_gpus=gpu_share(batch.device, ray.cluster_resources().get("GPU", 0), self.count),
             **env,
@@ -287,8 +287,8 @@ class _Workers:
         """Start the workers and load the model in each; refuse workers that would build different caches."""
         self.handles = [self.actor.remote() for _ in range(self.count)]
         profiles = profile_texts(store.home / "profiles")
-        calls = [h.load.remote(spec, str(store.models_dir), self.threads, trust_remote_code, profiles, self.device)
-                 for h in self.handles]  # fmt: skip
+        calls = [h.load.remote(spec, str(store.models_dir), self.threads, trust_remote_code, profiles, self.device,
+                               self.weights) for h in self.handles]  # fmt: skip
         try:
             infos: list[WorkerInfo] = self.ray.get(calls, timeout=self.start_timeout_s)
         except self.ray.exceptions.GetTimeoutError:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat import preflight
-from kvchat.config import DeviceConfig, IngestConfig
+from kvchat.config import WEIGHTS, DeviceConfig, IngestConfig
 from kvchat.device import resolve
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
@@ -102,15 +102,17 @@ class HistoryWorker:
 
     def load(
         self, spec: str, models_dir: str, threads: int, trust_remote_code: bool, profiles: dict[str, str],
-        device: DeviceConfig = DeviceConfig(),
+        device: DeviceConfig = DeviceConfig(), weights: str = WEIGHTS,
     ) -> WorkerInfo:
         """Load the model and encoder with `threads` torch threads, on the device `device` resolves to here (Ray
-        shows an actor only the GPUs it was given, `gpu_share`). `profiles` are the driver's own layer
-        profiles (file name -> JSON), so a worker on another machine resolves budgets as the driver would."""
+        shows an actor only the GPUs it was given, `gpu_share`), its Linear weights held as `weights` (`ingest
+        --weights`). `profiles` are the driver's own layer profiles (file name -> JSON), so a worker on another
+        machine resolves budgets as the driver would."""
         import ray
 
         use_threads(threads)
-        self._lm = load_model(spec, Path(models_dir), trust_remote_code=trust_remote_code, placement=resolve(device))
+        self._lm = load_model(spec, Path(models_dir), trust_remote_code=trust_remote_code, placement=resolve(device),
+                              weights=weights)
         self._encoder = SentenceEncoder()
         self._profiles = dict(profiles)  # written out only while a history is planned: a killed actor leaves no dir
         return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id())

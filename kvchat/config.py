@@ -65,9 +65,11 @@ from kvchat.kv.config import (
 )
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
 
-# how the model's Linear weights are held while answering (kvchat.int8_weights, kvchat.int4_weights); auto: int4
-# on a CPU where the decoder's weights already are 4-bit groups (the embedded model), else float
+# how the model's Linear weights are held (kvchat.int8_weights, kvchat.int4_weights) while answering and while
+# ingest builds caches; auto: int4 on a CPU where the decoder's weights already are 4-bit groups (the embedded
+# model), else float
 WEIGHT_MODES = ("auto", "float", "int8", "int4")
+WEIGHTS = "auto"
 CONVERSION_WEIGHTS_PER_SECOND = 3_000_000  # a first GGUF conversion's time estimate: weights done per second
 ANSWER_ROOM = 320  # tokens reserved after the history for a question and its answer
 DEVICES = ("auto", "cpu", "cuda")
@@ -176,6 +178,7 @@ class BatchConfig:
     address: str | None = None  # None: start a local Ray; "auto" or "ray://host:port": join that cluster
     start_timeout_s: float = 600.0  # workers not loaded by then are given up (Ray cannot start them: memory?)
     device: DeviceConfig = DeviceConfig()  # each worker's model; on CUDA the workers share the GPUs (batch.gpu_share)
+    weights: str = WEIGHTS  # the Linear weights each worker builds caches with, as `kvchat ingest --weights`
 
 
 ECHO_WORDS = 3  # an answer spelling out the question's first this many words repeats it (kvchat.echo)
@@ -190,7 +193,7 @@ class AskConfig:
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
-    weights: str = "auto"  # auto | float (as loaded) | int8 (per channel) | int4 (groups of 32): WEIGHT_MODES
+    weights: str = WEIGHTS  # auto | float (as loaded) | int8 (per channel) | int4 (groups of 32): WEIGHT_MODES
     # A question whose routing similarity (cosine to the nearest episode centroid) is below this is flagged
     # off-topic, and with refuse_off_topic not answered (benchmarks/results/receipts.md measures it).
     off_topic_similarity: float = OFF_TOPIC_SIMILARITY
@@ -243,8 +246,8 @@ class EvalConfig:
                                        # that does not fit the model's window, else full
     chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
     echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.echo)
-    weights: str = AskConfig.weights   # the answers' Linear weights, as `kvchat ask --weights`; caches are built with
-                                       # the weights as loaded, as `kvchat ingest` builds them
+    weights: str = WEIGHTS  # the Linear weights caches are built and answers decoded with, as `kvchat ingest` and
+                            # `kvchat ask` hold them (--weights)
 
 
 @dataclass(frozen=True)
@@ -272,7 +275,7 @@ class ServeConfig:
     max_tokens_limit: int = 2048  # the most a request may ask for
     threads: int | None = None  # torch threads of the answering worker (None: $OMP_NUM_THREADS, else the cores)
     device: DeviceConfig = DeviceConfig()
-    weights: str = "float"      # AskConfig.weights
+    weights: str = WEIGHTS      # answers' and ingest's Linear weights, as `kvchat ask --weights`
     preload: bool = True        # load the stored conversations' models and the encoder at start, not at the first ask
     log: bool = True            # record answers in `kvchat logs`
     shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this are cut

@@ -89,6 +89,7 @@ class IngestReport:
     device: str = "cpu"         # where the model ran (--device) and its dtype, which the caches are stored in
     dtype: str = "float32"
     attention_backend: str = "torch"  # decode attention's kernel on that device: torch | flashinfer (kv.backends)
+    weights: str = "float"      # how the model's Linear weights were held while it built the caches (--weights)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -318,6 +319,7 @@ def commit_ingest(
         device=identity.device,
         dtype=identity.dtype,
         attention_backend=identity.attention_backend,
+        weights=identity.weights,
     )
     pending.commit(
         model=lm.spec,

@@ -67,6 +67,12 @@ class Int4Linear(nn.Module):
         out = product(flat, self.weight, self.scale_zero).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight `[out, in]` these groups stand for, in float32, each value as the kernel gives it (rounded to
+        bfloat16): the kernel's product with the identity, since the packed layout is torch's own."""
+        identity = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.weight.device)
+        return product(identity, self.weight, self.scale_zero).float().T.contiguous()
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 weights in groups of {GROUP}"
 

@@ -47,6 +47,11 @@ class Int8Linear(nn.Module):
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
+    def float_weight(self) -> torch.Tensor:
+        """The weight `[out, in]` these codes and scales stand for, in float32 (for what reads a projection's
+        weight rather than multiplying by it: IndexMem's indexer, kvchat.kv.indexer)."""
+        return self.weight.float() * self.scale.float()[:, None]
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
 

@@ -84,6 +84,7 @@ class ModelIdentity:
     device: str = "cpu"             # where it ran and in which dtype: reported, never part of the fingerprint
     dtype: str = "float32"
     attention_backend: str = "torch"  # the decode attention kernel (kvchat.kv.backends)
+    weights: str = "float"          # how its Linear weights were held: float | int8 | int4 (--weights)
 
 
 @dataclass
@@ -160,7 +161,7 @@ class LoadedModel:
     @property
     def identity(self) -> ModelIdentity:
         return ModelIdentity(self.spec, self.fingerprint, self.device.type, str(self.dtype).removeprefix("torch."),
-                             self.attention_backend)
+                             self.attention_backend, self.weights)
 
     @property
     def device(self) -> torch.device:

@@ -74,7 +74,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
                      f"LoCoMo categories {', '.join(map(str, config.categories))}, only those whose evidence is kept",
         "answers": f"greedy, at most {config.max_new_tokens} tokens, LoCoMo's QA prompt"
                    + (", no answer repeating the question's first words (kvchat.echo)" if config.echo_guard else "")
-                   + f"; {weights} weights (the caches built with the weights as loaded, as `kvchat ingest` does)",
+                   + f"; {weights} weights (the caches built and the answers decoded with them, as `kvchat ingest` and "
+                   "`kvchat ask` hold them)",
     }
     return found
 

@@ -114,6 +114,24 @@ def test_a_cache_built_in_bfloat16_answers_in_float32_and_back(tmp_path, tiny_mo
     assert answers["float32"]["attention_backend"] == "torch"
 
 
+def test_ingest_builds_with_the_weights_asked_for_and_any_weights_answer(tmp_path, tiny_model_dir):
+    """`ingest --weights int4` builds with int4 weights (kept in models/held/) and says so, in its report and in
+    `show`; `ask --weights float` answers from those caches."""
+    history = tmp_path / "h.json"
+    history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
+    ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--weights", "int4",
+                        "--json")  # fmt: skip
+    assert ingested.returncode == 0, ingested.stderr
+    assert json.loads(ingested.stdout)["weights"] == "int4" and (tmp_path / "models" / "held").is_dir()
+    assert json.loads(run_main(tmp_path, "show", "h", "--json").stdout)["weights"] == "int4"
+    asked = run_main(tmp_path, "ask", "Where does Maya live?", "--weights", "float", "--max-new-tokens", "3", "--json")
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["weights"] == "float"
+    float_ingest = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--name", "f",
+                            "--json")  # fmt: skip
+    assert json.loads(float_ingest.stdout)["weights"] == "float"  # auto: the tiny model's random weights as loaded
+
+
 def test_codec_decode_converts_to_the_models_dtype(model):
     result = block_prefill(model, random_ids(4, 1), random_ids(60, 2), block_size=16, budgets=[24, 24],
                            scorer=PatchedPromptScorer(random_ids(6, 3)), heads=HeadBudgets("adaptive"))

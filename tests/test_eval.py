@@ -345,8 +345,8 @@ def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
     again = run_main(tmp_path / "home", *args)  # everything is in the file: nothing is recomputed
     assert again.returncode == 0 and json.loads(again.stdout) == json.loads(result.stdout)
     assert len(out.read_text().splitlines()) == 2 + 2 * 2
-    # the report says which weights answered: `auto` keeps the tiny model's random weights as loaded
-    assert "; float weights (the caches built with the weights as loaded" in report.read_text()
+    # the report says which weights built and answered: `auto` keeps the tiny model's random weights as loaded
+    assert "; float weights (the caches built and the answers decoded with them" in report.read_text()
 
 
 def test_cli_eval_answers_with_the_weights_asked_for(tmp_path, tiny_model_dir):
@@ -355,7 +355,7 @@ def test_cli_eval_answers_with_the_weights_asked_for(tmp_path, tiny_model_dir):
                       "streaming", "--budgets", "256", "--block-size", "256", "--questions", "1", "--weights", "int4",
                       "--report", str(report), "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "; int4 weights (the caches built with the weights as loaded" in report.read_text()
+    assert "; int4 weights (the caches built and the answers decoded with them" in report.read_text()
     assert (tmp_path / "home" / "models" / "held").is_dir()  # the int4 weights were made, and kept
 
 

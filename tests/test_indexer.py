@@ -275,6 +275,29 @@ def test_ingest_keeps_its_peak_bound_and_the_memory_round_trips(trained_home, ti
     assert Session(store, record, tiny_lm, encoder).ask("Which gate?").conversation == "mem"
 
 
+def test_an_indexmem_ingest_with_int4_weights_reads_what_the_packed_projections_stand_for(
+        trained_home, tiny_lm, encoder, history, tmp_path):  # fmt: skip
+    """`kvchat ingest --weights int4 --method indexmem`: the indexer's query maps are built from the weights the
+    packed q_proj multiplies by (`float_weight`), not from its packed bytes."""
+    from kvchat.int4_weights import Int4Linear
+    from kvchat.kv.indexer import Indexer
+    from kvchat.llm import load_model
+
+    int4 = load_model(tiny_lm.spec, tmp_path / "models", weights="int4")
+    q_proj = int4.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int4Linear)
+    x = torch.randn(5, q_proj.in_features)
+    torch.testing.assert_close(x @ q_proj.float_weight().T, q_proj(x), atol=0.05, rtol=0.02)  # bfloat16 activations
+    layer = Indexer(IndexMemShape.of(int4.model.config)).layers[0]
+    with torch.no_grad():
+        ours = layer.query_map(q_proj)[0]
+        theirs = layer.query_map(tiny_lm.model.model.layers[0].self_attn.q_proj)[0]
+    assert (ours - theirs).norm() < 0.2 * theirs.norm()  # the float weights, to 4-bit group rounding
+    store = _ingest(trained_home, int4, encoder, history, "int4")
+    assert store.get("int4").settings["method"] == "indexmem"
+    store.close()
+
+
 def test_a_zero_gate_makes_the_memory_a_no_op(trained_home, tiny_lm, encoder, history):
     """With the gate shut, answering from a cache with a memory gives exactly the logits without one."""
 

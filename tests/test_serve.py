@@ -369,15 +369,26 @@ def test_ingest_as_a_job(server, home, tiny_lm):
     assert server.http("GET", "/kvchat/jobs/nosuch").status_code == 404
 
 
-def test_a_server_answering_with_int4_weights_ingests_with_the_weights_as_loaded(tmp_path, tiny_lm, encoder):
-    """An ingest job builds the caches `kvchat ingest` would, whatever weights the server answers with."""
+def test_a_servers_ingest_jobs_build_with_its_weights_as_kvchat_ingest_does(tmp_path, tiny_lm, encoder):
+    """An ingest job builds the caches `kvchat ingest --weights` with the server's weights builds: with int4 weights
+    the library's ingest on the same model, which differ from the float model's."""
     import torch
 
     from kvchat.llm import load_model
 
     int4 = load_model(tiny_lm.spec, tmp_path / "int4-models", weights="int4")
     messages, _ = planted_conversation(seed=11, topics=2, turns_per_topic=8)
-    stored = {}
+    config = replace(IngestConfig(model=tiny_lm.spec), cache=replace(IngestConfig().cache, budget=64),
+                     episodes=replace(IngestConfig().episodes, episodes=2))  # what the job's body sets
+
+    def caches(home):
+        store = Store(home)
+        try:
+            return [store.load_episode(e, tiny_lm.fingerprint)[0] for e in store.get("posted").episodes]
+        finally:
+            store.close()
+
+    served = {}
     for label, lm in (("float", tiny_lm), ("int4", int4)):
         home = tmp_path / label
         running = Running(home, lm, encoder, weights=lm.weights)
@@ -389,12 +400,15 @@ def test_a_server_answering_with_int4_weights_ingests_with_the_weights_as_loaded
             assert running.http("GET", job).json()["state"] == "done"
         finally:
             running.stop()
-        store = Store(home)
-        record = store.get("posted")
-        stored[label] = [store.load_episode(e, tiny_lm.fingerprint)[0] for e in record.episodes]
-        store.close()
-    for ours, theirs in zip(stored["int4"], stored["float"], strict=True):
-        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+        served[label] = caches(home)
+    history = tmp_path / "posted.json"
+    history.write_text(json.dumps(messages))
+    direct = Store(tmp_path / "direct")
+    ingest(history, store=direct, lm=int4, name="posted", config=config, encoder=encoder)
+    direct.close()
+    same = lambda a, b: a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert all(same(ours, theirs) for ours, theirs in zip(served["int4"], caches(tmp_path / "direct"), strict=True))
+    assert not all(same(ours, theirs) for ours, theirs in zip(served["int4"], served["float"], strict=True))
 
 
 def test_a_full_queue_is_429(home, tiny_lm, encoder):

@@ -80,8 +80,8 @@ def eval_command(
     ),
     threads: ThreadsOpt = None,
     weights: Annotated[Weights, typer.Option(
-        help="The Linear weights answers are decoded with, as `kvchat ask --weights` (auto: int4 for the embedded "
-        "model on a CPU); the caches are built with the weights as loaded, as `kvchat ingest` builds them.")] = (
+        help="The Linear weights the caches are built and the answers decoded with, as `kvchat ingest` and "
+        "`kvchat ask` hold them (auto: int4 for the embedded model on a CPU).")] = (
         EvalConfig.weights
     ),
     device: DeviceOpt = DeviceConfig.device,
@@ -102,9 +102,7 @@ def eval_command(
                                           precisions=_names(cache_precision), retrieve=retrieve)
     results = evaluate.ResultsFile(out_path)
     store = open_store()
-    answering = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype), weights=config.weights)
-    lm = answering if answering.weights == "float" else load_model(model, store, threads=threads,
-                                                                   device=DeviceConfig(device, dtype))
+    lm = load_model(model, store, threads=threads, device=DeviceConfig(device, dtype), weights=config.weights)
     sets = evaluate.qa_sets(data or [], synthetic, lm, config)
     for s in sets:
         if s.sessions_total:
@@ -115,14 +113,14 @@ def eval_command(
     with progress_bars(hidden=as_json) as bars:
         records = evaluate.evaluate(
             full_sets, variant_list, lm=lm, encoder=encoder, config=config, base=base, results=results,
-            profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars), answering=answering,
+            profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
         )
         if gold_sets:
             systems = gold.gold_variants([(v.key, v.cache) for v in variant_list], config.budgets,
                                          config.chunk_tokens, base.cache)  # fmt: skip
             records = gold.evaluate_gold(
                 gold_sets, systems, lm=lm, encoder=encoder, results=results, config=config, base=base,
-                profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars), answering=answering,
+                profile_dirs=[store.home / "profiles"], progress=RichEvalProgress(bars),
             )
     gold_names = {s.name for s in gold_sets}
     against_gold = [r for r in gold.gold_records(records) if r["set"] in gold_names]
@@ -139,7 +137,7 @@ def eval_command(
         from kvchat import report as eval_report
 
         ran = eval_report.settings(config, base, model=lm.spec, offloads=_names(offload),
-                                   precisions=_names(cache_precision), retrieve=retrieve, weights=answering.weights)
+                                   precisions=_names(cache_precision), retrieve=retrieve, weights=lm.weights)
     if report is not None and gold_rows:
         report.parent.mkdir(parents=True, exist_ok=True)
         target = report if not sets else report.with_suffix(".gold.md")

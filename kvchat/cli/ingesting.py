@@ -13,6 +13,7 @@ import typer
 
 from kvchat import documents
 from kvchat.cli.options import (
+    BuildWeightsOpt,
     CachePrecision,
     DeviceOpt,
     DtypeOpt,
@@ -40,6 +41,7 @@ from kvchat.cli.progress import (
 from kvchat.cli.render import beside_table, emit_json, err, head_budgets_text, say, table
 from kvchat.config import (
     DEFAULT_EPISODES,
+    WEIGHTS,
     BatchConfig,
     CacheConfig,
     CakeConfig,
@@ -199,6 +201,7 @@ def ingest(
     threads: ThreadsOpt = None,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
+    weights: BuildWeightsOpt = WEIGHTS,
     as_json: JsonOpt = False,
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
@@ -234,7 +237,7 @@ def ingest(
         _check_append(append, reingest, replace, config, model, store.get(name) if append else None)
     store.check_writable()
     spec = store.get(name).model if append else model
-    lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype))
+    lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype), weights)
     encoder = load_encoder()
     loading = time.monotonic() - started
     with progress_bars() as bars:
@@ -328,6 +331,7 @@ def ingest_batch(
     force: ForceOpt = False,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
+    weights: BuildWeightsOpt = WEIGHTS,
     as_json: JsonOpt = False,
 ) -> None:
     """Ingest many histories on Ray workers (the optional extra 'batch'); a re-run skips what is already stored.
@@ -342,7 +346,8 @@ def ingest_batch(
         progress = RichBatchProgress(bars) if err.is_terminal else LineBatchProgress()
         report = batching.ingest_batch(
             sources, store=store, config=config,
-            batch=BatchConfig(workers=workers, threads=threads, address=address, device=DeviceConfig(device, dtype)),
+            batch=BatchConfig(workers=workers, threads=threads, address=address, device=DeviceConfig(device, dtype),
+                              weights=weights),
             replace=replace, force=force, max_memory=None if max_memory is None else max_memory * 2**20,
             trust_remote_code=trust_remote_code, progress=progress,
         )

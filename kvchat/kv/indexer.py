@@ -72,7 +72,7 @@ class LayerIndexer(nn.Module):
         state x: weights `[kv_heads, H_i*d_i, hidden]`, bias `[kv_heads, H_i*d_i]`. Differentiable in u_q;
         the frozen projection is read, never trained."""
         s = self.shape
-        w = q_proj.weight.detach().float().reshape(s.kv_heads, s.group * s.head_dim, s.hidden)
+        w = _float_weight(q_proj).reshape(s.kv_heads, s.group * s.head_dim, s.hidden)
         fused = torch.einsum("oc,hcx->hox", self.u_q.weight, w)
         if q_proj.bias is None:
             return fused, fused.new_zeros(s.kv_heads, fused.shape[1])
@@ -238,3 +238,10 @@ class IndexerScorer(BlockScorer):
         """Called after layer `layer_idx` kept entries `index` (per head): keep those entries' keys too."""
         held = self.keys[layer_idx]
         self.keys[layer_idx] = [k[i.to(k.device)] for k, i in zip(held, index, strict=True)]
+
+
+def _float_weight(linear: nn.Module) -> torch.Tensor:
+    """A projection's weight `[out, in]` in float32: an `nn.Linear`'s own, or what an int8/int4 weight module
+    (kvchat.int8_weights, kvchat.int4_weights: a model loaded with `--weights`) stands for (its `float_weight`)."""
+    dequantized = getattr(linear, "float_weight", None)
+    return dequantized() if callable(dequantized) else linear.weight.detach().float()

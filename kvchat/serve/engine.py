@@ -90,7 +90,6 @@ class Engine:
                  encoder: Any = None, step_hook: Callable[[Job], None] | None = None) -> None:
         self.home, self.config, self.step_hook = Path(home), config, step_hook
         self._models: dict[str, Any] = dict(models or {})
-        self._builders: dict[str, Any] = {}  # the weights as loaded, for ingest, where `_models` quantized them
         self._encoder = encoder
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=config.queue_size)
         self._sessions: OrderedDict[tuple[str, str, int], tuple[Session, int]] = OrderedDict()
@@ -231,25 +230,15 @@ class Engine:
                 _log.warning("kvchat serve: cannot preload %s: %s", spec, exc)
 
     def _model(self, spec: str):
+        """The model of `spec` with its Linear weights held as `config.weights`: it answers, and it builds the caches
+        of ingest and append jobs, as `kvchat ingest --weights` with the same weights builds them."""
         if spec not in self._models:
-            self._models[spec] = self._load(spec, self.config.weights)
+            from kvchat.device import resolve
+            from kvchat.llm import load_model
+
+            self._models[spec] = load_model(spec, self._store.models_dir, placement=resolve(self.config.device),
+                                            weights=self.config.weights)
         return self._models[spec]
-
-    def _builder(self, spec: str):
-        """The model ingest and append build caches with: the weights as loaded, as `kvchat ingest` builds them
-        (the answering model itself when it holds them so)."""
-        lm = self._model(spec)
-        if lm.weights == "float":
-            return lm
-        if spec not in self._builders:
-            self._builders[spec] = self._load(spec, "float")
-        return self._builders[spec]
-
-    def _load(self, spec: str, weights: str):
-        from kvchat.device import resolve
-        from kvchat.llm import load_model
-
-        return load_model(spec, self._store.models_dir, placement=resolve(self.config.device), weights=weights)
 
     def _encoder_(self):
         if self._encoder is None:
@@ -346,10 +335,10 @@ class Engine:
         progress = _JobProgress(job)
         if request.append:
             record = self._record(request.name)
-            report = append(request.turns, name=request.name, store=self._store, lm=self._builder(record.model),
+            report = append(request.turns, name=request.name, store=self._store, lm=self._model(record.model),
                             encoder=self._encoder_(), progress=progress, source="<kvchat serve>")
         else:
-            report = ingest(request.turns, store=self._store, lm=self._builder(request.config.model),
+            report = ingest(request.turns, store=self._store, lm=self._model(request.config.model),
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
                             replace=request.replace, source="<kvchat serve>")
         self.forget(request.name)
