@@ -10,7 +10,8 @@ run on one store. Per conversation: `kvchat ingest` at the defaults (a whole con
 window: `--method auto` resolves to recall), `--method recall` over the first half of its sessions and over the
 whole history twice over (peak memory must not grow with the history's length), the first half at the defaults
 (within the window: epicache's full prefill), `--method snapkv` (one cache: the unit), and an ingest of every
-session but the last followed by `--append` of the last one.
+session but the last followed by `--append` of the last one; and the defaults with `--weights float` (the embedded
+model's weights as loaded, float32, where `auto` holds its decoder in 4 bits on a CPU).
 """
 
 from __future__ import annotations
@@ -81,6 +82,8 @@ def main() -> None:
             name = path.stem
             measured = {
                 "defaults": run(home, "ingest", str(whole), "--name", f"{name}-d"),
+                "defaults, --weights float": run(home, "ingest", str(whole), "--name", f"{name}-f", "--weights",
+                                                 "float"),
                 "--method recall, first half of the sessions": run(home, "ingest", str(first_half), "--name",
                                                                    f"{name}-rh", "--method", "recall"),
                 "--method recall, the history twice over": run(home, "ingest", str(twice), "--name", f"{name}-r2",
@@ -102,7 +105,8 @@ def main() -> None:
         f"`python benchmarks/whole_ingest.py {' '.join(sys.argv[1:])}`",
         "",
         f"{dt.date.today()}, {platform.machine()}, {os.cpu_count()} cores, one torch thread, each command in its own "
-        f"process (`/usr/bin/time`: wall seconds, peak RSS), the embedded model in float32, nothing else running "
+        f"process (`/usr/bin/time`: wall seconds, peak RSS), the embedded model with its default weights (`--weights "
+        f"auto`: int4 on a CPU) unless a row says `--weights float`, nothing else running "
         f"(load average {os.getloadavg()[0]:.1f} at the end).",
         "",
         "| conversation | ingest | method | turns | history tokens | episodes | seconds | x snapkv | peak RSS MB | "
