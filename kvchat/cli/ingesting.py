@@ -267,7 +267,8 @@ def ingest(
             f"{report.episodes} episodes x budget {round(sum(report.budgets) / len(report.budgets))} "
             f"({report.method}, {report.prefill} prefill, "
             f"{report.layer_budgets} layer budgets, "
-            f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions), "
+            f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions, "
+            f"{report.weights} weights), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
             f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}, "
             f"{time.monotonic() - started:.1f}s ({loading:.1f}s reading and loading the model)",
