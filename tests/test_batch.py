@@ -313,6 +313,18 @@ def test_a_batch_reads_every_history_with_format_and_pick(ray_instance, tmp_path
 
 
 @needs_ray
+def test_batch_workers_build_with_the_weights_asked_for(ray_instance, tmp_path, tiny_model_dir):
+    export = Path(__file__).parent / "data" / "good" / "chatgpt_export.json"
+    run = run_main(tmp_path, "ingest-batch", str(export), "--pick", "Tomato plants", "--model", str(tiny_model_dir),
+                   "--workers", "1", "--budget", "64", "--block-size", "32", "--episodes", "1", "--weights", "int4",
+                   "--json")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (entry,) = json.loads(run.stdout)["histories"]
+    assert entry["status"] == "committed" and entry["weights"] == "int4"
+    assert Store(tmp_path).get("chatgpt_export").stats["weights"] == "int4"
+
+
+@needs_ray
 def test_more_threads_than_cores_are_refused(files, tmp_path):
     run = run_main(tmp_path / "home", "ingest-batch", str(files[0]), "--workers", "100000")
     assert run.returncode == 2
