@@ -32,7 +32,8 @@ def serve(
         help="Answer length when a request names none.")] = ServeConfig.max_tokens,
     threads: ThreadsOpt = None,
     weights: Annotated[Weights, typer.Option(
-        help="auto, float, int8 or int4 Linear weights (as `kvchat ask --weights`).")] = AskConfig.weights,
+        help="auto, float, int8 or int4 Linear weights, for answers and ingest jobs alike (as `kvchat ask "
+        "--weights`).")] = AskConfig.weights,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
     preload: Annotated[bool, typer.Option(
