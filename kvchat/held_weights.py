@@ -28,7 +28,7 @@ from kvchat import int4_weights, int8_weights
 from kvchat.int4_weights import Int4Linear
 from kvchat.int8_weights import Int8Linear
 from kvchat.store.files import fsync_dir, new_temp_path, rename, write_file
-from kvchat.store.layout import HELD_DIR, held_name, held_source
+from kvchat.store.layout import HELD_DIR, held_by_any_torch, held_name, held_source
 
 FORMAT = "1"
 SPARE_BYTES = 1 << 30  # kept only where at least this much (and the file's size again) stays free after it
@@ -113,7 +113,7 @@ def keep(model: nn.Module, path: Path, source: dict[str, str], weights: str) -> 
         write_file(temp / path.name, data)
         rename(temp / path.name, path)
         fsync_dir(path.parent)
-        for stale in path.parent.glob(path.name.split(".torch-")[0] + ".torch-*.safetensors"):
+        for stale in path.parent.glob(held_by_any_torch(path.name)):
             if stale != path:  # the same weights packed by another torch: not read again by this one
                 stale.unlink(missing_ok=True)
     except OSError as exc:

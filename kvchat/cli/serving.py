@@ -9,7 +9,7 @@ import typer
 
 from kvchat.cli.options import DeviceOpt, DtypeOpt, ThreadsOpt, Weights, open_store
 from kvchat.cli.render import err, say
-from kvchat.config import AskConfig, DeviceConfig, ServeConfig
+from kvchat.config import DeviceConfig, ServeConfig
 from kvchat.errors import UserError
 
 
@@ -33,7 +33,7 @@ def serve(
     threads: ThreadsOpt = None,
     weights: Annotated[Weights, typer.Option(
         help="auto, float, int8 or int4 Linear weights, for answers and ingest jobs alike (as `kvchat ask "
-        "--weights`).")] = AskConfig.weights,
+        "--weights`).")] = ServeConfig.weights,
     device: DeviceOpt = DeviceConfig.device,
     dtype: DtypeOpt = DeviceConfig.dtype,
     preload: Annotated[bool, typer.Option(

@@ -14,6 +14,7 @@ CACHES_DIR = "caches"
 MODELS_DIR = "models"  # converted models (kvchat.model_files.convert_gguf); its dead temp dirs are leftovers
 HELD_DIR = "held"  # in MODELS_DIR: int8/int4 weights kept by kvchat.held_weights
 HELD_SUFFIX = ".safetensors"
+_TORCH = ".torch-"  # in a held file's name: the torch build that packed it follows
 EPISODE_SUFFIX = ".safetensors"
 PAGES_SUFFIX = ".pages.safetensors"
 
@@ -31,7 +32,7 @@ def held_name(fingerprint: str, weights: str, torch_build: str) -> str:
     """The file name of held weights (kvchat.held_weights): the float weights' fingerprint, the mode (int8, int4,
     or auto for its verdict) and the torch build that packed them (its version and CPU kernels, as
     `torch_build_tag` writes them)."""
-    return f"{fingerprint}.{weights}.torch-{torch_build_tag(torch_build)}{HELD_SUFFIX}"
+    return f"{fingerprint}.{weights}{_TORCH}{torch_build_tag(torch_build)}{HELD_SUFFIX}"
 
 
 def held_source(weights_file: Path) -> dict[str, str]:
@@ -41,9 +42,14 @@ def held_source(weights_file: Path) -> dict[str, str]:
             "source_mtime_ns": str(stat.st_mtime_ns)}  # fmt: skip
 
 
+def held_by_any_torch(name: str) -> str:
+    """A glob of the held files holding the same weights as the file `name`, packed by any torch build."""
+    return f"{name.partition(_TORCH)[0]}{_TORCH}*{HELD_SUFFIX}"
+
+
 def held_by_torch(name: str, torch_version: str) -> bool:
     """Whether the held weights file `name` was packed by torch `torch_version` (its CPU kernels aside)."""
-    return name.partition(".torch-")[2].startswith(torch_build_tag(torch_version) + "-")
+    return name.partition(_TORCH)[2].startswith(torch_build_tag(torch_version) + "-")
 
 
 def torch_build_tag(build: str) -> str:
