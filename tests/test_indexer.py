@@ -90,6 +90,25 @@ def test_twenty_steps_on_one_chunk_lower_the_loss(tiny_lm, history, tmp_path):
     assert len(losses) == 20 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_training_on_a_gpu_writes_what_training_on_the_cpu_writes(tiny_model_dir, tiny_lm, history, tmp_path):
+    """Both stages with the model on CUDA (float32): every tensor the stages make lives where the model runs, the
+    checkpoint and the file are written from there, and the weights are the CPU run's up to float rounding."""
+    from kvchat.device import Placement
+    from kvchat.llm import load_model
+
+    gpu_lm = load_model(str(tiny_model_dir), tmp_path / "models", placement=Placement(torch.device("cuda"),
+                                                                                      torch.float32))
+    config = dataclasses.replace(SMALL, checkpoint_every=1)
+    train(gpu_lm, tmp_path / "gpu.safetensors", config, files=[history])
+    train(tiny_lm, tmp_path / "cpu.safetensors", config, files=[history])
+    gpu, cpu = (TrainedIndexMem.load(tmp_path / f"{name}.safetensors") for name in ("gpu", "cpu"))
+    assert gpu.tensors().keys() == cpu.tensors().keys()
+    for name, tensor in cpu.tensors().items():
+        torch.testing.assert_close(gpu.tensors()[name].float(), tensor.float(), rtol=0.05, atol=0.02, msg=name)
+
+
 def test_a_resumed_run_equals_an_uninterrupted_one(tiny_lm, history, tmp_path):
     """Same seed, same weights; a run stopped after its checkpoint continues from it (steps 2..4)."""
     config = dataclasses.replace(SMALL, stage="indexer", steps=4, checkpoint_every=2)

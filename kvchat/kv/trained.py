@@ -45,9 +45,9 @@ class TrainedIndexMem:
     path: Path | None = None                  # where it was loaded from
 
     def tensors(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-        out = {f"indexer.{k}": v.detach().to(dtype).contiguous() for k, v in self.indexer.state_dict().items()}
+        out = {f"indexer.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in self.indexer.state_dict().items()}
         if self.memory is not None:
-            out |= {f"memory.{k}": v.detach().to(dtype).contiguous() for k, v in self.memory.state_dict().items()}
+            out |= {f"memory.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in self.memory.state_dict().items()}
         return out
 
     def metadata(self) -> dict[str, str]:

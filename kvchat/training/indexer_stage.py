@@ -19,7 +19,7 @@ from kvchat.training.teacher import Captured
 
 def indexer_loss(indexer: Indexer, lm: LoadedModel, item: Captured) -> torch.Tensor:
     """Mean over layers of the distillation KL on one chunk."""
-    valid = torch.arange(item.teacher.shape[-1]) >= item.chunk.sink
+    valid = torch.arange(item.teacher.shape[-1], device=item.teacher.device) >= item.chunk.sink
     losses = []
     for layer, ind, x, teacher in zip(lm.model.model.layers, indexer.layers, item.hidden, item.teacher, strict=True):
         student = ind.importance(x.float(), ind.query_map(layer.self_attn.q_proj))
@@ -35,14 +35,14 @@ def evaluate_indexer(indexer: Indexer, lm: LoadedModel, held: Sequence[Captured]
     ours, snap, rand, kls = [], [], [], []
     generator = torch.Generator().manual_seed(0)
     for item in held:
-        valid = torch.arange(item.teacher.shape[-1]) >= item.chunk.sink
+        valid = torch.arange(item.teacher.shape[-1], device=item.teacher.device) >= item.chunk.sink
         for i, (layer, ind) in enumerate(zip(lm.model.model.layers, indexer.layers, strict=True)):
             x = item.hidden[i].float()
             student = ind.importance(x, ind.query_map(layer.self_attn.q_proj))
             teacher = item.teacher[i]
             ours.append(top_overlap(teacher, student, valid, fraction).mean())
             snap.append(top_overlap(teacher, item.snapkv[i], valid, fraction).mean())
-            rand.append(top_overlap(teacher, torch.rand(teacher.shape, generator=generator), valid, fraction).mean())
+            rand.append(top_overlap(teacher, torch.rand(teacher.shape, generator=generator).to(teacher.device), valid, fraction).mean())
             kls.append(distill_loss(teacher, student, valid))
     mean = lambda xs: round(float(torch.stack(xs).mean()), 4)  # noqa: E731
     return {"top_overlap": mean(ours), "snapkv_like_top_overlap": mean(snap), "random_top_overlap": mean(rand),

@@ -68,7 +68,7 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
         logits = attention.logits()                                                      # [kv, g, R, n]
         values = attention.values[0]                                                     # [kv, n, d]
         full = logits.softmax(-1) @ values[:, None]                                      # [kv, g, R, d]
-        keep = torch.cat([kept, torch.ones(kept.shape[0], readers, dtype=torch.bool)], dim=1)  # [kv, n]
+        keep = torch.cat([kept, torch.ones(kept.shape[0], readers, dtype=torch.bool, device=kept.device)], dim=1)  # [kv, n]
         masked = logits.masked_fill(~keep[:, None, None], float("-inf"))
         compressed = masked.softmax(-1) @ values[:, None]
         unrotated = layer_attention(model, index, x, rope, readers, rotate=False)      # what the memory sees
@@ -97,13 +97,13 @@ def simulate_eviction(scorer: IndexerScorer, model, layer_idx: int, x: torch.Ten
     attention = layer_attention(model, layer_idx, x, rope)
     queries, keys = attention.queries[0], attention.keys[0]        # [q_heads, n, d], [kv, n, d]
     heads, d = keys.shape[0], keys.shape[-1]
-    kept = torch.arange(min(sink, n)).expand(heads, -1)             # [kv, c]: what each head holds
+    kept = torch.arange(min(sink, n), device=x.device).expand(heads, -1)             # [kv, c]: what each head holds
     for start in range(min(sink, n), n, block):
-        new = torch.arange(start, min(start + block, n))
+        new = torch.arange(start, min(start + block, n), device=x.device)
         entries = torch.cat([kept, new.expand(heads, -1)], dim=1)
         past, rows = kept.shape[1], min(scorer.query_rows, new.shape[0])
         last = new[-rows:]                                           # the block's last queries: their attention
-        visible = torch.arange(entries.shape[1])[None, :] <= (past + last - start)[:, None]
+        visible = torch.arange(entries.shape[1], device=x.device)[None, :] <= (past + last - start)[:, None]
         weights = grouped_attention_weights(queries[None, :, last],
                                             keys.gather(1, entries[..., None].expand(-1, -1, d))[None],
                                             attention.scale, visible, attention.softcap)
@@ -114,7 +114,7 @@ def simulate_eviction(scorer: IndexerScorer, model, layer_idx: int, x: torch.Ten
             scorer.kept(layer_idx, index)
             entries = entries.gather(1, index)
         kept = entries
-    return torch.zeros(heads, n, dtype=torch.bool).scatter_(1, kept, True)
+    return torch.zeros(heads, n, dtype=torch.bool, device=x.device).scatter_(1, kept, True)
 
 
 def memory_prediction(memory: MemoryWeights, layer: int, t: MemoryTargets, indexmem: IndexMemConfig) -> torch.Tensor:
@@ -134,10 +134,11 @@ def _mass_state(memory: MemoryWeights, layer: int, t: MemoryTargets):
     an ingest's `LatentMemory.write` decays them) and the readers' shift `-gamma (t - r)` `[R, 1]`."""
     context, readers = t.keys[layer].shape[1], t.queries[layer].shape[1]
     gamma = memory.gamma(layer)
-    distance = (context - 1) - torch.arange(context, dtype=torch.float32)
+    device = t.keys[layer].device
+    distance = (context - 1) - torch.arange(context, dtype=torch.float32, device=device)
     weight = t.evicted[layer].float() * torch.exp(-gamma * distance)
     m, z = write_terms(memory.phi[layer], t.keys[layer].float(), t.values[layer].float(), weight, "mass")
-    ahead = torch.arange(1, readers + 1, dtype=torch.float32)[:, None]                 # t - r for the readers
+    ahead = torch.arange(1, readers + 1, dtype=torch.float32, device=device)[:, None]                 # t - r for the readers
     return m, z, -gamma * ahead
 
 

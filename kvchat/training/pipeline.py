@@ -112,8 +112,8 @@ def train(
         "train_chunks": len(train_chunks), "held_out_chunks": len(held_chunks), "threads": torch.get_num_threads(),
     }
     torch.manual_seed(config.seed)
-    indexer = previous.indexer if previous is not None else Indexer(shape)
-    memory = MemoryWeights(shape, indexmem.readout)
+    indexer = (previous.indexer if previous is not None else Indexer(shape)).to(lm.device)
+    memory = MemoryWeights(shape, indexmem.readout).to(lm.device)
     metrics = dict(previous.metrics) if previous is not None else {}
     steps, resumed = {}, {}
     checkpoint = out.with_name(out.name + ".ckpt")

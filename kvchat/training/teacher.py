@@ -52,7 +52,8 @@ class LayerAttention:
         """Causal attention logits `[kv_heads, group, rows, n]` (-inf on later keys), as kvchat's attention
         computes them (kvchat.kv.attention.attention_logits: scale, then softcap)."""
         rows, n = self.queries.shape[2], self.keys.shape[2]
-        visible = torch.arange(n)[None, :] <= torch.arange(n - rows, n)[:, None]
+        positions = torch.arange(n, device=self.keys.device)
+        visible = positions[None, :] <= positions[n - rows:, None]
         logits = attention_logits(self.queries, self.keys, self.scale, self.softcap)
         return logits.masked_fill(~visible, float("-inf"))
 
