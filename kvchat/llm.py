@@ -282,7 +282,8 @@ def load_model(
     if weights not in WEIGHT_MODES:
         raise UserError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
     if weights not in ("auto", "float") and placement.device.type != "cpu":
-        raise UserError(f"--weights {weights} is for answering on the CPU (its kernel is torch's CPU one)")
+        raise UserError(f"--weights {weights} runs on the CPU (its kernel is torch's CPU one), not on "
+                        f"{placement.device.type}: add --device cpu, or use --weights float")
     name, source = resolve(spec, models_dir, conversion)
     native = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
     with _load_errors(spec, source):

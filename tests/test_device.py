@@ -114,13 +114,26 @@ def test_a_cache_built_in_bfloat16_answers_in_float32_and_back(tmp_path, tiny_mo
     assert answers["float32"]["attention_backend"] == "torch"
 
 
+def test_quantized_weights_elsewhere_than_on_the_cpu_are_refused_naming_what_to_do(tiny_model_dir, tmp_path):
+    """The int8/int4 kernels are torch's CPU ones: on another device (a GPU; the meta device stands in) the
+    refusal comes before any file is read and says what to pass instead."""
+    from kvchat.device import Placement
+    from kvchat.llm import load_model
+
+    with pytest.raises(UserError, match=r"^--weights int4 runs on the CPU .*, not on meta: add --device cpu, or use "
+                                        r"--weights float$"):
+        load_model(str(tiny_model_dir), tmp_path, placement=Placement(torch.device("meta"), torch.float32),
+                   weights="int4")
+    assert not any(tmp_path.iterdir())
+
+
 def test_ingest_builds_with_the_weights_asked_for_and_any_weights_answer(tmp_path, tiny_model_dir):
     """`ingest --weights int4` builds with int4 weights (kept in models/held/) and says so, in its report and in
     `show`; `ask --weights float` answers from those caches."""
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--weights", "int4",
-                        "--json")  # fmt: skip
+                        "--device", "cpu", "--json")  # fmt: skip
     assert ingested.returncode == 0, ingested.stderr
     assert json.loads(ingested.stdout)["weights"] == "int4" and (tmp_path / "models" / "held").is_dir()
     assert json.loads(run_main(tmp_path, "show", "h", "--json").stdout)["weights"] == "int4"

@@ -353,7 +353,7 @@ def test_cli_eval_answers_with_the_weights_asked_for(tmp_path, tiny_model_dir):
     report = tmp_path / "report.md"
     result = run_main(tmp_path / "home", "eval", "--synthetic", "1", "--model", str(tiny_model_dir), "--methods",
                       "streaming", "--budgets", "256", "--block-size", "256", "--questions", "1", "--weights", "int4",
-                      "--report", str(report), "--json")  # fmt: skip
+                      "--device", "cpu", "--report", str(report), "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "; int4 weights (the caches built and the answers decoded with them" in report.read_text()
     assert (tmp_path / "home" / "models" / "held").is_dir()  # the int4 weights were made, and kept

@@ -88,7 +88,7 @@ def _on_a_full_disk(tmp_path: Path, room: int, *commands: str) -> dict[str, dict
         pytest.skip("cannot mount a tmpfs without root here (unprivileged user namespaces are off)")
     script, report = tmp_path / "scenario.py", tmp_path / "report.jsonl"
     script.write_text(SCENARIO)
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
     shell = 'mount -t tmpfs -o size=2m tmpfs "$1" && shift && exec "$@"'
     ran = subprocess.run(["unshare", "-r", "-m", "sh", "-c", shell, "sh", str(mount), sys.executable, str(script),
                           str(mount), str(report), str(room), *commands], env=env, capture_output=True, text=True,

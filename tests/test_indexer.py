@@ -90,6 +90,21 @@ def test_twenty_steps_on_one_chunk_lower_the_loss(tiny_lm, history, tmp_path):
     assert len(losses) == 20 and sum(losses[-3:]) / 3 < 0.8 * sum(losses[:3]) / 3
 
 
+def test_a_bfloat16_model_trains_in_float32(tiny_model_dir, history, tmp_path):
+    """A model loaded in bfloat16 (a GPU's default) teaches in its own dtype: its attention modules run on
+    bfloat16 inputs and the stages compute on what they return in float32."""
+    from kvchat.device import Placement
+    from kvchat.llm import load_model
+
+    lm = load_model(str(tiny_model_dir), tmp_path / "models", placement=Placement(torch.device("cpu"),
+                                                                                  torch.bfloat16))
+    report = train(lm, tmp_path / "w.safetensors", SMALL, files=[history])
+    trained = TrainedIndexMem.load(tmp_path / "w.safetensors")
+    assert report.stages == ["indexer", "memory"] and trained.memory is not None
+    assert 0 <= trained.metrics["indexer"]["top_overlap"] <= 1
+    assert all(torch.isfinite(t).all() for t in trained.tensors().values())
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_training_on_a_gpu_writes_what_training_on_the_cpu_writes(tiny_model_dir, tiny_lm, history, tmp_path):

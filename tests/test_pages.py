@@ -200,6 +200,26 @@ def test_all_pages_retrieved_gives_full_attention(q_len, ragged, scorer):
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scorer", sorted(PAGE_SCORERS))
+def test_pages_off_the_gpu_answer_a_gpu_query_as_on_the_cpu(scorer):
+    """IceCache on a GPU: the pages stay in host memory, the query and the resident entries are on the GPU; the
+    same entries are read and attention over them is the CPU's."""
+    g = torch.Generator().manual_seed(3)
+    dim = 16
+    layer = [semantic_pages(*_entries(n, dim, seed=20 + h)[:3], PagingConfig(page_size=8))
+             for h, n in enumerate([40, 25])]
+    resident = torch.randn(1, 2, 12, dim, generator=g)
+    query = torch.randn(1, 6, 1, dim, generator=g)
+    want = retrieve(query, layer, budget=16, scorer=PAGE_SCORERS[scorer])
+    got = retrieve(query.cuda(), layer, budget=16, scorer=PAGE_SCORERS[scorer])
+    assert [r.rows.tolist() for r in got] == [r.rows.tolist() for r in want]
+    out = attention_with_retrieved(query.cuda(), resident.cuda(), resident.cuda(), got)
+    assert out.device.type == "cuda"
+    torch.testing.assert_close(out.cpu(), attention_with_retrieved(query, resident, resident, want))
+
+
 @pytest.mark.parametrize("ragged", [False, True])
 def test_heads_of_equal_length_are_joined_into_one_tensor(ragged):
     """Resident heads of one length, R read by each: one `[1, H, n, D]` (one attention call for every head),

@@ -409,6 +409,11 @@ def test_held_weights_no_process_will_read_are_found_and_removed(tmp_path):
     sources["changed"].write_bytes(b"float weights, converted again")
     sources["gone"].unlink()
 
+    import torch
+
+    from kvchat.store.leftovers import _torch_version
+
+    assert _torch_version() == torch.__version__  # what held files are named by, its local part ("+cu130") too
     problems = diagnose(home)
     assert sorted((p.kind, p.path) for p in problems) == sorted(
         ("stale-held", path) for path in (changed, gone, other_torch, garbage))

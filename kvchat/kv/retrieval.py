@@ -131,6 +131,8 @@ def retrieve(
         raise ValueError(f"{q_heads} query heads do not group over {len(layer)} KV heads")
     group = q_heads // len(layer)
     scale = scale if scale is not None else dim**-0.5
+    if layer:  # the pages live off the accelerator (IceCache): they are scored where they are
+        query = query.to(layer[0].keys.device)
     out = []
     for h, pages in enumerate(layer):
         if pages.num_pages == 0 or budget <= 0:

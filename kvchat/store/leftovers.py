@@ -14,7 +14,9 @@ released (`delete_trees`), so a crash mid-delete leaves only another stale temp 
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterable
@@ -89,7 +91,7 @@ def stale_held_weights(models_dir: Path) -> list[Problem]:
         entries = sorted(p for p in (models_dir / HELD_DIR).iterdir() if p.name.endswith(HELD_SUFFIX))
     except OSError:
         return []
-    torch_version = _installed("torch")
+    torch_version = _torch_version()
     found = []
     for path in entries:
         if path.is_symlink() or not path.is_file():
@@ -121,10 +123,21 @@ def _why_stale(path: Path, torch_version: str | None) -> str | None:
     return None
 
 
-def _installed(distribution: str) -> str | None:
-    """The installed version of `distribution`, read from its metadata (nothing imported), or None."""
+def _torch_version() -> str | None:
+    """The installed torch's `torch.__version__`, which held files are named by, read without importing torch: from
+    the `torch/version.py` its build writes, else its package metadata (which may lack the build's local part,
+    "+cu130"), else None."""
+    spec = importlib.util.find_spec("torch")
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        try:
+            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", (Path(folder) / "version.py").read_text(),
+                              re.MULTILINE)
+        except OSError:
+            continue
+        if found:
+            return found.group(1)
     try:
-        return importlib.metadata.version(distribution)
+        return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
         return None
 

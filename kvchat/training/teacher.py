@@ -94,18 +94,23 @@ def layer_attention(model, layer_idx: int, hidden: torch.Tensor, rope: Rope, row
     """Layer `layer_idx`'s attention module run on `hidden [n, hidden]`, its input at positions 0..n-1 (`rope`:
     the position embeddings the model gave it for at least those positions), keeping the queries of the last
     `rows` tokens (all: None). `rotate=False` runs it without RoPE: the queries and keys the latent memory
-    reads and writes (kvchat.kv.latent), which carry no position. Needs kvchat's attention on the model."""
+    reads and writes (kvchat.kv.latent), which carry no position. The module runs in its own dtype (bfloat16 on
+    a GPU); what it hands over comes back in float32, as the stages compute. Needs kvchat's attention on the
+    model."""
+    module = model.model.layers[layer_idx].self_attn
+    dtype = next(module.parameters()).dtype
     n = hidden.shape[0]
     cos, sin = (part[:, :n] for part in rope)
     if not rotate:
         cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
     recorder, entries = _LastView(rows), _Entries()
-    model.model.layers[layer_idx].self_attn(hidden_states=hidden[None], position_embeddings=(cos, sin),
-                                            attention_mask=None, past_key_values=entries, kvchat_recorder=recorder)
+    module(hidden_states=hidden[None].to(dtype), position_embeddings=(cos, sin), attention_mask=None,
+           past_key_values=entries, kvchat_recorder=recorder)
     if recorder.view is None or entries.keys is None:
         raise RuntimeError("the model's attention is not kvchat's (kvchat.llm.load_model attaches it)")
     view = recorder.view
-    return LayerAttention(view.queries, entries.keys, entries.values, view.scale, view.softcap)
+    return LayerAttention(view.queries.float(), entries.keys.float(), entries.values.float(), view.scale,
+                          view.softcap)
 
 
 @dataclass
