@@ -18,10 +18,13 @@ without a latent memory or tracked origins, no recorder. Anything else goes thro
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvchat.cuda_graph_step import CudaGraphStep, graphable
 from kvchat.int4_weights import Int4Linear, stackable
 from kvchat.int4_weights import product as int4_product
 from kvchat.int8_weights import Int8Linear
@@ -31,6 +34,8 @@ from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import UniformLayer
 
 FAMILIES = ("llama",)
+# (layer, query, key, value, scale) -> the layer's attention output, the token's key and value stored
+AttendLayer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class _Projection:
@@ -92,9 +97,11 @@ def _int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.T
 class DecodeStep:
     """Feeds one token to `model` on top of an `EpisodeCache`, as `kv.forward.forward` does, in fewer calls."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, cuda_graphs: bool = True) -> None:
         config = model.config
         self.model, self.config = model, config
+        self.cuda_graphs = cuda_graphs
+        self._graph: CudaGraphStep | None = None
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.rotary = model.model.rotary_emb
@@ -137,11 +144,31 @@ class DecodeStep:
 
     @torch.inference_mode()
     def __call__(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
-        """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`."""
+        """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`. On a GPU the
+        step is replayed as one CUDA graph where the cache's buffers have room for the token
+        (kvchat.cuda_graph_step; `cuda_graphs=False` turns that off)."""
         families.check_context(self.config, cache.next_position + 1, self.config.name_or_path or "the model",
                                what="the conversation with this question and answer")
-        hidden = F.embedding(ids.view(1), self._embedding)                      # [1, H]: one token, no batch axis
+        if self.cuda_graphs and ids.is_cuda and graphable(cache):
+            if self._graph is None:
+                self._graph = CudaGraphStep(self)
+            return self._graph(cache, ids)
         position = torch.full((1, 1), cache.next_position, dtype=torch.long, device=ids.device)
+
+        def attend_cached(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+            keys, values = cache.append_token(key, value, index)
+            return attend(query, keys, values, None, scale)
+
+        logits = self.forward(ids.view(1), position, attend_cached)
+        cache.note_decoded()
+        return logits
+
+    def forward(self, ids: torch.Tensor, position: torch.Tensor, attend_layer: AttendLayer) -> torch.Tensor:
+        """The step's computation: logits `[1, 1, vocab]` of token `ids [1]` at `position [1, 1]`, each layer's
+        attention through `attend_layer(layer, query, key, value, scale)`, which also stores the token's key and
+        value `[1, kv_heads, 1, D]` and returns `[1, heads, 1, D]`."""
+        hidden = F.embedding(ids, self._embedding)                              # [1, H]: one token, no batch axis
         cos, sin = self.rotary(hidden, position)                                 # [1, 1, D]
         cos, sin = cos[0, 0], sin[0, 0] * self._sign
         half, q_rows, kv_rows = self.head_dim // 2, self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -153,11 +180,9 @@ class DecodeStep:
             query = qk[: self.heads].view(1, self.heads, 1, self.head_dim)
             key = qk[self.heads :].view(1, self.kv_heads, 1, self.head_dim)
             value = projected[q_rows + kv_rows :].view(1, self.kv_heads, 1, self.head_dim)  # the cache casts it
-            keys, values = cache.append_token(key, value, index)
-            hidden = hidden + o_proj(attend(query, keys, values, None, scale).reshape(1, q_rows))
+            hidden = hidden + o_proj(attend_layer(index, query, key, value, scale).reshape(1, q_rows))
             gate, up = gate_up(_rms_norm(hidden, norm_post)).to(hidden.dtype).chunk(2, dim=-1)
             hidden = hidden + down(F.silu(gate) * up)
-        cache.note_decoded()
         return self._head(_rms_norm(hidden, self.model.model.norm)).to(hidden.dtype).view(1, 1, -1)
 
 

@@ -89,3 +89,78 @@ def test_generate_answers_the_same_through_the_step_and_the_forward(tiny_lm):
         slow.append(int(logits[0, -1].argmax()))
         logits = forward(tiny_lm.model, cache, torch.tensor([[slow[-1]]]))
     assert fast == slow
+
+
+def _decode_static(step: DecodeStep, cache, tokens: int):
+    """Greedy tokens on `cache` through the static step (the computation a CUDA graph records; on the CPU, run as
+    it is), re-made whenever the cache's buffers change, as `CudaGraphStep` records again: logits of each."""
+    from kvchat.cuda_graph_step import StaticStep, graphable
+
+    ids, static, out = torch.tensor([[7]], device=cache.layers[0].keys.device), None, []
+    with torch.inference_mode():
+        for _ in range(tokens):
+            assert graphable(cache)
+            if static is None or static.key != _key(cache):
+                static = StaticStep(step, cache)
+            static.load(cache, ids)
+            logits = static.run()
+            StaticStep.advance(cache)
+            out.append(logits.clone())
+            ids = logits[:, -1:].argmax(-1)
+    return out
+
+
+def _key(cache):
+    from kvchat.cuda_graph_step import _buffers_key
+
+    return _buffers_key(cache)
+
+
+def test_the_static_step_a_cuda_graph_records_gives_the_steps_logits_and_cache():
+    """The step over fixed buffers (write index and position from tensors, attention over the whole room with a
+    mask of the live entries) computes what the step computes and leaves the cache as `append_token` does; room
+    holding garbage (NaN) beyond the live entries changes nothing."""
+    model = with_kvchat_attention(tiny_model("llama", seed=3, kv_heads=2))
+    step = DecodeStep.for_model(model)
+    pairs, _, slow = _decode_both_ways(model, step)
+    cache = _prefilled(model)
+    cache.reserve(len(pairs))
+    with torch.inference_mode():
+        for layer in cache.layers:
+            keys, values, _ = layer.buffers
+            keys[:, :, layer.size :], values[:, :, layer.size :] = float("nan"), float("nan")
+    for (expected, _), got in zip(pairs, _decode_static(step, cache, len(pairs)), strict=True):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert cache.next_position == slow.next_position
+    for a, b in zip(cache.layers, slow.layers, strict=True):
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+        assert torch.equal(a.positions, b.positions)
+    room = cache.layers[0].writable_room
+    with pytest.raises(ValueError, match=f"only {room} fit"):
+        cache.layers[0].extend(room + 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_step_replays_a_cuda_graph_and_answers_as_without_it(tiny_model_dir, tmp_path):
+    """`generate` on CUDA through the graphed step (recorded once per set of buffers, replayed per token) answers
+    what the un-graphed step answers, across questions that reuse the buffers and one that grows them."""
+    from kvchat.device import Placement
+    from kvchat.llm import generate, load_model
+
+    lm = load_model(str(tiny_model_dir), tmp_path, placement=Placement(torch.device("cuda"), torch.float32))
+    vocab = lm.model.config.vocab_size
+    with torch.inference_mode():
+        cache = block_prefill(lm.model, random_ids(4, vocab=vocab).cuda(), random_ids(40, seed=2, vocab=vocab).cuda(),
+                              block_size=16, budgets=None, scorer=None).cache
+    mark = cache.checkpoint()
+    answers = {}
+    for graphs in (False, True):
+        lm.decode_step.cuda_graphs = graphs
+        answers[graphs] = []
+        for seed, tokens in ((9, 12), (10, 12), (11, 40)):  # the third needs more room than the first two: new buffers, recorded again
+            question = random_ids(5, seed=seed, vocab=vocab).cuda()
+            answers[graphs].append(list(generate(lm, cache, question, tokens, stop_ids=())))
+            cache.rollback(mark)
+    assert lm.decode_step._graph is not None
+    assert answers[True] == answers[False]

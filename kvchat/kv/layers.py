@@ -133,6 +133,25 @@ class UniformLayer(DynamicLayer):
         self._k, self._v, self._p, self._owned = k, v, p, True
         self._live(n)
 
+    @property
+    def writable_room(self) -> int:
+        """Entries per head that can still be written into this layer's buffers in place (0 while they are
+        shared or not its own)."""
+        return self._k.shape[2] - self.size if self.is_initialized and self._owned else 0
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The whole buffers (`[1, kv_heads, capacity, D]` twice, `[kv_heads, capacity]`) that `keys`, `values`
+        and `positions` are the first `size` entries of: for a writer that fills the room in place
+        (kvchat.cuda_graph_step) while `writable_room` lasts, then calls `extend`."""
+        return self._k, self._v, self._p
+
+    def extend(self, n: int) -> None:
+        """Count the `n` entries written after the live ones into `buffers` as live."""
+        if n > self.writable_room:
+            raise ValueError(f"{n} entries written in place but only {self.writable_room} fit")
+        self._live(self.size + n)
+
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         if not self.is_initialized:
             self.lazy_initialization(keys, values)

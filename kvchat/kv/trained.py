@@ -45,10 +45,10 @@ class TrainedIndexMem:
     path: Path | None = None                  # where it was loaded from
 
     def tensors(self, dtype: torch.dtype = torch.float16) -> dict[str, torch.Tensor]:
-        out = {f"indexer.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in self.indexer.state_dict().items()}
-        if self.memory is not None:
-            out |= {f"memory.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in self.memory.state_dict().items()}
-        return out
+        """The weights as the file holds them: on the CPU, in `dtype`."""
+        modules = {"indexer": self.indexer} | ({"memory": self.memory} if self.memory is not None else {})
+        return {f"{name}.{k}": v.detach().to("cpu", dtype).contiguous() for name, module in modules.items()
+                for k, v in module.state_dict().items()}
 
     def metadata(self) -> dict[str, str]:
         return {

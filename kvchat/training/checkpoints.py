@@ -18,15 +18,20 @@ from kvchat.kv.indexer import Indexer
 
 def save_checkpoint(path: Path, key: str, stage: str, step: int, module: torch.nn.Module, optimizer,
                     indexer: Indexer) -> None:
-    tensors = {f"param.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in module.state_dict().items()}
+    tensors = {f"param.{k}": _host(v) for k, v in module.state_dict().items()}
     if module is not indexer:  # the memory stage: the finished indexer rides along
-        tensors |= {f"indexer.{k}": v.detach().to("cpu", copy=True).contiguous() for k, v in indexer.state_dict().items()}
+        tensors |= {f"indexer.{k}": _host(v) for k, v in indexer.state_dict().items()}
     for index, state in optimizer.state_dict()["state"].items():
         for name, value in state.items():
-            tensors[f"opt.{index}.{name}"] = torch.as_tensor(value).to("cpu", copy=True).contiguous()
+            tensors[f"opt.{index}.{name}"] = _host(torch.as_tensor(value))
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={"key": key, "stage": stage, "step": str(step)})
     tmp.replace(path)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy on the CPU, where the file is written from (the training may run on a GPU)."""
+    return tensor.detach().to("cpu", copy=True).contiguous()
 
 
 def restore_checkpoint(path: Path, key: str, stage: str, module: torch.nn.Module, optimizer, indexer: Indexer,

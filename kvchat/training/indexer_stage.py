@@ -42,7 +42,8 @@ def evaluate_indexer(indexer: Indexer, lm: LoadedModel, held: Sequence[Captured]
             teacher = item.teacher[i]
             ours.append(top_overlap(teacher, student, valid, fraction).mean())
             snap.append(top_overlap(teacher, item.snapkv[i], valid, fraction).mean())
-            rand.append(top_overlap(teacher, torch.rand(teacher.shape, generator=generator).to(teacher.device), valid, fraction).mean())
+            chance = torch.rand(teacher.shape, generator=generator).to(teacher.device)
+            rand.append(top_overlap(teacher, chance, valid, fraction).mean())
             kls.append(distill_loss(teacher, student, valid))
     mean = lambda xs: round(float(torch.stack(xs).mean()), 4)  # noqa: E731
     return {"top_overlap": mean(ours), "snapkv_like_top_overlap": mean(snap), "random_top_overlap": mean(rand),

@@ -68,7 +68,7 @@ def memory_targets(lm: LoadedModel, indexer: Indexer, item: Captured, budget: in
         logits = attention.logits()                                                      # [kv, g, R, n]
         values = attention.values[0]                                                     # [kv, n, d]
         full = logits.softmax(-1) @ values[:, None]                                      # [kv, g, R, d]
-        keep = torch.cat([kept, torch.ones(kept.shape[0], readers, dtype=torch.bool, device=kept.device)], dim=1)  # [kv, n]
+        keep = torch.cat([kept, kept.new_ones(kept.shape[0], readers)], dim=1)             # [kv, n]
         masked = logits.masked_fill(~keep[:, None, None], float("-inf"))
         compressed = masked.softmax(-1) @ values[:, None]
         unrotated = layer_attention(model, index, x, rope, readers, rotate=False)      # what the memory sees
@@ -138,7 +138,7 @@ def _mass_state(memory: MemoryWeights, layer: int, t: MemoryTargets):
     distance = (context - 1) - torch.arange(context, dtype=torch.float32, device=device)
     weight = t.evicted[layer].float() * torch.exp(-gamma * distance)
     m, z = write_terms(memory.phi[layer], t.keys[layer].float(), t.values[layer].float(), weight, "mass")
-    ahead = torch.arange(1, readers + 1, dtype=torch.float32, device=device)[:, None]                 # t - r for the readers
+    ahead = torch.arange(1, readers + 1, dtype=torch.float32, device=device)[:, None]   # t - r for the readers
     return m, z, -gamma * ahead
 
 
