@@ -7,7 +7,8 @@ A graph replays the same kernels on the same memory, so the step it records
   `generate` reserves for the answer (`UniformLayer.buffers`), and counts them live after the replay
   (`UniformLayer.extend`), so the cache holds what `append_token` would have put there;
 - attends over each layer's whole buffer with a mask of its live entries and the token.
-A graph is recorded for one set of buffers, and again when they change (another cache, or buffers that grew).
+A graph is recorded for one set of buffers, and again when they change (another cache, or buffers that grew);
+it holds them until then, so their addresses cannot be taken by another cache's while it may replay.
 `StaticStep` is that computation without the graph, which is how the CPU tests it.
 """
 

@@ -158,7 +158,7 @@ def test_on_a_gpu_the_step_replays_a_cuda_graph_and_answers_as_without_it(tiny_m
     for graphs in (False, True):
         lm.decode_step.cuda_graphs = graphs
         answers[graphs] = []
-        for seed, tokens in ((9, 12), (10, 12), (11, 40)):  # the third needs more room than the first two: new buffers, recorded again
+        for seed, tokens in ((9, 12), (10, 12), (11, 40)):  # the third needs more room: new buffers, a new graph
             question = random_ids(5, seed=seed, vocab=vocab).cuda()
             answers[graphs].append(list(generate(lm, cache, question, tokens, stop_ids=())))
             cache.rollback(mark)
