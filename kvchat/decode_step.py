@@ -100,11 +100,12 @@ class DecodeStep:
     def __init__(self, model: nn.Module, *, cuda_graphs: bool = True) -> None:
         config = model.config
         self.model, self.config = model, config
-        self.cuda_graphs = cuda_graphs
-        self._graph: CudaGraphStep | None = None
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.rotary = model.model.rotary_emb
+        # A dynamic RoPE (NTK "dynamic") recomputes its frequencies from the position on the host: not in a graph.
+        self.cuda_graphs = cuda_graphs and "dynamic" not in str(getattr(self.rotary, "rope_type", "default"))
+        self._graph: CudaGraphStep | None = None
         half = self.head_dim // 2  # rotate_half(x) == roll(x, half) with the first half negated: sin carries the sign
         weight = model.model.embed_tokens.weight
         self._sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(weight.device, weight.dtype)

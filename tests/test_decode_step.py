@@ -140,6 +140,13 @@ def test_the_static_step_a_cuda_graph_records_gives_the_steps_logits_and_cache()
         cache.layers[0].extend(room + 1)
 
 
+def test_a_dynamic_rope_is_never_recorded_in_a_cuda_graph():
+    """NTK-dynamic RoPE recomputes its frequencies from the position on the host, which a graph cannot replay."""
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    assert DecodeStep.for_model(with_kvchat_attention(dynamic)).cuda_graphs is False
+    assert DecodeStep.for_model(with_kvchat_attention(tiny_model("llama"))).cuda_graphs is True
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_step_replays_a_cuda_graph_and_answers_as_without_it(tiny_model_dir, tmp_path):
