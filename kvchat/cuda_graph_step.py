@@ -7,13 +7,16 @@ A graph replays the same kernels on the same memory, so the step it records
   `generate` reserves for the answer (`UniformLayer.buffers`), and counts them live after the replay
   (`UniformLayer.extend`), so the cache holds what `append_token` would have put there;
 - attends over each layer's whole buffer with a mask of its live entries and the token.
-A graph is recorded for one set of buffers, and again when they change (another cache, or buffers that grew);
-it holds them until then, so their addresses cannot be taken by another cache's while it may replay.
+A graph is recorded for one cache's buffers, and again for another cache or when the buffers change (they grew).
+It keeps their addresses, not the tensors, and the cache only by a weak reference, so a cache dropped after its
+answers (serve's LRU) is freed.
 `StaticStep` is that computation without the graph, which is how the CPU tests it.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,6 +91,7 @@ class CudaGraphStep:
 
     def __init__(self, step: DecodeStep) -> None:
         self.step = step
+        self._cache: Callable[[], EpisodeCache | None] = lambda: None  # the cache recorded for, weakly
         self._static: StaticStep | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
@@ -95,7 +99,7 @@ class CudaGraphStep:
     def __call__(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
         """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`, which
         `graphable` accepts."""
-        if self._static is None or self._static.key != _buffers_key(cache):
+        if self._cache() is not cache or self._static.key != _buffers_key(cache):
             self._record(cache, ids)
         else:
             self._static.load(cache, ids)
@@ -107,6 +111,7 @@ class CudaGraphStep:
         """Record the step for `cache`'s buffers, after one run outside the graph (which allocates what the
         kernels need and leaves the token's entries written, as a replay would)."""
         self._static = self._graph = self._logits = None  # the previous graph's memory goes first
+        self._cache = lambda: None
         static = StaticStep(self.step, cache)
         static.load(cache, ids)
         side = torch.cuda.Stream()
@@ -118,4 +123,5 @@ class CudaGraphStep:
         with torch.cuda.graph(graph):
             logits = static.run()
         graph.replay()
-        self._static, self._graph, self._logits = static, graph, logits
+        static.buffers = []  # the graph has their addresses; holding the tensors would keep a dropped cache alive
+        self._static, self._graph, self._logits, self._cache = static, graph, logits, weakref.ref(cache)
