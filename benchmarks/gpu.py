@@ -12,7 +12,8 @@ warm-up), with kvchat's decode step launching each kernel by itself and replayed
 there), with CUDA synchronised around every timing.
 Peak GPU memory is torch.cuda.max_memory_allocated over each prefill + decode, reset in between
 (the model's weights included).
-Decode attention runs on flashinfer when the extra is installed (reported), else torch SDPA.
+Decode attention runs on flashinfer when the extra is installed (reported; the step is then never graphed), else
+torch SDPA.
 
 A session with a lent GPU runs it in one command through the `device` tool (the working tree is copied there):
     pip install -e '.[flashinfer]' 2>/dev/null; HF_HUB_OFFLINE=1 python benchmarks/gpu.py --out $OUT/gpu.md

@@ -28,7 +28,7 @@ from kvchat.cuda_graph_step import CudaGraphStep, graphable
 from kvchat.int4_weights import Int4Linear, stackable
 from kvchat.int4_weights import product as int4_product
 from kvchat.int8_weights import Int8Linear
-from kvchat.kv import families
+from kvchat.kv import backends, families
 from kvchat.kv.attention import attend
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import UniformLayer
@@ -150,7 +150,7 @@ class DecodeStep:
         (kvchat.cuda_graph_step; `cuda_graphs=False` turns that off)."""
         families.check_context(self.config, cache.next_position + 1, self.config.name_or_path or "the model",
                                what="the conversation with this question and answer")
-        if self.cuda_graphs and ids.is_cuda and graphable(cache):
+        if self.cuda_graphs and ids.is_cuda and self._torch_attention(ids.device) and graphable(cache):
             if self._graph is None:
                 self._graph = CudaGraphStep(self)
             return self._graph(cache, ids)
@@ -164,6 +164,11 @@ class DecodeStep:
         logits = self.forward(ids.view(1), position, attend_cached)
         cache.note_decoded()
         return logits
+
+    def _torch_attention(self, device: torch.device) -> bool:
+        """Whether decode attention is torch's here: with the flashinfer extra, it runs flashinfer's, un-graphed, as
+        `attention_backend` reports."""
+        return backends.decode_backend(device, self._embedding.dtype) == "torch"
 
     def forward(self, ids: torch.Tensor, position: torch.Tensor, attend_layer: AttendLayer) -> torch.Tensor:
         """The step's computation: logits `[1, 1, vocab]` of token `ids [1]` at `position [1, 1]`, each layer's
