@@ -28,7 +28,7 @@ from kvchat import int4_weights, int8_weights
 from kvchat.int4_weights import Int4Linear
 from kvchat.int8_weights import Int8Linear
 from kvchat.store.files import fsync_dir, new_temp_path, rename, write_file
-from kvchat.store.layout import HELD_DIR, held_by_any_torch, held_name, held_source
+from kvchat.store.layout import HELD_DIR, held_by_any_torch, held_name, held_source, made_from
 
 FORMAT = "1"
 SPARE_BYTES = 1 << 30  # kept only where at least this much (and the file's size again) stays free after it
@@ -77,7 +77,7 @@ def restore(model: nn.Module, path: Path, source: dict[str, str]) -> str | None:
     try:
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
-            if meta.get("format") != FORMAT or any(meta.get(k) != v for k, v in source.items()):
+            if meta.get("format") != FORMAT or not made_from(meta, source):
                 return None
             # copies: the tensors safe_open hands out are views of its mapping of the file, gone when it closes
             modules = _modules(model, json.loads(meta["modules"]), {k: f.get_tensor(k).clone() for k in f.keys()})

@@ -42,6 +42,12 @@ def held_source(weights_file: Path) -> dict[str, str]:
             "source_mtime_ns": str(stat.st_mtime_ns)}  # fmt: skip
 
 
+def made_from(meta: dict, source: dict[str, str]) -> bool:
+    """Whether held weights whose metadata is `meta` were made from the float weights file `source` identifies
+    (`held_source`) as it is now."""
+    return all(meta.get(key) == value for key, value in source.items())
+
+
 def held_by_any_torch(name: str) -> str:
     """A glob of the held files holding the same weights as the file `name`, packed by any torch build."""
     return f"{name.partition(_TORCH)[0]}{_TORCH}*{HELD_SUFFIX}"

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvchat.checked_files import read_safetensors_header
 from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
-from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source
+from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from
 from kvchat.store.manifest import manifest_of
 
 ORPHAN_GRACE_S = 60.0
@@ -116,7 +116,7 @@ def _why_stale(path: Path, torch_version: str | None) -> str | None:
         now = held_source(Path(source))
     except OSError:
         return f"were made from {source}, which is gone"
-    if any(meta.get(key) != value for key, value in now.items()):
+    if not made_from(meta, now):
         return f"were made from an earlier version of {source}"
     if torch_version is not None and not held_by_torch(path.name, torch_version):
         return f"were packed by another torch than the one installed ({torch_version})"
@@ -128,14 +128,13 @@ def _torch_version() -> str | None:
     the `torch/version.py` its build writes, else its package metadata (which may lack the build's local part,
     "+cu130"), else None."""
     spec = importlib.util.find_spec("torch")
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        try:
-            found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", (Path(folder) / "version.py").read_text(),
-                              re.MULTILINE)
-        except OSError:
-            continue
-        if found:
-            return found.group(1)
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text() if spec and spec.origin else ""
+    except OSError:
+        text = ""
+    found = re.search(r"^__version__\s*=\s*['\"]([^'\"]+)['\"]", text, re.MULTILINE)
+    if found:
+        return found.group(1)
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:

@@ -19,7 +19,7 @@ from kvchat.training.teacher import Captured
 
 def indexer_loss(indexer: Indexer, lm: LoadedModel, item: Captured) -> torch.Tensor:
     """Mean over layers of the distillation KL on one chunk."""
-    valid = torch.arange(item.teacher.shape[-1], device=item.teacher.device) >= item.chunk.sink
+    valid = _evictable(item)
     losses = []
     for layer, ind, x, teacher in zip(lm.model.model.layers, indexer.layers, item.hidden, item.teacher, strict=True):
         student = ind.importance(x.float(), ind.query_map(layer.self_attn.q_proj))
@@ -35,7 +35,7 @@ def evaluate_indexer(indexer: Indexer, lm: LoadedModel, held: Sequence[Captured]
     ours, snap, rand, kls = [], [], [], []
     generator = torch.Generator().manual_seed(0)
     for item in held:
-        valid = torch.arange(item.teacher.shape[-1], device=item.teacher.device) >= item.chunk.sink
+        valid = _evictable(item)
         for i, (layer, ind) in enumerate(zip(lm.model.model.layers, indexer.layers, strict=True)):
             x = item.hidden[i].float()
             student = ind.importance(x, ind.query_map(layer.self_attn.q_proj))
@@ -48,3 +48,8 @@ def evaluate_indexer(indexer: Indexer, lm: LoadedModel, held: Sequence[Captured]
     mean = lambda xs: round(float(torch.stack(xs).mean()), 4)  # noqa: E731
     return {"top_overlap": mean(ours), "snapkv_like_top_overlap": mean(snap), "random_top_overlap": mean(rand),
             "kl": mean(kls), "fraction": fraction, "held_out_chunks": len(held)}
+
+
+def _evictable(item: Captured) -> torch.Tensor:
+    """`[n]`: every key of the chunk but the system prompt's (the sinks, which ingest never evicts)."""
+    return torch.arange(item.teacher.shape[-1], device=item.teacher.device) >= item.chunk.sink
