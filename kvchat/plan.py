@@ -453,7 +453,8 @@ def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes:
     within, beyond = AUTO_METHODS
     if not window or history_tokens + ANSWER_ROOM <= window:
         return dataclasses.replace(cache, method=within)
-    notes.append(f"the history ({history_tokens} tokens) exceeds the model's window ({window}): --method {beyond}")
+    notes.append(f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window}): "
+                 f"--method {beyond}")
     return dataclasses.replace(cache, method=beyond)
 
 
