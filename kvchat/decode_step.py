@@ -18,6 +18,7 @@ without a latent memory or tracked origins, no recorder. Anything else goes thro
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -32,6 +33,8 @@ from kvchat.kv import backends, families
 from kvchat.kv.attention import attend
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import UniformLayer
+
+_log = logging.getLogger(__name__)
 
 FAMILIES = ("llama",)
 # (layer, query, key, value, scale) -> the layer's attention output, the token's key and value stored
@@ -151,9 +154,9 @@ class DecodeStep:
         families.check_context(self.config, cache.next_position + 1, self.config.name_or_path or "the model",
                                what="the conversation with this question and answer")
         if self.cuda_graphs and ids.is_cuda and self._torch_attention(ids.device) and graphable(cache):
-            if self._graph is None:
-                self._graph = CudaGraphStep(self)
-            return self._graph(cache, ids)
+            logits = self._replayed(cache, ids)
+            if logits is not None:
+                return logits
         position = torch.full((1, 1), cache.next_position, dtype=torch.long, device=ids.device)
 
         def attend_cached(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -164,6 +167,19 @@ class DecodeStep:
         logits = self.forward(ids.view(1), position, attend_cached)
         cache.note_decoded()
         return logits
+
+    def _replayed(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor | None:
+        """The step as a CUDA graph's replay; None, with graphs off for this step from then on, where recording or
+        replaying one fails (a kernel a graph cannot hold): the eager step then feeds the token, which the failed
+        graph has not made live in the cache."""
+        if self._graph is None:
+            self._graph = CudaGraphStep(self)
+        try:
+            return self._graph(cache, ids)
+        except RuntimeError as exc:
+            _log.warning("kvchat: answering without CUDA graphs: %s", exc)
+            self.cuda_graphs, self._graph = False, None
+            return None
 
     def _torch_attention(self, device: torch.device) -> bool:
         """Whether decode attention is torch's here: with the flashinfer extra, it runs flashinfer's, un-graphed, as

@@ -147,6 +147,30 @@ def test_a_dynamic_rope_is_never_recorded_in_a_cuda_graph():
     assert DecodeStep.for_model(with_kvchat_attention(tiny_model("llama"))).cuda_graphs is True
 
 
+def test_a_cuda_graph_that_cannot_be_recorded_leaves_the_step_answering_without_graphs(caplog):
+    """A step whose graph fails (a kernel a graph cannot hold) says so once, turns graphs off and leaves the cache
+    as it was, so the eager step feeds the token as if no graph had been tried."""
+    model = with_kvchat_attention(tiny_model("llama", seed=3, kv_heads=2))
+    step = DecodeStep.for_model(model)
+    cache = _prefilled(model)
+    cache.reserve(1)
+    sizes, position = cache.sizes, cache.next_position
+
+    class Unrecordable:
+        def __call__(self, cache, ids):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    step._graph = Unrecordable()
+    with caplog.at_level("WARNING", logger="kvchat"), torch.inference_mode():
+        assert step._replayed(cache, torch.tensor([[7]])) is None
+    assert "answering without CUDA graphs: operation not permitted" in caplog.text
+    assert step.cuda_graphs is False and step._graph is None
+    assert cache.sizes == sizes and cache.next_position == position
+    pairs, _, _ = _decode_both_ways(model, step, tokens=2)
+    for expected, got in pairs:
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_step_replays_a_cuda_graph_and_answers_as_without_it(tiny_model_dir, tmp_path):
