@@ -171,7 +171,7 @@ class Repl:
                 self.say(f"error: {exc}")
                 return
             self.episode, self.earlier = None, ()
-            self.say(f"{arg}: {count} episodes")
+            self.say(f"{arg}: {count} episode{'s' * (count != 1)}")
         else:
             self.say(f"error: unknown command {word} (/help lists them)")
 

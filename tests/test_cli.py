@@ -107,6 +107,17 @@ def test_json_documents_share_one_vocabulary(ingested):
     assert all(e["topic"] and e["segments"] >= 1 for e in shown["episodes"])
 
 
+def test_a_single_cache_is_counted_as_one_episode(tmp_path, tiny_model_dir):
+    messages, _ = planted_conversation(seed=6, topics=2, turns_per_topic=6)
+    history = tmp_path / "chat.json"
+    history.write_text(json.dumps(messages))
+    ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--method", "snapkv",
+                        "--budget", "64", "--block-size", "32")
+    assert ingested.returncode == 0, ingested.stderr
+    assert "-> 1 episode x budget 64 (snapkv" in ingested.stdout
+    assert " in 1 episode (segments of " in run_main(tmp_path, "show", "chat").stderr  # not a terminal: beside it
+
+
 def test_show_on_a_terminal_leads_with_sizes_and_topics(ingested, monkeypatch):
     from kvchat.cli import render  # its consoles made before TTY_COMPATIBLE is set, as the other tests' are
 

@@ -264,7 +264,8 @@ def ingest(
         say(
             "appended to " if append and not reingest else "ingested ", (report.name, "bold"),
             f": {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{report.episodes} episodes x budget {round(sum(report.budgets) / len(report.budgets))} "
+            f"{report.episodes} episode{'s' * (report.episodes != 1)} x budget "
+            f"{round(sum(report.budgets) / len(report.budgets))} "
             f"({report.method}, {report.prefill} prefill, "
             f"{report.layer_budgets} layer budgets, "
             f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions, "

@@ -88,8 +88,9 @@ def _summary(shown: dict, verbose: bool) -> list[str]:
     tokens = f", {shown['history_tokens']:,} tokens" if shown.get("history_tokens") is not None else ""
     entries = sum(e["entries"] for e in shown["episodes"])
     pages = f" + {shown['pages_bytes'] / 2**20:.1f} MiB of pages" if shown["pages_bytes"] else ""
+    episodes = f"{shown['episode_count']} episode{'s' * (shown['episode_count'] != 1)}"
     lines = [
-        f"{shown['turns']} turns{tokens} in {shown['episode_count']} episodes (segments of {s.get('window')} turns): "
+        f"{shown['turns']} turns{tokens} in {episodes} (segments of {s.get('window')} turns): "
         f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{pages}",
         f"{s['method']}, budget {s['budget']} per layer and KV head, {s.get('cache_precision', 'full')} precision"
         f"{', offload ' + s['offload'] if s.get('offload', 'none') != 'none' else ''}; model {shown['model']}, "
