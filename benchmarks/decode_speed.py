@@ -19,6 +19,13 @@ tokens/s counts the steps after the first token, which every engine takes from i
 The bandwidth limit of a row is the bytes a step must read (weights, lm_head included, plus the cache)
 over the machine's copy bandwidth (2 x bytes of a 256 MiB `copy_` per second, on `--threads`).
 
+`alternate`: the 1K question, measured as a user meets the two engines: kvchat's default on a CPU (the episode
+cache, int4 weights) and llama.cpp (full KV, Q4_1) each in a fresh process of its own, taking turns `--runs`
+times per length, `--reps` answers each after a warm-up; the ratio per run, its median and a bootstrap interval
+of its mean. (In `speed` llama.cpp runs in the process that holds kvchat's four models, seconds after them.)
+
+    HF_HUB_OFFLINE=1 python benchmarks/decode_speed.py alternate --lengths 1024 [--runs 10] [--reps 5]
+
 `precision`: int8 and int4 weights (`--weights`, answering from the float cache) and bfloat16 (model and its
 own cache) against float32 on the shared LoCoMo conversations (full KV at 4K tokens): first-answer-token
 KL(fp32 || other) and agreement (token F1 between the two greedy answers), as `kvchat eval` measures a
@@ -36,7 +43,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +54,7 @@ import torch
 
 from kvchat.config import EPISODE_INSTRUCTION, SYSTEM_PROMPT
 from kvchat.device import Placement
+from kvchat.gold import bootstrap_interval
 from kvchat.history import format_turns, load_history
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import Checkpoint, EpisodeCache
@@ -90,6 +100,23 @@ def inputs(lm: LoadedModel, conversation: Path) -> Inputs:
         lm.encode(layout.before_conversation), history, lm.encode(layout.question(question)),
         lm.encode(layout.question(f"{EPISODE_INSTRUCTION}\n\n{segment}")),
     )
+
+
+def full_cache(lm: LoadedModel, data: Inputs, n: int) -> EpisodeCache:
+    """Full KV of the system prompt and the first `n` history tokens, by one prefill."""
+    with torch.inference_mode():
+        return block_prefill(lm.model, data.prefix, data.history[:, :n], block_size=BLOCK, budgets=None,
+                             scorer=None).cache  # fmt: skip
+
+
+def episode_cache(lm: LoadedModel, data: Inputs, full: EpisodeCache, n: int) -> tuple[EpisodeCache, EpisodeCache]:
+    """Full KV at `n` history tokens (the first entries of `full`), and `--prefill full`'s episode cache selected
+    from it (the patched prompt's scores, budget 512 uniform)."""
+    whole = first_entries(full, data.prefix.shape[-1] + n)
+    with torch.inference_mode():
+        episode = select_from(lm.model, whole, data.history[:, n - BLOCK : n], budgets=uniform_budgets(
+            lm.num_layers, BUDGET), scorer=PatchedPromptScorer(data.patched))  # fmt: skip
+    return whole, episode
 
 
 def first_entries(cache: EpisodeCache, n: int) -> EpisodeCache:
@@ -217,9 +244,7 @@ def speed(args: argparse.Namespace) -> str:
             log(f"llama.cpp {llamas[-1].weights} prefill {len(ids)} tokens: {llamas[-1].prefill(ids):.0f} tokens/s")
 
     clock = time.perf_counter()
-    with torch.inference_mode():
-        full = block_prefill(lm.model, data.prefix, data.history[:, :longest], block_size=BLOCK, budgets=None,
-                             scorer=None).cache  # fmt: skip
+    full = full_cache(lm, data, longest)
     rate = full.next_position / (time.perf_counter() - clock)
     log(f"kvchat prefill {full.next_position} tokens: {rate:.0f} tokens/s")
 
@@ -227,10 +252,7 @@ def speed(args: argparse.Namespace) -> str:
     rows = []
     for n in sorted(args.lengths, reverse=True):  # llama.cpp keeps the longest history's prefix
         keep = data.prefix.shape[-1] + n
-        whole = first_entries(full, keep)
-        with torch.inference_mode():
-            episode = select_from(lm.model, whole, data.history[:, n - BLOCK : n], budgets=uniform_budgets(
-                lm.num_layers, BUDGET), scorer=PatchedPromptScorer(data.patched))  # fmt: skip
+        whole, episode = episode_cache(lm, data, full, n)
         episode16 = in_dtype(episode, torch.bfloat16)
         cases = [
             ("kvchat, episode cache (budget 512), float32", lm, episode, weights32),
@@ -249,6 +271,7 @@ def speed(args: argparse.Namespace) -> str:
             log(f"{n:5d} {engine}: {rate:.1f} tokens/s (limit {limit:.0f})")
         del whole, episode, episode16
         for llama in llamas:
+            llama.rate(keep, data.question[0].tolist(), 4)  # warm-up, as kvchat's: its threads, its buffers
             rate = llama.rate(keep, data.question[0].tolist(), args.tokens)
             rows.append(Row(n, f"llama.cpp, full KV, {llama.weights} weights, f16 cache", keep, rate, None))
             log(f"{n:5d} llama.cpp {llama.weights}: {rate:.1f} tokens/s")
@@ -271,6 +294,91 @@ def report(rows: list[Row], threads: int, bandwidth: float, args: argparse.Names
         limit = f"{row.limit:.0f}" if row.limit is not None else ""
         lines.append(f"| {row.history} | {row.engine} | {row.entries} | {row.tokens_per_s:.1f} | {limit} | "
                      f"{row.tokens_per_s / base:.2f} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- alternate
+
+ENGINES = ("kvchat", "llama.cpp")
+
+
+def alternate(args: argparse.Namespace) -> str:
+    """kvchat's default on a CPU (the episode cache, int4 weights) against llama.cpp (full KV, Q4_1), each in a
+    process of its own, taking turns `--runs` times per length (which goes first alternates)."""
+    data = inputs(load_model("default", args.models_dir), args.conversation)
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = Path(tmp) / "ids.json"
+        ids.write_text(json.dumps({name: getattr(data, name)[0].tolist() for name in Inputs.__dataclass_fields__}))
+        for n in args.lengths:
+            for run in range(args.runs):
+                order = ENGINES if run % 2 == 0 else ENGINES[::-1]
+                rates = {engine: _alone(engine, n, ids, args) for engine in order}
+                log(f"{n:5d} run {run + 1}: kvchat {rates['kvchat']:.1f}, llama.cpp {rates['llama.cpp']:.1f} tokens/s")
+                results.append((n, rates))
+    return alternate_report(results, args)
+
+
+def _alone(engine: str, n: int, ids: Path, args: argparse.Namespace) -> float:
+    """`engine`'s median tokens/s at `n` history tokens, measured by a process of its own (mode `one`)."""
+    command = [sys.executable, __file__, "one", "--engine", engine, "--lengths", str(n), "--ids", str(ids),
+               "--threads", str(args.threads), "--tokens", str(args.tokens), "--reps", str(args.reps),
+               "--models-dir", str(args.models_dir)]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"{engine} at {n} tokens failed:\n{result.stderr}")
+    return float(json.loads(result.stdout.splitlines()[-1])["median"])
+
+
+def one(args: argparse.Namespace) -> None:
+    """Mode `one` (alternate's child): `--engine`'s tokens/s at the one length, `--reps` answers after a warm-up,
+    as a JSON line; nothing of the other engine is loaded."""
+    threads = use_threads(args.threads)
+    data = Inputs(**{name: torch.tensor([ids]) for name, ids in json.loads(args.ids.read_text()).items()})
+    n = args.lengths[0]
+    if args.engine == "llama.cpp":
+        llama = LlamaCpp(default_gguf_path(), threads, n_ctx=8192)
+        ids = torch.cat([data.prefix, data.history[:, :n]], dim=-1)[0].tolist()
+        llama.prefill(ids)
+        question = data.question[0].tolist()
+
+        def measure(tokens: int) -> float:
+            return llama.rate(len(ids), question, tokens)
+    else:
+        lm = load_model("default", args.models_dir)  # builds the cache in float32, as `speed`
+        _, episode = episode_cache(lm, data, full_cache(lm, data, n), n)
+        del lm
+        lm4 = load_model("default", args.models_dir, weights="int4")
+
+        def measure(tokens: int) -> float:
+            return kvchat_rate(lm4, episode, data.question, tokens)
+    measure(4)  # warm-up: threads, buffers
+    rates = [measure(args.tokens) for _ in range(args.reps)]
+    print(json.dumps({"rates": rates, "median": statistics.median(rates)}))
+
+
+def alternate_report(results: list[tuple[int, dict[str, float]]], args: argparse.Namespace) -> str:
+    lines = [
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}, {args.threads} threads "
+        f"each; 1-min load {os.getloadavg()[0]:.1f} at the end; {dt.date.today()}. Embedded SmolLM2-135M-Instruct, "
+        f"{args.conversation.stem} cut to each length, {args.tokens} greedy tokens (end of turn ignored). Each run: "
+        f"kvchat's episode cache (budget 512) with int4 weights and llama.cpp over its full KV with Q4_1 weights, "
+        f"each in a process of its own, the median of {args.reps} answers after a warm-up; which goes first "
+        f"alternates. Ratio: kvchat over llama.cpp within a run; interval: percentile bootstrap of the mean ratio.",
+        "",
+        "| history tokens | runs | kvchat tokens/s (median) | llama.cpp tokens/s (median) | ratio: median (range) "
+        "| mean ratio [95% interval] |",
+        "|---:|---:|---:|---:|---|---|",
+    ]
+    for n in sorted({n for n, _ in results}):
+        rates = [r for m, r in results if m == n]
+        ratios = [r["kvchat"] / r["llama.cpp"] for r in rates]
+        low, high = bootstrap_interval(ratios)
+        lines.append(
+            f"| {n} | {len(rates)} | {statistics.median(r['kvchat'] for r in rates):.1f} | "
+            f"{statistics.median(r['llama.cpp'] for r in rates):.1f} | {statistics.median(ratios):.2f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | {statistics.mean(ratios):.2f} [{low:.2f}, {high:.2f}] |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -335,7 +443,7 @@ def precision(args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", nargs="?", choices=("speed", "precision"), default="speed")
+    parser.add_argument("mode", nargs="?", choices=("speed", "precision", "alternate", "one"), default="speed")
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lengths", type=lambda s: tuple(int(x) for x in s.split(",")), default=LENGTHS)
@@ -346,9 +454,18 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, action="append", default=[],
                         help="llama.cpp also over this GGUF of the same model (repeatable)")
     parser.add_argument("--models-dir", type=Path, default=MODELS_DIR, help="where the embedded GGUF is converted")
+    parser.add_argument("--runs", type=int, default=10, help="alternate: runs per length")
+    parser.add_argument("--reps", type=int, default=5, help="alternate: answers per engine and run")
+    parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # mode one
+    parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)  # mode one
     args = parser.parse_args()
-    text = speed(args) if args.mode == "speed" else precision(args)
-    out = args.out or (DEFAULT_OUT if args.mode == "speed" else DEFAULT_OUT.with_name("decode_precision.md"))
+    if args.mode == "one":
+        one(args)
+        return
+    text = {"speed": speed, "precision": precision, "alternate": alternate}[args.mode](args)
+    default_out = {"speed": DEFAULT_OUT, "precision": DEFAULT_OUT.with_name("decode_precision.md"),
+                   "alternate": DEFAULT_OUT.with_name("decode_alternate.md")}[args.mode]  # fmt: skip
+    out = args.out or default_out
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)
