@@ -22,7 +22,7 @@ from kvchat.cli.options import (
     load_model,
     open_store,
 )
-from kvchat.cli.render import emit_json, episode_lines, err, out, say
+from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 from kvchat.terminal import StreamCleaner, clean
@@ -97,8 +97,8 @@ def ask(
 
         if episode is not None:
             asker.check_episode(episode)
-        say((asker.name, "bold"), f": {_episodes(asker.episode_count())}. /help for help; exit, quit or Ctrl-D ends.",
-            console=err)
+        say((asker.name, "bold"), f": {counted(asker.episode_count(), 'episode')}. /help for help; exit, quit or "
+            "Ctrl-D ends.", console=err)
         repl = Repl(prompt_reader(asker.history_file), asker, lambda m: say(m, console=err))
         repl.episode = episode
         repl.run()
@@ -106,10 +106,6 @@ def ask(
         _answer_lines(asker, sys.stdin, episode, as_json)
     if asker.refused:
         raise typer.Exit(3)
-
-
-def _episodes(count: int) -> str:
-    return f"{count} episode{'s' * (count != 1)}"
 
 
 def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
@@ -265,7 +261,7 @@ class _RemoteAsker:
         return self.episode_count()
 
     def episodes(self) -> list[str]:
-        return [f"{self.name}: {_episodes(self.episode_count())} (their topics: kvchat show {self.name})"]
+        return [f"{self.name}: {counted(self.episode_count(), 'episode')} (their topics: kvchat show {self.name})"]
 
     def settings(self) -> dict[str, object]:
         return {"max_new_tokens": self.max_new_tokens, "retrieve": "(the server's)"}

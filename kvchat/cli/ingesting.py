@@ -38,7 +38,7 @@ from kvchat.cli.progress import (
     RichIngestProgress,
     progress_bars,
 )
-from kvchat.cli.render import beside_table, emit_json, err, head_budgets_text, say, table
+from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, say, table
 from kvchat.config import (
     DEFAULT_EPISODES,
     WEIGHTS,
@@ -264,8 +264,7 @@ def ingest(
         say(
             "appended to " if append and not reingest else "ingested ", (report.name, "bold"),
             f": {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{report.episodes} episode{'s' * (report.episodes != 1)} x budget "
-            f"{round(sum(report.budgets) / len(report.budgets))} "
+            f"{counted(report.episodes, 'episode')} x budget {round(sum(report.budgets) / len(report.budgets))} "
             f"({report.method}, {report.prefill} prefill, "
             f"{report.layer_budgets} layer budgets, "
             f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions, "

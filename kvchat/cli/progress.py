@@ -16,7 +16,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from kvchat.cli.render import err, say
+from kvchat.cli.render import counted, err, say
 from kvchat.terminal import clean
 
 
@@ -262,8 +262,7 @@ def _batch_outcome(result) -> str:
     """What became of one history, in a few words."""
     if result.status == "committed":
         report = result.report
-        return (f"{report.episodes} episode{'s' * (report.episodes != 1)}, {report.cache_bytes / 2**20:.1f} MiB, "
-                f"{result.seconds:.1f} s")
+        return f"{counted(report.episodes, 'episode')}, {report.cache_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s"
     if result.status == "skipped":
         return "stored with the same settings"
     return result.error or "failed"

@@ -55,6 +55,11 @@ def beside_table() -> Console:
     return out if out.is_terminal else err
 
 
+def counted(count: int, noun: str) -> str:
+    """`count` `noun`s: "1 episode", "4 episodes"."""
+    return f"{count} {noun}{'s' * (count != 1)}"
+
+
 def head_budgets_text(mode: str, entries: list[int]) -> str:
     """'uniform head budgets', or 'adaptive head budgets (12-301 entries per head)'."""
     if mode == "adaptive" and len(entries) == 2:

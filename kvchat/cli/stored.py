@@ -9,7 +9,7 @@ import typer
 
 from kvchat import documents
 from kvchat.cli.options import JsonOpt, NameArg, complete_conversation, open_store
-from kvchat.cli.render import beside_table, emit_json, err, head_budgets_text, out, say, table
+from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, out, say, table
 from kvchat.config import default_home
 from kvchat.errors import UserError
 from kvchat.history import cut_at_word
@@ -88,9 +88,9 @@ def _summary(shown: dict, verbose: bool) -> list[str]:
     tokens = f", {shown['history_tokens']:,} tokens" if shown.get("history_tokens") is not None else ""
     entries = sum(e["entries"] for e in shown["episodes"])
     pages = f" + {shown['pages_bytes'] / 2**20:.1f} MiB of pages" if shown["pages_bytes"] else ""
-    episodes = f"{shown['episode_count']} episode{'s' * (shown['episode_count'] != 1)}"
     lines = [
-        f"{shown['turns']} turns{tokens} in {episodes} (segments of {s.get('window')} turns): "
+        f"{shown['turns']} turns{tokens} in {counted(shown['episode_count'], 'episode')} "
+        f"(segments of {s.get('window')} turns): "
         f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{pages}",
         f"{s['method']}, budget {s['budget']} per layer and KV head, {s.get('cache_precision', 'full')} precision"
         f"{', offload ' + s['offload'] if s.get('offload', 'none') != 'none' else ''}; model {shown['model']}, "
