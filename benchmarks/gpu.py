@@ -87,6 +87,8 @@ def run(lm, lengths: list[int]) -> list[Row]:
     from kvchat.kv.scoring import PatchedPromptScorer
     from kvchat.llm import ChatLayout
 
+    if lm.decode_step is None:
+        raise SystemExit(f"{lm.spec}: kvchat's decode step does not apply to this model")
     layout = ChatLayout.from_tokenizer(lm.tokenizer, SYSTEM_PROMPT)
     prefix = lm.encode(layout.before_conversation)
     history = long_history_ids(lm, max(lengths)).to(lm.device)
@@ -110,8 +112,6 @@ def run(lm, lengths: list[int]) -> list[Row]:
             cache = result.cache
             decode = {}
             for graphs in (False, True):
-                if lm.decode_step is None:
-                    raise SystemExit(f"{lm.spec}: kvchat's decode step does not apply to this model")
                 lm.decode_step.cuda_graphs = graphs
                 _decode(lm, cache, prompt, DECODE_TOKENS)  # warm-up (kernels, flashinfer's JIT, the graph's record)
                 decode[graphs] = DECODE_TOKENS / _decode(lm, cache, prompt, DECODE_TOKENS)
