@@ -12,6 +12,13 @@ the same tokens (k x chunk tokens). Rankings:
 - `lexical`: TF-IDF of the words (kvchat.lexical), the encoder breaking ties (what `--method recall` ships);
 - `turns`: the encoder, a chunk scored by its best turn's embedding;
 - `fused`: reciprocal-rank fusion of dense and lexical (k = 60).
+
+A second table asks the same of `--method recall`'s episode routing: the history cut into episodes as an ingest
+cuts it (segments of w turns, K-Means, kvchat.episodes), the share of the evidence turns in the routed episode's
+turns, in the recalled chunks (the lexical top k at the default split), and in either. Routings:
+- `centroid`: the nearest centroid (what `ask` does);
+- `chunks`: the episode that holds most of the recalled chunks' turns;
+- `best`: the episode that would cover most of the evidence with the chunks (known only from the gold evidence).
 Only the encoder and the model's tokenizer run: no answer is decoded, so this takes a minute.
 """
 
@@ -24,11 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvchat.config import default_home
+from kvchat.config import DEFAULT_EPISODES, EpisodeConfig, IngestConfig, default_home
 from kvchat.encoder import SentenceEncoder
+from kvchat.episodes import build_episodes, route, segment
+from kvchat.history import format_turns
 from kvchat.llm import load_model, use_threads
 from kvchat.qa import load_locomo
 from kvchat.rag import RagIndex
+from kvchat.recall import split
 
 RANKINGS = ("dense", "lexical", "turns", "fused")
 
@@ -71,6 +81,47 @@ def evidence_hits(path: Path, lm, encoder: SentenceEncoder, chunk_tokens: int, k
     return hits
 
 
+ROUTINGS = ("centroid", "chunks", "best")
+
+
+def routing_hits(path: Path, lm, encoder: SentenceEncoder) -> dict:
+    """{(routing, "episode" | "chunks" | "either"): [share of each question's evidence turns there]} for one
+    conversation, at recall's default split and episode settings."""
+    qa = load_locomo(path, max_context=None)
+    turn_of = {t.turn_id: i for i, t in enumerate(qa.turns)}
+    recall_split, window = split(IngestConfig().cache), EpisodeConfig().window
+    segments = segment(format_turns(qa.turns), window)
+    episodes = build_episodes(segments, encoder.embed(segments), k=min(DEFAULT_EPISODES, len(segments)),
+                              seed=EpisodeConfig().seed, token_cap=1, count_tokens=len)  # fmt: skip
+    episode_of = np.zeros(len(qa.turns), dtype=int)
+    for episode in episodes:
+        for s in episode.segments:
+            episode_of[s * window : (s + 1) * window] = episode.index
+    centroids = np.stack([e.centroid for e in episodes])
+    index = RagIndex.build(qa.turns, lm, encoder, recall_split.chunk_tokens)
+    hits: dict = {}
+    for question, query in zip(qa.questions, encoder.embed([q.text for q in qa.questions]), strict=True):
+        evidence = [turn_of[e] for e in question.evidence if e in turn_of]
+        if not evidence:
+            continue
+        recalled = {t for c in index.top(query, recall_split.chunks, question.text)
+                    for t in range(index.chunks[c].first, index.chunks[c].end)}  # fmt: skip
+        votes = np.bincount(episode_of[sorted(recalled)], minlength=len(episodes)) + 1e-3 * (centroids @ query)
+
+        def shares(episode: int) -> dict[str, float]:
+            where = [(episode_of[t] == episode, t in recalled) for t in evidence]
+            return {"episode": sum(e for e, _ in where) / len(evidence),
+                    "chunks": sum(c for _, c in where) / len(evidence),
+                    "either": sum(e or c for e, c in where) / len(evidence)}  # fmt: skip
+
+        best = max(range(len(episodes)), key=lambda e: shares(e)["either"])
+        for name, episode in (("centroid", route(query, centroids)[0]), ("chunks", int(np.argmax(votes))),
+                              ("best", best)):  # fmt: skip
+            for where, share in shares(episode).items():
+                hits.setdefault((name, where), []).append(share)
+    return hits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", nargs="+", type=Path)
@@ -97,7 +148,19 @@ def main() -> None:
             cells = " | ".join(f"{np.mean(hits[(name, k)]):.3f}" for name in RANKINGS)
             lines.append(f"| {chunk_tokens} | {tokens} | {k} | {cells} |")
         questions = len(hits[(RANKINGS[0], ks[0])])
-    lines += ["", f"{questions} questions."]
+    lines += ["", f"{questions} questions.", ""]
+    recall_split = split(IngestConfig().cache)
+    routed: dict = {}
+    for path in args.data:
+        for key, values in routing_hits(path, lm, encoder).items():
+            routed.setdefault(key, []).extend(values)
+    lines += [f"`--method recall`'s routing at the defaults ({DEFAULT_EPISODES} episodes, {recall_split.chunks} "
+              f"chunks of {recall_split.chunk_tokens} tokens, ranked by {recall_split.retrieval}): the share of "
+              "the evidence turns in the routed episode, in the recalled chunks, and in either.", "",
+              "| routing | episode | chunks | either |", "|---|---:|---:|---:|"]
+    for name in ROUTINGS:
+        lines.append(f"| {name} | " + " | ".join(f"{np.mean(routed[(name, w)]):.3f}"
+                                                for w in ("episode", "chunks", "either")) + " |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out is not None:
