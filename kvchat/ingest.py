@@ -30,6 +30,7 @@ from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.methods import method
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.llm import LoadedModel, ModelIdentity
 from kvchat.plan import IngestPlan as IngestPlan
@@ -70,7 +71,7 @@ class IngestReport:
     turns: int
     history_tokens: int
     episodes: int
-    budgets: list[int]
+    budgets: list[int]   # kept entries per KV head of each layer of an episode cache
     layer_budgets: str
     peak_layer_entries: int   # most entries one layer held at once during any episode's prefill
     peak_total_entries: int  # most entries all layers held together at once (per KV head), same counting
@@ -90,6 +91,9 @@ class IngestReport:
     dtype: str = "float32"
     attention_backend: str = "torch"  # decode attention's kernel on that device: torch | flashinfer (kv.backends)
     weights: str = "float"      # how the model's Linear weights were held while it built the caches (--weights)
+    budget: int = 0             # M per layer and KV head while answering (--budget): the caches' entries, and with
+                                # --method recall the question's recalled chunks (`recalled_entries`) on top
+    recalled_entries: int = 0   # --method recall: entries per layer and KV head recalled at each question
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -320,6 +324,8 @@ def commit_ingest(
         dtype=identity.dtype,
         attention_backend=identity.attention_backend,
         weights=identity.weights,
+        budget=cache_cfg.budget,
+        recalled_entries=recall.split(cache_cfg).recalled if method(cache_cfg.method).recalls else 0,
     )
     pending.commit(
         model=lm.spec,

@@ -75,6 +75,19 @@ def test_every_episode_cache_keeps_the_budget_less_the_recalled_chunks(stored, s
     assert all(c.tokens <= split.chunk_tokens for c in index.chunks)
 
 
+def test_the_ingest_report_and_show_say_how_the_budget_is_shared(stored):
+    from kvchat import documents
+    from kvchat.cli.ingesting import _budget_text
+    from kvchat.cli.stored import _summary
+
+    store, report = stored
+    assert (report.budget, report.recalled_entries) == (96, 48) and max(report.budgets) <= 48
+    assert _budget_text(report) == f"budget {round(sum(report.budgets) / len(report.budgets))} + 48 recalled per question"
+    shown = documents.show(store.get("long"))
+    assert (shown["budget"], shown["recalled_entries"]) == (96, 48)
+    assert "recall, budget 96 per layer and KV head (48 cached + 48 recalled per question), " in _summary(shown, False)[1]
+
+
 def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(stored, short_lm, encoder):
     store, _ = stored
     conversation = store.get("long")

@@ -264,7 +264,7 @@ def ingest(
         say(
             "appended to " if append and not reingest else "ingested ", (report.name, "bold"),
             f": {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{counted(report.episodes, 'episode')} x budget {round(sum(report.budgets) / len(report.budgets))} "
+            f"{counted(report.episodes, 'episode')} x {_budget_text(report)} "
             f"({report.method}, {report.prefill} prefill, "
             f"{report.layer_budgets} layer budgets, "
             f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions, "
@@ -273,6 +273,15 @@ def ingest(
             f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}, "
             f"{time.monotonic() - started:.1f}s ({loading:.1f}s reading and loading the model)",
         )
+
+
+def _budget_text(report) -> str:
+    """The entries per layer and KV head an episode's cache keeps (their mean over layers), and with --method
+    recall those of the chunks each question recalls, which make up the rest of --budget."""
+    kept = round(sum(report.budgets) / len(report.budgets))
+    if not report.recalled_entries:
+        return f"budget {kept}"
+    return f"budget {kept} + {report.recalled_entries} recalled per question"
 
 
 def _offload_text(report) -> str:

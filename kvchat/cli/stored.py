@@ -82,6 +82,15 @@ def _excerpt(text: str, limit: int = 90) -> str:
     return cut_at_word(clean(" ".join(text.split()), one_line=True), limit)
 
 
+def _recalled_text(shown: dict) -> str:
+    """--method recall: how the budget is shared between the caches and each question's recalled chunks (stores
+    ingested before kvchat reported it say nothing)."""
+    recalled = shown.get("recalled_entries")
+    if not recalled:
+        return ""
+    return f" ({shown['settings']['budget'] - recalled} cached + {recalled} recalled per question)"
+
+
 def _summary(shown: dict, verbose: bool) -> list[str]:
     """The lines above `show`'s table: sizes, then method and budget (and with `verbose` every setting)."""
     s = shown["settings"]
@@ -92,7 +101,8 @@ def _summary(shown: dict, verbose: bool) -> list[str]:
         f"{shown['turns']} turns{tokens} in {counted(shown['episode_count'], 'episode')} "
         f"(segments of {s.get('window')} turns): "
         f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{pages}",
-        f"{s['method']}, budget {s['budget']} per layer and KV head, {s.get('cache_precision', 'full')} precision"
+        f"{s['method']}, budget {s['budget']} per layer and KV head{_recalled_text(shown)}, "
+        f"{s.get('cache_precision', 'full')} precision"
         f"{', offload ' + s['offload'] if s.get('offload', 'none') != 'none' else ''}; model {shown['model']}, "
         f"ingested {shown['created_at'][:19]}",
     ]
