@@ -100,8 +100,8 @@ class Session:
         `first_recorder` the attention of that token's forward (the question's; evaluation reads where
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
-        `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs an attention
-        pass per step, nothing when off); `recalled`, turns of the history prefilled after the cache and before
+        `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs one forward
+        over the question and the answer once it is decoded, nothing when off); `recalled`, turns of the history prefilled after the cache and before
         the question (retrieved for it, kvchat.rag), so the answer sees them in the conversation (given this way
         they are not counted as sources; the turns `--method recall` recalls are). An off-topic question is not
         answered when the config refuses them (`finish_reason` "refused")."""
@@ -155,8 +155,7 @@ class Session:
             try:
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
-                    first_recorder=first_recorder, recorder=recorder,
-                    echo=guard_for(self.config, question, self.lm.decode),
+                    first_recorder=first_recorder, echo=guard_for(self.config, question, self.lm.decode),
                 ):
                     if stop is not None and stop():
                         finish = "stopped"
@@ -174,6 +173,9 @@ class Session:
         if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
             on_text(full_text[len(shown):])
         text = full_text.strip()
+        if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
+            with self._shrunk_pages_refused(index):
+                self._record_answer(cache, recorder, prompt_ids, tokens[:-1] if finish == "length" else tokens)
         timings["decode"] = _ms_since(clock)
 
         answer = Answer(
@@ -250,6 +252,19 @@ class Session:
                           f"kept each cached entry's original position; {rebuild}")
         first = int(self.config.source_layers_from * len(cache.layers))
         return SourceRecorder(cache, spans, first_layer=first, origins=self._origins, recalled=recalled), None
+
+    def _record_answer(self, cache: EpisodeCache, recorder: SourceRecorder, prompt_ids: torch.Tensor,
+                       fed: list[int]) -> None:  # fmt: skip
+        """Into `recorder`, the attention of the queries that chose the answer's tokens: the prompt's last token
+        chose the first, each token of `fed` the one after it (or the end). Recorded in one forward over the prompt
+        and `fed` once the answer is decoded, so the answer is the one decoded without sources."""
+        ids = torch.tensor([fed], dtype=prompt_ids.dtype, device=prompt_ids.device)
+        recorder.query_rows = 1 + len(fed)
+        mark = cache.checkpoint()
+        try:
+            self.lm.forward(cache, torch.cat([prompt_ids, ids], dim=-1), recorder=recorder)
+        finally:
+            cache.rollback(mark)
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its

@@ -25,7 +25,7 @@ _WORD = re.compile(r"\w+")
 
 
 class Rewindable(Protocol):
-    """What decoding goes back in: the cache, and `--sources`' recorder (kvchat.sources.SourceRecorder)."""
+    """What decoding goes back in: the cache."""
 
     def checkpoint(self) -> object: ...
 
@@ -90,21 +90,21 @@ def _begins(tail: list[str], opening: list[str], open_end: bool) -> bool:
 
 @dataclass(frozen=True)
 class _Choice:
-    """Where decoding stood when a token held back was chosen: its scores, and marks of what it went on to change."""
+    """Where decoding stood when a token held back was chosen: its scores, and the cache's mark before it."""
 
     scores: torch.Tensor
-    marks: tuple[object, ...]
+    mark: object
 
 
 @dataclass
 class HeldAnswer:
     """One answer as it is decoded: `push` each chosen token before it is fed to the model; it says which tokens
-    can be given out, or, when under `guard` they spelled out the question's opening, rolls `rewound` back to where
+    can be given out, or, when under `guard` they spelled out the question's opening, rolls `cache` back to where
     the opening began and returns the scores to choose from there, that token ruled out. Without a guard every
     token is given out at once."""
 
     guard: EchoGuard | None
-    rewound: Sequence[Rewindable]
+    cache: Rewindable
     tokens: list[int] = field(default_factory=list)  # every token chosen: tokens[:given] given out, the rest held
     given: int = 0
     _held: list[_Choice] = field(default_factory=list)  # per token held back
@@ -124,15 +124,14 @@ class HeldAnswer:
         back = self._token_at(found.start) if found is not None else None
         if back is None:  # no echo, or one that began in text already given: too late to change
             return self.flush(), None
-        self._held.append(_Choice(scores.clone(), tuple(r.checkpoint() for r in self.rewound)))  # held: this token
+        self._held.append(_Choice(scores.clone(), self.cache.checkpoint()))  # held: this token
         if not found.complete:  # it may become one: hold back from where it began
             give = self.tokens[self.given : back]
             del self._held[: back - self.given]
             self.given = back
             return give, None
         choice = self._held[back - self.given]
-        for rewindable, mark in zip(self.rewound, choice.marks, strict=True):
-            rewindable.rollback(mark)
+        self.cache.rollback(choice.mark)
         self._bans = {p: b for p, b in self._bans.items() if p <= back}
         self._bans.setdefault(back, set()).add(self.tokens[back])
         del self.tokens[back:], self._held[back - self.given :]

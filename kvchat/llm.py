@@ -355,33 +355,28 @@ def generate(
     *,
     stop_ids: Collection[int] | None = None,
     first_recorder: attention.Recorder | None = None,
-    recorder: attention.Recorder | None = None,
     echo: EchoGuard | None = None,
 ) -> Iterator[int]:
     """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback).
     `on_first_logits` receives the logits [vocab] the first answer token is chosen from; `first_recorder`
-    sees every layer's attention in that forward (the prompt's); `recorder` that of every forward that picks an
-    answer token (the prompt's, then each step's; kvchat.sources). The answer ends at one of `stop_ids`
+    sees every layer's attention in that forward (the prompt's). The answer ends at one of `stop_ids`
     (default: the model's end-of-turn tokens; empty: always `max_new_tokens`).
 
     `echo` holds tokens back while they could begin the question's opening words, and when they spell them out,
-    goes back to the token where they began and takes the next best there (kvchat.echo); `recorder` then also
-    offers `checkpoint()`/`rollback()` (kvchat.sources.SourceRecorder), so the discarded steps leave no trace.
+    goes back to the token where they began and takes the next best there (kvchat.echo).
 
     The cache first makes room for the prompt and the longest answer, so no step copies it; each step
     feeds the chosen token through one reused `[1, 1]` tensor, through `lm.decode_step` where it applies."""
-    if first_recorder is not None and recorder is not None:
-        raise ValueError("generate takes first_recorder or recorder, not both")
     stop = lm.stop_ids if stop_ids is None else stop_ids
     longest = longest_answer(lm)
     if not 1 <= max_new_tokens <= longest:  # the cache reserves room for it: never an absurd allocation
         raise UserError(f"--max-new-tokens must be within 1..{longest}, the model's context (got {max_new_tokens})")
     cache.reserve(prompt_ids.shape[-1] + max_new_tokens)
-    scores = lm.forward(cache, prompt_ids, recorder=first_recorder or recorder)[0, -1]
+    scores = lm.forward(cache, prompt_ids, recorder=first_recorder)[0, -1]
     if on_first_logits is not None:
         on_first_logits(scores)
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
-    answer = HeldAnswer(echo, [cache] if recorder is None else [cache, recorder])
+    answer = HeldAnswer(echo, cache)
     while True:
         token = int(scores.argmax())
         if token in stop:
@@ -396,8 +391,8 @@ def generate(
             yield from answer.flush()
             return
         step_ids.fill_(token)
-        fast = lm.decode_step if recorder is None else None  # built once, after the first token is out
+        fast = lm.decode_step  # built once, after the first token is out
         if fast is not None and fast.applies(cache, step_ids):
             scores = fast(cache, step_ids)[0, -1]
         else:
-            scores = lm.forward(cache, step_ids, recorder=recorder)[0, -1]
+            scores = lm.forward(cache, step_ids)[0, -1]

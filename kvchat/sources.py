@@ -131,7 +131,7 @@ def from_metadata(metadata: dict[str, str]) -> list[TurnSpan] | None:
 
 class SourceRecorder:
     """A `kvchat.kv.attention.Recorder` summing, over the forwards it is passed to, the attention each turn's
-    entries get from the forward's last query (the one that picks the next answer token), over the layers from
+    entries get from the forward's last `query_rows` queries (those that chose answer tokens), over the layers from
     `first_layer` up, every KV head and query head.
 
     The cache's entries when the recorder is made belong to the turns their original positions fall in: the
@@ -142,7 +142,7 @@ class SourceRecorder:
     turns followed by the recalled turns the cache does not hold; `recalled` the indices of recalled turns among
     them."""
 
-    query_rows = 1
+    query_rows = 1  # the last queries of a forward whose attention counts (`Session` sets the answer's)
 
     def __init__(self, cache: EpisodeCache, spans: Sequence[TurnSpan], first_layer: int = 0, *,
                  origins: Sequence[Sequence[torch.Tensor]] | None = None,
@@ -182,7 +182,8 @@ class SourceRecorder:
             return
         layer = self.cache.layers[view.layer_idx]
         current = getattr(getattr(layer, "pool", None), "current", None)  # IceCache: retrieved this forward
-        weights = view.weights[:, :, -1].sum(dim=1)  # [kv_heads, columns]: cached, retrieved, then this forward's
+        # [kv_heads, columns]: cached, retrieved, then this forward's
+        weights = view.weights[:, :, -self.query_rows :].sum(dim=(1, 2))
         turns, mass = [], []
         for h, (positions, held) in enumerate(zip(_head_positions(layer), self._held[view.layer_idx], strict=True)):
             fed = positions[len(held):]  # since the recorder was made: this forward's tokens come last
@@ -194,13 +195,6 @@ class SourceRecorder:
             turns.append(torch.cat(columns))
             mass.append(weights[h, : len(turns[-1])].double().cpu())
         self.mass += torch.bincount(torch.cat(turns), torch.cat(mass), minlength=self.turns + 1)
-
-    def checkpoint(self) -> torch.Tensor:
-        """The attention summed so far, for `rollback` (an answer decoded again, kvchat.echo)."""
-        return self.mass.clone()
-
-    def rollback(self, mass: torch.Tensor) -> None:
-        self.mass = mass.clone()
 
     def kept_tokens(self) -> torch.Tensor:
         """Per turn, the tokens the cache held when the recorder was made, averaged over layers and KV heads."""

@@ -46,26 +46,11 @@ class ScriptedCache:
         del self.fed[mark:]
 
 
-class CountingRecorder:
-    query_rows = 1
-
-    def __init__(self) -> None:
-        self.forwards = 0
-
-    def checkpoint(self) -> int:
-        return self.forwards
-
-    def rollback(self, forwards: int) -> None:
-        self.forwards = forwards
-
-
 def scripted_model(first: torch.Tensor) -> SimpleNamespace:
     """A model whose next token follows NEXT from the last one fed, and `first` after the prompt."""
 
     def forward(cache, ids, recorder=None):
         cache.fed += ids[0].tolist()
-        if recorder is not None:
-            recorder.forwards += 1
         if ids.shape[-1] > 1:  # the prompt
             return first.view(1, 1, -1)
         following = NEXT[WORDS[cache.fed[-1]]]
@@ -75,11 +60,11 @@ def scripted_model(first: torch.Tensor) -> SimpleNamespace:
                            config=SimpleNamespace(max_position_embeddings=64))  # fmt: skip
 
 
-def answer(first: torch.Tensor, guard: bool, recorder=None) -> tuple[str, ScriptedCache]:
+def answer(first: torch.Tensor, guard: bool) -> tuple[str, ScriptedCache]:
     cache = ScriptedCache()
     prompt = torch.tensor([[ID["tomatoes?"], ID["<eos>"]]])  # two tokens: the forward returns `first`
     echo = EchoGuard(QUESTION, decode) if guard else None
-    tokens = list(generate(scripted_model(first), cache, prompt, 16, echo=echo, recorder=recorder))
+    tokens = list(generate(scripted_model(first), cache, prompt, 16, echo=echo))
     return decode(tokens), cache
 
 
@@ -93,12 +78,6 @@ def test_an_answer_repeating_the_question_is_decoded_again_without_its_first_tok
 def test_an_answer_that_leaves_the_questions_words_is_untouched():
     assert answer(logits("In", "When"), guard=True)[0] == answer(logits("In", "When"), guard=False)[0] == "In May"
     assert answer(logits("when"), guard=True)[0] == "when"  # the question's first word alone, then the end
-
-
-def test_the_discarded_steps_leave_no_trace_in_the_recorder():
-    recorder = CountingRecorder()
-    assert answer(logits("When", "In"), guard=True, recorder=recorder)[0] == "In May"
-    assert recorder.forwards == 3  # the prompt, then "In" and "May" fed
 
 
 def test_an_echo_quoted_inside_the_answer_is_decoded_again_from_where_it_began():
