@@ -107,19 +107,20 @@ def routing_hits(path: Path, lm, encoder: SentenceEncoder) -> dict:
         recalled = {t for c in index.top(query, recall_split.chunks, question.text)
                     for t in range(index.chunks[c].first, index.chunks[c].end)}  # fmt: skip
         votes = np.bincount(episode_of[sorted(recalled)], minlength=len(episodes)) + 1e-3 * (centroids @ query)
-
-        def shares(episode: int) -> dict[str, float]:
-            where = [(episode_of[t] == episode, t in recalled) for t in evidence]
-            return {"episode": sum(e for e, _ in where) / len(evidence),
-                    "chunks": sum(c for _, c in where) / len(evidence),
-                    "either": sum(e or c for e, c in where) / len(evidence)}  # fmt: skip
-
-        best = max(range(len(episodes)), key=lambda e: shares(e)["either"])
+        covered = [_shares(e, evidence, recalled, episode_of) for e in range(len(episodes))]
+        best = max(range(len(episodes)), key=lambda e: covered[e]["either"])
         for name, episode in (("centroid", route(query, centroids)[0]), ("chunks", int(np.argmax(votes))),
                               ("best", best)):  # fmt: skip
-            for where, share in shares(episode).items():
+            for where, share in covered[episode].items():
                 hits.setdefault((name, where), []).append(share)
     return hits
+
+
+def _shares(episode: int, evidence: list[int], recalled: set[int], episode_of: np.ndarray) -> dict[str, float]:
+    """The share of the `evidence` turns in `episode`, in the `recalled` turns, and in either."""
+    where = [(episode_of[t] == episode, t in recalled) for t in evidence]
+    return {"episode": sum(e for e, _ in where) / len(evidence), "chunks": sum(c for _, c in where) / len(evidence),
+            "either": sum(e or c for e, c in where) / len(evidence)}  # fmt: skip
 
 
 def main() -> None:

@@ -101,10 +101,10 @@ class Session:
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
         `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs one forward
-        over the question and the answer once it is decoded, nothing when off); `recalled`, turns of the history prefilled after the cache and before
-        the question (retrieved for it, kvchat.rag), so the answer sees them in the conversation (given this way
-        they are not counted as sources; the turns `--method recall` recalls are). An off-topic question is not
-        answered when the config refuses them (`finish_reason` "refused")."""
+        over the question and the answer once it is decoded, nothing when off); `recalled`, turns of the history
+        prefilled after the cache and before the question (retrieved for it, kvchat.rag), so the answer sees them
+        in the conversation (given this way they are not counted as sources; the turns `--method recall` recalls
+        are). An off-topic question is not answered when the config refuses them (`finish_reason` "refused")."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")

@@ -82,10 +82,12 @@ def test_the_ingest_report_and_show_say_how_the_budget_is_shared(stored):
 
     store, report = stored
     assert (report.budget, report.recalled_entries) == (96, 48) and max(report.budgets) <= 48
-    assert _budget_text(report) == f"budget {round(sum(report.budgets) / len(report.budgets))} + 48 recalled per question"
+    kept = round(sum(report.budgets) / len(report.budgets))
+    assert _budget_text(report) == f"budget {kept} + 48 recalled per question"
     shown = documents.show(store.get("long"))
     assert (shown["budget"], shown["recalled_entries"]) == (96, 48)
-    assert "recall, budget 96 per layer and KV head (48 cached + 48 recalled per question), " in _summary(shown, False)[1]
+    line = _summary(shown, False)[1]
+    assert "recall, budget 96 per layer and KV head (48 cached + 48 recalled per question), " in line
 
 
 def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(stored, short_lm, encoder):

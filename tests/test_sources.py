@@ -159,7 +159,7 @@ def test_receipts_are_recorded_in_one_forward_over_the_decoded_answer(stored, ti
     monkeypatch.setattr(SourceRecorder, "record", counted)
     receipted = session.ask(facts[1].question, log=False, sources=True)
     assert receipted.text == plain.text and receipted.sources
-    chose = receipted.answer_tokens - (receipted.finish_reason == "length")  # the last token of a cut answer chose nothing
+    chose = receipted.answer_tokens - (receipted.finish_reason == "length")  # a cut answer's last token chose none
     assert forwards == [(1 + chose, 1 + chose)] * tiny_lm.num_layers  # one forward: each layer once
 
 
