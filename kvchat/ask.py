@@ -25,7 +25,7 @@ from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.features import UnreadableFile, retrieved_positions
 from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
-from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.methods import REGISTRY, method
 from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.llm import ChatLayout, LoadedModel, generate
@@ -101,7 +101,7 @@ class Session:
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
         `sources` records the answer's attention to name the turns it drew on (kvchat.sources; costs one forward
-        over the question and the answer once it is decoded, nothing when off); `recalled`, turns of the history
+        of the answer's tokens once it is decoded, nothing when off); `recalled`, turns of the history
         prefilled after the cache and before the question (retrieved for it, kvchat.rag), so the answer sees them
         in the conversation (given this way they are not counted as sources; the turns `--method recall` recalls
         are). An off-topic question is not answered when the config refuses them (`finish_reason` "refused")."""
@@ -164,18 +164,18 @@ class Session:
                     if on_text is not None and delta:
                         on_text(delta)
                         shown += delta
+                tokens = stream.tokens
+                if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
+                    finish = "length"
+                full_text = self.lm.decode(tokens)
+                if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
+                    on_text(full_text[len(shown):])
+                if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
+                    self._record_answer(cache, recorder, mark.extended(prompt_ids.shape[-1] - 1), prompt_ids,
+                                        tokens[:-1] if finish == "length" else tokens)  # fmt: skip
             finally:
                 cache.rollback(mark)
-        tokens = stream.tokens
-        if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
-            finish = "length"
-        full_text = self.lm.decode(tokens)
-        if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
-            on_text(full_text[len(shown):])
         text = full_text.strip()
-        if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
-            with self._shrunk_pages_refused(index):
-                self._record_answer(cache, recorder, prompt_ids, tokens[:-1] if finish == "length" else tokens)
         timings["decode"] = _ms_since(clock)
 
         answer = Answer(
@@ -253,18 +253,16 @@ class Session:
         first = int(self.config.source_layers_from * len(cache.layers))
         return SourceRecorder(cache, spans, first_layer=first, origins=self._origins, recalled=recalled), None
 
-    def _record_answer(self, cache: EpisodeCache, recorder: SourceRecorder, prompt_ids: torch.Tensor,
-                       fed: list[int]) -> None:  # fmt: skip
+    def _record_answer(self, cache: EpisodeCache, recorder: SourceRecorder, prompt_held: Checkpoint,
+                       prompt_ids: torch.Tensor, fed: list[int]) -> None:  # fmt: skip
         """Into `recorder`, the attention of the queries that chose the answer's tokens: the prompt's last token
-        chose the first, each token of `fed` the one after it (or the end). Recorded in one forward over the prompt
-        and `fed` once the answer is decoded, so the answer is the one decoded without sources."""
+        chose the first, each token of `fed` the one after it (or the end). Recorded once the answer is decoded
+        (so it is the answer decoded without sources), in one forward of those tokens on the cache rolled back
+        to `prompt_held`: the prompt's entries but its last token's, as the answer's forwards saw them."""
+        cache.rollback(prompt_held)
         ids = torch.tensor([fed], dtype=prompt_ids.dtype, device=prompt_ids.device)
         recorder.query_rows = 1 + len(fed)
-        mark = cache.checkpoint()
-        try:
-            self.lm.forward(cache, torch.cat([prompt_ids, ids], dim=-1), recorder=recorder)
-        finally:
-            cache.rollback(mark)
+        self.lm.forward(cache, torch.cat([prompt_ids[:, -1:], ids], dim=-1), recorder=recorder)
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its

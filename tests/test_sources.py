@@ -144,23 +144,24 @@ def test_sources_name_turns_and_do_not_change_the_answer(stored, tiny_lm, encode
 
 
 def test_receipts_are_recorded_in_one_forward_over_the_decoded_answer(stored, tiny_lm, encoder, monkeypatch):
-    """The answer is decoded as without sources (the decode step, no recorder); then one forward over the question
-    and the answer records the attention of every query that chose an answer token."""
+    """The answer is decoded as without sources (the decode step, no recorder); then one forward of the question's
+    last token and the answer, on the question's other entries as they were cached, records the attention of every
+    query that chose an answer token."""
     store, facts = stored
     session = Session(store, store.get("conv"), tiny_lm, encoder, AskConfig(max_new_tokens=24, echo_guard=False))
     plain = session.ask(facts[1].question, log=False)
-    forwards: list[tuple[int, int]] = []  # per recorded layer view: (query rows, rows the recorder reads)
+    forwards: list[tuple[int, int, int]] = []  # per recorded layer view: tokens fed, rows weighed, rows read
     record = SourceRecorder.record
 
     def counted(self, view):
-        forwards.append((view.weights.shape[2], self.query_rows))
+        forwards.append((view.weights.shape[-1] - view.past, view.weights.shape[2], self.query_rows))
         record(self, view)
 
     monkeypatch.setattr(SourceRecorder, "record", counted)
     receipted = session.ask(facts[1].question, log=False, sources=True)
     assert receipted.text == plain.text and receipted.sources
     chose = receipted.answer_tokens - (receipted.finish_reason == "length")  # a cut answer's last token chose none
-    assert forwards == [(1 + chose, 1 + chose)] * tiny_lm.num_layers  # one forward: each layer once
+    assert forwards == [(1 + chose, 1 + chose, 1 + chose)] * tiny_lm.num_layers  # one forward: each layer once
 
 
 def test_a_store_without_turn_spans_answers_without_sources_and_says_why(tmp_path, tiny_lm, encoder):

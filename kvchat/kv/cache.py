@@ -51,6 +51,12 @@ class Checkpoint:
     next_position: int
     next_origin: int | None = None  # with tracked origins (`EpisodeCache.track_origins`)
 
+    def extended(self, n: int) -> Checkpoint:
+        """This mark with `n` more tokens fed after it (every head takes each token fed): to roll back to a point
+        inside a forward's tokens, such as a prompt's last."""
+        return Checkpoint(tuple(tuple(k + n for k in heads) for heads in self.lengths), self.next_position + n,
+                          None if self.next_origin is None else self.next_origin + n)  # fmt: skip
+
 
 class EpisodeCache(Cache):
     """The cache of one episode. Feed tokens with `position_ids(n)` then `advance(n)`."""
