@@ -156,6 +156,17 @@ def test_rollback_restores_the_cache_exactly(model):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_rollback_into_a_forwards_tokens_keeps_those_before_the_mark_it_extends(model):
+    cache = block_prefill(model, _ids(3, 1), _ids(50, 2), block_size=16, budgets=None, scorer=None).cache
+    mark = cache.checkpoint()
+    forward(model, cache, _ids(9, 3))
+    kept = codec.encode_layers(cache)
+    cache.rollback(mark.extended(6))  # the 9 tokens' first 6 stay, as the forward cached them
+    after = codec.encode_layers(cache)
+    assert cache.next_position == 53 + 6 and all(layer.positions[0, -1] == 58 for layer in cache.layers)
+    assert all(torch.equal(after[k], kept[k][:, :-3]) for k in after)
+
+
 def test_tensors_round_trip(model):
     cache = block_prefill(
         model, _ids(3, 1), _ids(70, 2), block_size=16, budgets=[30, 30], scorer=PatchedPromptScorer(_ids(3, 4))
