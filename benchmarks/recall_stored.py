@@ -13,10 +13,14 @@ Systems, on the same store, the same routed caches, the same chunks and the same
 - `prefilled`: kvchat's recall as it ships (`Session.ask`);
 - `stored, alone`: each chunk's entries computed after the system prompt alone;
 - `stored, after the previous chunk`: each chunk's entries computed after the system prompt and the chunk before it
-  in the history (whose entries are dropped).
+  in the history (whose entries are dropped);
+- `... int8` / `... int4`: those entries kept in 8 or 4 bits as `--cache-precision` keeps caches (KIVI: keys per
+  channel in groups of 32 / 16 tokens, values per token; a chunk's last entries short of a group in float16), and
+  placed dequantized.
 Each conversation is ingested at the defaults into `$KVCHAT_HOME` (reused by a later run); answers with LoCoMo's QA
 prompt and kvchat's answer settings for evaluation (kvchat.config.EvalConfig), every category 1-4 question; the
-records file resumes. `stored MB`: the chunks' entries in float16, as they would be kept.
+records file resumes. `stored MB`: the chunks' entries as they would be kept (float16, or their 8- or 4-bit codes
+with their scales and minima).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from kvchat.gold import bootstrap_interval, paired_difference
 from kvchat.ingest import ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.quantize import QuantizedEntries
 from kvchat.kv.rope import rotate_keys
 from kvchat.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
 from kvchat.qa import load_locomo, score_answer
@@ -51,7 +56,9 @@ from kvchat.settings import from_settings
 from kvchat.store import Store
 
 PREFILLED, ALONE, AFTER_PREVIOUS = "prefilled", "stored, alone", "stored, after the previous chunk"
-SYSTEMS = (PREFILLED, ALONE, AFTER_PREVIOUS)
+INT8, INT4 = f"{AFTER_PREVIOUS}, int8", f"{AFTER_PREVIOUS}, int4"
+SYSTEMS = (PREFILLED, ALONE, AFTER_PREVIOUS, INT8, INT4)
+QUANTIZED = {INT8: (8, 32), INT4: (4, 16)}  # bits, key group: kvchat's quantized caches' (CacheConfig)
 
 
 class StoredChunks:
@@ -75,7 +82,24 @@ class StoredChunks:
                 self.entries.append([(layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone())
                                      for layer in cache.layers])  # fmt: skip
         self.seconds = time.perf_counter() - clock
-        self.float16_bytes = sum(2 * (k.numel() + v.numel()) for chunk in self.entries for k, v in chunk)
+        self.stored_bytes = sum(2 * (k.numel() + v.numel()) for chunk in self.entries for k, v in chunk)
+
+    def quantized(self, bits: int, group: int) -> StoredChunks:
+        """These entries as they come back from `bits`-bit codes (whole groups of `group`; the rest in float16),
+        `stored_bytes` what the codes, scales and minima take."""
+        copy = object.__new__(StoredChunks)
+        copy.starts, copy.seconds, copy.stored_bytes, copy.entries = self.starts, 0.0, 0, []
+        for chunk in self.entries:
+            layers = []
+            for keys, values in chunk:
+                whole = keys.shape[2] // group * group
+                codes = QuantizedEntries.quantize(keys[0, :, :whole], values[0, :, :whole], group, bits)
+                rest = keys.shape[2] - whole
+                copy.stored_bytes += codes.nbytes() + 2 * rest * 2 * keys.shape[1] * keys.shape[3]
+                layers.append((torch.cat([codes.keys()[None], keys[:, :, whole:].half().float()], dim=2),
+                               torch.cat([codes.values()[None], values[:, :, whole:].half().float()], dim=2)))
+            copy.entries.append(layers)
+        return copy
 
     def place(self, cache: EpisodeCache, chunk: int, rotary: torch.nn.Module) -> None:
         """The chunk's entries appended to `cache` as a prefill of its text there would append them."""
@@ -102,9 +126,17 @@ class StoredAnswerer:
         self.index: RagIndex | None = None
         self._cache(0)  # reads the chunk index
         self.rotary = (lm.native.model if lm.native is not None else lm.model.model).rotary_emb
-        prefix = lm.encode(self.layout.before_conversation)
-        self.stored = {ALONE: StoredChunks(lm, self.index, prefix, after_previous=False),
-                       AFTER_PREVIOUS: StoredChunks(lm, self.index, prefix, after_previous=True)}  # fmt: skip
+        self.prefix = lm.encode(self.layout.before_conversation)
+        self.stored: dict[str, StoredChunks] = {}
+
+    def chunks(self, system: str) -> StoredChunks:
+        """The stored entries `system` places, computed when first asked for."""
+        if system not in self.stored:
+            if system in QUANTIZED:
+                self.stored[system] = self.chunks(AFTER_PREVIOUS).quantized(*QUANTIZED[system])
+            else:
+                self.stored[system] = StoredChunks(self.lm, self.index, self.prefix, system == AFTER_PREVIOUS)
+        return self.stored[system]
 
     def _cache(self, episode: int) -> EpisodeCache:
         if episode not in self.caches:
@@ -124,7 +156,7 @@ class StoredAnswerer:
         try:
             with torch.inference_mode():
                 for chunk in chunks:
-                    self.stored[system].place(cache, chunk, self.rotary)
+                    self.chunks(system).place(cache, chunk, self.rotary)
                 for token in generate(self.lm, cache, prompt, self.config.max_new_tokens,
                                       echo=guard_for(self.config, question, self.lm.decode)):  # fmt: skip
                     text.push(token)
@@ -160,9 +192,10 @@ def run(paths: list[Path], out: Path, home: Path) -> list[dict]:
                        source=str(path))  # fmt: skip
             session = Session(store, store.get(name), lm, encoder, config)
             stored = StoredAnswerer(store, name, lm, encoder, config)
-            for system, chunks in stored.stored.items():
+            for system in dict.fromkeys(s for _, s in todo if s != PREFILLED):
+                chunks = stored.chunks(system)
                 note({"kind": "build", "set": qa.name, "system": system, "chunks": len(chunks.entries),
-                      "seconds": round(chunks.seconds, 1), "float16_bytes": chunks.float16_bytes})  # fmt: skip
+                      "seconds": round(chunks.seconds, 1), "stored_bytes": chunks.stored_bytes})  # fmt: skip
             session.ask("How are you?", log=False)  # warm-up: the first answer builds the decode step
             print(f"{qa.name}: {len(todo)} answers", file=sys.stderr, flush=True)
             for question, system in todo:
@@ -213,11 +246,11 @@ def report(records: list[dict], command: str) -> str:
             else "{:+.3f} [{:+.3f}, {:+.3f}]".format(*paired_difference(f1, answers[PREFILLED])[:3])
         )
         mean_s = float(np.mean(seconds[system]))
-        built = sum(b["seconds"] for b in builds[system])
-        stored = sum(b["float16_bytes"] for b in builds[system]) / 2**20
+        built = sum(b["seconds"] for b in builds[system])  # quantized: the unquantized entries' prefill, not again
+        stored = sum(b.get("stored_bytes", b.get("float16_bytes", 0)) for b in builds[system]) / 2**20
         lines.append(
             f"| {system} | {len(f1)} | {np.mean(list(f1.values())):.3f} [{low:.3f}, {high:.3f}] | {diff} | "
-            f"{mean_s:.2f} | {base / mean_s:.2f} | {f'{built:.0f}' if builds[system] else ''} | "
+            f"{mean_s:.2f} | {base / mean_s:.2f} | {f'{built:.0f}' if built else ''} | "
             f"{f'{stored:.0f}' if builds[system] else ''} |"
         )
     return "\n".join(lines) + "\n"
