@@ -26,7 +26,6 @@ from kvchat.features import UnreadableFile, retrieved_positions
 from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import Checkpoint, EpisodeCache
-from kvchat.kv.methods import REGISTRY, method
 from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.llm import ChatLayout, LoadedModel, generate
 from kvchat.rag import RagIndex
@@ -370,8 +369,7 @@ class Detokenizer:
 
 def _recall_split(conversation: ConversationRecord) -> recall.RecallSplit | None:
     """How a `--method recall` conversation spends its budget (None for other methods)."""
-    cache = from_settings(conversation.settings).cache
-    return recall.split(cache) if cache.method in REGISTRY and method(cache.method).recalls else None
+    return recall.split_for(from_settings(conversation.settings).cache)
 
 
 def _ms_since(start: float) -> float:

@@ -30,7 +30,6 @@ from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.methods import method
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.llm import LoadedModel, ModelIdentity
 from kvchat.plan import IngestPlan as IngestPlan
@@ -325,7 +324,7 @@ def commit_ingest(
         attention_backend=identity.attention_backend,
         weights=identity.weights,
         budget=cache_cfg.budget,
-        recalled_entries=recall.split(cache_cfg).recalled if method(cache_cfg.method).recalls else 0,
+        recalled_entries=split.recalled if (split := recall.split_for(cache_cfg)) else 0,
     )
     pending.commit(
         model=lm.spec,

@@ -200,7 +200,7 @@ def plan_ingest(
     cache_cfg = _resolve_method(config.cache, total, lm.context_window, notes)
     config = dataclasses.replace(config, cache=cache_cfg)
     full = method(cache_cfg.method).scorer is None
-    split = recall.split(cache_cfg) if method(cache_cfg.method).recalls else None
+    split = recall.split_for(cache_cfg)
     kept = split.cache_budget if split else cache_cfg.budget  # M of each episode cache
     if not full and kept <= protected:  # every layer's floor lies above the prompt when M does
         raise UserError(

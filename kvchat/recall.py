@@ -23,6 +23,7 @@ import numpy as np
 
 from kvchat.errors import UserError
 from kvchat.kv.config import CacheConfig
+from kvchat.kv.methods import REGISTRY
 from kvchat.packed_text import pack, unpack
 from kvchat.rag import Chunk, RagIndex
 from kvchat.sources import STORED_CHARS, TurnMark, TurnSpan, token_ranges
@@ -56,6 +57,12 @@ def split(cache: CacheConfig) -> RecallSplit:
     chunk_tokens = min(cache.recall.chunk_tokens, recalled)
     chunks = recalled // chunk_tokens
     return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens, cache.recall.retrieval)
+
+
+def split_for(cache: CacheConfig) -> RecallSplit | None:
+    """`split(cache)` where its method recalls chunks (`--method recall`), else None."""
+    entry = REGISTRY.get(cache.method)
+    return split(cache) if entry is not None and entry.recalls else None
 
 
 def offset(index: RagIndex, turns: int) -> RagIndex:
