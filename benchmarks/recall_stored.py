@@ -32,6 +32,7 @@ import platform
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -61,14 +62,22 @@ SYSTEMS = (PREFILLED, ALONE, AFTER_PREVIOUS, INT8, INT4)
 QUANTIZED = {INT8: (8, 32), INT4: (4, 16)}  # bits, key group: kvchat's quantized caches' (CacheConfig)
 
 
+@dataclass(frozen=True)
 class StoredChunks:
     """Every chunk's entries per layer (`[1, kv_heads, n, D]` keys rotated for positions from `starts[i]`, and
-    values), computed once after `prefix` (the system prompt), with the chunk before it or alone."""
+    values); `seconds` their prefill, `stored_bytes` what keeping them takes."""
 
-    def __init__(self, lm: LoadedModel, index: RagIndex, prefix: torch.Tensor, after_previous: bool) -> None:
+    entries: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    starts: list[int]
+    seconds: float
+    stored_bytes: int
+
+    @classmethod
+    def computed(cls, lm: LoadedModel, index: RagIndex, prefix: torch.Tensor, after_previous: bool) -> StoredChunks:
+        """Each chunk's entries computed after `prefix` (the system prompt), with the chunk before it or alone; kept
+        in float16."""
         clock = time.perf_counter()
-        self.entries: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        self.starts: list[int] = []
+        entries, starts = [], []
         with torch.inference_mode():
             for i, chunk in enumerate(index.chunks):
                 cache = EpisodeCache(lm.num_layers)
@@ -76,30 +85,29 @@ class StoredChunks:
                 if after_previous and i > 0:
                     lm.forward(cache, lm.encode("\n" + index.chunks[i - 1].text))
                 ids = lm.encode("\n" + chunk.text)  # as recall prefills it: after the line before it
-                self.starts.append(cache.next_position)
+                starts.append(cache.next_position)
                 lm.forward(cache, ids)
                 n = ids.shape[-1]
-                self.entries.append([(layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone())
-                                     for layer in cache.layers])  # fmt: skip
-        self.seconds = time.perf_counter() - clock
-        self.stored_bytes = sum(2 * (k.numel() + v.numel()) for chunk in self.entries for k, v in chunk)
+                entries.append([(layer.keys[:, :, -n:].clone(), layer.values[:, :, -n:].clone())
+                                for layer in cache.layers])  # fmt: skip
+        stored = sum(2 * (k.numel() + v.numel()) for chunk in entries for k, v in chunk)
+        return cls(entries, starts, time.perf_counter() - clock, stored)
 
     def quantized(self, bits: int, group: int) -> StoredChunks:
         """These entries as they come back from `bits`-bit codes (whole groups of `group`; the rest in float16),
-        `stored_bytes` what the codes, scales and minima take."""
-        copy = object.__new__(StoredChunks)
-        copy.starts, copy.seconds, copy.stored_bytes, copy.entries = self.starts, 0.0, 0, []
+        `stored_bytes` what the codes, scales and minima take; `seconds` 0: no prefill of their own."""
+        entries, stored = [], 0
         for chunk in self.entries:
             layers = []
             for keys, values in chunk:
                 whole = keys.shape[2] // group * group
                 codes = QuantizedEntries.quantize(keys[0, :, :whole], values[0, :, :whole], group, bits)
                 rest = keys.shape[2] - whole
-                copy.stored_bytes += codes.nbytes() + 2 * rest * 2 * keys.shape[1] * keys.shape[3]
+                stored += codes.nbytes() + 2 * rest * 2 * keys.shape[1] * keys.shape[3]
                 layers.append((torch.cat([codes.keys()[None], keys[:, :, whole:].half().float()], dim=2),
                                torch.cat([codes.values()[None], values[:, :, whole:].half().float()], dim=2)))
-            copy.entries.append(layers)
-        return copy
+            entries.append(layers)
+        return StoredChunks(entries, self.starts, 0.0, stored)
 
     def place(self, cache: EpisodeCache, chunk: int, rotary: torch.nn.Module) -> None:
         """The chunk's entries appended to `cache` as a prefill of its text there would append them."""
@@ -135,7 +143,8 @@ class StoredAnswerer:
             if system in QUANTIZED:
                 self.stored[system] = self.chunks(AFTER_PREVIOUS).quantized(*QUANTIZED[system])
             else:
-                self.stored[system] = StoredChunks(self.lm, self.index, self.prefix, system == AFTER_PREVIOUS)
+                self.stored[system] = StoredChunks.computed(self.lm, self.index, self.prefix,
+                                                            system == AFTER_PREVIOUS)
         return self.stored[system]
 
     def _cache(self, episode: int) -> EpisodeCache:
