@@ -78,6 +78,7 @@ def conversation(record) -> dict[str, Any]:
         "turns": record.stats.get("turns"),
         "cache_bytes": sum(e.bytes for e in record.episodes),
         "pages_bytes": sum(e.pages.bytes for e in record.episodes if e.pages is not None),
+        "recall_entries_bytes": record.recall_entries.bytes if record.recall_entries is not None else 0,
     }
 
 

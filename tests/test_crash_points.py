@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import centroid
 from test_store import FP, SETTINGS, STATS, _tensors
+from test_store_recall_entries import _writer
 
 from kvchat.store import Store, diagnose, repair
 from kvchat.store.files import CRASH_AT, CRASH_EXIT, CRASH_LOG
@@ -37,6 +38,20 @@ def _commit(store: Store, name: str, *, replace: bool = False, expect: str | Non
             pending.write_episode(i, TENSORS[(seed + i) % 3], {"fingerprint": FP, "method": "epicache"},
                                   centroid=centroid(0.25 * i, -1.0, 3.0), medoid_text=f"episode {i}", budgets=[8, 12],
                                   n_tokens=20)  # fmt: skip
+        return pending.commit(model="default", fingerprint=FP, settings=SETTINGS, stats=STATS)
+
+
+def _commit_with_entries(store: Store, name: str, *, replace: bool = False, expect: str | None = None):
+    """`_commit` with a recall entries file: written, or with `expect`, carried from that version."""
+    carried = store.get(name).recall_entries if expect is not None else None
+    with store.begin(name, replace=replace, expect=expect) as pending:
+        for i in range(2):
+            pending.write_episode(i, TENSORS[i], {"fingerprint": FP, "method": "recall"}, centroid=centroid(0.25 * i),
+                                  medoid_text=f"episode {i}", budgets=[8, 12], n_tokens=20)  # fmt: skip
+        if carried is not None:
+            pending.carry_recall_entries(carried)
+        else:
+            pending.write_recall_entries(_writer())
         return pending.commit(model="default", fingerprint=FP, settings=SETTINGS, stats=STATS)
 
 
@@ -64,7 +79,8 @@ def _run(action: Callable[[Path], None], home: Path, env: dict[str, str]) -> int
 
 
 def _state(home: Path, damaged: frozenset[str] = frozenset()) -> dict[str, str]:
-    """Each conversation's ingest id, every episode loaded and verified, after any time a crash's leftovers wait."""
+    """Each conversation's ingest id, every episode (and recall entries file) loaded and verified, after any time a
+    crash's leftovers wait."""
     for path in (home / "caches").rglob("*"):  # as much later as the leftovers' grace period
         os.utime(path, (AN_HOUR_AGO, AN_HOUR_AGO), follow_symlinks=False)
     store = Store(home)
@@ -72,6 +88,8 @@ def _state(home: Path, damaged: frozenset[str] = frozenset()) -> dict[str, str]:
         for record in store.conversations():
             for episode in record.episodes if record.name not in damaged else ():
                 store.load_episode(episode, FP)
+            if record.recall_entries is not None and record.name not in damaged:
+                store.load_recall_entries(record, FP)
         return {c.name: c.ingest_id for c in store.conversations()}
     finally:
         store.close()
@@ -147,3 +165,23 @@ def test_a_crash_at_any_point_of_doctor_fix(pristine, tmp_path):
     _every_crash(lambda h: repair(h, diagnose(h)), home, tmp_path,
                  allowed=lambda s: s.get("a") == old and s.keys() <= {"a", "b"},
                  problems_allowed=lambda found: {p.conversation for p in found} <= {"b"}, damaged=frozenset("b"))
+
+
+def test_a_crash_at_any_point_of_a_commit_with_a_recall_entries_file(pristine, tmp_path):
+    home, old = pristine
+    _every_crash(lambda h: _commit_with_entries(Store(h), "b"), home, tmp_path,
+                 allowed=lambda s: s.keys() in ({"a"}, {"a", "b"}) and s["a"] == old)
+
+
+def test_a_crash_at_any_point_of_an_append_carrying_its_recall_entries_file(tmp_path):
+    """The new version links the old version's file: whichever version a crash leaves, its file reads."""
+    home = tmp_path / "pristine"
+    store = Store(home)
+    old = _commit_with_entries(store, "a").ingest_id
+    store.close()
+
+    def append(h: Path) -> None:
+        _commit_with_entries(Store(h), "a", replace=True, expect=old)
+
+    assert "link recall-entries.safetensors" in {p.split(" ", 1)[1] for p in _points(append, home, tmp_path / "probe")}
+    _every_crash(append, home, tmp_path, allowed=lambda s: s.keys() == {"a"})

@@ -97,6 +97,8 @@ def _summary(shown: dict, verbose: bool) -> list[str]:
     tokens = f", {shown['history_tokens']:,} tokens" if shown.get("history_tokens") is not None else ""
     entries = sum(e["entries"] for e in shown["episodes"])
     pages = f" + {shown['pages_bytes'] / 2**20:.1f} MiB of pages" if shown["pages_bytes"] else ""
+    if shown["recall_entries_bytes"]:
+        pages += f" + {shown['recall_entries_bytes'] / 2**20:.1f} MiB of recall entries"
     lines = [
         f"{shown['turns']} turns{tokens} in {counted(shown['episode_count'], 'episode')} "
         f"(segments of {s.get('window')} turns): "
