@@ -132,7 +132,7 @@ def test_records_survive_reopening(store: Store) -> None:
     reopened = Store(store.home)
     assert reopened.get("chat") == committed
     with sqlite3.connect(store.db_path) as conn:
-        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,)]
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,), (4,)]
         assert conn.execute("pragma journal_mode").fetchone()[0] == "wal"
 
 
@@ -167,7 +167,7 @@ def test_a_home_from_before_pages_files_is_upgraded_in_place(tmp_path: Path, mon
     assert [e.pages for e in store.get("chat").episodes] == [None]
     assert store.check() == [] and store.database_damage() is None
     with sqlite3.connect(store.db_path) as conn:
-        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,)]
+        assert conn.execute("select version from migrations").fetchall() == [(1,), (2,), (3,), (4,)]
 
 
 def test_newer_schema_is_refused(store: Store) -> None:

@@ -1,5 +1,6 @@
 """Where ingested conversations live: a SQLite index plus one safetensors file per episode (and, for a
-conversation ingested with `--offload icecache`, each episode's pages file beside it).
+conversation ingested with `--offload icecache`, each episode's pages file beside it; for one that keeps them,
+its recall entries file).
 
 Nothing half-written is ever visible: an ingest's files and manifest are fsync'd in a private temp dir,
 renamed into `caches/<name>/<ingest_id>`, and only then are its rows inserted, under SQLite's write lock
@@ -54,7 +55,14 @@ from kvchat.store.manifest import (
     retire_manifest,
 )
 from kvchat.store.pending import PendingConversation
-from kvchat.store.records import ConversationRecord, EpisodeRecord, PagesRecord, insert_document, record_of
+from kvchat.store.records import (
+    ConversationRecord,
+    EpisodeRecord,
+    FileRecord,
+    PagesRecord,
+    insert_document,
+    record_of,
+)
 from kvchat.store.reindex import Version, newer_than_listed, unlisted_versions
 from kvchat.store.schema import connect, migrate, pending
 
@@ -63,7 +71,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationChanged", "ConversationRecord",
-    "DamagedDatabase", "EpisodeRecord", "PagesRecord", "PendingConversation", "Problem", "Store",
+    "DamagedDatabase", "EpisodeRecord", "FileRecord", "PagesRecord", "PendingConversation", "Problem", "Store",
     "check_safetensors_header",
     "database_error", "diagnose", "is_legacy_fingerprint", "read_only_reason", "repair", "validate_name",
 ]  # fmt: skip
@@ -417,7 +425,7 @@ class Store:
             return shlex.join(["kvchat", "ingest", "HISTORY", "--name", name] + (["--replace"] if replace else []))
         return _reingest_command(record, replace=replace)
 
-    # ----- episode files
+    # ----- a conversation's files
 
     @_index_errors
     def load_episode(
@@ -425,7 +433,7 @@ class Store:
     ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Load one episode's tensors and metadata, refusing anything damaged or foreign (`loading`)."""
         return loading.load_episode(record, fingerprint, caches_dir=self.caches_dir,
-                                    refuse=self._refuser(record, "cache"))  # fmt: skip
+                                    refuse=self._refuser(record.path, "cache", record.index))  # fmt: skip
 
     @_index_errors
     def load_pages(
@@ -434,32 +442,35 @@ class Store:
         """An episode's pages file as tensors read on demand (`FileRows`) and its metadata, after the same checks
         (`loading`)."""
         return loading.load_pages(record, fingerprint, caches_dir=self.caches_dir,
-                                  refuse=self._refuser(record, "pages file"))  # fmt: skip
+                                  refuse=self._refuser(record.path, "pages file", record.index))  # fmt: skip
 
-    def _refuser(self, record: EpisodeRecord, what: str) -> Callable[[str], UserError]:
-        """The error for a damaged file of `record`: what is wrong, and the command that rebuilds it; or, when
-        another process has replaced or removed that version meanwhile (its files retired), that."""
-        name = record.path.parent.parent.name
+    @_index_errors
+    def load_recall_entries(
+        self, conversation: ConversationRecord, fingerprint: str
+    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+        """A conversation's recall entries file as tensors read on demand (`FileRows`) and its metadata, after the
+        same checks (`loading`). UserError when it keeps none."""
+        file = conversation.recall_entries
+        if file is None:
+            raise UserError(f"conversation {_show(conversation.name)} keeps no recall entries file; rebuild with "
+                            f"`{self._rebuild_hint(conversation.name, replace=True)}`")  # fmt: skip
+        return loading.open_side_file(file, fingerprint, caches_dir=self.caches_dir, what="recall entries file",
+                                      refuse=self._refuser(file.path, "recall entries file"))  # fmt: skip
+
+    def _refuser(self, path: Path, what: str, episode: int | None = None) -> Callable[[str], UserError]:
+        """The error for a damaged file of a conversation (`path`; of its episode `episode`, if one): what is
+        wrong, and the command that rebuilds it; or, when another process has replaced or removed that version
+        meanwhile (its files retired), that."""
+        name = path.parent.parent.name
         rebuild = self._rebuild_hint(name, replace=True)
+        of = f"{what} of conversation {_show(name)}" + ("" if episode is None else f" episode {episode}")
 
         def refuse(problem: str) -> UserError:
-            if not self._lists(record.path):
+            if not doctor.lists(self, path):
                 return ConversationChanged(_show(name))
-            return CacheIntegrityError(
-                f"{what} of conversation {_show(name)} episode {record.index} {' '.join(problem.split())}; "
-                f"rebuild with `{rebuild}`"
-            )
+            return CacheIntegrityError(f"{of} {' '.join(problem.split())}; rebuild with `{rebuild}`")
 
         return refuse
-
-    def _lists(self, path: Path) -> bool:
-        """Whether an episode row still names `path` (else its version was replaced or removed)."""
-        try:
-            relative = path.relative_to(self._home).as_posix()
-        except ValueError:
-            return True
-        query = "select 1 from episodes where path = ? or pages_path = ? limit 1"
-        return bool(list(self._db.query(query, [relative, relative])))
 
     # ----- doctor
 

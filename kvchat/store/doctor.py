@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from kvchat.store import Store
 
 
+_SHOWN = {"cache": "", "recall entries": " recall entries file"}  # a file's `what` in a problem's message
+
+
 def database_damage(store: Store) -> str | None:
     """How kvchat.db is damaged (SQLite's integrity check, rows against their digests, the ask log
     read through), or None when it is sound. Reads only: no lock."""
@@ -45,31 +48,31 @@ def check(store: Store, *, embedding_dimension: int | None = None) -> list[Probl
     """Everything wrong with the files of this home, changing nothing (`kvchat doctor`; the database
     itself is `database_damage`'s).
 
-    Damaged conversations: an episode file missing, not a regular file, of the wrong size, or failing
-    its checksum (a flipped byte, a truncation, another conversation's file swapped in). Conversations on
-    disk that kvchat.db lacks or lists in an older version ("unlisted", `reindex`). Leftovers:
+    Damaged conversations: a file of one (an episode's cache or pages file, its recall entries file) missing,
+    not a regular file, of the wrong size, or failing its checksum (a flipped byte, a truncation, another
+    conversation's file swapped in). Conversations on disk that kvchat.db lacks or lists in an older version
+    ("unlisted", `reindex`). Leftovers:
     ingest dirs no row refers to, stray files, temp dirs of dead processes (ingests and model
     conversions). Takes no lock: an ingest dir younger than `ORPHAN_GRACE_S` that no row refers to yet
     may be an ingest committing right now, and is left for a later look.
     """
     problems: list[Problem] = []
     for conversation in store.conversations():
-        for episode in conversation.episodes:
-            for path, size, sha256, what in episode.files():
-                found = _file_problem(store.caches_dir, path, size, sha256)
-                if found is not None:
-                    kind, wrong = found
-                    shown = "" if what == "cache" else f" {what}"
-                    problems.append(Problem(
-                        kind, conversation.name, episode.index, path,
-                        f"conversation {show(conversation.name)} episode {episode.index}{shown} {wrong}; "
-                        "--fix removes the conversation",
-                    ))  # fmt: skip
+        owner = {path: e.index for e in conversation.episodes for path, *_ in e.files()}
+        for path, size, sha256, what in conversation.files():
+            found = _file_problem(store.caches_dir, path, size, sha256)
+            if found is not None:
+                kind, wrong = found
+                episode = owner.get(path)
+                where = f" episode {episode}" if episode is not None else ""
+                shown = _SHOWN.get(what, f" {what}")
+                problems.append(Problem(
+                    kind, conversation.name, episode, path,
+                    f"conversation {show(conversation.name)}{where}{shown} {wrong}; --fix removes the conversation",
+                ))  # fmt: skip
     if problems:  # an `rm` or `--replace` may have retired those files while we hashed them
-        current = {
-            (c.name, e.index, path) for c in store.conversations() for e in c.episodes for path, *_ in e.files()
-        }
-        problems = [p for p in problems if (p.conversation, p.episode, p.path) in current]
+        current = {(c.name, path) for c in store.conversations() for path, *_ in c.files()}
+        problems = [p for p in problems if (p.conversation, p.path) in current]
     problems += _centroid_problems(store, embedding_dimension) if embedding_dimension is not None else []
     listed = store._listed()
     problems += [
@@ -111,7 +114,7 @@ def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
     for name in sorted({p.conversation for p in problems if p.conversation is not None}):
         with store._db.atomic():
             row = store._row(name)
-            rows = store._episode_rows(name)
+            rows = [*store._episode_rows(name), {"path": (row or {}).get("recall_entries_path")}]
             paths = {store.home / p for r in rows for p in (r["path"], r.get("pages_path")) if p}
         damaged = {p.path for p in problems if p.conversation == name}
         if row is None or not paths & damaged:
@@ -156,7 +159,7 @@ def _centroid_problems(store: Store, dimension: int) -> list[Problem]:
 
 
 def _file_problem(caches_dir: Path, path: Path, size: int, sha256: str) -> tuple[str, str] | None:
-    """(kind, what is wrong) for one episode file, or None if it is the file that was committed."""
+    """(kind, what is wrong) for one file of a conversation, or None if it is the file that was committed."""
     try:
         verify_file(path, size, sha256, within=caches_dir)
     except FileMismatch as e:
@@ -171,12 +174,28 @@ def leftovers_of(store: Store, *, grace_s: float) -> list[Problem]:
     dirs. Exact under the write lock; without it, `grace_s` spares dirs an ingest may be committing."""
     with store._db.atomic():
         rows = list(store._db.query("select name, ingest_id from conversations"))
-        live_files = {
-            store.home / path
-            for row in store._db.query("select path, pages_path from episodes")
-            for path in (row["path"], row["pages_path"]) if path is not None
-        }
+        live_files = {store.home / path for path in _listed_files(store)}
     live_dirs = {store.caches_dir / row["name"] / row["ingest_id"] for row in rows}
     live_files |= {d / MANIFEST_NAME for d in live_dirs}
     found = leftovers(store.caches_dir, live_dirs, live_files, grace_s=grace_s) if store.caches_dir.is_dir() else []
     return found + model_leftovers(store.models_dir)
+
+
+_LISTED_FILES = ("select path from episodes union all select pages_path from episodes "
+                 "union all select recall_entries_path from conversations")  # fmt: skip
+
+
+def _listed_files(store: Store) -> list[str]:
+    """Every file a row names (relative to the home): episode files, pages files, recall entries files."""
+    return [row[0] for row in store._db.execute(_LISTED_FILES).fetchall() if row[0] is not None]
+
+
+def lists(store: Store, path: Path) -> bool:
+    """Whether a row still names `path` (else its version was replaced or removed)."""
+    try:
+        relative = path.relative_to(store.home).as_posix()
+    except ValueError:
+        return True
+    query = ("select 1 from episodes where path = ? or pages_path = ? "
+             "union all select 1 from conversations where recall_entries_path = ? limit 1")  # fmt: skip
+    return bool(store._db.execute(query, [relative] * 3).fetchall())

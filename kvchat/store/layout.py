@@ -17,10 +17,18 @@ HELD_SUFFIX = ".safetensors"
 _TORCH = ".torch-"  # in a held file's name: the torch build that packed it follows
 EPISODE_SUFFIX = ".safetensors"
 PAGES_SUFFIX = ".pages.safetensors"
+RECALL_ENTRIES_NAME = "recall-entries.safetensors"  # a conversation's, in its ingest dir beside the episodes'
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,99}")
 # Names Windows reserves for devices, with or without an extension: not portable as directory names.
 _RESERVED_RE = re.compile(r"(CON|PRN|AUX|NUL|COM[0-9]|LPT[0-9])(\..*)?", re.IGNORECASE)
+
+
+def is_episode_file(name: str) -> bool:
+    """Whether a file name in an ingest dir is an episode's cache (`<index>.safetensors`), not a pages file, the
+    recall entries file or the manifest."""
+    stem = name.removesuffix(EPISODE_SUFFIX)
+    return stem != name and stem.isascii() and stem.isdigit()
 
 
 def show(name: str) -> str:

@@ -1,4 +1,5 @@
-"""An episode's files read back: only the bytes that were committed, by the model that reads them.
+"""A conversation's files read back (an episode's cache and pages file, the recall entries file): only the
+bytes that were committed, by the model that reads them.
 
 Every check happens before the codec decodes anything: the path lies inside the store, the file exists, is a
 regular file (a FIFO would block the read forever) and has the recorded size, its sha256 matches, the
@@ -17,7 +18,7 @@ from kvchat.checked_files import read_safetensors_header
 from kvchat.errors import UserError
 from kvchat.store.files import FileMismatch, check_safetensors_header, read_verified, verify_file
 from kvchat.store.layout import show
-from kvchat.store.records import EpisodeRecord
+from kvchat.store.records import EpisodeRecord, FileRecord
 
 if TYPE_CHECKING:
     import torch
@@ -63,30 +64,38 @@ def load_episode(
 def load_pages(
     record: EpisodeRecord, fingerprint: str, *, caches_dir: Path, refuse: Refuse
 ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """An episode's pages file (kvchat.kv.pagefile) as `FileRows` (kvchat.kv.tensorfile) and its metadata.
+    """An episode's pages file (kvchat.kv.pagefile) as `FileRows` (kvchat.kv.tensorfile) and its metadata
+    (`open_side_file`)."""
+    if record.pages is None:
+        raise refuse("does not exist: the conversation was ingested without --offload")
+    return open_side_file(record.pages, fingerprint, caches_dir=caches_dir, refuse=refuse, what="pages file")
+
+
+def open_side_file(
+    file: FileRecord, fingerprint: str, *, caches_dir: Path, refuse: Refuse, what: str
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A file beside the episode caches (a pages file, a recall entries file: `what`) as `FileRows`
+    (kvchat.kv.tensorfile) and its metadata.
 
     The same checks as `load_episode`, the file hashed in chunks rather than read into memory; then the
-    header is checked and the tensors are opened, not read: keys and values are read from disk only where
-    retrieval gathers them, with reads that raise `ShrunkFile` if the file was truncated since.
+    header is checked and the tensors are opened, not read: they are read from disk only where they are
+    gathered, with reads that raise `ShrunkFile` if the file was truncated since.
     """
-    pages = record.pages
-    if pages is None:
-        raise refuse("does not exist: the conversation was ingested without --offload")
     try:
-        verify_file(pages.path, pages.bytes, pages.sha256, within=caches_dir)
-        header = read_safetensors_header(pages.path)
+        verify_file(file.path, file.bytes, file.sha256, within=caches_dir)
+        header = read_safetensors_header(file.path)
     except FileMismatch as e:
         raise refuse(str(e)) from None
     except ValueError as e:  # a bad header
         raise refuse(f"is not a valid safetensors file: {e}") from None
     except OSError as e:  # no permission, an I/O error: the environment's, not the file's content
-        raise UserError(f"cannot read the pages file {pages.path}: {e.strerror or e}") from None
+        raise UserError(f"cannot read the {what} {file.path}: {e.strerror or e}") from None
     metadata: dict[str, str] = header.get("__metadata__", {})
     check_fingerprint(metadata, fingerprint, refuse)
     try:
-        from kvchat.kv.tensorfile import open_tensors  # torch, only when pages are read
+        from kvchat.kv.tensorfile import open_tensors  # torch, only when the file is read
 
-        return open_tensors(pages.path, header)
+        return open_tensors(file.path, header)
     except ValueError as e:  # the header passed our checks, so this is unexpected
         raise refuse(f"could not be opened: {e}") from None
 

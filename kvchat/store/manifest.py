@@ -30,14 +30,19 @@ _EPISODE_FIELDS = ("centroid", "medoid_text", "budgets", "n_tokens", "bytes", "s
 # An episode's pages file (`--offload icecache`), in the document as `pages` {path, bytes, sha256} only when
 # it has one, so documents of episodes without one (and their digests) are as before pages files existed.
 _PAGES_COLUMNS = {"path": "pages_path", "bytes": "pages_bytes", "sha256": "pages_sha256"}
+# A conversation's recall entries file (`--method recall`), likewise `recall_entries` {path, bytes, sha256} at the
+# top level only when it has one, in its conversation row's `recall_entries_*` columns.
+_RECALL_COLUMNS = {"path": "recall_entries_path", "bytes": "recall_entries_bytes", "sha256": "recall_entries_sha256"}
+_FIELDS = ("name", "ingest_id", "created_at", "model", "fingerprint", "settings", "stats")
 
 
 def document(
     *, name: str, ingest_id: str, created_at: str, model: str, fingerprint: str, settings: dict, stats: dict,
-    episodes: list[dict],
+    episodes: list[dict], recall_entries: dict | None = None,
 ) -> dict:  # fmt: skip
     """A conversation's document; `episodes` hold `index`, the episode row's fields, parsed, and `pages` (a
-    dict of path, bytes and sha256) when the episode has a pages file."""
+    dict of path, bytes and sha256) when the episode has a pages file; `recall_entries` (the same dict) when the
+    conversation has a recall entries file."""
     return {
         "name": name, "ingest_id": ingest_id, "created_at": created_at, "model": model,
         "fingerprint": fingerprint, "settings": settings, "stats": stats,
@@ -46,6 +51,7 @@ def document(
              **({"pages": e["pages"]} if e.get("pages") else {})}
             for e in episodes
         ],
+        **({"recall_entries": recall_entries} if recall_entries else {}),
     }  # fmt: skip
 
 
@@ -59,10 +65,11 @@ def document_from_rows(conversation: dict, episodes: list[dict]) -> dict:
 
     Raises ValueError when a JSON column does not parse.
     """
-    parsed = {key: json.loads(conversation[key]) if key in _JSON_COLUMNS else conversation[key]
-              for key in ("name", "ingest_id", "created_at", "model", "fingerprint", "settings", "stats")}
+    parsed = {key: json.loads(conversation[key]) if key in _JSON_COLUMNS else conversation[key] for key in _FIELDS}
     return document(
         **parsed,
+        recall_entries=None if conversation.get("recall_entries_path") is None
+        else {k: conversation[c] for k, c in _RECALL_COLUMNS.items()},
         episodes=[
             {"index": row["idx"],
              **{f: json.loads(row[f]) if f in _EPISODE_JSON_COLUMNS else row[f] for f in _EPISODE_FIELDS},
@@ -75,8 +82,8 @@ def document_from_rows(conversation: dict, episodes: list[dict]) -> dict:
 def rows_from_document(doc: dict) -> tuple[dict, list[dict]]:
     """The conversation row (with its `digest`) and episode rows that store `doc`."""
     conversation = {
-        **{key: json.dumps(doc[key], sort_keys=True) if key in _JSON_COLUMNS else doc[key]
-           for key in ("name", "ingest_id", "created_at", "model", "fingerprint", "settings", "stats")},
+        **{key: json.dumps(doc[key], sort_keys=True) if key in _JSON_COLUMNS else doc[key] for key in _FIELDS},
+        **{c: (doc.get("recall_entries") or {}).get(k) for k, c in _RECALL_COLUMNS.items()},
         "digest": digest(doc),
     }  # fmt: skip
     episodes = [
@@ -139,6 +146,8 @@ def inconsistency(doc: dict) -> str | None:
             return f"episode {e['index']}'s centroid is not a list of numbers"
         if e["bytes"] < 0 or not isinstance(e.get("n_tokens", 0), int) or e.get("n_tokens", 0) < 0:
             return f"episode {e['index']} has a negative size"
+    if any(f["bytes"] < 0 for f in [doc.get("recall_entries"), *(e.get("pages") for e in episodes)] if f):
+        return "a file of it has a negative size"
     return None
 
 
@@ -153,14 +162,20 @@ def _well_formed(doc: dict) -> bool:
         and all(isinstance(e, dict) and isinstance(e.get("index"), int) and isinstance(e.get("path"), str)
                 and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
                 and isinstance(e.get("centroid"), list) and isinstance(e.get("budgets"), list)
-                and _pages_well_formed(e.get("pages", {"path": "", "bytes": 0, "sha256": ""}))
+                and _file_well_formed(e.get("pages", _NO_FILE))
                 for e in episodes)
+        and _file_well_formed(doc.get("recall_entries", _NO_FILE))
     )  # fmt: skip
 
 
-def _pages_well_formed(pages: object) -> bool:
-    return (isinstance(pages, dict) and isinstance(pages.get("path"), str) and isinstance(pages.get("bytes"), int)
-            and isinstance(pages.get("sha256"), str))
+_NO_FILE = {"path": "", "bytes": 0, "sha256": ""}  # a file entry that is absent checks as well formed
+
+
+def _file_well_formed(entry: object) -> bool:
+    """A file's entry ({path, bytes, sha256}: an episode's `pages`, the conversation's `recall_entries`)."""
+    return (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+            and isinstance(entry.get("bytes"), int) and not isinstance(entry.get("bytes"), bool)
+            and isinstance(entry.get("sha256"), str))  # fmt: skip
 
 
 def manifest_of(ingest_dir: Path) -> dict | None:

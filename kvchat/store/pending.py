@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import sqlite3
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,14 +24,28 @@ from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
 from kvchat.store.errors import ConversationChanged, database_error
-from kvchat.store.files import crash_point, discard, disk_full, fsync_dir, is_disk_full, new_temp_path, rename
-from kvchat.store.layout import EPISODE_SUFFIX, PAGES_SUFFIX, show
+from kvchat.store.files import (
+    FileMismatch,
+    crash_point,
+    discard,
+    disk_full,
+    fsync_dir,
+    is_disk_full,
+    is_inside,
+    new_temp_path,
+    open_regular,
+    rename,
+    verify_file,
+)
+from kvchat.store.layout import EPISODE_SUFFIX, PAGES_SUFFIX, RECALL_ENTRIES_NAME, show
 from kvchat.store.manifest import document, write_manifest
 from kvchat.store.records import (
     ConversationRecord,
     EpisodeRecord,
+    FileRecord,
     PagesRecord,
     episode_entry,
+    file_entry,
     insert_document,
     record_of,
 )
@@ -64,6 +79,7 @@ class PendingConversation:
         self._tmp.mkdir()
         self._final = store.caches_dir / name / self.ingest_id
         self._episodes: dict[int, tuple[EpisodeRecord, str]] = {}
+        self._recall_entries: FileRecord | None = None
         self._state = "open"
 
     def __enter__(self) -> PendingConversation:
@@ -108,6 +124,47 @@ class PendingConversation:
             size, sha256 = write(path)
         shutil.rmtree(self._tmp / f"scratch-{index}", ignore_errors=True)
         return PagesRecord(int(size), str(sha256), self._final / path.name)
+
+    def write_recall_entries(self, write: Callable[[Path], tuple[int, str]]) -> FileRecord:
+        """The conversation's recall entries file: `write(path)` writes and fsyncs it at `path` in the temp dir
+        and returns (bytes, sha256). `commit` lists it with the conversation."""
+        path = self._recall_entries_path()
+        with self.disk_full_guard(), _removed_on_failure(path):
+            size, sha256 = write(path)
+        self._recall_entries = FileRecord(int(size), str(sha256), self._final / path.name)
+        return self._recall_entries
+
+    def carry_recall_entries(self, record: FileRecord) -> FileRecord:
+        """The previous version's recall entries file, unchanged (an `ingest --append`), hard-linked into the temp
+        dir (copied and fsync'd where it cannot be linked: another file system, no permission), and accepted only
+        once what is there has the record's size and sha256; refused otherwise, with the command that rebuilds
+        the conversation (or ConversationChanged when that version was replaced or removed meanwhile)."""
+        path = self._recall_entries_path()
+        refuse = self._store._refuser(record.path, "recall entries file")
+        if not is_inside(record.path, self._store.caches_dir):
+            raise refuse(f"points outside the store ({record.path})")
+        try:
+            with self.disk_full_guard(), _removed_on_failure(path):
+                try:
+                    crash_point(f"link {path.name}")
+                    os.link(record.path, path)
+                except OSError as e:
+                    if is_disk_full(e) or isinstance(e, FileNotFoundError):
+                        raise
+                    _copy(record.path, path)
+                verify_file(path, record.bytes, record.sha256, within=self._tmp)
+        except FileNotFoundError:
+            raise refuse(f"is missing ({record.path})") from None
+        except FileMismatch as e:
+            raise refuse(str(e)) from None
+        self._recall_entries = FileRecord(record.bytes, record.sha256, self._final / path.name)
+        return self._recall_entries
+
+    def _recall_entries_path(self) -> Path:
+        self._check_open()
+        if self._recall_entries is not None:
+            raise ValueError("the recall entries file was already written")
+        return self._tmp / RECALL_ENTRIES_NAME
 
     def write_episode(
         self,
@@ -177,11 +234,15 @@ class PendingConversation:
         stats_json = json.dumps(stats, sort_keys=True)
         records = [self._episodes[i][0] for i in sorted(self._episodes)]
         store, caches, name_dir = self._store, self._store.caches_dir, self._final.parent
+        entries = self._recall_entries
+        if entries is not None and not _holds(self._tmp / entries.path.name, entries):
+            raise ValueError("commit: the recall entries file is not in this ingest's temp dir as recorded")
         created_at = utc_timestamp()
         doc = document(
             name=self.name, ingest_id=self.ingest_id, created_at=created_at, model=model, fingerprint=fingerprint,
             settings=json.loads(settings_json), stats=json.loads(stats_json),
             episodes=[episode_entry(r, store.home) for r in records],
+            recall_entries=file_entry(entries, store.home) if entries is not None else None,
         )  # fmt: skip
         old_ingest: str | None = None
         renamed = False
@@ -233,3 +294,32 @@ class PendingConversation:
         if self._state == "open":
             self._state = "aborted"
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def _copy(source: Path, target: Path) -> None:
+    """`source` copied to the new file `target`, fsync'd (where a hard link cannot be made)."""
+    crash_point(f"write {target.name}")
+    with open_regular(source) as src, open(target, "xb") as out:
+        shutil.copyfileobj(src, out, 1 << 22)
+        out.flush()
+        crash_point(f"fsync {target.name}")
+        os.fsync(out.fileno())
+
+
+@contextmanager
+def _removed_on_failure(path: Path) -> Iterator[None]:
+    """What was written at `path` is removed when the block fails, so a part of a file is never committed."""
+    try:
+        yield
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def _holds(path: Path, record: FileRecord) -> bool:
+    """Whether `path` is a regular file (not a link) of the record's size."""
+    try:
+        found = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISREG(found.st_mode) and found.st_size == record.bytes

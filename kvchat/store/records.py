@@ -1,4 +1,4 @@
-"""A stored conversation as the library sees it (`ConversationRecord`, `EpisodeRecord`, `PagesRecord`), and
+"""A stored conversation as the library sees it (`ConversationRecord`, `EpisodeRecord`, `FileRecord`), and
 the conversions between those records, their document (`manifest`) and their rows in kvchat.db."""
 
 from __future__ import annotations
@@ -12,12 +12,17 @@ from kvchat.store.manifest import rows_from_document
 
 
 @dataclass(frozen=True)
-class PagesRecord:
-    """An episode's pages file (`--offload icecache`, kvchat.kv.pagefile): what eviction dropped, paged."""
+class FileRecord:
+    """A file beside the episode caches, committed and checked as they are: an episode's pages file
+    (`--offload icecache`, kvchat.kv.pagefile: what eviction dropped, paged), or a conversation's recall entries
+    file (`--method recall`: the KV entries of every chunk of the history, `layout.RECALL_ENTRIES_NAME`)."""
 
     bytes: int
     sha256: str
     path: Path  # absolute path
+
+
+PagesRecord = FileRecord  # an episode's pages file
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,7 @@ class EpisodeRecord:
     bytes: int  # file size
     sha256: str
     path: Path  # absolute path of the safetensors file
-    pages: PagesRecord | None = None  # its pages file, when the conversation offloads
+    pages: FileRecord | None = None  # its pages file, when the conversation offloads
 
     def files(self) -> list[tuple[Path, int, str, str]]:
         """(path, bytes, sha256, what) of every file of this episode."""
@@ -50,6 +55,16 @@ class ConversationRecord:
     stats: dict
     episodes: list[EpisodeRecord]
     ingest_id: str = ""  # this version of the conversation (every ingest or append makes a new one)
+    recall_entries: FileRecord | None = None  # the KV entries of every chunk of the history, when it keeps them
+
+    def files(self) -> list[tuple[Path, int, str, str]]:
+        """(path, bytes, sha256, what) of every file of this conversation: each episode's, then its recall
+        entries file (what: "recall entries")."""
+        out = [f for episode in self.episodes for f in episode.files()]
+        if self.recall_entries is not None:
+            entries = self.recall_entries
+            out.append((entries.path, entries.bytes, entries.sha256, "recall entries"))
+        return out
 
 
 def record_of(doc: dict, home: Path) -> ConversationRecord:
@@ -66,20 +81,29 @@ def record_of(doc: dict, home: Path) -> ConversationRecord:
             EpisodeRecord(
                 index=e["index"], centroid=e["centroid"], medoid_text=e["medoid_text"], budgets=e["budgets"],
                 n_tokens=e["n_tokens"], bytes=e["bytes"], sha256=e["sha256"], path=home / e["path"],
-                pages=PagesRecord(e["pages"]["bytes"], e["pages"]["sha256"], home / e["pages"]["path"])
-                if e.get("pages") else None,
+                pages=file_record(e["pages"], home) if e.get("pages") else None,
             )  # fmt: skip
             for e in doc["episodes"]
         ],
+        recall_entries=file_record(doc["recall_entries"], home) if doc.get("recall_entries") else None,
     )
+
+
+def file_record(entry: dict, home: Path) -> FileRecord:
+    """The record of a file's entry in a conversation document ({path relative to the home, bytes, sha256})."""
+    return FileRecord(entry["bytes"], entry["sha256"], home / entry["path"])
+
+
+def file_entry(record: FileRecord, home: Path) -> dict:
+    """A file's entry in a conversation document (`file_record`'s inverse)."""
+    return {"path": record.path.relative_to(home).as_posix(), "bytes": record.bytes, "sha256": record.sha256}
 
 
 def episode_entry(record: EpisodeRecord, home: Path) -> dict:
     """An episode of a conversation document (`manifest.document`): paths relative to the home."""
     entry = {**asdict(record), "path": record.path.relative_to(home).as_posix(), "pages": None}
     if record.pages is not None:
-        entry["pages"] = {"path": record.pages.path.relative_to(home).as_posix(), "bytes": record.pages.bytes,
-                          "sha256": record.pages.sha256}  # fmt: skip
+        entry["pages"] = file_entry(record.pages, home)
     return entry
 
 

@@ -18,7 +18,7 @@ from kvchat.settings import rebuild_command
 from kvchat.store.asklog import ASK_FIELDS
 from kvchat.store.errors import BUSY_TIMEOUT_MS
 from kvchat.store.files import FileMismatch, fsync_dir, new_temp_path, rename, try_rmdir, verify_file
-from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, show
+from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, is_episode_file, show
 from kvchat.store.leftovers import Problem, model_leftovers
 from kvchat.store.manifest import digest, document_from_rows, read_manifest
 from kvchat.store.records import insert_document
@@ -304,24 +304,27 @@ def _manifest(ingest_dir: Path) -> tuple[dict | None, str, str]:
 
 
 def _files_problem(home: Path, caches_dir: Path, ingest_dir: Path, doc: dict) -> str | None:
-    """What is wrong with the episode files `doc` lists, or None when each is the file it committed."""
-    for episode in doc["episodes"]:
-        files = [("", episode), *([(" pages file", episode["pages"])] if episode.get("pages") else [])]
-        for what, file in files:
-            path = home / file["path"]
-            if path.parent != ingest_dir:
-                return f"episode {episode['index']}{what} lies outside its ingest dir"
-            try:
-                verify_file(path, file["bytes"], file["sha256"], within=caches_dir)
-            except FileMismatch as e:
-                return f"episode {episode['index']}{what} {e}"
-            except OSError as e:
-                return f"episode {episode['index']}{what} cannot be read ({e.strerror or e})"
+    """What is wrong with the files `doc` lists (episode files, pages files, the recall entries file), or None
+    when each is the file it committed."""
+    files = [(f"episode {episode['index']}{what}", file) for episode in doc["episodes"]
+             for what, file in [("", episode), *([(" pages file", episode["pages"])] if episode.get("pages") else [])]]
+    if doc.get("recall_entries"):
+        files.append(("its recall entries file", doc["recall_entries"]))
+    for what, file in files:
+        path = home / file["path"]
+        if path.parent != ingest_dir:
+            return f"{what} lies outside its ingest dir"
+        try:
+            verify_file(path, file["bytes"], file["sha256"], within=caches_dir)
+        except FileMismatch as e:
+            return f"{what} {e}"
+        except OSError as e:
+            return f"{what} cannot be read ({e.strerror or e})"
     return None
 
 
 def _episode_files(ingest_dir: Path) -> int:
     try:
-        return sum(1 for p in ingest_dir.iterdir() if p.suffix == ".safetensors" and ".pages." not in p.name)
+        return sum(1 for p in ingest_dir.iterdir() if is_episode_file(p.name))
     except OSError:
         return 0

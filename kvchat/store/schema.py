@@ -108,11 +108,19 @@ def _migration_3(db: sqlite_utils.Database) -> None:
         db["episodes"].add_column(column, kind)
 
 
+def _migration_4(db: sqlite_utils.Database) -> None:
+    """A conversation's recall entries file (`--method recall`): its path, size and sha256; NULL when it has
+    none (so existing rows and their digests are unchanged)."""
+    for column, kind in (("recall_entries_path", str), ("recall_entries_bytes", int), ("recall_entries_sha256", str)):
+        db["conversations"].add_column(column, kind)
+
+
 # Append only: (version, fn). Each runs once per database, in order, inside the write lock.
 MIGRATIONS: list[tuple[int, Callable[[sqlite_utils.Database], None]]] = [
     (1, _migration_1),
     (2, _migration_2),
     (3, _migration_3),
+    (4, _migration_4),
 ]
 
 
