@@ -290,7 +290,7 @@ def _prepare(variant, qa_set, name, lm, answering, encoder, base, ask_config, st
                progress=progress.ingest, profile_dirs=profile_dirs, replace=True)  # fmt: skip
         conversation = store.get(name)
     stats = conversation.stats
-    disk = sum(f[1] for e in conversation.episodes for f in e.files()) + (recall.index.nbytes if recall else 0)
+    disk = sum(f[1] for f in conversation.files()) + (recall.index.nbytes if recall else 0)
     _note_ingest(results, qa_set.name, variant, seconds=stats.get("seconds"), disk_bytes=disk,
                  history_tokens=stats.get("history_tokens"), peak_layer_entries=stats.get("peak_layer_entries"),
                  episodes=stats.get("episodes"), prefill=stats.get("prefill"))  # fmt: skip
