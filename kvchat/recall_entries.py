@@ -121,10 +121,9 @@ def computed(lm: LoadedModel, ids: Sequence[torch.Tensor], prefix: torch.Tensor,
         mark = cache.checkpoint()
         for i in range(first, len(ids)):
             cache.rollback(mark)
-            if i > 0:
-                lm.forward(cache, ids[i - 1])
-            start, n = cache.next_position, ids[i].shape[-1]
-            lm.forward(cache, ids[i])
+            fed = torch.cat([ids[i - 1], ids[i]], dim=-1) if i > 0 else ids[i]  # one forward of both
+            start, n = cache.next_position + fed.shape[-1] - ids[i].shape[-1], ids[i].shape[-1]
+            lm.forward(cache, fed)
             yield start, [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in cache.layers]
 
 
