@@ -17,7 +17,8 @@ and `--questions N` measures an evenly spread subset first.
 Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
 chunk opening with its date), `recent@M` (sink + the last tokens, `streaming` at uniform layer budgets),
 `METHOD@M` (`kvchat ingest --method METHOD --budget M` at its other defaults; `:eE` with E episodes, `:rR` with
-IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens),
+IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens; `:stored`: with
+`--recall-entries stored`),
 `CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's routed cache).
 """
 
@@ -59,7 +60,7 @@ from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
 _SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?"
-                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical))?(?P<dated>:dated)?")
+                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical))?(?P<dated>:dated)?(?P<stored>:stored)?")
 
 
 def parse_system(spec: str) -> GoldVariant:
@@ -79,7 +80,8 @@ def parse_system(spec: str) -> GoldVariant:
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
     offload = OffloadConfig(mode="icecache", retrieve=int(match["r"])) if match["r"] else OffloadConfig()
     recall = RecallConfig(share=int(match["s"] or 50) / 100, chunk_tokens=int(match["c"] or 256),
-                          retrieval=match["ret"] or RecallConfig.retrieval, dated=bool(match["dated"]))
+                          retrieval=match["ret"] or RecallConfig.retrieval, dated=bool(match["dated"]),
+                          entries="stored" if match["stored"] else RecallConfig.entries)
     cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload, recall=recall)
     variant = kvchat_variant(cache, spec.strip())
     if match["e"]:

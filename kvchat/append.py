@@ -30,13 +30,22 @@ from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode
 from kvchat.errors import UserError
 from kvchat.history import Turn, load_history
-from kvchat.ingest import IngestProgress, IngestReport, build_episodes, commit_ingest, ingest, write_episode
+from kvchat.ingest import (
+    IngestProgress,
+    IngestReport,
+    build_episodes,
+    commit_ingest,
+    ingest,
+    write_episode,
+    write_recall_entries,
+)
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import method
 from kvchat.llm import LoadedModel
 from kvchat.plan import Continuation, plan_ingest
 from kvchat.rag import RagIndex
+from kvchat.recall_entries import StoredEntries
 from kvchat.settings import from_settings, rebuild_command, stored_read
 from kvchat.sources import TurnSpan
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
@@ -117,7 +126,8 @@ def append(
             for built in build_episodes(plan, lm, scratch=pending.scratch_dir, progress=progress, resume=resume):
                 records.append(write_episode(pending, plan, built, lm))
                 stats.append(built.stats())
-        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
+            recall_file = write_recall_entries(pending, plan, lm, progress, _stored_entries(store, record, lm))
+        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
 
 
 def reingest(
@@ -150,6 +160,17 @@ def reingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
         progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
     )
+
+
+def _stored_entries(store: Store, record: ConversationRecord, lm: LoadedModel) -> StoredEntries | None:
+    """The stored version's recall entries file (`--recall-entries stored`), whose chunks the new file copies; None
+    where it has none or it does not read (the new file then computes every chunk)."""
+    if record.recall_entries is None:
+        return None
+    try:
+        return StoredEntries.opened(*store.load_recall_entries(record, lm.fingerprint))
+    except ValueError:
+        return None
 
 
 def _stored_recall(store: Store, record: ConversationRecord, metadata: dict[str, str]) -> RagIndex:

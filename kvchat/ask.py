@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvchat import features, recall
+from kvchat import features, recall, recall_entries
 from kvchat.config import AskConfig
 from kvchat.echo import guard_for
 from kvchat.encoder import SentenceEncoder
@@ -28,7 +28,8 @@ from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.llm import ChatLayout, LoadedModel, generate
-from kvchat.rag import RagIndex
+from kvchat.rag import Chunk, RagIndex
+from kvchat.recall_entries import StoredEntries
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.sources import METADATA_KEY, Source, SourceRecorder, TurnSpan, from_metadata, rank
 from kvchat.store import ConversationRecord, Store
@@ -79,6 +80,7 @@ class Session:
         self._compacted = False  # the resident episode's keys were re-rotated to compact positions
         self._origins: list[list[torch.Tensor]] | None = None  # its entries' original positions, where compacted
         self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
+        self._stored: StoredEntries | None = None  # its recall entries file (--recall-entries stored), opened once
 
     def ask(
         self,
@@ -126,6 +128,7 @@ class Session:
         reused = self._resident is not None and self._resident[0] == index
         with self._shrunk_pages_refused(index):
             cache = self._cache(index)
+        stored = self._stored_entries()
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
@@ -133,15 +136,19 @@ class Session:
             self.layout.question(self.config.question_template.format(question=question), earlier)
         )
         chunks: list[list[int]] | None = None
-        recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens in the prefilled text
+        placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
+        recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
         if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
             recalled, picked = recall.recalled_text(self._recall, question, query, self._split)
             chunks = recall.turn_ranges(picked)
-            recalled_turns = recall.recalled_spans(self.lm.tokenizer, picked) if sources else []
+            if stored is not None:
+                placing, recalled = [self._recall.chunks.index(c) for c in picked], ""
+            recalled_turns = self._recalled_spans(picked, placing) if sources else []
         if recalled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
+        placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
-            self.lm.config, cache.next_position + prompt_ids.shape[-1] + self.config.max_new_tokens,
+            self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",
         )
         recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
@@ -152,6 +159,7 @@ class Session:
         shown = ""
         with self._shrunk_pages_refused(index):
             try:
+                self._place(cache, placing)
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
                     first_recorder=first_recorder, echo=guard_for(self.config, question, self.lm.decode),
@@ -170,8 +178,8 @@ class Session:
                 if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
                     on_text(full_text[len(shown):])
                 if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
-                    self._record_answer(cache, recorder, mark.extended(prompt_ids.shape[-1] - 1), prompt_ids,
-                                        tokens[:-1] if finish == "length" else tokens)  # fmt: skip
+                    self._record_answer(cache, recorder, mark.extended(placed + prompt_ids.shape[-1] - 1),
+                                        prompt_ids, tokens[:-1] if finish == "length" else tokens)  # fmt: skip
             finally:
                 cache.rollback(mark)
         text = full_text.strip()
@@ -182,7 +190,7 @@ class Session:
             conversation=self.conversation.name,
             episode=index,
             similarity=round(similarity, 4),
-            prompt_tokens=int(prompt_ids.shape[-1]),
+            prompt_tokens=placed + int(prompt_ids.shape[-1]),
             answer_tokens=len(tokens),
             reused_cache=reused,
             timings_ms=timings,
@@ -235,6 +243,51 @@ class Session:
                 f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
             )
         return episode, float(self._centroids[episode] @ query)
+
+    def _stored_entries(self) -> StoredEntries | None:
+        """The conversation's recall entries file (`--recall-entries stored`), opened and checked once; None where
+        its chunks are prefilled."""
+        c = self.conversation
+        if c.recall_entries is None or self._recall is None:
+            return None
+        if self._stored is None:
+            tensors, metadata = self.store.load_recall_entries(c, self.lm.fingerprint)
+            try:
+                stored = StoredEntries.opened(tensors, metadata)
+                prefix = self.lm.encode(self.layout.before_conversation)
+                if stored.digest != recall_entries.digest(self._recall.chunks, prefix):
+                    raise ValueError("holds the entries of other chunks than its recall index")
+            except ValueError as e:
+                raise self._unreadable_entries(str(e)) from None
+            self._stored = stored
+        return self._stored
+
+    def _place(self, cache: EpisodeCache, placing: Sequence[int]) -> None:
+        """The stored entries of chunks `placing` appended to `cache` in turn; a file truncated since it was
+        checked ends the answer with a message (the caller rolls the cache back)."""
+        try:
+            for chunk in placing:
+                self._stored.place(cache, chunk, self.lm)
+        except ShrunkFile:
+            self._stored = None  # the next question checks the file again
+            raise self._unreadable_entries("was truncated while this session was reading it") from None
+
+    def _recalled_spans(self, picked: Sequence[Chunk], placing: Sequence[int]) -> list[TurnSpan]:
+        """Each recalled turn's tokens after the cache: in the text prefilled for `picked`, or (`placing`) in their
+        stored entries, each chunk's counted after those placed before it."""
+        if not placing:
+            return recall.recalled_spans(self.lm.tokenizer, picked)
+        spans, offset = [], 0
+        for chunk, i in zip(picked, placing, strict=True):
+            spans += [dataclasses.replace(s, start=s.start + offset, end=s.end + offset)
+                      for s in recall.recalled_spans(self.lm.tokenizer, [chunk], recall_entries.LEAD)]  # fmt: skip
+            offset += self._stored.tokens[i]
+        return spans
+
+    def _unreadable_entries(self, problem: str) -> CacheIntegrityError:
+        c = self.conversation
+        return CacheIntegrityError(f"recall entries file of conversation '{c.name}' {problem}; "
+                                   f"rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`")
 
     def _source_recorder(self, cache: EpisodeCache, recalled: Sequence[TurnSpan]
                          ) -> tuple[SourceRecorder | None, str | None]:  # fmt: skip
@@ -293,7 +346,7 @@ class Session:
             self.conversation = current
             self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
             self._centroids = self._routing_centroids(current)
-            self._split, self._recall = _recall_split(current), None
+            self._split, self._recall, self._stored = _recall_split(current), None, None
             self._resident = None
 
     def _cache(self, index: int) -> EpisodeCache:

@@ -22,15 +22,25 @@ from pathlib import Path
 from typing import Any
 
 from kvchat import preflight
-from kvchat.batch_worker import Finished, HistoryJob, HistoryWorker, Planned, Skipped, StoredIngest, WorkerInfo
+from kvchat.batch_worker import (
+    Finished,
+    HistoryJob,
+    HistoryWorker,
+    Planned,
+    RecallEntries,
+    Skipped,
+    StoredIngest,
+    WorkerInfo,
+)
 from kvchat.batch_worker import stored_differences as stored_differences  # part of this module's API
 from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError, first_line
 from kvchat.history import load_history
-from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate
+from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate, write_recall_entries_bytes
 from kvchat.profile import profile_texts
 from kvchat.settings import read_options
 from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
+from kvchat.store.records import FileRecord
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
 WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again
@@ -335,6 +345,7 @@ class _Running:
     pending: PendingConversation | None = None
     episodes: int = 0
     records: list[EpisodeRecord] = field(default_factory=list)
+    recall_file: FileRecord | None = None  # its recall entries file, written (`--recall-entries stored`)
 
 
 class _Driver:
@@ -447,10 +458,14 @@ class _Driver:
             assert running.pending is not None
             running.records.append(step.write(running.pending))
             self.progress.episode(name, len(running.records), running.episodes)
+        elif isinstance(step, RecallEntries):
+            self._await(running, running.worker.advance.remote())
+            assert running.pending is not None
+            running.recall_file = write_recall_entries_bytes(running.pending, step.data)
         elif isinstance(step, Finished):
             assert running.pending is not None
             report = commit_ingest(running.pending, step.plan, step.stats, running.records, step.model,
-                                   time.perf_counter() - running.started)  # fmt: skip
+                                   time.perf_counter() - running.started, running.recall_file)  # fmt: skip
             self._finish(running.index, running.source, "committed", running.attempt, running.started,
                          report=report)  # fmt: skip
             self.idle.append(running.worker)

@@ -22,7 +22,7 @@ from kvchat.device import resolve
 from kvchat.encoder import SentenceEncoder
 from kvchat.errors import UserError
 from kvchat.history import Turn
-from kvchat.ingest import EpisodeStats, IngestPlan, build_episodes, encode_episode, plan_ingest
+from kvchat.ingest import EpisodeStats, IngestPlan, build_episodes, encode_episode, plan_ingest, recall_entries_writer
 from kvchat.llm import LoadedModel, ModelIdentity, load_model, use_threads
 from kvchat.settings import to_settings
 from kvchat.store.files import hold_point
@@ -54,7 +54,8 @@ class HistoryJob:
     read: dict[str, str] = dataclasses.field(default_factory=dict)  # how it was read (settings.read_options)
 
 
-# A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, then Finished.
+# A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, its RecallEntries
+# (`--recall-entries stored`), then Finished.
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,13 @@ class Planned:
 @dataclass(frozen=True)
 class Skipped:
     """Stored already with the same settings, model and history."""
+
+
+@dataclass(frozen=True)
+class RecallEntries:
+    """The history's recall entries file (kvchat.recall_entries), for the driver to write."""
+
+    data: bytes
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,13 @@ class HistoryWorker:
                 del built  # one episode cache at a time
                 yield encoded
                 hold_point("batch-episode-sent")  # a test hook (the driver has the episode): nothing in a real run
+            writer = recall_entries_writer(plan, lm)
+            if writer is not None:
+                path = Path(scratch) / "recall-entries"
+                writer(path)
+                data = path.read_bytes()
+                path.unlink()
+                yield RecallEntries(data)
         yield Finished(plan, stats, lm.identity)
 
 

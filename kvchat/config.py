@@ -40,6 +40,9 @@ from kvchat.kv.config import (
     QUANT_RESIDUAL as QUANT_RESIDUAL,
 )
 from kvchat.kv.config import (
+    RECALL_ENTRIES as RECALL_ENTRIES,
+)
+from kvchat.kv.config import (
     RETRIEVALS as RETRIEVALS,
 )
 from kvchat.kv.config import (

@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvchat import features, recall, sources
+from kvchat import features, recall, recall_entries, sources
 from kvchat.episodes import Episode
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import Turn
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.prefill import block_prefill, select_from
-from kvchat.llm import LoadedModel, ModelIdentity
+from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
 from kvchat.plan import IngestPlan as IngestPlan
 from kvchat.plan import episode_scorer as episode_scorer
 from kvchat.plan import plan_ingest as plan_ingest
@@ -39,6 +39,7 @@ from kvchat.plan import validate as validate
 from kvchat.settings import to_settings
 from kvchat.store import EpisodeRecord, PagesRecord, PendingConversation, Store
 from kvchat.store.files import write_file
+from kvchat.store.records import FileRecord
 
 if TYPE_CHECKING:
     from kvchat.features.feature import StoredFile
@@ -60,6 +61,9 @@ class IngestProgress:
     def episode(self, index: int, total: int) -> None: ...
 
     def block(self, done: int, total: int) -> None: ...
+
+    def recall_entries(self, done: int, total: int) -> None:
+        """Chunks whose entries are computed (or copied) into the recall entries file (`--recall-entries stored`)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class IngestReport:
     budget: int = 0             # M per layer and KV head while answering (--budget): the caches' entries, and with
                                 # --method recall the question's recalled chunks (`recalled_entries`) on top
     recalled_entries: int = 0   # --method recall: entries per layer and KV head recalled at each question
+    recall_entries_bytes: int = 0  # --recall-entries stored: the recall entries file's size on disk
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -282,6 +287,41 @@ def _write_bytes(path: Path, data: bytes) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
+def recall_entries_writer(
+    plan: IngestPlan,
+    lm: LoadedModel,
+    progress: IngestProgress | None = None,
+    previous: recall_entries.StoredEntries | None = None,
+) -> Callable[[Path], tuple[int, str]] | None:
+    """`--recall-entries stored`: what writes every recall chunk's entries (kvchat.recall_entries) at a path and
+    returns (bytes, sha256); `previous`, the stored version's file (an append: its chunks are copied). None where
+    the conversation prefills its chunks."""
+    recalling = plan.config.cache.recall
+    if plan.recall is None or recalling.entries != "stored":
+        return None
+    prefix = lm.encode(ChatLayout.from_tokenizer(lm.tokenizer, plan.config.system_prompt).before_conversation)
+    on_chunk = progress.recall_entries if progress is not None else None
+    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, prefix, bits=recalling.stored_bits,
+                                             group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
+
+
+def write_recall_entries(
+    pending: PendingConversation,
+    plan: IngestPlan,
+    lm: LoadedModel,
+    progress: IngestProgress | None = None,
+    previous: recall_entries.StoredEntries | None = None,
+) -> FileRecord | None:
+    """The conversation's recall entries file (`recall_entries_writer`) written in `pending`; None without one."""
+    writer = recall_entries_writer(plan, lm, progress, previous)
+    return pending.write_recall_entries(writer) if writer is not None else None
+
+
+def write_recall_entries_bytes(pending: PendingConversation, data: bytes) -> FileRecord:
+    """A recall entries file a batch worker wrote and sent, written in `pending`."""
+    return pending.write_recall_entries(lambda path: _write_bytes(path, data))
+
+
 def commit_ingest(
     pending: PendingConversation,
     plan: IngestPlan,
@@ -289,9 +329,11 @@ def commit_ingest(
     records: Sequence[EpisodeRecord],
     lm: LoadedModel | ModelIdentity,
     seconds: float,
+    recall_file: FileRecord | None = None,
 ) -> IngestReport:
     """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
-    model that built the caches, or its identity where it was loaded elsewhere (a batch worker)."""
+    model that built the caches, or its identity where it was loaded elsewhere (a batch worker); `recall_file`,
+    its recall entries file (`write_recall_entries`)."""
     cache_cfg = plan.config.cache
     settings = to_settings(plan.config, source=plan.source, appended=plan.appended, reads=plan.reads)
     head_entries = [n for b in built for n in b.head_entries]
@@ -325,6 +367,7 @@ def commit_ingest(
         weights=identity.weights,
         budget=cache_cfg.budget,
         recalled_entries=split.recalled if (split := recall.split_for(cache_cfg)) else 0,
+        recall_entries_bytes=recall_file.bytes if recall_file is not None else 0,
     )
     pending.commit(
         model=lm.spec,
@@ -361,4 +404,5 @@ def ingest(
             for built in build_episodes(plan, lm, scratch=pending.scratch_dir, progress=progress):
                 records.append(write_episode(pending, plan, built, lm))
                 stats.append(built.stats())  # the cache itself is released before the next episode is built
-        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started)
+            recall_file = write_recall_entries(pending, plan, lm, progress)
+        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)

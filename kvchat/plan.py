@@ -23,6 +23,7 @@ from kvchat.config import (
     DEFAULT_EPISODES,
     CacheConfig,
     IngestConfig,
+    RecallConfig,
 )
 from kvchat.encoder import SentenceEncoder
 from kvchat.episodes import Episode, build_episodes, segment
@@ -65,6 +66,9 @@ def validate(config: IngestConfig) -> None:
         )
     if may_recall(cache.method):
         recall.split(cache)  # refuses a share it cannot split the budget by
+    elif cache.recall.entries != RecallConfig.entries:
+        raise UserError(f"--recall-entries {cache.recall.entries} needs --method recall (or auto, which recalls "
+                        f"beyond the model's window); --method {cache.method} recalls nothing")
     if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
         raise UserError(
             f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
@@ -452,6 +456,9 @@ def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes:
         return cache
     within, beyond = AUTO_METHODS
     if not window or history_tokens + ANSWER_ROOM <= window:
+        if cache.recall.entries != RecallConfig.entries:
+            notes.append(f"--recall-entries {cache.recall.entries} is unused: the history fits the model's window, "
+                         f"so --method auto is {within}, which recalls nothing")
         return dataclasses.replace(cache, method=within)
     notes.append(f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window}): "
                  f"--method {beyond}")

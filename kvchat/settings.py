@@ -116,7 +116,8 @@ def to_settings(config: IngestConfig, *, source: str | None, appended: Sequence[
         settings |= {key: cake[field] for key, field in _CAKE_SCORER_KEYS.items()}
     if may_recall(cache.method):
         settings |= {"recall_share": cache.recall.share, "recall_chunk_tokens": cache.recall.chunk_tokens,
-                     "recall_retrieval": cache.recall.retrieval, "recall_dated": cache.recall.dated}
+                     "recall_retrieval": cache.recall.retrieval, "recall_dated": cache.recall.dated,
+                     "recall_entries": cache.recall.entries}
     settings["offload"] = cache.offload.mode
     settings["cache_precision"] = cache.precision
     return settings | features.settings(cache)  # the settings of the features it turns on (kvchat.features)
@@ -162,7 +163,8 @@ def from_settings(settings: dict, model: str = "default") -> IngestConfig:
                             # recall stores written before recall_retrieval ranked by the encoder
                             retrieval=get("recall_retrieval", "dense" if "recall_share" in settings
                                           else cache_d.recall.retrieval),
-                            dated=get("recall_dated", cache_d.recall.dated)),
+                            dated=get("recall_dated", cache_d.recall.dated),
+                            entries=get("recall_entries", cache_d.recall.entries)),
     )
     cache = dataclasses.replace(cache, **features.from_settings(settings, cache))
     episodes = EpisodeConfig(
@@ -201,6 +203,8 @@ def rebuild_command(name: str, model: str, settings: dict, *, replace: bool = Fa
         options |= {"tau1": cache.cake.tau1, "tau2": cache.cake.tau2}
     options["head-budgets"] = cache.head_budgets
     options["prefill"] = cache.prefill
+    if cache.recall.entries != RecallConfig.entries:
+        options["recall-entries"] = cache.recall.entries
     options |= features.options(cache)  # the options of the features it turns on (kvchat.features)
     flags = {option: value for option, value in options.items() if isinstance(value, bool)}
     for option, value in options.items():  # valued options first, then on/off flags

@@ -25,6 +25,7 @@ from kvchat.cli.options import (
     Offload,
     Positions,
     Prefill,
+    RecallEntries,
     ThreadsOpt,
     TrustOpt,
     load_encoder,
@@ -50,6 +51,7 @@ from kvchat.config import (
     IngestConfig,
     OffloadConfig,
     PagingConfig,
+    RecallConfig,
 )
 from kvchat.errors import UserError
 from kvchat.history import FORMAT_NAMES
@@ -97,10 +99,10 @@ _CACHE_OPTIONS = [
         help="Sharpness of sensitivity budgets (default: the profile's, 1.2).", rich_help_panel=_CACHE)],
         CacheConfig.alpha),
     _option("tau1", Annotated[float, typer.Option(
-        help="Temperature of attention dispersion, for cake budgets. Smaller weighs it more.",
+        help="Dispersion temperature of cake budgets. Smaller weighs it more (attention entropy).",
         rich_help_panel=_CACHE)], CakeConfig.tau1),
     _option("tau2", Annotated[float, typer.Option(
-        help="Temperature of attention shift, for cake budgets. Smaller weighs it more.",
+        help="Shift temperature of cake budgets. Smaller weighs it more (attention variance).",
         rich_help_panel=_CACHE)], CakeConfig.tau2),
     _option("head_budgets", Annotated[HeadBudgets, typer.Option(
         rich_help_panel=_CACHE, help="Per-head budgets within a layer. uniform (every KV head keeps M_l "
@@ -120,6 +122,14 @@ _CACHE_OPTIONS = [
         "of 16; each head's last entries and the answer stay in full precision): stored and resident caches take "
         "about a third (int8) or a fifth (int4) of float32's bytes, 64% or 38% of bfloat16's, dequantized while "
         "answering. Not with --offload.")], CacheConfig.precision),
+    _option("recall_entries", Annotated[RecallEntries, typer.Option(
+        rich_help_panel=_CACHE, help="Recalled chunks: prefilled at each question, or stored. "
+        "With --method recall (auto's beyond the model's window): prefilled (each question's recalled chunks are "
+        "prefilled on top of the routed cache) or stored (every chunk's entries computed once at ingest, after the "
+        "chunk before it, and kept in 4 bits in one file per conversation, about 9 KB per history token for the "
+        "embedded model; a question places its chunks' entries and prefills only itself: faster answers, a second "
+        "pass over the history at ingest).")],
+        RecallConfig.entries),
 ]
 
 
@@ -139,7 +149,8 @@ def _cache_options(command):
             cache=CacheConfig(method=o["method"], budget=o["budget"], block_size=o["block_size"],
                               positions=o["positions"], layer_budgets=o["layer_budgets"], alpha=o["alpha"],
                               cake=CakeConfig(tau1=o["tau1"], tau2=o["tau2"]), head_budgets=o["head_budgets"],
-                              prefill=o["prefill"], precision=o["cache_precision"]),
+                              prefill=o["prefill"], precision=o["cache_precision"],
+                              recall=RecallConfig(entries=o["recall_entries"])),
         )  # fmt: skip
         return command(config=config, **options)
 
@@ -270,7 +281,7 @@ def ingest(
             f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions, "
             f"{report.weights} weights), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
-            f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}, "
+            f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}{_recall_entries_text(report)}, "
             f"{time.monotonic() - started:.1f}s ({loading:.1f}s reading and loading the model)",
         )
 
@@ -282,6 +293,13 @@ def _budget_text(report) -> str:
     if not report.recalled_entries:
         return f"budget {kept}"
     return f"budget {kept} + {report.recalled_entries} recalled per question"
+
+
+def _recall_entries_text(report) -> str:
+    """What `--recall-entries stored` added on disk."""
+    if not report.recall_entries_bytes:
+        return ""
+    return f" + {report.recall_entries_bytes / 2**20:.1f} MiB of recall entries"
 
 
 def _offload_text(report) -> str:

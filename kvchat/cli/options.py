@@ -16,6 +16,7 @@ from kvchat.config import (
     OFFLOAD_MODES,
     POSITION_MODES,
     PREFILL_MODES,
+    RECALL_ENTRIES,
     TRAIN_STAGES,
     WEIGHT_MODES,
     DeviceConfig,
@@ -41,6 +42,7 @@ LayerBudgets = Literal[LAYER_BUDGETS]  # type: ignore[valid-type]
 HeadBudgets = Literal[HEAD_BUDGETS]  # type: ignore[valid-type]
 Offload = Literal[OFFLOAD_MODES]  # type: ignore[valid-type]
 CachePrecision = Literal[CACHE_PRECISIONS]  # type: ignore[valid-type]
+RecallEntries = Literal[RECALL_ENTRIES]  # type: ignore[valid-type]
 TrainStage = Literal[TRAIN_STAGES]  # type: ignore[valid-type]
 MemoryReadoutMode = Literal[MEMORY_READOUTS]  # type: ignore[valid-type]
 Weights = Literal[WEIGHT_MODES]  # type: ignore[valid-type]

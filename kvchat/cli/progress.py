@@ -124,6 +124,9 @@ class LineIngestProgress:
         if done < total:
             self._tenths("blocks", done, total)
 
+    def recall_entries(self, done: int, total: int) -> None:
+        self._tenths("recall entries: chunks", done, total)
+
 
 class BlockTally:
     """Blocks done of the ingest's planned total, from per-pass counts (each episode's prefill counts from 1)."""
@@ -180,6 +183,9 @@ class RichIngestProgress:
         self.progress.update(self.blocks, completed=done, total=total)
         if done == total:
             self.progress.advance(self.episodes)
+
+    def recall_entries(self, done: int, total: int) -> None:
+        self.progress.update(self.blocks, completed=done, total=total, description="recall entries (chunks)")
 
 
 class LineBatchProgress:

@@ -23,6 +23,7 @@ CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a featu
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
 RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.rag.RagIndex.top)
+RECALL_ENTRIES = ("prefilled", "stored")  # RecallConfig.entries
 
 
 
@@ -126,6 +127,14 @@ class RecallConfig:
                                                         "choices": RETRIEVALS})
     # Each chunk opens with the date of its first turn: a chunk lifted out of the history keeps its time
     dated: bool = field(default=False, metadata={"key": "recall_dated"})
+    # A recalled chunk's entries: prefilled at each question, or stored (computed at ingest after the chunk before
+    # it, kept in one file per conversation, placed at each question: kvchat.recall_entries)
+    entries: str = field(default="prefilled", metadata={"key": "recall_entries", "option": "--recall-entries",
+                                                        "choices": RECALL_ENTRIES})
+    # Stored entries are kept as KIVI codes (kvchat.kv.quantize) of this many bits, keys in groups of this many
+    # tokens (the file records both)
+    stored_bits: int = field(default=4, metadata={"key": None})
+    stored_group: int = field(default=16, metadata={"key": None})
 
 
 @dataclass(frozen=True)

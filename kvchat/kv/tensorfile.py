@@ -103,6 +103,71 @@ class SafetensorsWriter:
             self.path.unlink(missing_ok=True)
 
 
+class RowWriter:
+    """A safetensors file whose tensors' shapes are known before their rows: the header is written first and the
+    file sized, then rows are written in place as they come (`write`), in any order. Memory: the rows in hand,
+    whatever the file's size. `finish` fsyncs it and returns its size and sha256 (read back: the rows arrive out
+    of the file's order); `discard` (or a failed `finish`) removes it."""
+
+    def __init__(self, path: Path, shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: Mapping[str, str]) -> None:  # fmt: skip
+        self.path = Path(path)
+        header: dict[str, Any] = {"__metadata__": dict(metadata)}
+        self._places: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
+        offset = 0
+        for name, (dtype, shape) in sorted(shapes.items(), key=lambda item: -item[1][0].itemsize):  # aligned
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+            self._places[name] = (offset, dtype, tuple(shape))
+            offset += nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        encoded += b" " * (-len(encoded) % 8)
+        self._data_start, self.size = 8 + len(encoded), 8 + len(encoded) + offset
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(self._fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+            os.ftruncate(self._fd, self.size)
+        except BaseException:
+            self.discard()
+            raise
+
+    def write(self, name: str, first_row: int, rows: torch.Tensor) -> None:
+        """`rows` written as tensor `name`'s rows from `first_row` (along dim 0)."""
+        offset, dtype, shape = self._places[name]
+        if rows.dtype != dtype or tuple(rows.shape[1:]) != shape[1:] or not 0 <= first_row <= shape[0] - len(rows):
+            raise ValueError(f"rows {first_row}..{first_row + len(rows)} {tuple(rows.shape)} {rows.dtype} do not fit "
+                             f"tensor {name!r} {list(shape)} {dtype}")  # fmt: skip
+        data = rows.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        at = self._data_start + offset + first_row * (math.prod(shape[1:]) * dtype.itemsize)
+        while data:
+            written = os.pwrite(self._fd, data, at)
+            data, at = data[written:], at + written
+
+    def finish(self) -> tuple[int, str]:
+        """fsync the file; returns (bytes, sha256 hex)."""
+        try:
+            os.fsync(self._fd)
+            digest = hashlib.sha256()
+            at = 0
+            while chunk := os.pread(self._fd, _COPY_CHUNK, at):
+                digest.update(chunk)
+                at += len(chunk)
+            os.close(self._fd)
+            self._fd = -1
+            return self.size, digest.hexdigest()
+        except BaseException:
+            self.discard()
+            raise
+
+    def discard(self) -> None:
+        """Close and remove the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.path.unlink(missing_ok=True)
+
+
 def open_tensors(path: Path, header: Mapping[str, Any] | None = None) -> tuple[dict[str, FileRows], dict[str, str]]:
     """Every tensor of a safetensors file as `FileRows` over one open read-only descriptor, and the metadata.
     `header`: the file's, already checked (`checked_files.read_safetensors_header`, which reads it when not given).

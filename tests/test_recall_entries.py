@@ -1,0 +1,233 @@
+"""`--recall-entries stored`: recall's chunks as KV entries computed at ingest, kept in one file per conversation and
+placed on the routed cache at each question (kvchat.recall_entries)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+
+import pytest
+import torch
+
+from kvchat import recall, recall_entries
+from kvchat.ask import Session
+from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
+from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.ingest import ingest, plan_ingest
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.rope import rotate_keys
+from kvchat.kv.tensorfile import open_tensors
+from kvchat.qa import planted_sets
+from kvchat.rag import Chunk
+from kvchat.recall_entries import StoredEntries
+from kvchat.settings import rebuild_command
+from kvchat.store import Store
+
+TEXTS = ["alice likes green tea", "bob went to the market on monday and bought apples",
+         "carol plays the piano", "dave fixed the old bicycle in the garage yesterday evening"]  # fmt: skip
+CHUNKS = [Chunk(i, i + 1, text, 0) for i, text in enumerate(TEXTS)]
+
+
+def written(tmp_path, lm, chunks=CHUNKS, bits=8, name="entries.safetensors", previous=None, prefix=None):
+    prefix = lm.encode("you are a helpful assistant") if prefix is None else prefix
+    path = tmp_path / name
+    size, sha = recall_entries.write(path, lm, chunks, prefix, bits=bits, group=4, previous=previous)
+    assert size == path.stat().st_size and sha == hashlib.sha256(path.read_bytes()).hexdigest()
+    return recall_entries.StoredEntries.opened(*open_tensors(path)), prefix, sha
+
+
+def test_each_chunks_entries_come_back_as_computed_after_the_chunk_before_it(tiny_lm, tmp_path):
+    stored, prefix, _ = written(tmp_path, tiny_lm)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    assert stored.tokens == [t.shape[-1] for t in ids] and stored.chunks == len(CHUNKS)
+    for chunk, i in ((0, 0), (3, 3)):
+        cache = EpisodeCache(tiny_lm.num_layers)
+        with torch.inference_mode():
+            tiny_lm.forward(cache, prefix)
+            if i:
+                tiny_lm.forward(cache, ids[i - 1])
+            assert stored.starts[chunk] == cache.next_position
+            tiny_lm.forward(cache, ids[i])
+        n = stored.tokens[chunk]
+        for layer in range(tiny_lm.num_layers):
+            keys, values = stored.entries(chunk, layer, torch.float32, torch.device("cpu"))
+            want_k, want_v = cache.layers[layer].keys[:, :, -n:], cache.layers[layer].values[:, :, -n:]
+            assert keys.shape == want_k.shape
+            # 8-bit codes: every number within half a step of what it was (groups of 4 tokens per channel)
+            assert torch.allclose(keys, want_k, atol=(want_k.abs().max() / 100).item())
+            assert torch.allclose(values, want_v, atol=(want_v.abs().max() / 100).item())
+
+
+def test_a_placed_chunk_answers_as_its_prefill_after_the_chunk_before_it(tiny_lm, tmp_path):
+    stored, prefix, _ = written(tmp_path, tiny_lm)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    question = tiny_lm.encode("\nwhat does carol play ?")
+    logits = []
+    for place in (False, True):
+        cache = EpisodeCache(tiny_lm.num_layers)
+        with torch.inference_mode():
+            tiny_lm.forward(cache, prefix)
+            tiny_lm.forward(cache, ids[0])
+            tiny_lm.forward(cache, ids[1])  # more before it than at ingest: its positions move
+            before = cache.next_position
+            if place:
+                assert stored.place(cache, 2, tiny_lm) == ids[2].shape[-1]
+            else:
+                tiny_lm.forward(cache, ids[2])
+            assert cache.next_position == before + ids[2].shape[-1]
+            logits.append(tiny_lm.forward(cache, question)[0, -1])
+    assert torch.nn.functional.cosine_similarity(logits[0], logits[1], dim=0) > 0.999
+
+
+def test_placed_keys_are_the_stored_keys_rotated_to_their_new_positions(tiny_lm, tmp_path):
+    stored, prefix, _ = written(tmp_path, tiny_lm)
+    cache = EpisodeCache(tiny_lm.num_layers)
+    with torch.inference_mode():
+        tiny_lm.forward(cache, prefix)
+        stored.place(cache, 1, tiny_lm)
+    n, moved = stored.tokens[1], cache.next_position - stored.tokens[1] - stored.starts[1]
+    assert moved != 0
+    keys, values = stored.entries(1, 0, torch.float32, torch.device("cpu"))
+    rotary = tiny_lm.answering.model.rotary_emb
+    assert torch.allclose(cache.layers[0].keys[:, :, -n:], rotate_keys(keys, torch.full((keys.shape[1], n), moved),
+                                                                       rotary), atol=1e-5)  # fmt: skip
+    assert torch.equal(cache.layers[0].values[:, :, -n:], values)
+
+
+def test_an_append_copies_the_stored_chunks_rows_and_computes_only_the_new_ones(tiny_lm, tmp_path, monkeypatch):
+    _, _, whole = written(tmp_path, tiny_lm, bits=4, name="whole.safetensors")
+    first, prefix, _ = written(tmp_path, tiny_lm, chunks=CHUNKS[:2], bits=4, name="first.safetensors")
+    computed_from = []
+    compute = recall_entries.computed
+
+    def counting(lm, ids, prefix, first=0):
+        computed_from.append(first)
+        return compute(lm, ids, prefix, first)
+
+    monkeypatch.setattr(recall_entries, "computed", counting)
+    _, _, extended = written(tmp_path, tiny_lm, bits=4, name="extended.safetensors", previous=first)
+    assert computed_from == [2] and extended == whole  # the same bytes as computing all of them
+    other = tiny_lm.encode("you are a terse assistant")  # another system prompt: nothing of it is reused
+    written(tmp_path, tiny_lm, bits=4, name="other.safetensors", previous=first, prefix=other)
+    assert computed_from == [2, 0]
+
+
+def test_a_file_of_another_format_is_refused(tiny_lm, tmp_path):
+    written(tmp_path, tiny_lm)
+    tensors, metadata = open_tensors(tmp_path / "entries.safetensors")
+    with pytest.raises(ValueError, match="format"):
+        recall_entries.StoredEntries.opened(tensors, metadata | {"recall_entries_format": "0"})
+
+
+# --- the store, ingest, questions and appends (the planted conversation of test_recall.py, 3x short_lm's window)
+
+QA = planted_sets(1, topics=6, turns_per_topic=40)[0]
+SYSTEM = "You are a helpful assistant . Conversation :\n"
+
+
+def config(entries: str, method: str = "auto") -> IngestConfig:
+    return IngestConfig(
+        cache=CacheConfig(method=method, budget=96, block_size=48, prefill="block",
+                          recall=RecallConfig(chunk_tokens=16, entries=entries)),
+        episodes=EpisodeConfig(episodes=3, prompt_tokens=48), system_prompt=SYSTEM,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def both(short_lm, encoder, tmp_path_factory):
+    """The conversation ingested with its chunks prefilled ("prefilled") and stored ("stored")."""
+    store = Store(tmp_path_factory.mktemp("recall-entries"))
+    reports = {entries: ingest(QA.turns, name=entries, config=config(entries), store=store, lm=short_lm,
+                               encoder=encoder) for entries in ("prefilled", "stored")}  # fmt: skip
+    return store, reports
+
+
+def test_ingest_stores_every_chunks_entries_in_the_conversations_recall_entries_file(both, short_lm):
+    store, reports = both
+    stored, prefilled = store.get("stored"), store.get("prefilled")
+    assert prefilled.recall_entries is None and reports["prefilled"].recall_entries_bytes == 0
+    record = stored.recall_entries
+    assert record is not None and reports["stored"].recall_entries_bytes == record.bytes == record.path.stat().st_size
+    assert record.path.parent == stored.episodes[0].path.parent  # in the conversation's ingest dir
+    entries = StoredEntries.opened(*store.load_recall_entries(stored, short_lm.fingerprint))
+    index = recall.from_metadata(store.load_episode(stored.episodes[0], short_lm.fingerprint)[1])
+    assert entries.chunks == len(index.chunks)
+    assert entries.tokens == [t.shape[-1] for t in recall_entries.chunk_ids(short_lm, index.chunks)]
+    assert (entries.bits, entries.group) == (RecallConfig.stored_bits, RecallConfig.stored_group)
+    assert stored.settings["recall_entries"] == "stored"
+    assert "--recall-entries stored" in rebuild_command("stored", "default", stored.settings)
+    assert "--recall-entries" not in rebuild_command("prefilled", "default", prefilled.settings)
+
+
+def test_a_question_places_its_chunks_entries_and_prefills_only_itself(both, short_lm, encoder):
+    store, _ = both
+    sessions = {name: Session(store, store.get(name), short_lm, encoder, AskConfig(max_new_tokens=3))
+                for name in ("prefilled", "stored")}  # fmt: skip
+    question = QA.questions[0].text
+    answers = {name: s.ask(question, log=False) for name, s in sessions.items()}
+    stored = sessions["stored"]
+    assert answers["stored"].recalled == answers["prefilled"].recalled  # the same chunks, ranked the same way
+    picked = [i for i, c in enumerate(stored._recall.chunks) if [c.first, c.end] in answers["stored"].recalled]
+    question_ids = short_lm.encode(stored.layout.question(stored.config.question_template.format(question=question)))
+    placed = sum(stored._stored.tokens[i] for i in picked)
+    assert answers["stored"].prompt_tokens == placed + question_ids.shape[-1]
+    first: list[torch.Tensor] = []
+    stored.ask(question, log=False, on_first_logits=first.append)
+    sizes = stored._resident[1].sizes  # rolled back: the next question starts from the episode cache alone
+    bare: list[torch.Tensor] = []  # the placed entries are attended: without them the answer starts elsewhere
+    stored.ask(question, log=False, on_first_logits=bare.append, recalled=" ", episode=answers["stored"].episode)
+    assert stored._resident[1].sizes == sizes and not torch.allclose(first[0], bare[0])
+
+
+def test_receipts_name_the_placed_turns_as_the_prefilled_ones(both, short_lm, encoder):
+    store, _ = both
+    config = AskConfig(max_new_tokens=3, source_count=len(QA.turns))
+    named = {}
+    for name in ("prefilled", "stored"):
+        answer = Session(store, store.get(name), short_lm, encoder, config).ask(QA.questions[1].text, log=False,
+                                                                                sources=True)  # fmt: skip
+        assert answer.sources_note is None
+        named[name] = {s.turn for s in answer.sources if s.recalled}
+    recalled = {t for first, end in answer.recalled for t in range(first, end)}
+    assert named["prefilled"] and named["stored"] and named["stored"] <= recalled  # the placed chunks' own turns
+
+
+def test_a_file_holding_other_chunks_is_refused_with_the_rebuild_command(both, short_lm, encoder, tmp_path):
+    store, _ = both
+    session = Session(store, store.get("stored"), short_lm, encoder, AskConfig(max_new_tokens=1))
+    session.layout = dataclasses.replace(session.layout, before_conversation="another system prompt")
+    with pytest.raises(CacheIntegrityError, match="recall entries file .* other chunks .*--recall-entries stored"):
+        session.ask(QA.questions[0].text, log=False)
+
+
+def test_an_append_copies_the_stored_chunks_entries_and_adds_the_new_ones(short_lm, encoder, tmp_path):
+    from kvchat.append import append
+
+    store = Store(tmp_path)
+    ingest(QA.turns[:200], name="c", config=config("stored"), store=store, lm=short_lm, encoder=encoder)
+    before = StoredEntries.opened(*store.load_recall_entries(store.get("c"), short_lm.fingerprint))
+    path = tmp_path / "more.json"
+    path.write_text(json.dumps([{"role": t.role, "content": t.text} for t in QA.turns[200:]]))
+    append(path, name="c", store=store, lm=short_lm, encoder=encoder)
+    conversation = store.get("c")
+    after = StoredEntries.opened(*store.load_recall_entries(conversation, short_lm.fingerprint))
+    index = recall.from_metadata(store.load_episode(conversation.episodes[0], short_lm.fingerprint)[1])
+    assert after.chunks == len(index.chunks) > before.chunks
+    assert after.tokens[: before.chunks] == before.tokens and after.starts[: before.chunks] == before.starts
+    end = before.rows[-1]
+    for name in ("k.0", "v.0", "vs.1"):
+        assert torch.equal(after.tensors[name][:end].read(), before.tensors[name][:end].read())
+    answer = Session(store, conversation, short_lm, encoder, AskConfig(max_new_tokens=2)).ask(
+        QA.questions[-1].text, log=False)
+    assert answer.recalled
+
+
+def test_stored_entries_need_a_method_that_recalls(short_lm, encoder, tmp_path):
+    with pytest.raises(UserError, match="--recall-entries stored needs --method recall"):
+        plan_ingest(QA.turns, name="x", config=config("stored", method="snapkv"), store=Store(tmp_path),
+                    lm=short_lm, encoder=encoder)  # fmt: skip
+    within = plan_ingest(QA.turns[:40], name="x", config=config("stored"), store=Store(tmp_path), lm=short_lm,
+                         encoder=encoder)  # fmt: skip
+    assert within.config.cache.method == "epicache"
+    assert any("--recall-entries stored is unused" in note for note in within.notes)
