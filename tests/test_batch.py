@@ -17,7 +17,7 @@ import pytest
 import torch
 from cli_helpers import run_main
 
-from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig
+from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, RecallConfig
 from kvchat.errors import UserError
 from kvchat.store import Store
 from kvchat.synthetic import planted_conversation
@@ -180,6 +180,29 @@ def test_a_batch_with_offload_stores_the_pages_and_answers_from_them(ray_instanc
         assert pages.keys() == expected.keys() and all(torch.equal(pages[k], expected[k]) for k in pages)
     answer = Session(store, record, tiny_lm, encoder).ask("Where did Alice go?", log=False)
     assert answer.answer_tokens > 0
+
+
+@needs_ray
+def test_a_batch_with_stored_recall_entries_writes_the_file_an_ingest_writes(
+    ray_instance, files, tmp_path, tiny_model_dir, tiny_lm, encoder
+):
+    """With --recall-entries stored a worker computes the recall entries file and the driver writes it: the file
+    `kvchat ingest` writes, byte for byte."""
+    from kvchat.batch import histories, ingest_batch
+    from kvchat.ingest import ingest
+
+    plain = _config(tiny_model_dir, budget=128)
+    config = replace(plain, cache=replace(plain.cache, method="recall", recall=RecallConfig(entries="stored")))
+    report = ingest_batch(histories(files[:1]), store=Store(tmp_path / "home"), config=config,
+                          batch=BatchConfig(workers=2))  # fmt: skip
+    assert [h.status for h in report.histories] == ["committed"], report.histories[0].error
+    assert report.histories[0].report.recall_entries_bytes
+    store = Store(tmp_path / "home")
+    assert store.check() == []
+    alone = Store(tmp_path / "alone")
+    ingest(files[0], name="h0", config=config, store=alone, lm=tiny_lm, encoder=encoder)
+    ours, theirs = store.get("h0").recall_entries, alone.get("h0").recall_entries
+    assert ours is not None and theirs is not None and ours.sha256 == theirs.sha256
 
 
 @needs_ray

@@ -231,3 +231,23 @@ def test_stored_entries_need_a_method_that_recalls(short_lm, encoder, tmp_path):
                          encoder=encoder)  # fmt: skip
     assert within.config.cache.method == "epicache"
     assert any("--recall-entries stored is unused" in note for note in within.notes)
+
+
+def test_the_command_line_stores_the_entries_shows_their_bytes_and_answers_from_them(short_model_dir, tmp_path):
+    from cli_helpers import run_main
+
+    history = tmp_path / "long.json"
+    history.write_text(json.dumps([{"role": t.role, "content": t.text} for t in QA.turns]))
+    model = ("--model", str(short_model_dir), "--budget", "96", "--block-size", "48", "--episodes", "3")
+    made = run_main(tmp_path, "ingest", str(history), *model, "--recall-entries", "stored", "--json")
+    assert made.returncode == 0, made.stderr
+    report = json.loads(made.stdout)
+    assert report["method"] == "recall" and report["recall_entries_bytes"] > 0
+    shown = json.loads(run_main(tmp_path, "show", "long", "--json").stdout)
+    assert shown["recall_entries_bytes"] == report["recall_entries_bytes"]
+    asked = run_main(tmp_path, "ask", "what did the user plant ?", "--max-new-tokens", "2", "--json")
+    assert asked.returncode == 0, asked.stderr
+    assert json.loads(asked.stdout)["recalled"]
+    refused = run_main(tmp_path, "ingest", str(history), *model, "--method", "snapkv", "--recall-entries", "stored",
+                       "--name", "other")  # fmt: skip
+    assert refused.returncode == 2 and "needs --method recall" in refused.stderr and "Traceback" not in refused.stderr
