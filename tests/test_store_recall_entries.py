@@ -22,7 +22,7 @@ from test_store import FP, SETTINGS, STATS, _ingest, _tensors, _tmp_dirs
 
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv.tensorfile import FileRows, SafetensorsWriter
-from kvchat.store import ConversationChanged, FileRecord, Store, diagnose, repair
+from kvchat.store import ConversationChanged, Store, diagnose, repair
 from kvchat.store.layout import RECALL_ENTRIES_NAME
 from kvchat.store.manifest import MANIFEST_NAME, digest, document, read_manifest
 
@@ -47,17 +47,14 @@ def _writer(seed: int = 0, fingerprint: str = FP) -> Callable[[Path], tuple[int,
 
 
 def _commit(store: Store, name: str = "chat", *, seed: int = 0, replace: bool = False, expect: str | None = None,
-            carry: FileRecord | None = None, fingerprint: str = FP):  # fmt: skip
-    """Conversation `name` of two episodes with a recall entries file written (or `carry`ied)."""
+            fingerprint: str = FP):  # fmt: skip
+    """Conversation `name` of two episodes with a recall entries file."""
     with store.begin(name, replace=replace, expect=expect) as pending:
         for i in range(2):
             pending.write_episode(i, _tensors(seed + i), {"fingerprint": FP, "method": "recall"},
                                   centroid=centroid(0.25 * i, -1.0, 3.0), medoid_text=f"episode {i}", budgets=[8, 12],
                                   n_tokens=20)  # fmt: skip
-        if carry is not None:
-            pending.carry_recall_entries(carry)
-        else:
-            pending.write_recall_entries(_writer(seed, fingerprint))
+        pending.write_recall_entries(_writer(seed, fingerprint))
         return pending.commit(model="default", fingerprint=FP, settings=SETTINGS, stats=STATS)
 
 
@@ -255,69 +252,6 @@ def test_a_second_recall_entries_file_is_refused(store: Store) -> None:
         pending.write_recall_entries(_writer())
         with pytest.raises(ValueError, match="already written"):
             pending.write_recall_entries(_writer(1))
-        with pytest.raises(ValueError, match="already written"):
-            pending.carry_recall_entries(FileRecord(1, "0" * 64, store.caches_dir / "x"))
-
-
-# --------------------------------------------------------------------------- carried into a new version
-
-
-def test_an_append_carries_the_recall_entries_file_into_its_new_version(store: Store) -> None:
-    old = _commit(store)
-    with store.begin("chat", replace=True, expect=old.ingest_id) as pending:
-        for i in range(2):
-            pending.write_episode(i, _tensors(5 + i), {"fingerprint": FP}, centroid=centroid(0.25 * i, -1.0, 3.0),
-                                  medoid_text=f"episode {i}", budgets=[8, 12], n_tokens=24)  # fmt: skip
-        carried = pending.carry_recall_entries(old.recall_entries)
-        linked = [p for p in store.caches_dir.glob(f".tmp-*/{RECALL_ENTRIES_NAME}")]
-        assert len(linked) == 1 and os.stat(linked[0]).st_ino == os.stat(old.recall_entries.path).st_ino  # a link
-        new = pending.commit(model="default", fingerprint=FP, settings=SETTINGS, stats=STATS)
-    assert carried == new.recall_entries and new.ingest_id != old.ingest_id
-    assert (new.recall_entries.bytes, new.recall_entries.sha256) == (old.recall_entries.bytes,
-                                                                     old.recall_entries.sha256)
-    assert new.recall_entries.path.parent == store.caches_dir / "chat" / new.ingest_id
-    assert not old.recall_entries.path.parent.exists()  # the old version is gone, its file lives on in the new one
-    assert store.get("chat") == new
-    _reads_back(store)
-    assert store.check() == [] and _tmp_dirs(store) == []
-
-
-def test_where_a_link_cannot_be_made_the_file_is_copied(store: Store, monkeypatch) -> None:
-    old = _commit(store)
-
-    refused = []
-
-    def no_links(source, target, **kwargs):  # a file system without hard links, or one that forbids them
-        refused.append(target)
-        raise PermissionError(errno.EPERM, "Operation not permitted")
-
-    monkeypatch.setattr(os, "link", no_links)
-    new = _commit(store, replace=True, expect=old.ingest_id, seed=2, carry=old.recall_entries)
-    monkeypatch.undo()
-    assert [Path(t).name for t in refused] == [RECALL_ENTRIES_NAME]
-    assert new.recall_entries.sha256 == old.recall_entries.sha256 and not old.recall_entries.path.exists()
-    _reads_back(store)  # seed 0's entries: carried, not written again
-    assert store.check() == []
-
-
-@pytest.mark.parametrize("damage", ["flipped", "missing"])
-def test_a_damaged_recall_entries_file_is_not_carried(store: Store, damage: str) -> None:
-    old = _commit(store)
-    DAMAGE[damage][0](old.recall_entries.path)
-    with store.begin("chat", replace=True, expect=old.ingest_id) as pending:
-        with pytest.raises(CacheIntegrityError, match=rf"^recall entries file of conversation 'chat' "
-                                                      rf".*{DAMAGE[damage][2]}.*{REBUILD}"):  # fmt: skip
-            pending.carry_recall_entries(old.recall_entries)
-        assert list(store.caches_dir.glob(f".tmp-*/{RECALL_ENTRIES_NAME}")) == []  # nothing of it kept
-    assert store.get("chat") == old  # the stored version is left as it was, for doctor to report
-
-
-def test_carrying_from_a_version_another_process_replaced_says_so(store: Store) -> None:
-    old = _commit(store)
-    with store.begin("chat", replace=True, expect=old.ingest_id) as pending:
-        _commit(Store(store.home), replace=True, seed=1)  # another process, meanwhile: the old files are gone
-        with pytest.raises(ConversationChanged):
-            pending.carry_recall_entries(old.recall_entries)
 
 
 # --------------------------------------------------------------------------- recovery and reindex

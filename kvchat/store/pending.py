@@ -25,17 +25,13 @@ from typing import TYPE_CHECKING
 from kvchat.errors import UserError
 from kvchat.store.errors import ConversationChanged, database_error
 from kvchat.store.files import (
-    FileMismatch,
     crash_point,
     discard,
     disk_full,
     fsync_dir,
     is_disk_full,
-    is_inside,
     new_temp_path,
-    open_regular,
     rename,
-    verify_file,
 )
 from kvchat.store.layout import EPISODE_SUFFIX, PAGES_SUFFIX, RECALL_ENTRIES_NAME, show
 from kvchat.store.manifest import document, write_manifest
@@ -132,32 +128,6 @@ class PendingConversation:
         with self.disk_full_guard(), _removed_on_failure(path):
             size, sha256 = write(path)
         self._recall_entries = FileRecord(int(size), str(sha256), self._final / path.name)
-        return self._recall_entries
-
-    def carry_recall_entries(self, record: FileRecord) -> FileRecord:
-        """The previous version's recall entries file, unchanged (an `ingest --append`), hard-linked into the temp
-        dir (copied and fsync'd where it cannot be linked: another file system, no permission), and accepted only
-        once what is there has the record's size and sha256; refused otherwise, with the command that rebuilds
-        the conversation (or ConversationChanged when that version was replaced or removed meanwhile)."""
-        path = self._recall_entries_path()
-        refuse = self._store._refuser(record.path, "recall entries file")
-        if not is_inside(record.path, self._store.caches_dir):
-            raise refuse(f"points outside the store ({record.path})")
-        try:
-            with self.disk_full_guard(), _removed_on_failure(path):
-                try:
-                    crash_point(f"link {path.name}")
-                    os.link(record.path, path)
-                except OSError as e:
-                    if is_disk_full(e) or isinstance(e, FileNotFoundError):
-                        raise
-                    _copy(record.path, path)
-                verify_file(path, record.bytes, record.sha256, within=self._tmp)
-        except FileNotFoundError:
-            raise refuse(f"is missing ({record.path})") from None
-        except FileMismatch as e:
-            raise refuse(str(e)) from None
-        self._recall_entries = FileRecord(record.bytes, record.sha256, self._final / path.name)
         return self._recall_entries
 
     def _recall_entries_path(self) -> Path:
@@ -294,16 +264,6 @@ class PendingConversation:
         if self._state == "open":
             self._state = "aborted"
             shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def _copy(source: Path, target: Path) -> None:
-    """`source` copied to the new file `target`, fsync'd (where a hard link cannot be made)."""
-    crash_point(f"write {target.name}")
-    with open_regular(source) as src, open(target, "xb") as out:
-        shutil.copyfileobj(src, out, 1 << 22)
-        out.flush()
-        crash_point(f"fsync {target.name}")
-        os.fsync(out.fileno())
 
 
 @contextmanager
