@@ -8,13 +8,15 @@ instead of answering. At each question the picked chunks' rows are read back (bo
 keys re-rotated to the positions a prefill there would give them (kvchat.kv.rope) and appended to the cache; only
 the question is prefilled.
 
-They are kept as KIVI codes (kvchat.kv.quantize, as `--cache-precision` keeps caches) in one file per conversation
-(the store's recall entries file). Per layer `l`, every chunk's entries one after another along dim 0, each chunk
-padded to whole key groups (its last entry repeated) so that no group spans two chunks: `k.l`/`v.l` codes
-`[rows, kv_heads, D or D/2]`, `ks.l`/`km.l` key scales and minima `[rows / group, kv_heads, D]`, `vs.l`/`vm.l`
-value scales and minima `[rows, kv_heads, D / value group]`; then `rows` (each chunk's first row, and the end),
-`tokens` (each chunk's entries) and `starts` (the position its first entry was computed at). The metadata names
-the model, the codes and a digest of the chunk texts and system prompt, which ties the file to its recall index.
+They are kept as KIVI codes (kvchat.kv.quantize) in one file per conversation (the store's recall entries file), as
+`--cache-precision` keeps a cache: whole key groups of a chunk's entries quantized, the rest of them (its last
+entries, fewer than a group, next to what follows) in float16, so that no group spans two chunks. Per layer `l`,
+every chunk's rows one after another along dim 0: `k.l`/`v.l` codes `[rows, kv_heads, D or D/2]`, `ks.l`/`km.l`
+key scales and minima `[rows / group, kv_heads, D]`, `vs.l`/`vm.l` value scales and minima `[rows, kv_heads,
+D / value group]`, `kt.l`/`vt.l` the float16 rest `[tails, kv_heads, D]`; then `rows` and `tails` (each chunk's
+first quantized and float16 row, and the ends), `tokens` (each chunk's entries) and `starts` (the position its
+first entry was computed at). The metadata names the model, the codes and a digest of the chunk texts and system
+prompt, which ties the file to its recall index.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ from kvchat.rag import Chunk
 FORMAT = "1"
 LEAD = "\n"  # what each chunk's text follows, as recall prefills it (kvchat.recall.recalled_text)
 _PARTS = ("k", "ks", "km", "v", "vs", "vm")  # QuantizedEntries.tensors()' order
+_GROUPED = ("ks", "km")  # a row per key group
+_TAILS = ("kt", "vt")  # the float16 rest
+TAIL_DTYPE = torch.float16
+_INDEX = ("rows", "tails", "tokens", "starts")
 
 
 def chunk_ids(lm: LoadedModel, chunks: Sequence[Chunk]) -> list[torch.Tensor]:
@@ -52,16 +58,13 @@ def digest(chunks: Sequence[Chunk], prefix: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def padded(n: int, group: int) -> int:
-    return -(-n // group) * group
-
-
 @dataclass(frozen=True)
 class StoredEntries:
     """A recall entries file opened: its tensors as `FileRows` (nothing read until a chunk is placed) and layout."""
 
     tensors: Mapping[str, FileRows]
     rows: list[int]
+    tails: list[int]
     tokens: list[int]
     starts: list[int]
     bits: int
@@ -74,13 +77,15 @@ class StoredEntries:
         if metadata.get("recall_entries_format") != FORMAT:
             raise ValueError(f"unsupported recall entries format {metadata.get('recall_entries_format')!r}")
         try:
-            rows, tokens, starts = (tensors[name].read().tolist() for name in ("rows", "tokens", "starts"))
+            rows, tails, tokens, starts = (tensors[name].read().tolist() for name in _INDEX)
             bits, group = int(metadata["bits"]), int(metadata["group"])
         except (KeyError, ValueError) as e:
             raise ValueError(f"its layout does not read ({e})") from None
-        if len(rows) != len(tokens) + 1 or len(starts) != len(tokens) or bits not in SCALE_DTYPES:
+        counts = [r1 - r0 + t1 - t0 for r0, r1, t0, t1 in zip(rows, rows[1:], tails, tails[1:], strict=False)]
+        if (len(rows) != len(tokens) + 1 or len(tails) != len(rows) or len(starts) != len(tokens)
+                or counts != tokens or bits not in SCALE_DTYPES):  # fmt: skip
             raise ValueError("its layout is inconsistent")
-        return cls(tensors, rows, tokens, starts, bits, group, metadata.get("digest", ""))
+        return cls(tensors, rows, tails, tokens, starts, bits, group, metadata.get("digest", ""))
 
     @property
     def chunks(self) -> int:
@@ -90,13 +95,23 @@ class StoredEntries:
                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """Chunk `chunk`'s keys and values in `layer`, `[1, kv_heads, n, D]`, as computed (keys rotated for
         positions from `starts[chunk]`)."""
-        first, end, n = self.rows[chunk], self.rows[chunk + 1], self.tokens[chunk]
-        k, ks, km, v, vs, vm = (self.tensors[f"{part}.{layer}"] for part in _PARTS)
-        group_rows = slice(first // self.group, end // self.group)
-        parts = [t[first:end] for t in (k, v, vs, vm)] + [t[group_rows] for t in (ks, km)]
-        kc, vc, vsc, vmn, ksc, kmn = (p.read().transpose(0, 1).contiguous().to(device) for p in parts)
-        codes = QuantizedEntries(kc, ksc, kmn, vc, vsc, vmn, dtype, self.bits)
-        return codes.keys()[None, :, :n], codes.values()[None, :, :n]
+        parts = {part: self._rows(part, layer, chunk).to(device) for part in (*_PARTS, *_TAILS)}
+        codes = QuantizedEntries(*(parts[part] for part in _PARTS), dtype, self.bits)
+        keys = torch.cat([codes.keys(), parts["kt"].to(dtype)], dim=1)
+        values = torch.cat([codes.values(), parts["vt"].to(dtype)], dim=1)
+        return keys[None], values[None]
+
+    def span(self, part: str, chunk: int) -> tuple[int, int]:
+        """Chunk `chunk`'s `[first, end)` rows in the tensors of `part` (a key group's scale is one row)."""
+        if part in _TAILS:
+            return self.tails[chunk], self.tails[chunk + 1]
+        scale = self.group if part in _GROUPED else 1
+        return self.rows[chunk] // scale, self.rows[chunk + 1] // scale
+
+    def _rows(self, part: str, layer: int, chunk: int) -> torch.Tensor:
+        """Tensor `part` of `layer`: chunk `chunk`'s rows, `[kv_heads, rows, ...]`."""
+        first, end = self.span(part, chunk)
+        return self.tensors[f"{part}.{layer}"][first:end].read().transpose(0, 1).contiguous()
 
     def place(self, cache: EpisodeCache, chunk: int, lm: LoadedModel) -> int:
         """Chunk `chunk`'s entries appended to `cache` as a prefill of its text there would append them; returns
@@ -138,19 +153,21 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     ids = chunk_ids(lm, chunks)
     tokens = [int(t.shape[-1]) for t in ids]
-    rows = [0]
+    rows, tails = [0], [0]
     for n in tokens:
-        rows.append(rows[-1] + padded(n, group))
+        rows.append(rows[-1] + n // group * group)
+        tails.append(tails[-1] + n % group)
     kept = previous.chunks if previous is not None and _continues(previous, chunks, prefix, tokens, bits, group) else 0
     total, packed, vdim = rows[-1], dim // 2 if bits == 4 else dim, dim // value_group(group, dim)
     scale = SCALE_DTYPES[bits]
     shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-        "rows": (torch.int64, (len(rows),)), "tokens": (torch.int64, (len(tokens),)),
-        "starts": (torch.int64, (len(tokens),)),
-    }  # fmt: skip
+        name: (torch.int64, (len(values),)) for name, values in zip(_INDEX, (rows, tails, tokens, tokens), strict=True)
+    }
     part_shapes = {"k": (torch.uint8, (total, heads, packed)), "v": (torch.uint8, (total, heads, packed)),
                    "ks": (scale, (total // group, heads, dim)), "km": (scale, (total // group, heads, dim)),
-                   "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim))}  # fmt: skip
+                   "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim)),
+                   "kt": (TAIL_DTYPE, (tails[-1], heads, dim)),
+                   "vt": (TAIL_DTYPE, (tails[-1], heads, dim))}  # fmt: skip
     for layer in range(lm.num_layers):
         shapes |= {f"{part}.{layer}": shape for part, shape in part_shapes.items()}
     metadata = {"fingerprint": lm.fingerprint, "recall_entries_format": FORMAT, "bits": str(bits),
@@ -164,14 +181,19 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                 on_chunk(chunk + 1, len(chunks))
         for chunk, (start, layers) in enumerate(computed(lm, ids, prefix, first=kept), start=kept):
             starts.append(start)
+            whole = rows[chunk + 1] - rows[chunk]
             for layer, (keys, values) in enumerate(layers):
-                codes = _quantized(keys[0], values[0], group, bits)
+                codes = QuantizedEntries.quantize(keys[0, :, :whole].float(), values[0, :, :whole].float(), group,
+                                                  bits)  # fmt: skip
                 for part, tensor in zip(_PARTS, codes.tensors(), strict=True):
-                    first = rows[chunk] // group if part in ("ks", "km") else rows[chunk]
+                    first = rows[chunk] // group if part in _GROUPED else rows[chunk]
                     writer.write(f"{part}.{layer}", first, tensor.transpose(0, 1).cpu())
+                for part, tensor in zip(_TAILS, (keys, values), strict=True):
+                    rest = tensor[0, :, whole:].transpose(0, 1).to(TAIL_DTYPE).cpu()
+                    writer.write(f"{part}.{layer}", tails[chunk], rest)
             if on_chunk is not None:
                 on_chunk(chunk + 1, len(chunks))
-        for name, values in (("rows", rows), ("tokens", tokens), ("starts", starts)):
+        for name, values in zip(_INDEX, (rows, tails, tokens, starts), strict=True):
             writer.write(name, 0, torch.tensor(values, dtype=torch.int64))
         return writer.finish()
     except BaseException:
@@ -187,18 +209,7 @@ def _continues(previous: StoredEntries, chunks: Sequence[Chunk], prefix: torch.T
 
 
 def _copy_rows(writer: RowWriter, previous: StoredEntries, chunk: int, layers: int) -> None:
-    first, end = previous.rows[chunk], previous.rows[chunk + 1]
     for layer in range(layers):
-        for part in _PARTS:
-            lo, hi = (first // previous.group, end // previous.group) if part in ("ks", "km") else (first, end)
-            writer.write(f"{part}.{layer}", lo, previous.tensors[f"{part}.{layer}"][lo:hi].read())
-
-
-def _quantized(keys: torch.Tensor, values: torch.Tensor, group: int, bits: int) -> QuantizedEntries:
-    """`[kv_heads, n, D]` entries as codes of whole groups, the last entry repeated to fill the last group."""
-    n = keys.shape[1]
-    pad = padded(n, group) - n
-    if pad:
-        keys = torch.cat([keys, keys[:, -1:].expand(-1, pad, -1)], dim=1)
-        values = torch.cat([values, values[:, -1:].expand(-1, pad, -1)], dim=1)
-    return QuantizedEntries.quantize(keys.float(), values.float(), group, bits)
+        for part in (*_PARTS, *_TAILS):
+            first, end = previous.span(part, chunk)
+            writer.write(f"{part}.{layer}", first, previous.tensors[f"{part}.{layer}"][first:end].read())
