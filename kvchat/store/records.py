@@ -15,7 +15,7 @@ from kvchat.store.manifest import rows_from_document
 class FileRecord:
     """A file beside the episode caches, committed and checked as they are: an episode's pages file
     (`--offload icecache`, kvchat.kv.pagefile: what eviction dropped, paged), or a conversation's recall entries
-    file (`--method recall`: the KV entries of every chunk of the history, `layout.RECALL_ENTRIES_NAME`)."""
+    file (`--recall-entries stored`: the KV entries of every chunk of the history, `layout.RECALL_ENTRIES_NAME`)."""
 
     bytes: int
     sha256: str

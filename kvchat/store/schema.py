@@ -109,7 +109,7 @@ def _migration_3(db: sqlite_utils.Database) -> None:
 
 
 def _migration_4(db: sqlite_utils.Database) -> None:
-    """A conversation's recall entries file (`--method recall`): its path, size and sha256; NULL when it has
+    """A conversation's recall entries file (`--recall-entries stored`): its path, size and sha256; NULL when it has
     none (so existing rows and their digests are unchanged)."""
     for column, kind in (("recall_entries_path", str), ("recall_entries_bytes", int), ("recall_entries_sha256", str)):
         db["conversations"].add_column(column, kind)
