@@ -41,7 +41,7 @@ LEAD = "\n"  # what each chunk's text follows, as recall prefills it (kvchat.rec
 _PARTS = ("k", "ks", "km", "v", "vs", "vm")  # QuantizedEntries.tensors()' order
 _GROUPED = ("ks", "km")  # a row per key group
 _TAILS = ("kt", "vt")  # the float16 rest
-TAIL_DTYPE = torch.float16
+_TAIL_DTYPE = torch.float16
 _INDEX = ("rows", "tails", "tokens", "starts")
 
 
@@ -166,8 +166,8 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
     part_shapes = {"k": (torch.uint8, (total, heads, packed)), "v": (torch.uint8, (total, heads, packed)),
                    "ks": (scale, (total // group, heads, dim)), "km": (scale, (total // group, heads, dim)),
                    "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim)),
-                   "kt": (TAIL_DTYPE, (tails[-1], heads, dim)),
-                   "vt": (TAIL_DTYPE, (tails[-1], heads, dim))}  # fmt: skip
+                   "kt": (_TAIL_DTYPE, (tails[-1], heads, dim)),
+                   "vt": (_TAIL_DTYPE, (tails[-1], heads, dim))}  # fmt: skip
     for layer in range(lm.num_layers):
         shapes |= {f"{part}.{layer}": shape for part, shape in part_shapes.items()}
     metadata = {"fingerprint": lm.fingerprint, "recall_entries_format": FORMAT, "bits": str(bits),
@@ -189,7 +189,7 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                     first = rows[chunk] // group if part in _GROUPED else rows[chunk]
                     writer.write(f"{part}.{layer}", first, tensor.transpose(0, 1).cpu())
                 for part, tensor in zip(_TAILS, (keys, values), strict=True):
-                    rest = tensor[0, :, whole:].transpose(0, 1).to(TAIL_DTYPE).cpu()
+                    rest = tensor[0, :, whole:].transpose(0, 1).to(_TAIL_DTYPE).cpu()
                     writer.write(f"{part}.{layer}", tails[chunk], rest)
             if on_chunk is not None:
                 on_chunk(chunk + 1, len(chunks))

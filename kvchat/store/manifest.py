@@ -30,8 +30,8 @@ _EPISODE_FIELDS = ("centroid", "medoid_text", "budgets", "n_tokens", "bytes", "s
 # An episode's pages file (`--offload icecache`), in the document as `pages` {path, bytes, sha256} only when
 # it has one, so documents of episodes without one (and their digests) are as before pages files existed.
 _PAGES_COLUMNS = {"path": "pages_path", "bytes": "pages_bytes", "sha256": "pages_sha256"}
-# A conversation's recall entries file (`--recall-entries stored`), likewise `recall_entries` {path, bytes, sha256} at the
-# top level only when it has one, in its conversation row's `recall_entries_*` columns.
+# A conversation's recall entries file (`--recall-entries stored`), likewise `recall_entries` {path, bytes,
+# sha256} at the top level only when it has one, in its conversation row's `recall_entries_*` columns.
 _RECALL_COLUMNS = {"path": "recall_entries_path", "bytes": "recall_entries_bytes", "sha256": "recall_entries_sha256"}
 _FIELDS = ("name", "ingest_id", "created_at", "model", "fingerprint", "settings", "stats")
 
