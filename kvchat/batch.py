@@ -39,8 +39,7 @@ from kvchat.history import load_history
 from kvchat.ingest import EncodedEpisode, IngestReport, commit_ingest, validate, write_recall_entries_bytes
 from kvchat.profile import profile_texts
 from kvchat.settings import read_options
-from kvchat.store import DamagedDatabase, EpisodeRecord, PendingConversation, Store, validate_name
-from kvchat.store.records import FileRecord
+from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store, validate_name
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
 WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again

@@ -37,9 +37,8 @@ from kvchat.plan import episode_scorer as episode_scorer
 from kvchat.plan import plan_ingest as plan_ingest
 from kvchat.plan import validate as validate
 from kvchat.settings import to_settings
-from kvchat.store import EpisodeRecord, PagesRecord, PendingConversation, Store
+from kvchat.store import EpisodeRecord, FileRecord, PagesRecord, PendingConversation, Store
 from kvchat.store.files import write_file
-from kvchat.store.records import FileRecord
 
 if TYPE_CHECKING:
     from kvchat.features.feature import StoredFile
