@@ -11,7 +11,9 @@ window: `--method auto` resolves to recall), `--method recall` over the first ha
 whole history twice over (peak memory must not grow with the history's length), the first half at the defaults
 (within the window: epicache's full prefill), `--method snapkv` (one cache: the unit), and an ingest of every
 session but the last followed by `--append` of the last one; and the defaults with `--weights float` (the embedded
-model's weights as loaded, float32, where `auto` holds its decoder in 4 bits on a CPU).
+model's weights as loaded, float32, where `auto` holds its decoder in 4 bits on a CPU); and `--recall-entries stored`
+(recall's chunks computed at ingest) over the history, twice over it, and with an append. `--rows` runs some of
+them (their labels separated by ";", `--method snapkv` always: the unit).
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("data", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--rows", default=None, help="labels of the rows to run, separated by ; (default: all)")
     args = parser.parse_args()
+    wanted = None if args.rows is None else {r.strip() for r in args.rows.split(";")} | {"--method snapkv"}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         home, files = Path(tmp) / "home", Path(tmp)
@@ -80,19 +84,28 @@ def main() -> None:
             earlier = write_turns(but_last, files / f"{path.stem}-a.json")
             last = write_turns(parts[-1], files / f"{path.stem}-b.json")
             name = path.stem
-            measured = {
-                "defaults": run(home, "ingest", str(whole), "--name", f"{name}-d"),
-                "defaults, --weights float": run(home, "ingest", str(whole), "--name", f"{name}-f", "--weights",
-                                                 "float"),
-                "--method recall, first half of the sessions": run(home, "ingest", str(first_half), "--name",
-                                                                   f"{name}-rh", "--method", "recall"),
-                "--method recall, the history twice over": run(home, "ingest", str(twice), "--name", f"{name}-r2",
+            stored = ("--recall-entries", "stored")
+            commands = {
+                "defaults": ("ingest", str(whole), "--name", f"{name}-d"),
+                "defaults, --weights float": ("ingest", str(whole), "--name", f"{name}-f", "--weights", "float"),
+                "--method recall, first half of the sessions": ("ingest", str(first_half), "--name", f"{name}-rh",
                                                                 "--method", "recall"),
-                "defaults, first half of the sessions": run(home, "ingest", str(first_half), "--name", f"{name}-h"),
-                "--method snapkv": run(home, "ingest", str(whole), "--name", f"{name}-s", "--method", "snapkv"),
-                "defaults, all sessions but the last": run(home, "ingest", str(earlier), "--name", f"{name}-a"),
-                "--append of the last session": run(home, "ingest", str(last), "--name", f"{name}-a", "--append"),
-            }
+                "--method recall, the history twice over": ("ingest", str(twice), "--name", f"{name}-r2", "--method",
+                                                            "recall"),
+                "defaults, first half of the sessions": ("ingest", str(first_half), "--name", f"{name}-h"),
+                "--method snapkv": ("ingest", str(whole), "--name", f"{name}-s", "--method", "snapkv"),
+                "defaults, all sessions but the last": ("ingest", str(earlier), "--name", f"{name}-a"),
+                "--append of the last session": ("ingest", str(last), "--name", f"{name}-a", "--append"),
+                "--recall-entries stored": ("ingest", str(whole), "--name", f"{name}-e", *stored),
+                "--recall-entries stored, the history twice over": ("ingest", str(twice), "--name", f"{name}-e2",
+                                                                    *stored),
+                "--recall-entries stored, all sessions but the last": ("ingest", str(earlier), "--name",
+                                                                       f"{name}-ea", *stored),
+                "--append of the last session, --recall-entries stored": ("ingest", str(last), "--name",
+                                                                          f"{name}-ea", "--append"),
+            }  # fmt: skip
+            measured = {what: run(home, *command) for what, command in commands.items()
+                        if wanted is None or what in wanted}  # fmt: skip
             unit = measured["--method snapkv"][0]
             for what, (seconds, mb, doc) in measured.items():
                 rows.append((name, what, doc.get("method"), doc.get("turns"), doc.get("history_tokens"),
