@@ -79,6 +79,7 @@ def conversation(record) -> dict[str, Any]:
         "cache_bytes": sum(e.bytes for e in record.episodes),
         "pages_bytes": sum(e.pages.bytes for e in record.episodes if e.pages is not None),
         "recall_entries_bytes": record.recall_entries.bytes if record.recall_entries is not None else 0,
+        "disk_bytes": sum(size for _, size, _, _ in record.files()),  # every file of it
     }
 
 

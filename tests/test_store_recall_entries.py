@@ -153,6 +153,8 @@ def test_list_and_show_report_the_recall_entries_bytes(tmp_path: Path) -> None:
     text = run_main(tmp_path, "show", "chat")
     assert text.returncode == 0 and " MiB of recall entries" in text.stderr
     assert " MiB of recall entries" not in run_main(tmp_path, "show", "plain").stderr
+    disk = {c["name"]: c["disk_bytes"] - c["cache_bytes"] for c in listed}  # `list`'s MiB: every file on disk
+    assert disk == {"chat": entries.bytes, "plain": 0}
 
 
 # --------------------------------------------------------------------------- damage

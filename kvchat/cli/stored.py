@@ -17,7 +17,8 @@ from kvchat.terminal import clean
 
 
 def list_conversations(as_json: JsonOpt = False) -> None:
-    """List stored conversations, newest first; the default one (what `ask` answers from) is marked *."""
+    """List stored conversations, newest first, with their size on disk (every file of each); the default one (what
+    `ask` answers from) is marked *."""
     store = open_store()
     records = store.conversations()
     default = store.default_name()
@@ -28,7 +29,7 @@ def list_conversations(as_json: JsonOpt = False) -> None:
     for r in records:
         s = documents.conversation(r)
         rows.append((r.name, r.created_at[:19], r.model, s["method"], s["episode_count"], s["turns"],
-                     f"{s['cache_bytes'] / 2**20:.1f}", "*" if r.name == default else ""))
+                     f"{s['disk_bytes'] / 2**20:.1f}", "*" if r.name == default else ""))
     table(("name", "created", "model", "method", "episodes", "turns", "MiB", "default"), rows,
           right=("episodes", "turns", "MiB"))
 
