@@ -158,8 +158,7 @@ class StoredAnswerer:
         question = question.strip()
         query = self.encoder.embed([question])[0]
         cache = self._cache(route(query, self.centroids)[0])
-        _, picked = recall.recalled_text(self.index, question, query, self.split)
-        chunks = [self.index.chunks.index(c) for c in picked]
+        chunks = recall.picked(self.index, question, query, self.split)
         prompt = self.lm.encode(self.layout.question(self.config.question_template.format(question=question)))
         mark, text = cache.checkpoint(), Detokenizer(self.lm.decode)
         try:

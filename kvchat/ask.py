@@ -139,10 +139,13 @@ class Session:
         placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
         recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
         if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
-            recalled, picked = recall.recalled_text(self._recall, question, query, self._split)
+            picks = recall.picked(self._recall, question, query, self._split)
+            picked = [self._recall.chunks[i] for i in picks]
             chunks = recall.turn_ranges(picked)
             if stored is not None:
-                placing, recalled = [self._recall.chunks.index(c) for c in picked], ""
+                placing = picks
+            else:
+                recalled = recall.recalled_text(picked)
             recalled_turns = self._recalled_spans(picked, placing) if sources else []
         if recalled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)

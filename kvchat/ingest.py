@@ -31,7 +31,7 @@ from kvchat.history import Turn
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.prefill import block_prefill, select_from
-from kvchat.llm import ChatLayout, LoadedModel, ModelIdentity
+from kvchat.llm import LoadedModel, ModelIdentity
 from kvchat.plan import IngestPlan as IngestPlan
 from kvchat.plan import episode_scorer as episode_scorer
 from kvchat.plan import plan_ingest as plan_ingest
@@ -298,9 +298,8 @@ def recall_entries_writer(
     recalling = plan.config.cache.recall
     if plan.recall is None or recalling.entries != "stored":
         return None
-    prefix = lm.encode(ChatLayout.from_tokenizer(lm.tokenizer, plan.config.system_prompt).before_conversation)
     on_chunk = progress.recall_entries if progress is not None else None
-    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, prefix, bits=recalling.stored_bits,
+    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, plan.prefix_ids, bits=recalling.stored_bits,
                                              group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
 
 

@@ -102,11 +102,15 @@ def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
     return RagIndex(chunks, embeddings)
 
 
-def recalled_text(index: RagIndex, question: str, query: np.ndarray, split: RecallSplit) -> tuple[str, list[Chunk]]:
-    """The text prefilled for `question` (embedded as `query`): its top chunks in history order."""
+def picked(index: RagIndex, question: str, query: np.ndarray, split: RecallSplit) -> list[int]:
+    """The chunks recalled for `question` (embedded as `query`): their indices in `index`, in history order."""
     lexical = question if split.retrieval == "lexical" else None
-    picked = [index.chunks[i] for i in index.top(query, split.chunks, lexical)]
-    return "\n".join(c.text for c in picked), picked
+    return index.top(query, split.chunks, lexical)
+
+
+def recalled_text(chunks: Sequence[Chunk]) -> str:
+    """The text prefilled for recalled `chunks` (after a line break: the cached history's last line has none)."""
+    return "\n".join(c.text for c in chunks)
 
 
 def recalled_spans(tokenizer, chunks: Sequence[Chunk], lead: str = "\n") -> list[TurnSpan]:

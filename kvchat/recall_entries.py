@@ -37,7 +37,7 @@ from kvchat.llm import LoadedModel
 from kvchat.rag import Chunk
 
 FORMAT = "1"
-LEAD = "\n"  # what each chunk's text follows, as recall prefills it (kvchat.recall.recalled_text)
+LEAD = "\n"  # what each chunk's text follows, as recall prefills it (kvchat.ask: after the cache, a line break)
 _PARTS = ("k", "ks", "km", "v", "vs", "vm")  # QuantizedEntries.tensors()' order
 _GROUPED = ("ks", "km")  # a row per key group
 _TAILS = ("kt", "vt")  # the float16 rest
@@ -118,9 +118,9 @@ class StoredEntries:
         their number."""
         rotary, dtype, device = lm.answering.model.rotary_emb, lm.dtype, lm.device
         n = self.tokens[chunk]
+        delta = torch.full((lm.config.num_key_value_heads, n), cache.next_position - self.starts[chunk], device=device)
         for layer in range(len(cache.layers)):
             keys, values = self.entries(chunk, layer, dtype, device)
-            delta = torch.full((keys.shape[1], n), cache.next_position - self.starts[chunk], device=device)
             cache.update(rotate_keys(keys, delta, rotary), values, layer)
         cache.advance(n)
         return n

@@ -97,13 +97,12 @@ def _summary(shown: dict, verbose: bool) -> list[str]:
     s = shown["settings"]
     tokens = f", {shown['history_tokens']:,} tokens" if shown.get("history_tokens") is not None else ""
     entries = sum(e["entries"] for e in shown["episodes"])
-    pages = f" + {shown['pages_bytes'] / 2**20:.1f} MiB of pages" if shown["pages_bytes"] else ""
-    if shown["recall_entries_bytes"]:
-        pages += f" + {shown['recall_entries_bytes'] / 2**20:.1f} MiB of recall entries"
+    beside = "".join(f" + {shown[key] / 2**20:.1f} MiB of {what}" for key, what in
+                     (("pages_bytes", "pages"), ("recall_entries_bytes", "recall entries")) if shown[key])  # fmt: skip
     lines = [
         f"{shown['turns']} turns{tokens} in {counted(shown['episode_count'], 'episode')} "
         f"(segments of {s.get('window')} turns): "
-        f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{pages}",
+        f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{beside}",
         f"{s['method']}, budget {s['budget']} per layer and KV head{_recalled_text(shown)}, "
         f"{s.get('cache_precision', 'full')} precision"
         f"{', offload ' + s['offload'] if s.get('offload', 'none') != 'none' else ''}; model {shown['model']}, "

@@ -114,8 +114,8 @@ def fix(store: Store, problems: Iterable[Problem]) -> list[str]:
     for name in sorted({p.conversation for p in problems if p.conversation is not None}):
         with store._db.atomic():
             row = store._row(name)
-            rows = [*store._episode_rows(name), {"path": (row or {}).get("recall_entries_path")}]
-            paths = {store.home / p for r in rows for p in (r["path"], r.get("pages_path")) if p}
+            named = [r.get(c) for r in store._episode_rows(name) for c in ("path", "pages_path")]
+            paths = {store.home / p for p in [*named, (row or {}).get("recall_entries_path")] if p}
         damaged = {p.path for p in problems if p.conversation == name}
         if row is None or not paths & damaged:
             continue  # removed, or replaced by a new version, since `check`
