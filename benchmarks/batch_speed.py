@@ -1,9 +1,9 @@
-"""Batch ingest throughput on Ray (kvchat.batch): histories per hour with 1 and with 2 workers of one torch
+"""Batch ingest throughput on Ray (kvchat.ingest.batch): histories per hour with 1 and with 2 workers of one torch
 thread each on this machine, and what a cluster of N nodes would do at the measured per-worker rate.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/batch_speed.py [--histories 8] [--out PATH]
 
-Both runs ingest the same planted-fact histories (kvchat.synthetic) with the embedded model into fresh stores,
+Both runs ingest the same planted-fact histories (kvchat.history.synthetic) with the embedded model into fresh stores,
 through `ingest_batch` on one local Ray of 2 CPUs (--workers 1, then 2). A rate counts from the first history
 handed to a worker to the last commit: the workers' one-time start (process, imports, model and encoder) is
 reported apart. The CPU seconds the workers spent per history (from /proc) give the rate of one worker on a core
@@ -24,11 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.batch import BatchProgress, histories, import_ray, ingest_batch
 from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.model_files import convert_gguf, default_gguf_path
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.batch import BatchProgress, histories, import_ray, ingest_batch
+from kvchat.model.files import convert_gguf, default_gguf_path
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "batch_speed.md"

@@ -18,13 +18,13 @@ at a fresh temporary directory per process for the same reason). Compilation goe
 - `model-dynamic`: the whole model with `dynamic=True`;
 - `model-dynamic-warm`: `model-dynamic` in a second process that finds inductor's on-disk cache
   (`TORCHINDUCTOR_CACHE_DIR`) filled by a first one (measured only after that first run);
-- `int8-eager`, `int8-mlp`, `int8-layers`, `int8-model-dynamic`: with int8 weights (`kvchat.int8_weights`,
+- `int8-eager`, `int8-mlp`, `int8-layers`, `int8-model-dynamic`: with int8 weights (`kvchat.model.int8_weights`,
   as `--weights int8`: the cache built with the float weights), eager and compiled.
 
 Per variant, on the cache: the first answer to question 0 (its wall time less `--tokens` tokens at the
 steady rate is the compile time) and the same answer again, the steady decode tokens/s
 (`decode_speed.kvchat_rate`: the steps after the first token, after the same answer ran twice), then a
-session: `--questions` further LoCoMo questions answered one after another through `kvchat.llm.generate`
+session: `--questions` further LoCoMo questions answered one after another through `kvchat.model.llm.generate`
 (each rolled back), so recompiles on new question lengths and cache positions count in its wall time.
 Recompiles are counted from dynamo's `recompiles` log (`torch._logging.set_logs`), graphs from
 `torch._dynamo.utils.counters`. The first answer token's logits are compared with those of the eager
@@ -55,11 +55,11 @@ from core_loop import cpu_name  # benchmarks/ is on sys.path
 from decode_speed import BLOCK, BUDGET, DATA, inputs, kvchat_rate
 
 from kvchat.config import SYSTEM_PROMPT, default_home
-from kvchat.int8_weights import quantize_linears
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import PatchedPromptScorer
-from kvchat.llm import ChatLayout, generate, load_model, use_threads
+from kvchat.model.int8_weights import quantize_linears
+from kvchat.model.llm import ChatLayout, generate, load_model, use_threads
 from kvchat.store import MODELS_DIR
 
 REPO = Path(__file__).resolve().parents[1]

@@ -27,19 +27,19 @@ from pathlib import Path
 
 import torch
 
-from kvchat.ask import Answer, Session
+from kvchat.answer.session import Answer, Session
 from kvchat.config import EPISODE_INSTRUCTION, SYSTEM_PROMPT, CacheConfig, IngestConfig
-from kvchat.encoder import SentenceEncoder
-from kvchat.history import Turn, format_turns
-from kvchat.ingest import ingest
+from kvchat.history.loading import Turn, format_turns
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer
-from kvchat.llm import ChatLayout, LoadedModel, load_model
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, LoadedModel, load_model
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 TEST_MODELS_DIR = REPO / ".venv" / "kvchat-test-models"

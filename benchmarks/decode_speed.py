@@ -53,16 +53,16 @@ from pathlib import Path
 import torch
 
 from kvchat.config import EPISODE_INSTRUCTION, SYSTEM_PROMPT
-from kvchat.device import Placement
-from kvchat.gold import bootstrap_interval
-from kvchat.history import format_turns, load_history
+from kvchat.eval.gold import bootstrap_interval
+from kvchat.eval.qa import token_f1
+from kvchat.history.loading import format_turns, load_history
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import PatchedPromptScorer
-from kvchat.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
-from kvchat.model_files import default_gguf_path
-from kvchat.qa import token_f1
+from kvchat.model.device import Placement
+from kvchat.model.files import default_gguf_path
+from kvchat.model.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data" / "locomo"

@@ -7,7 +7,7 @@ and answer; the same length for the 8K-window default model), block prefill (blo
 - an epicache cache (budget 1024 per layer and KV head, patched-prompt scoring), and
 - full KV (nothing evicted),
 and times the prefill (history tokens/s, after an untimed warm-up prefill of each) and a forced greedy decode
-of 64 tokens on top of each through `kvchat.llm.generate`, as `kvchat ask` answers (tokens/s, EOS ignored, after a
+of 64 tokens on top of each through `kvchat.model.llm.generate`, as `kvchat ask` answers (tokens/s, EOS ignored, after a
 warm-up), with kvchat's decode step launching each kernel by itself and replayed as one CUDA graph (its default
 there), with CUDA synchronised around every timing.
 Peak GPU memory is torch.cuda.max_memory_allocated over each prefill + decode, reset in between
@@ -44,7 +44,7 @@ class Row:
     entries: int           # most entries one layer holds after the prefill
     prefill_tokens_per_s: float
     decode_tokens_per_s: float          # kvchat's decode step, each kernel launched by itself
-    graph_decode_tokens_per_s: float    # the same step replayed as one CUDA graph (kvchat.cuda_graph_step)
+    graph_decode_tokens_per_s: float    # the same step replayed as one CUDA graph (kvchat.model.cuda_graph_step)
     peak_gib: float
 
 
@@ -57,9 +57,9 @@ def _timed(fn) -> tuple[object, float]:
 
 
 def _decode(lm, cache, prompt: torch.Tensor, tokens: int) -> float:
-    """Seconds for `tokens` forced greedy steps on top of `cache` through `kvchat.llm.generate`, the path `kvchat ask`
+    """Seconds for `tokens` forced greedy steps on top of `cache` through `model.llm.generate`, the path `kvchat ask`
     answers by (its decode step where it applies), from the question's logits on (the question's prefill untimed)."""
-    from kvchat.llm import generate
+    from kvchat.model.llm import generate
 
     mark = cache.checkpoint()
     started: list[float] = []
@@ -85,7 +85,7 @@ def run(lm, lengths: list[int]) -> list[Row]:
     from kvchat.kv.budgets import uniform_budgets
     from kvchat.kv.prefill import block_prefill
     from kvchat.kv.scoring import PatchedPromptScorer
-    from kvchat.llm import ChatLayout
+    from kvchat.model.llm import ChatLayout
 
     if lm.decode_step is None:
         raise SystemExit(f"{lm.spec}: kvchat's decode step does not apply to this model")
@@ -153,8 +153,8 @@ def main(argv: list[str] | None = None) -> None:
               "lent (see the module docstring)", file=sys.stderr)
         sys.exit(2)
     from kvchat.config import ANSWER_ROOM, DeviceConfig, default_home
-    from kvchat.device import resolve
-    from kvchat.llm import load_model
+    from kvchat.model.device import resolve
+    from kvchat.model.llm import load_model
 
     lm = load_model(args.model, args.models_dir or default_home() / "models",
                     placement=resolve(DeviceConfig("cuda", args.dtype)))

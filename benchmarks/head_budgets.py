@@ -2,7 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/head_budgets.py [--budget 256] [--tokens 32] [--out PATH]
 
-Ingests examples/planted_facts.json (the four planted facts of kvchat.synthetic seed 7) once per mode
+Ingests examples/planted_facts.json (the four planted facts of kvchat.history.synthetic seed 7) once per mode
 into a fresh temporary home, then reports: bytes stored and resident, how uneven the heads' lengths
 get, decode speed (forced greedy tokens on each mode's episode caches, modes interleaved so both see
 the same machine load; median of the rounds), and the answers to the four planted questions.
@@ -24,15 +24,15 @@ from pathlib import Path
 import torch
 from core_loop import forced_decode  # benchmarks/ is on sys.path when a script here runs
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, IngestConfig
-from kvchat.encoder import SentenceEncoder
-from kvchat.ingest import IngestReport, ingest
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import IngestReport, ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
-from kvchat.llm import ChatLayout, load_model
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, load_model
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "planted_facts.json"

@@ -16,7 +16,7 @@ tokens forced past EOS after the question (kinds interleaved, median of rounds).
 step spent retrieving is 1 - speed with pages re-chosen every 8 tokens / speed with the question's pages
 kept (no retrieval after the question).
 
-`quality`: `kvchat eval` (kvchat.evaluate) on planted-fact conversations and LoCoMo files cut to
+`quality`: `kvchat eval` (kvchat.eval.evaluate) on planted-fact conversations and LoCoMo files cut to
 `--max-context` tokens: first-token KL and answer agreement with full KV, gold F1, evidence kept by the
 resident cache, evidence recalled (resident or retrieved) and the share of full KV's attention on the
 evidence that those entries carry. `--study table`: epicache@M + offload (window W), epicache@(M+W) +
@@ -53,7 +53,7 @@ from kvchat.kv.prefill import block_prefill, keep_sink_and_window
 from kvchat.kv.retrieval import PagePool, attach_pages, page_scorer
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import SpillWriter
-from kvchat.llm import ChatLayout, load_model
+from kvchat.model.llm import ChatLayout, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = REPO / ".venv" / "kvchat-test-models"
@@ -200,7 +200,7 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
     `resident`: SnapKV and EpiCache without offload at the resident size M + W (the entries IceCache holds
     in memory; it reads R more per question). `planted`: the choices decided on planted facts (the window at
     equal resident entries and on top of M, layers 0-1 whole, the two-stage scorer's candidates)."""
-    from kvchat import evaluate
+    from kvchat.eval import evaluate
 
     def variant(method: str, budget: int = 1024, **offload) -> evaluate.Variant:
         paged = OffloadConfig(mode="icecache", retrieve=r, **{"window": w, **offload})
@@ -229,8 +229,8 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
 
 
 def quality(args: argparse.Namespace) -> str:
-    from kvchat import evaluate
-    from kvchat.encoder import SentenceEncoder
+    from kvchat.eval import evaluate
+    from kvchat.model.encoder import SentenceEncoder
 
     torch.set_grad_enabled(False)
     lm = load_model("default", args.models_dir)

@@ -3,7 +3,7 @@
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/icecache_pages.py [--sets 2] [--out PATH]
 
 Setup (the issue's quick experiment, IceCache proper on a history inside the window): planted-fact
-conversations (kvchat.qa.planted_sets: 6 topics x 48 turns, ~3.5K tokens, one question per fact) are
+conversations (kvchat.eval.qa.planted_sets: 6 topics x 48 turns, ~3.5K tokens, one question per fact) are
 prefilled with full KV once. Resident: the system prompt (sink), the last `--window` history tokens
 and the question/answer tokens; layers below `--first-paged` keep everything. Every other history entry
 of layers >= first-paged is offloaded (stored at half precision, as the pages file stores it) and
@@ -40,8 +40,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvchat.config import SYSTEM_PROMPT, PagingConfig
-from kvchat.evaluate import _turn_positions
-from kvchat.history import format_turns
+from kvchat.eval.evaluate import _turn_positions
+from kvchat.eval.qa import QASet, contains_gold, planted_sets, token_f1
+from kvchat.history.loading import format_turns
 from kvchat.kv.attention import attention_with_retrieved, causal_mask, grouped_attention_weights, kvchat_attention
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -53,8 +54,7 @@ from kvchat.kv.pages import (
     semantic_pages,
 )
 from kvchat.kv.retrieval import PAGE_SCORERS, EntryScorer, PagePool, Retrieved, Scorer, TwoStageScorer, centroid_scores
-from kvchat.llm import ChatLayout, LoadedModel, load_model
-from kvchat.qa import QASet, contains_gold, planted_sets, token_f1
+from kvchat.model.llm import ChatLayout, LoadedModel, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = REPO / ".venv" / "kvchat-test-models"

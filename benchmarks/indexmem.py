@@ -26,17 +26,17 @@ from pathlib import Path
 
 import torch
 
-from kvchat import report as eval_report
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, IngestConfig, default_home
-from kvchat.encoder import SentenceEncoder
-from kvchat.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
-from kvchat.history import format_turns
+from kvchat.eval import report as eval_report
+from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
+from kvchat.history.loading import format_turns
+from kvchat.ingest.layer_profiles import find_indexmem
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.latent import LatentMemory
 from kvchat.kv.methods import REGISTRY, ScorerInputs
 from kvchat.kv.prefill import block_prefill
-from kvchat.llm import ChatLayout, load_model
-from kvchat.profile import find_indexmem
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "locomo"

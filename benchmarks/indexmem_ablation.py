@@ -1,5 +1,5 @@
 """Where IndexMem loses first-token KL, measured on data that is not the evaluation: planted-fact conversations
-(kvchat.synthetic, seeds the trainer never used) and the held-out chit-chat chunks of the training data.
+(kvchat.history.synthetic, seeds the trainer never used) and the held-out chit-chat chunks of the training data.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem_ablation.py [--budgets 128,256] [--variants a,b]
         [--planted 3] [--out benchmarks/results/indexmem_ablation.jsonl] [--weights FILE.indexmem.safetensors]
@@ -24,17 +24,17 @@ from pathlib import Path
 import torch
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, TrainConfig, default_home
-from kvchat.history import Turn, format_turns
+from kvchat.history.loading import Turn, format_turns
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.layer_profiles import find_indexmem
+from kvchat.ingest.plan import resolve_layer_budgets
 from kvchat.kv.forward import forward
 from kvchat.kv.indexer import IndexerScorer
 from kvchat.kv.latent import LatentMemory
 from kvchat.kv.methods import REGISTRY, ScorerInputs
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.trained import TrainedIndexMem
-from kvchat.llm import ChatLayout, load_model
-from kvchat.plan import resolve_layer_budgets
-from kvchat.profile import find_indexmem
-from kvchat.synthetic import planted_conversation
+from kvchat.model.llm import ChatLayout, load_model
 from kvchat.training.chunks import make_chunks
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"

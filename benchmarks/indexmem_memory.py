@@ -11,7 +11,7 @@ training's own `evaluate_memory` twice: evicting as ingest does (`TrainConfig`'s
 `CacheConfig`'s: the indexer blended 1:3 with the block's last 64 queries' attention, a 16-entry window) and
 as the memory stage did before it reused ingest's scorer (the indexer alone, a 64-entry window). Writes
 benchmarks/results/indexmem_memory_residual.json.
-`length`: the same share on one planted-fact conversation (kvchat.synthetic seed 7100, the first of
+`length`: the same share on one planted-fact conversation (kvchat.history.synthetic seed 7100, the first of
 indexmem_ablation.py's; never LoCoMo) cut to 512 tokens, as training's chunks are, and to 1536, as an
 ingest's history of it is: budget 128, its last 64 tokens reading. Writes
 benchmarks/results/indexmem_memory_length.json.
@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from kvchat.config import SYSTEM_PROMPT, TrainConfig, default_home
-from kvchat.evaluate import ResultsFile, summarize
-from kvchat.history import Turn, format_turns
+from kvchat.eval.evaluate import ResultsFile, summarize
+from kvchat.history.loading import Turn, format_turns
+from kvchat.history.synthetic import planted_conversation
 from kvchat.kv.trained import TrainedIndexMem
-from kvchat.llm import ChatLayout, load_model
-from kvchat.synthetic import planted_conversation
+from kvchat.model.llm import ChatLayout, load_model
 from kvchat.training.chunks import Chunk, make_chunks
 from kvchat.training.memory_stage import evaluate_memory, residual_removed
 from kvchat.training.teacher import capture
@@ -202,7 +202,7 @@ def planted_table(path: Path) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return ("\nPlanted facts and held-out chit-chat (`benchmarks/indexmem_ablation.py --variants chosen,chosen+memory "
             "--weights FILE`, records in `indexmem_mass_planted.jsonl`; never LoCoMo): three planted-fact "
-            "conversations (kvchat.synthetic seeds 7100-7102, about 1466 tokens, 6 questions each) and the held-out "
+            "conversations (history.synthetic seeds 7100-7102, about 1466 tokens, 6 questions each) and the held-out "
             "chit-chat chunks (2322 tokens, then 48 more teacher-forced); ingest's scorer (the 1:3 blend, window 16, "
             "no pooling), block 512, sensitivity layer budgets; against full KV. `xS`: the memory's addition "
             "times S.\n\n" + "\n".join(lines) + "\n")

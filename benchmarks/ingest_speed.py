@@ -8,7 +8,7 @@ embedded model, one thread, E = 4 episodes, budget 512, block 512, all side by s
    and `--method full`, each as a ratio to that unit, with the peak entries per layer;
 2. appending the last 10% of the turns to an ingest of the first 90% vs ingesting all of it again;
 3. first-token KL and answer agreement vs full KV of epicache built block by block vs from the full
-   prefill (kvchat.evaluate, --questions per conversation).
+   prefill (kvchat.eval.evaluate, --questions per conversation).
 Progress on stderr; the markdown goes to stdout and to --out.
 """
 
@@ -21,14 +21,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvchat.append import append
 from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig
-from kvchat.encoder import SentenceEncoder
-from kvchat.evaluate import ResultsFile, Variant, evaluate, qa_sets, summarize
-from kvchat.history import Turn
-from kvchat.ingest import IngestReport, ingest, plan_ingest
+from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, summarize
+from kvchat.history.loading import Turn
+from kvchat.ingest.append import append
+from kvchat.ingest.pipeline import IngestReport, ingest, plan_ingest
 from kvchat.kv.prefill import block_prefill
-from kvchat.llm import load_model, use_threads
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import load_model, use_threads
 from kvchat.store import Store
 
 REPO = Path(__file__).resolve().parents[1]

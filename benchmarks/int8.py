@@ -38,16 +38,16 @@ import safetensors.torch
 import torch
 
 from kvchat.config import LOCOMO_QA_TEMPLATE, CacheConfig, IngestConfig
-from kvchat.encoder import SentenceEncoder
-from kvchat.episodes import route
-from kvchat.evaluate import _kl
-from kvchat.ingest import ingest
+from kvchat.eval.evaluate import _kl
+from kvchat.eval.qa import QASet, contains_gold, load_locomo, planted_sets, sample_questions, score_answer, token_f1
+from kvchat.history.episodes import route
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.quantize import PRECISION_BITS
-from kvchat.llm import ChatLayout, LoadedModel, generate, load_model
-from kvchat.qa import QASet, contains_gold, load_locomo, planted_sets, sample_questions, score_answer, token_f1
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, LoadedModel, generate, load_model
 from kvchat.store import Store
 
 FULL = ("full", 0, 0)

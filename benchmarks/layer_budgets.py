@@ -18,11 +18,11 @@ import dataclasses
 import os
 from pathlib import Path
 
-from kvchat import report
 from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
-from kvchat.encoder import SentenceEncoder
-from kvchat.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
-from kvchat.llm import load_model
+from kvchat.eval import report
+from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import load_model
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "locomo"

@@ -5,7 +5,7 @@ would give, measured before it is built.
         --out benchmarks/results/recall_stored.jsonl --report benchmarks/results/recall_stored.md
 
 Recall answers from a routed episode cache with the question's top chunks of raw turns prefilled on top of it
-(kvchat.recall), so every answer pays a prefill of its chunks (R = 512 tokens at the defaults). Their entries could
+(answer.recall), so every answer pays a prefill of its chunks (R = 512 tokens at the defaults). Their entries could
 instead be computed once per chunk when the conversation is ingested, kept, and at each question placed after the
 cache with their keys re-rotated to the positions the prefill would give them (kvchat.kv.rope); only the question
 is prefilled then. A chunk's entries cannot see the cache they will follow, so the question is what that costs.
@@ -38,21 +38,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvchat import recall
-from kvchat.ask import Detokenizer, Session
+from kvchat.answer import recall
+from kvchat.answer.rag import RagIndex
+from kvchat.answer.session import Detokenizer, Session
 from kvchat.config import AskConfig, EvalConfig, IngestConfig, default_home
-from kvchat.echo import guard_for
-from kvchat.encoder import SentenceEncoder
-from kvchat.episodes import route
-from kvchat.gold import bootstrap_interval, paired_difference
-from kvchat.ingest import ingest
+from kvchat.eval.gold import bootstrap_interval, paired_difference
+from kvchat.eval.qa import load_locomo, score_answer
+from kvchat.history.episodes import route
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.quantize import QuantizedEntries
 from kvchat.kv.rope import rotate_keys
-from kvchat.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
-from kvchat.qa import load_locomo, score_answer
-from kvchat.rag import RagIndex
+from kvchat.model.echo import guard_for
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
 from kvchat.settings import from_settings
 from kvchat.store import Store
 

@@ -3,7 +3,7 @@ off-topic flag tell questions about the history from questions about another one
 
     HF_HUB_OFFLINE=1 /work/slot .venv/bin/python benchmarks/receipts.py [--histories 10] [--budget N] [--out PATH]
 
-For each planted-fact history kvchat.synthetic generates (seeds 0..N-1, 4 topics of 24 turns, ingested with the
+For each planted-fact history kvchat.history.synthetic generates (seeds 0..N-1, 4 topics of 24 turns, ingested with the
 default settings), every planted question is asked with sources (`Session.ask(sources=True)`): when the answer
 is right (it contains the fact), is the planted turn among the top 3 sources? The 20 questions of
 `synthetic.OFF_TOPIC_QUESTIONS` (about another history) and the planted questions are routed (`Session.route`):
@@ -23,13 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import OFF_TOPIC_SIMILARITY, AskConfig, CacheConfig, IngestConfig
-from kvchat.encoder import SentenceEncoder
-from kvchat.ingest import ingest
-from kvchat.llm import load_model
+from kvchat.history.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
+from kvchat.ingest.pipeline import ingest
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import load_model
 from kvchat.store import Store
-from kvchat.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS_DIR = REPO / ".venv" / "kvchat-test-models"
@@ -96,7 +96,7 @@ def _write(report: str, out: Path) -> None:
 
 
 def _turn(message: dict):
-    from kvchat.history import Turn
+    from kvchat.history.loading import Turn
 
     return Turn(message["role"], message["content"])
 
@@ -115,7 +115,7 @@ def _report(rows: list[dict], in_topic: list[float], off_topic: list[float], arg
     lines = [
         "# Receipts: sources and the off-topic flag (embedded model)",
         "",
-        f"SmolLM2-135M-Instruct, {args.histories} planted-fact histories (kvchat.synthetic seeds "
+        f"SmolLM2-135M-Instruct, {args.histories} planted-fact histories (kvchat.history.synthetic seeds "
         f"0..{args.histories - 1}, 4 topics x 24 turns), default ingest settings with --budget {args.budget}, "
         f"answers of at most {args.max_new_tokens} tokens, sources from the layers from "
         f"{args.source_layers_from:.0%} of the depth up; `benchmarks/receipts.py`.",

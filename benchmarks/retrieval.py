@@ -4,17 +4,17 @@
         [--chunk-tokens 256 128] [--out benchmarks/results/retrieval.md]
 
 Every category 1-4 question of each LoCoMo conversation (whole, every session) names its evidence turns. The
-conversation is cut into chunks as `kvchat.rag` cuts it, and each ranking picks its top k chunks for the question;
+conversation is cut into chunks as `answer.rag` cuts it, and each ranking picks its top k chunks for the question;
 the score is the share of the question's evidence turns inside them (mean over questions), at the k that fill
 the same tokens (k x chunk tokens). Rankings:
 - `dense`: the sentence encoder kvchat ships (MiniLM), cosine of the chunk's and the question's embeddings (what
   plain RAG does);
-- `lexical`: TF-IDF of the words (kvchat.lexical), the encoder breaking ties (what `--method recall` ships);
+- `lexical`: TF-IDF of the words (kvchat.answer.lexical), the encoder breaking ties (what `--method recall` ships);
 - `turns`: the encoder, a chunk scored by its best turn's embedding;
 - `fused`: reciprocal-rank fusion of dense and lexical (k = 60).
 
 A second table asks the same of `--method recall`'s episode routing: the history cut into episodes as an ingest
-cuts it (segments of w turns, K-Means, kvchat.episodes), the share of the evidence turns in the routed episode's
+cuts it (segments of w turns, K-Means, kvchat.history.episodes), the share of the evidence turns in the routed episode's
 turns, in the recalled chunks (the lexical top k at the default split), and in either. Routings:
 - `centroid`: the nearest centroid (what `ask` does);
 - `chunks`: the episode that holds most of the recalled chunks' turns;
@@ -31,14 +31,14 @@ from pathlib import Path
 
 import numpy as np
 
+from kvchat.answer.rag import RagIndex
+from kvchat.answer.recall import split
 from kvchat.config import DEFAULT_EPISODES, EpisodeConfig, IngestConfig, default_home
-from kvchat.encoder import SentenceEncoder
-from kvchat.episodes import build_episodes, route, segment
-from kvchat.history import format_turns
-from kvchat.llm import load_model, use_threads
-from kvchat.qa import load_locomo
-from kvchat.rag import RagIndex
-from kvchat.recall import split
+from kvchat.eval.qa import load_locomo
+from kvchat.history.episodes import build_episodes, route, segment
+from kvchat.history.loading import format_turns
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import load_model, use_threads
 
 RANKINGS = ("dense", "lexical", "turns", "fused")
 

@@ -3,7 +3,7 @@ one-shot commands a user runs without a server.
 
     HF_HUB_OFFLINE=1 python benchmarks/serve_latency.py [--clients 4] [--tokens 32] [--threads 2] [--out PATH]
 
-A planted-fact conversation (kvchat.synthetic, 4 topics) is ingested with the embedded model into a temporary
+A planted-fact conversation (kvchat.history.synthetic, 4 topics) is ingested with the embedded model into a temporary
 home (the model converted there first, so every later load finds it converted); the server is `kvchat serve` in
 its own process, as a user runs it (port 0, found through `$KVCHAT_HOME`, the model and encoder preloaded before
 the first question). Each client uses the `openai` package in this process,
@@ -38,12 +38,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvchat.config import WEIGHT_MODES, AskConfig, CacheConfig, IngestConfig
-from kvchat.encoder import SentenceEncoder
-from kvchat.ingest import ingest
-from kvchat.llm import load_model, use_threads
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import load_model, use_threads
 from kvchat.serve.announcement import announced_url
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ instead, every system scored against the gold answers at equal KV entries.
         --out benchmarks/results/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
 
 Each conversation is loaded whole (every session, every category 1-4 question with evidence; LoCoMo's QA prompt
-for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.gold, the
+for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.eval.gold, the
 library `kvchat eval --against gold` runs: F1 with a percentile bootstrap 95% interval (fixed seed), per
 category, seconds per answer in this one process, KV entries per layer and KV head the first answer token
 attends to (resident + read back + prefilled at question time), bytes on disk and resident. kvchat's caches
@@ -43,9 +43,8 @@ from kvchat.config import (
     RecallConfig,
     default_home,
 )
-from kvchat.encoder import SentenceEncoder
-from kvchat.evaluate import EvalProgress, ResultsFile
-from kvchat.gold import (
+from kvchat.eval.evaluate import EvalProgress, ResultsFile
+from kvchat.eval.gold import (
     GoldVariant,
     evaluate_gold,
     gold_markdown,
@@ -54,8 +53,9 @@ from kvchat.gold import (
     rag_variant,
     recent_variant,
 )
-from kvchat.llm import load_model, use_threads
-from kvchat.qa import load_locomo
+from kvchat.eval.qa import load_locomo
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import load_model, use_threads
 from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--note", default="", help="a line for the report (machine load, ...)")
     parser.add_argument("--no-echo-guard", action="store_true",
-                        help="decode answers without kvchat.echo's guard (as kvchat did before 2026-11-26)")
+                        help="decode answers without kvchat.model.echo's guard (as kvchat did before 2026-11-26)")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="float",
                         help="the Linear weights answers are decoded with (as `kvchat ask --weights`)")
     parser.add_argument("--ingest-weights", choices=WEIGHT_MODES, default=None,

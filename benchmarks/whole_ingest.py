@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from kvchat.history import load_history
+from kvchat.history.loading import load_history
 
 KVCHAT = [sys.executable, "-m", "kvchat"]
 

@@ -18,7 +18,7 @@ file is written):
   entries, not against the resident ones).
 
 Studies:
-- within the window: planted-fact histories (kvchat.qa.planted_sets) of about `--within-tokens` tokens, so full
+- within the window: planted-fact histories (kvchat.eval.qa.planted_sets) of about `--within-tokens` tokens, so full
   KV at original positions is the reference: first-token KL and top-1 agreement with it, token F1 of the greedy
   answers against its answers; also the offload without compaction (`original`, the layout kvchat used before)
   and the compacted cache without pages (`resident`).
@@ -50,8 +50,9 @@ import torch
 from core_loop import patched_prompt_ids  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, AskConfig, IceCacheConfig, PagingConfig
-from kvchat.history import format_turns
-from kvchat.history_tokens import turn_spans
+from kvchat.eval.qa import QASet, load_locomo, planted_sets, sample_questions, score_answer, token_f1
+from kvchat.history.loading import format_turns
+from kvchat.history.tokens import turn_spans
 from kvchat.kv.budgets import uniform_budgets
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -59,8 +60,7 @@ from kvchat.kv.prefill import block_prefill
 from kvchat.kv.retrieval import attach_pages, page_scorer
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import Placement, SpillWriter, beside_residents
-from kvchat.llm import ChatLayout, LoadedModel, load_model
-from kvchat.qa import QASet, load_locomo, planted_sets, sample_questions, score_answer, token_f1
+from kvchat.model.llm import ChatLayout, LoadedModel, load_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_MODELS_DIR = REPO / ".venv" / "kvchat-test-models"

@@ -68,7 +68,7 @@ from kvchat.kv.config import (
 )
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
 
-# how the model's Linear weights are held (kvchat.int8_weights, kvchat.int4_weights) while answering and while
+# how the model's Linear weights are held (model.int8_weights, model.int4_weights) while answering and while
 # ingest builds caches; auto: int4 on a CPU where the decoder's weights already are 4-bit groups (the embedded
 # model), else float
 WEIGHT_MODES = ("auto", "float", "int8", "int4")
@@ -108,7 +108,7 @@ def default_home() -> Path:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where the model runs and its dtype (`--device`, `--dtype`; kvchat.device resolves them). auto: CUDA in
+    """Where the model runs and its dtype (`--device`, `--dtype`; kvchat.model.device resolves them). auto: CUDA in
     bfloat16 when a GPU is visible, else the CPU in float32."""
 
     device: str = "auto"  # auto | cpu | cuda
@@ -173,7 +173,7 @@ class IngestConfig:
 
 @dataclass(frozen=True)
 class BatchConfig:
-    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.batch)."""
+    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.ingest.batch)."""
 
     workers: int | None = None  # None: the CPUs Ray has (a local Ray: this machine's usable cores) / threads
     threads: int = 1            # torch threads per worker; workers x threads never exceed the CPUs
@@ -184,14 +184,14 @@ class BatchConfig:
     weights: str = WEIGHTS  # the Linear weights each worker builds caches with, as `kvchat ingest --weights`
 
 
-ECHO_WORDS = 3  # an answer spelling out the question's first this many words repeats it (kvchat.echo)
+ECHO_WORDS = 3  # an answer spelling out the question's first this many words repeats it (kvchat.model.echo)
 ECHO_RETRIES = 3  # times an answer's decoding goes back before such words, at most
 
 
 @dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
-    # An answer that repeats the question's opening words is decoded again from before them (kvchat.echo).
+    # An answer that repeats the question's opening words is decoded again from before them (kvchat.model.echo).
     echo_guard: bool = True
     question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
@@ -201,7 +201,7 @@ class AskConfig:
     # off-topic, and with refuse_off_topic not answered (benchmarks/results/receipts.md measures it).
     off_topic_similarity: float = OFF_TOPIC_SIMILARITY
     refuse_off_topic: bool = False
-    source_count: int = 3       # `--sources`: the turns shown, most attended first (kvchat.sources)
+    source_count: int = 3       # `--sources`: the turns shown, most attended first (kvchat.answer.sources)
     # Sources count the attention of the layers from this fraction of the model's depth up: lower layers attend
     # by position more than by content (benchmarks/results/receipts.md compares it with every layer, 0.0).
     source_layers_from: float = 0.5
@@ -219,7 +219,7 @@ LOCOMO_QA_TEMPLATE = (
 
 @dataclass(frozen=True)
 class RagConfig:
-    """Retrieval of raw turns (kvchat.rag): what a user would run instead of a compressed cache. The history is
+    """Retrieval of raw turns (kvchat.answer.rag): what a user would run instead of a compressed cache. The history is
     cut into chunks of consecutive turns; a question's top chunks by the sentence encoder are put back in
     history order into the system prompt and prefilled with it. KV entries while answering: top_k x chunk_tokens
     (plus the system prompt and the question)."""
@@ -245,10 +245,10 @@ class EvalConfig:
     synthetic_topics: int = 6          # planted-fact set (--synthetic): topics per conversation
     synthetic_turns_per_topic: int = 48
     against: str = "auto"              # full: answers compared with full KV's; gold: scored against the gold
-                                       # answers beside rag and recent (kvchat.gold); auto: gold for a history
+                                       # answers beside rag and recent (kvchat.eval.gold); auto: gold for a history
                                        # that does not fit the model's window, else full
     chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
-    echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.echo)
+    echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.model.echo)
     weights: str = WEIGHTS  # the Linear weights caches are built and answers decoded with, as `kvchat ingest` and
                             # `kvchat ask` hold them (--weights)
 

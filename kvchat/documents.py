@@ -92,7 +92,7 @@ def show(record) -> dict[str, Any]:
     """`kvchat show NAME --json`: the `list` fields, what the ingest reported under the `ingest` document's keys
     (`history_tokens`, `budgets`, `timings_ms`, ...), the settings, and the episodes with their topic labels.
     `stats` is the stored report as recorded (its `episodes` a count, `seconds`): kept for schema 1 only."""
-    from kvchat.episodes import topic_labels
+    from kvchat.history.episodes import topic_labels
 
     labels = topic_labels([e.medoid_text for e in record.episodes])
     segments = record.stats.get("episode_segments") or []
@@ -120,8 +120,8 @@ def asks(rows) -> dict[str, Any]:
 
 
 def eval_rows(rows, gold_rows=(), verdict=()) -> dict[str, Any]:
-    """`kvchat eval --json`: one row per variant compared with full KV (`kvchat.evaluate.summarize`) and, for
-    histories scored against gold, one per system (`kvchat.gold.summarize_gold`) with the verdict lines."""
+    """`kvchat eval --json`: one row per variant compared with full KV (`kvchat.eval.evaluate.summarize`) and, for
+    histories scored against gold, one per system (`kvchat.eval.gold.summarize_gold`) with the verdict lines."""
     gold = {"gold": {"rows": [_ms(row) for row in gold_rows], "verdict": list(verdict)}} if gold_rows else {}
     return document(rows=[_ms(row) for row in rows], **gold)
 

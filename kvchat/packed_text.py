@@ -1,6 +1,6 @@
 """Long values of an episode file's metadata, which safetensors keeps as strings: deflated, then base85.
 
-Turn spans (kvchat.sources) and the recall index (kvchat.recall) repeat keys and text; deflated they cost a
+Turn spans (kvchat.history.spans) and the recall index (kvchat.answer.recall) repeat keys and text; deflated they cost a
 small share of a cache file. A packed value starts with `PREFIX`, so a reader tells it from plain JSON written
 before packing existed.
 """

@@ -25,8 +25,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from kvchat.history import format_turns
-from kvchat.synthetic import _TOPICS, planted_conversation
+from kvchat.history.loading import format_turns
+from kvchat.history.synthetic import _TOPICS, planted_conversation
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data" / "locomo"
@@ -135,7 +135,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir, tmp_path_factory):
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     return load_model(str(tiny_model_dir), tmp_path_factory.mktemp("models"))
 
@@ -144,7 +144,7 @@ def tiny_lm(tiny_model_dir, tmp_path_factory):
 def short_model_dir(tmp_path_factory) -> Path:
     """The tiny Llama with a window a third of the length of `planted_sets(1, topics=6, turns_per_topic=40)`'s
     history: for histories beyond the model's window."""
-    from kvchat.qa import planted_sets
+    from kvchat.eval.qa import planted_sets
 
     tokenizer = tiny_tokenizer()
     turns = planted_sets(1, topics=6, turns_per_topic=40)[0].turns
@@ -159,14 +159,14 @@ def short_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def short_lm(short_model_dir, tmp_path_factory):
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     return load_model(str(short_model_dir), tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")
 def default_lm():
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     return load_model("default", MODELS_DIR)
 
@@ -182,7 +182,7 @@ def history(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def encoder():
-    from kvchat.encoder import SentenceEncoder
+    from kvchat.model.encoder import SentenceEncoder
 
     return SentenceEncoder()
 
@@ -190,6 +190,6 @@ def encoder():
 def centroid(*values: float) -> list[float]:
     """A test store's episode centroid: `values`, then zeros to the encoder's length (which `kvchat doctor` checks
     every centroid against)."""
-    from kvchat.encoder import embedding_dimension
+    from kvchat.model.encoder import embedding_dimension
 
     return [*values, *[0.0] * ((embedding_dimension() or 384) - len(values))]

@@ -13,18 +13,18 @@ import torch
 from cli_helpers import run_main
 
 from kvchat import store as store_module
-from kvchat.append import append, reingest
 from kvchat.config import DEFAULT_EPISODES, CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.episodes import Episode
 from kvchat.errors import UserError
-from kvchat.history import format_turns, load_history
-from kvchat.ingest import episode_scorer, ingest
+from kvchat.history.episodes import Episode
+from kvchat.history.loading import format_turns, load_history
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.append import append, reingest
+from kvchat.ingest.pipeline import episode_scorer, ingest
 from kvchat.kv import codec
 from kvchat.kv.prefill import block_prefill
-from kvchat.llm import ChatLayout
+from kvchat.model.llm import ChatLayout
 from kvchat.settings import differing_options, from_settings, to_settings
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,23 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "kvchat"
 
-# Top to bottom. A module may import modules of its own layer or of layers below it.
+# Top to bottom: a package per stage, each importing only packages below it (and its own modules).
 LAYERS: list[tuple[str, ...]] = [
-    ("kvchat.__main__", "kvchat.cli", "kvchat.repl", "kvchat.documents", "kvchat.terminal", "kvchat.serve"),
-    ("kvchat.evaluate", "kvchat.gold", "kvchat.report"),
-    ("kvchat.batch",),
-    ("kvchat.batch_worker",),
-    ("kvchat.append",),
-    ("kvchat.ingest", "kvchat.plan", "kvchat.ask", "kvchat.recall", "kvchat.recall_entries", "kvchat.rag",
-     "kvchat.profile", "kvchat.qa",
-     "kvchat.training", "kvchat.training.pipeline", "kvchat.training.chunks", "kvchat.training.teacher",
-     "kvchat.training.indexer_stage", "kvchat.training.memory_stage", "kvchat.training.checkpoints"),
-    ("kvchat.llm", "kvchat.echo", "kvchat.model_files", "kvchat.native_llama", "kvchat.decode_step",
-     "kvchat.cuda_graph_step", "kvchat.gguf_header", "kvchat.int8_weights", "kvchat.int4_weights",
-     "kvchat.held_weights", "kvchat.store", "kvchat.episodes", "kvchat.preflight", "kvchat.settings", "kvchat.device",
-     "kvchat.features", "kvchat.sources", "kvchat.packed_text", "kvchat.history_tokens"),
+    ("kvchat.__main__", "kvchat.cli"),
+    ("kvchat.serve",),
+    ("kvchat.documents",),
+    ("kvchat.eval",),
+    ("kvchat.training",),
+    ("kvchat.ingest",),
+    ("kvchat.answer",),
+    ("kvchat.model",),
+    ("kvchat.store",),
+    ("kvchat.settings",),
+    ("kvchat.features",),
+    ("kvchat.history",),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.history", "kvchat.encoder", "kvchat.native_bert", "kvchat.lexical", "kvchat.synthetic", "kvchat.__init__"),
-    ("kvchat.formats", "kvchat.errors", "kvchat.checked_files"),
+    ("kvchat.errors", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
 ]
 
 
@@ -142,33 +140,27 @@ def test_every_package_ships_in_the_wheel():
     assert found - listed == set(), "add these to [tool.setuptools] packages in pyproject.toml"
 
 
-def _module_table() -> dict[str, str]:
-    """ARCHITECTURE.md's module table: its module column (the names in backticks, `store/layout.py`,
-    `store/errors.py` in one cell counted apart) -> that row's description."""
-    rows: dict[str, str] = {}
+def _package_table() -> list[str]:
+    """ARCHITECTURE.md's package table: the first column's names, in order (`store/` -> `kvchat.store`,
+    `settings.py` -> `kvchat.settings`)."""
     text = (PACKAGE.parent / "ARCHITECTURE.md").read_text()
-    table = text.split("## Modules, in layers", 1)[1].split("\n## ", 1)[0]
-    for line in table.splitlines():
+    table = text.split("## Packages, in import order", 1)[1].split("\n## ", 1)[0]
+    names = []
+    for line in (line for line in table.splitlines() if line.startswith("|")):
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[1].startswith("`"):
-            continue
-        for name in re.findall(r"`([^`]+)`", cells[1]):
-            rows[name] = cells[2]
-    return rows
+        for name in re.findall(r"`([^`]+)`", cells[0]) if cells and cells[0].startswith("`") else ():
+            names.append("kvchat." + name.removesuffix("/").removesuffix(".py"))
+    return names
 
 
-def test_every_module_is_in_the_architecture_table():
-    """A module missing from ARCHITECTURE.md's table is one a newcomer cannot place. A package's row
-    (`serve/`, `features/`) may name its modules in its description instead of a row each; an empty
-    `__init__.py` only marks a package."""
-    table = _module_table()
-    missing = []
-    for path in MODULES:
-        relative = path.relative_to(PACKAGE).as_posix()
-        package = f"{path.parent.relative_to(PACKAGE).as_posix()}/"
-        if relative in table or (path.name == "__init__.py" and not path.read_text().strip()):
-            continue
-        if package in table and (f"`{path.name}`" in table[package] or f"`{relative}`" in table[package]):
-            continue
-        missing.append(relative)
-    assert missing == [], f"add these to ARCHITECTURE.md's module table: {missing}"
+def test_the_architecture_table_lists_every_package_in_import_order():
+    """ARCHITECTURE.md's package table is the order this test checks: the same names, top to bottom."""
+    layers = [name for layer in LAYERS for name in layer if name not in ("kvchat.__init__", "kvchat.__main__")]
+    assert _package_table() == layers
+
+
+def test_every_module_says_what_it_does():
+    """The tree is the module table: every module opens with a docstring (a package's `__init__.py` too)."""
+    missing = [str(p.relative_to(PACKAGE)) for p in MODULES if p.read_text().strip() and ast.get_docstring(
+        ast.parse(p.read_text())) is None]  # fmt: skip
+    assert missing == []

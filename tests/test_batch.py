@@ -1,4 +1,4 @@
-"""Batch ingest on a real local Ray (kvchat.batch): histories committed all or nothing by the driver, bad
+"""Batch ingest on a real local Ray (kvchat.ingest.batch): histories committed all or nothing by the driver, bad
 files reported without stopping the others, killed workers retried elsewhere, Ctrl-C, re-runs skipping
 what is stored. One Ray instance (2 CPUs) serves the whole module; each batch starts its own 2 workers."""
 
@@ -19,8 +19,8 @@ from cli_helpers import run_main
 
 from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, RecallConfig
 from kvchat.errors import UserError
+from kvchat.history.synthetic import planted_conversation
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed: pip install 'kvchat[batch]'")  # fmt: skip
@@ -97,7 +97,7 @@ class Recorder:
 
 
 def _batch(files, home, model_dir, progress=None, **options):
-    from kvchat.batch import histories, ingest_batch
+    from kvchat.ingest.batch import histories, ingest_batch
 
     return ingest_batch(histories(files), store=Store(home), config=_config(model_dir, options.pop("budget", 64)),
                         batch=BatchConfig(workers=2), progress=progress, **options)  # fmt: skip
@@ -123,7 +123,7 @@ def _assert_whole(home: Path, names: set[str]) -> None:
 @needs_ray
 def test_four_histories_and_a_bad_file_on_two_workers(ray_instance, files, tmp_path, tiny_model_dir, tiny_lm,
                                                       encoder):  # fmt: skip
-    from kvchat.ingest import ingest
+    from kvchat.ingest.pipeline import ingest
 
     progress = Recorder()
     report = _batch(files, tmp_path / "home", tiny_model_dir, progress)
@@ -157,9 +157,9 @@ def test_a_batch_with_offload_stores_the_pages_and_answers_from_them(ray_instanc
                                                                      tiny_lm, encoder):  # fmt: skip
     """Workers run the ingest's own episode loop: with --offload icecache every episode's pages file is stored
     (paged by the worker, written by the driver), as `kvchat ingest` stores it, and questions are answered."""
-    from kvchat.ask import Session
-    from kvchat.batch import histories, ingest_batch
-    from kvchat.ingest import ingest
+    from kvchat.answer.session import Session
+    from kvchat.ingest.batch import histories, ingest_batch
+    from kvchat.ingest.pipeline import ingest
 
     plain = _config(tiny_model_dir)
     config = replace(plain, cache=replace(plain.cache, offload=OffloadConfig(mode="icecache", retrieve=32)))
@@ -188,8 +188,8 @@ def test_a_batch_with_stored_recall_entries_writes_the_file_an_ingest_writes(
 ):
     """With --recall-entries stored a worker computes the recall entries file and the driver writes it: the file
     `kvchat ingest` writes, byte for byte."""
-    from kvchat.batch import histories, ingest_batch
-    from kvchat.ingest import ingest
+    from kvchat.ingest.batch import histories, ingest_batch
+    from kvchat.ingest.pipeline import ingest
 
     plain = _config(tiny_model_dir, budget=128)
     config = replace(plain, cache=replace(plain.cache, method="recall", recall=RecallConfig(entries="stored")))
@@ -372,7 +372,7 @@ def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch):
 
 
 def test_histories_are_named_before_anything_runs(tmp_path):
-    from kvchat.batch import histories, read_manifest
+    from kvchat.ingest.batch import histories, read_manifest
 
     manifest = tmp_path / "m.txt"
     manifest.write_text("# comment\n\nalice  sub dir/alice.json\nbob /abs/bob.json\n")
@@ -390,8 +390,8 @@ def test_histories_are_named_before_anything_runs(tmp_path):
 
 
 def test_a_stored_conversation_differs_in_what_a_rerun_would_change(files, tiny_lm, encoder):
-    from kvchat.batch import StoredIngest, stored_differences
-    from kvchat.ingest import plan_ingest
+    from kvchat.ingest.batch import StoredIngest, stored_differences
+    from kvchat.ingest.pipeline import plan_ingest
     from kvchat.settings import to_settings
 
     config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=EPISODES))

@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_main
 
+from kvchat.history.synthetic import planted_conversation
 from kvchat.store import Store
 from kvchat.store.files import HOLD_AT
-from kvchat.synthetic import planted_conversation
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("ray") is None,

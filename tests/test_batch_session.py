@@ -16,7 +16,7 @@ pytestmark = pytest.mark.xdist_group("ray")
 def test_a_local_ray_leaves_no_session_dir():
     import ray
 
-    from kvchat.batch import ray_session
+    from kvchat.ingest.batch import ray_session
 
     if ray.is_initialized():
         pytest.skip("a Ray of this process is running")

@@ -12,9 +12,8 @@ import torch
 from conftest import random_ids, tiny_model, tiny_tokenizer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from kvchat import sources
-from kvchat.append import append
-from kvchat.ask import Session
+from kvchat.answer.session import Session
+from kvchat.answer.sources import quote
 from kvchat.config import (
     AskConfig,
     CacheConfig,
@@ -25,8 +24,11 @@ from kvchat.config import (
     PagingConfig,
     TrainConfig,
 )
-from kvchat.history import format_turns, load_history
-from kvchat.ingest import ingest
+from kvchat.history import spans as turn_spans
+from kvchat.history.loading import format_turns, load_history
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.append import append
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec, pagefile
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import QuantizedLayer
@@ -34,7 +36,6 @@ from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.kv.spill import SpillWriter
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=32, prefill="block"),
                     episodes=EpisodeConfig(episodes=2, window=4, prompt_tokens=48))  # fmt: skip
@@ -62,7 +63,7 @@ def histories(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def short_lm(histories, tmp_path_factory):
     """The tiny Llama with a window a third of the whole history's tokens."""
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     tokenizer = tiny_tokenizer()
     tokens = len(tokenizer("\n".join(format_turns(load_history(histories["whole"]))))["input_ids"])
@@ -165,7 +166,7 @@ def test_an_append_past_the_window_continues_at_compact_positions(tmp_path, hist
     for episode in store.get("c").episodes:
         cache, meta = codec.decode(*store.load_episode(episode, short_lm.fingerprint), origins=True)
         _assert_inside_the_window(cache, short_lm.context_window)
-        spans = sources.from_metadata(store.load_episode(episode, short_lm.fingerprint)[1])
+        spans = turn_spans.from_metadata(store.load_episode(episode, short_lm.fingerprint)[1])
         assert [s.index for s in spans] == list(range(turns)) and spans[-1].end > 3 * short_lm.context_window
         if offload:
             assert meta.next_origin == spans[-1].end  # the cache was fed every appended token
@@ -178,13 +179,13 @@ def test_a_routed_append_feeds_each_new_turn_to_the_episode_it_joins(tmp_path, h
     store = Store(tmp_path)
     config = _config(method=method, offload=OFFLOAD)
     ingest(histories["start"], name="r", config=config, store=store, lm=short_lm, encoder=encoder)
-    before = [sources.from_metadata(store.load_episode(e, short_lm.fingerprint)[1]) for e in store.get("r").episodes]
+    before = [turn_spans.from_metadata(store.load_episode(e, short_lm.fingerprint)[1]) for e in store.get("r").episodes]
     append(histories["rest"], name="r", store=store, lm=short_lm, encoder=encoder)
     held: list[int] = []
     for episode, stored in zip(store.get("r").episodes, before, strict=True):
         cache, meta = codec.decode(*store.load_episode(episode, short_lm.fingerprint), origins=True)
         _assert_inside_the_window(cache, short_lm.context_window)
-        spans = sources.from_metadata(store.load_episode(episode, short_lm.fingerprint)[1])
+        spans = turn_spans.from_metadata(store.load_episode(episode, short_lm.fingerprint)[1])
         assert spans[: len(stored)] == stored  # its own turns first, then the new turns that joined it
         assert all(a.end == b.start for a, b in zip(spans, spans[1:], strict=False))  # laid out one after another
         assert meta.next_origin == spans[-1].end  # the cache was fed every turn its spans say it holds
@@ -234,7 +235,7 @@ def test_indexmem_and_its_memory_beyond_the_window(tmp_path, histories, short_lm
 def test_full_kv_beyond_the_window_is_refused_unless_it_offloads(histories, short_lm, encoder, tmp_path):
     """Full KV evicts nothing, so nothing would be re-rotated: its keys would sit past the window."""
     from kvchat.errors import UserError
-    from kvchat.plan import plan_ingest
+    from kvchat.ingest.plan import plan_ingest
 
     store = Store(tmp_path)
     with pytest.raises(UserError, match="--method full keeps every entry at its own position"):
@@ -262,7 +263,7 @@ def test_a_compacted_conversation_names_the_turns_its_answer_drew_on(tmp_path, h
     rounding = 5e-5 * len(answer.sources)  # each share is rounded to 4 decimals
     assert sum(s.attention_share for s in answer.sources) == pytest.approx(1, abs=rounding)
     for s in answer.sources:
-        assert s.speaker == turns[s.turn].role and s.quote == sources.quote(turns[s.turn].text, AskConfig.quote_chars)
+        assert s.speaker == turns[s.turn].role and s.quote == quote(turns[s.turn].text, AskConfig.quote_chars)
         assert 0 <= s.kept_tokens <= s.tokens and not s.recalled
     held = sorted(s.turn for s in answer.sources if s.kept_tokens)
     assert held and held[-1] > len(turns) // 2  # not only the first turns, as compacted positions would map
@@ -274,8 +275,8 @@ def test_a_compacted_cache_stored_without_its_origins_says_why_it_has_no_sources
                                                                                  encoder):  # fmt: skip
     """Files compacted before kvchat kept every entry's original position: no sources, the command that rebuilds them;
     an append to them does not make up origins from the compacted positions."""
-    from kvchat.ingest import build_episodes, commit_ingest, write_episode
-    from kvchat.plan import plan_ingest
+    from kvchat.ingest.pipeline import build_episodes, commit_ingest, write_episode
+    from kvchat.ingest.plan import plan_ingest
 
     store = Store(tmp_path)
     config = _config(method="epicache")

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvchat.config import ProfileSettings
+from kvchat.ingest.layer_profiles import LayerProfile, block_prefill_mask, find_profile, profile_layers
 from kvchat.kv.budgets import (
     Preference,
     cake_budgets,
@@ -20,7 +21,6 @@ from kvchat.kv.budgets import (
     pyramid_budgets,
     sensitivity_budgets,
 )
-from kvchat.profile import LayerProfile, block_prefill_mask, find_profile, profile_layers
 
 sensitivities = st.lists(st.floats(0.0, 1.0), min_size=1, max_size=40)
 

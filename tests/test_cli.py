@@ -15,7 +15,7 @@ import pytest
 from cli_helpers import KVCHAT, cli_env, run, run_main
 
 from kvchat.errors import UserError
-from kvchat.synthetic import planted_conversation
+from kvchat.history.synthetic import planted_conversation
 
 
 @pytest.fixture(scope="module")
@@ -404,7 +404,7 @@ def test_piped_stdout_is_tsv_alone(ingested, args):
 
 
 def test_streamed_answers_are_cleaned(monkeypatch, capsys):
-    from kvchat.ask import Answer
+    from kvchat.answer.session import Answer
     from kvchat.cli.asking import _Asker
     from kvchat.config import AskConfig
 
@@ -532,7 +532,7 @@ def test_profile_layers_says_when_its_profile_overrides_a_shipped_one(tmp_path, 
     shipped = tmp_path / "shipped" / "tiny.json"
     shipped.parent.mkdir()
     shipped.write_text(Path(json.loads(first.stdout)["path"]).read_text())  # as if kvchat shipped these weights'
-    monkeypatch.setattr("kvchat.profile.shipped_profiles", lambda: [shipped])
+    monkeypatch.setattr("kvchat.ingest.layer_profiles.shipped_profiles", lambda: [shipped])
     second = run_main(tmp_path, *args)
     assert json.loads(second.stdout)["overrides"] == str(shipped)
     assert "ingest now uses" in second.stderr and f"instead of the shipped {shipped}" in second.stderr
@@ -586,7 +586,7 @@ def test_a_question_answered_in_process_imports_neither_scikit_learn_nor_sentenc
     SciPy) nor sentence-transformers: both cost a cold `kvchat ask` time before its first answer token."""
     home, _ = ingested
     imported = _imports(home, "ask", "Where did Tom go?", "--conversation", "chat", "--local", "--max-new-tokens", "2")
-    assert {"torch", "kvchat.encoder", "kvchat.ask"} <= imported  # it answered
+    assert {"torch", "kvchat.model.encoder", "kvchat.answer.session"} <= imported  # it answered
     assert not imported & {"sklearn", "sentence_transformers"}
 
 

@@ -11,9 +11,9 @@ import pytest
 from cli_helpers import KVCHAT, cli_env
 
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.ingest import ingest
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
 from kvchat.store import ConversationRecord, Store
-from kvchat.synthetic import planted_conversation
 
 pytestmark = pytest.mark.slow
 

@@ -18,9 +18,9 @@ from test_store import FP, _ingest, _tensors, _tmp_dirs
 
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.errors import UserError
-from kvchat.ingest import IngestProgress, ingest
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import IngestProgress, ingest
 from kvchat.store import ConversationRecord, Store, diagnose, repair
-from kvchat.synthetic import planted_conversation
 
 CHANGED = "was changed by another kvchat process while this command worked on it"
 AN_HOUR_AGO = time.time() - 3600
@@ -205,7 +205,7 @@ class _AppendsMeanwhile(IngestProgress):
 
 @pytest.mark.parametrize("when", ["before reading", "after reading"])
 def test_two_appends_to_one_conversation_lose_neither(tmp_path, thirds, tiny_lm, encoder, when):
-    from kvchat.append import append
+    from kvchat.ingest.append import append
 
     base, first, second = thirds
     home = tmp_path / "home"
@@ -300,7 +300,7 @@ def test_a_re_signed_manifest_whose_centroid_has_the_wrong_length_throughout_is_
     """Issue 29, case 8's limit: one episode, so its centroids agree with each other; only the encoder's length
     tells. `ask` refuses it in one line (exit 2), not exit 1; `diagnose` given the encoder's length finds it and
     `repair` removes it."""
-    from kvchat.encoder import embedding_dimension
+    from kvchat.model.encoder import embedding_dimension
 
     home = _one_episode_re_signed_with_a_short_centroid(tmp_path, history, tiny_lm, encoder)
 

@@ -195,7 +195,7 @@ def test_a_prefilled_cache_decodes_the_same_with_and_without_spare_room(model):
 
 
 def test_the_decode_loop_makes_room_once_and_answers_as_asked(tiny_lm):
-    from kvchat.llm import generate
+    from kvchat.model.llm import generate
 
     cache = block_prefill(tiny_lm.model, _ids(3, 1, vocab=40), _ids(50, 2, vocab=40), block_size=16, budgets=None,
                           scorer=None).cache  # fmt: skip
@@ -218,7 +218,7 @@ def test_the_decode_loop_makes_room_once_and_answers_as_asked(tiny_lm):
 
 
 def test_int8_linear_holds_int8_rows_and_multiplies_like_the_float_layer():
-    from kvchat.int8_weights import Int8Linear
+    from kvchat.model.int8_weights import Int8Linear
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
@@ -237,8 +237,8 @@ def test_int8_linear_holds_int8_rows_and_multiplies_like_the_float_layer():
 
 def test_a_model_loaded_with_int8_weights_keeps_its_fingerprint_and_answers_close_to_float(tiny_model_dir, tmp_path):
     from kvchat.errors import UserError
-    from kvchat.int8_weights import Int8Linear
-    from kvchat.llm import load_model
+    from kvchat.model.int8_weights import Int8Linear
+    from kvchat.model.llm import load_model
 
     plain = load_model(str(tiny_model_dir), tmp_path)
     int8 = load_model(str(tiny_model_dir), tmp_path, weights="int8")
@@ -267,7 +267,7 @@ def _on_4_bit_grid(rows: int, columns: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_int4_linear_finds_the_codes_of_weights_already_in_4_bit_groups():
-    from kvchat.int4_weights import Int4Linear
+    from kvchat.model.int4_weights import Int4Linear
 
     linear = torch.nn.Linear(96, 48, bias=False)
     with torch.no_grad():
@@ -284,7 +284,7 @@ def test_int4_linear_finds_the_codes_of_weights_already_in_4_bit_groups():
 
 
 def test_int4_linear_of_any_weights_stays_within_4_bit_group_rounding():
-    from kvchat.int4_weights import Int4Linear
+    from kvchat.model.int4_weights import Int4Linear
 
     torch.manual_seed(1)
     linear = torch.nn.Linear(64, 32, bias=True)
@@ -300,9 +300,9 @@ def test_int4_linear_of_any_weights_stays_within_4_bit_group_rounding():
 
 
 def test_int4_weights_put_the_decoder_in_4_bits_and_the_lm_head_in_8(tiny_model_dir, tmp_path):
-    from kvchat.int4_weights import Int4Linear
-    from kvchat.int8_weights import Int8Linear
-    from kvchat.llm import load_model, weights_ids
+    from kvchat.model.int4_weights import Int4Linear
+    from kvchat.model.int8_weights import Int8Linear
+    from kvchat.model.llm import load_model, weights_ids
 
     plain = load_model(str(tiny_model_dir), tmp_path)
     int4 = load_model(str(tiny_model_dir), tmp_path, weights="int4")
@@ -323,8 +323,8 @@ def test_int4_weights_put_the_decoder_in_4_bits_and_the_lm_head_in_8(tiny_model_
 def test_auto_weights_are_int4_only_where_the_decoder_already_holds_4_bit_groups(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from kvchat.int4_weights import Int4Linear, holds_4_bit_groups, on_4_bit_grid
-    from kvchat.llm import load_model
+    from kvchat.model.int4_weights import Int4Linear, holds_4_bit_groups, on_4_bit_grid
+    from kvchat.model.llm import load_model
 
     random = load_model(str(tiny_model_dir), tmp_path, weights="auto")  # random float weights: kept as loaded
     assert random.weights == "float" and not holds_4_bit_groups(random.answering)
@@ -344,14 +344,14 @@ def test_auto_weights_are_int4_only_where_the_decoder_already_holds_4_bit_groups
 
 
 def test_quantized_weights_are_kept_beside_the_models_and_read_back_not_computed(tiny_model_dir, tmp_path, caplog):
-    from kvchat.int4_weights import Int4Linear
-    from kvchat.llm import load_model
+    from kvchat.model.int4_weights import Int4Linear
+    from kvchat.model.llm import load_model
 
     models = tmp_path / "models"
     first = load_model(str(tiny_model_dir), models, weights="int4")
     kept = sorted((models / "held").iterdir())
     assert [p.name.split(".")[1] for p in kept] == ["int4"] and not list(models.glob(".tmp-*"))
-    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+    with caplog.at_level("DEBUG", logger="kvchat.model.held_weights"):
         again = load_model(str(tiny_model_dir), models, weights="int4")
     assert any("read from" in r.getMessage() for r in caplog.records)
     assert again.weights == "int4" and again.weight_ids == first.weight_ids
@@ -364,7 +364,7 @@ def test_quantized_weights_are_kept_beside_the_models_and_read_back_not_computed
 
 
 def test_weights_packed_by_another_torch_are_replaced_and_other_files_left_alone(tiny_model_dir, tmp_path):
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     held = tmp_path / "models" / "held"
     held.mkdir(parents=True)
@@ -379,20 +379,20 @@ def test_weights_packed_by_another_torch_are_replaced_and_other_files_left_alone
 
 
 def test_kept_weights_that_do_not_fit_are_computed_again(tiny_model_dir, tmp_path, caplog):
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     models = tmp_path / "models"
     first = load_model(str(tiny_model_dir), models, weights="int8")
     (kept,) = (models / "held").iterdir()
     kept.write_bytes(kept.read_bytes()[:-100])  # cut short
-    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+    with caplog.at_level("DEBUG", logger="kvchat.model.held_weights"):
         again = load_model(str(tiny_model_dir), models, weights="int8")
     assert not any("read from" in r.getMessage() for r in caplog.records)
     ids = _ids(30, 5, vocab=40)
     with torch.no_grad():
         torch.testing.assert_close(again.model(ids).logits, first.model(ids).logits, atol=0, rtol=0)
     caplog.clear()
-    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+    with caplog.at_level("DEBUG", logger="kvchat.model.held_weights"):
         load_model(str(tiny_model_dir), models, weights="int8")  # written again, whole
     assert any("read from" in r.getMessage() for r in caplog.records)
 
@@ -402,7 +402,7 @@ def test_kept_weights_that_do_not_fit_are_computed_again(tiny_model_dir, tmp_pat
     load_model(str(copy), models, weights="int8")
     weights_file = copy / "model.safetensors"
     os.utime(weights_file, ns=(weights_file.stat().st_atime_ns, weights_file.stat().st_mtime_ns + 10**9))
-    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+    with caplog.at_level("DEBUG", logger="kvchat.model.held_weights"):
         reread = load_model(str(copy), models, weights="int8")
     assert not any("read from" in r.getMessage() for r in caplog.records)
     with torch.no_grad():
@@ -410,13 +410,13 @@ def test_kept_weights_that_do_not_fit_are_computed_again(tiny_model_dir, tmp_pat
 
 
 def test_auto_keeps_its_verdict_and_a_read_only_home_still_answers(tiny_model_dir, tmp_path, caplog):
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     models = tmp_path / "models"
     assert load_model(str(tiny_model_dir), models, weights="auto").weights == "float"
     (verdict,) = (models / "held").iterdir()
     assert verdict.name.split(".")[1] == "auto" and verdict.stat().st_size < 1024  # no tensors: float stays float
-    with caplog.at_level("DEBUG", logger="kvchat.held_weights"):
+    with caplog.at_level("DEBUG", logger="kvchat.model.held_weights"):
         assert load_model(str(tiny_model_dir), models, weights="auto").weights == "float"
     assert any("float weights read from" in r.getMessage() for r in caplog.records)
 
@@ -428,8 +428,8 @@ def test_auto_keeps_its_verdict_and_a_read_only_home_still_answers(tiny_model_di
 
 
 def test_quantized_weights_are_not_kept_where_they_would_nearly_fill_the_disk(tiny_model_dir, tmp_path, monkeypatch):
-    from kvchat import held_weights
-    from kvchat.llm import load_model
+    from kvchat.model import held_weights
+    from kvchat.model.llm import load_model
 
     monkeypatch.setattr(held_weights, "SPARE_BYTES", shutil.disk_usage(tmp_path).free)  # no room to spare
     lm = load_model(str(tiny_model_dir), tmp_path / "models", weights="int4")

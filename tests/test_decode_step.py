@@ -1,4 +1,4 @@
-"""`kvchat.decode_step.DecodeStep`: one answer token in few torch calls computes what the model's forward does."""
+"""`kvchat.model.decode_step.DecodeStep`: one answer token in few torch calls computes what the model's forward does."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model, with_kvchat_attention
 
-from kvchat import int4_weights, int8_weights
-from kvchat.decode_step import DecodeStep
 from kvchat.kv.cache import RaggedLayer
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
+from kvchat.model import int4_weights, int8_weights
+from kvchat.model.decode_step import DecodeStep
 
 
 def _prefilled(model: torch.nn.Module, n: int = 40):
@@ -76,7 +76,7 @@ def test_models_and_caches_it_does_not_compute_exactly_take_the_forward():
 
 
 def test_generate_answers_the_same_through_the_step_and_the_forward(tiny_lm):
-    from kvchat.llm import generate
+    from kvchat.model.llm import generate
 
     assert tiny_lm.decode_step is not None
     cache, question = _prefilled(tiny_lm.model), random_ids(5, seed=9, vocab=tiny_lm.model.config.vocab_size)
@@ -94,7 +94,7 @@ def test_generate_answers_the_same_through_the_step_and_the_forward(tiny_lm):
 def _decode_static(step: DecodeStep, cache, tokens: int):
     """Greedy tokens on `cache` through the static step (the computation a CUDA graph records; on the CPU, run as
     it is), re-made whenever the cache's buffers change, as `CudaGraphStep` records again: logits of each."""
-    from kvchat.cuda_graph_step import StaticStep, graphable
+    from kvchat.model.cuda_graph_step import StaticStep, graphable
 
     ids, static, out = torch.tensor([[7]], device=cache.layers[0].keys.device), None, []
     with torch.inference_mode():
@@ -111,7 +111,7 @@ def _decode_static(step: DecodeStep, cache, tokens: int):
 
 
 def _key(cache):
-    from kvchat.cuda_graph_step import _buffers_key
+    from kvchat.model.cuda_graph_step import _buffers_key
 
     return _buffers_key(cache)
 
@@ -176,8 +176,8 @@ def test_a_cuda_graph_that_cannot_be_recorded_leaves_the_step_answering_without_
 def test_on_a_gpu_the_step_replays_a_cuda_graph_and_answers_as_without_it(tiny_model_dir, tmp_path):
     """`generate` on CUDA through the graphed step (recorded once per set of buffers, replayed per token) answers
     what the un-graphed step answers, across questions that reuse the buffers and one that grows them."""
-    from kvchat.device import Placement
-    from kvchat.llm import generate, load_model
+    from kvchat.model.device import Placement
+    from kvchat.model.llm import generate, load_model
 
     lm = load_model(str(tiny_model_dir), tmp_path, placement=Placement(torch.device("cuda"), torch.float32))
     vocab = lm.model.config.vocab_size

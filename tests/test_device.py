@@ -13,18 +13,18 @@ from cli_helpers import run_main
 from conftest import random_ids, tiny_model, with_kvchat_attention
 from safetensors import safe_open
 
-from kvchat import preflight
 from kvchat.config import DeviceConfig
-from kvchat.device import resolve
 from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest import preflight
 from kvchat.kv import backends, codec
 from kvchat.kv.attention import HeadList, attend, kvchat_attention
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer
-from kvchat.llm import legacy_weights_fingerprint, load_model, model_fingerprint, weights_fingerprint
-from kvchat.synthetic import planted_conversation
+from kvchat.model.device import resolve
+from kvchat.model.llm import legacy_weights_fingerprint, load_model, model_fingerprint, weights_fingerprint
 
 TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
 CUDA = torch.cuda.is_available()
@@ -76,7 +76,7 @@ def test_every_model_command_refuses_cuda_without_a_gpu_in_one_line(command, tmp
 
 
 def test_ingest_batch_takes_device_and_dtype():
-    from kvchat.batch import gpu_share
+    from kvchat.ingest.batch import gpu_share
 
     assert gpu_share(DeviceConfig("auto"), 0, 4) == 0
     assert gpu_share(DeviceConfig("auto"), 1, 4) == 0.25
@@ -117,8 +117,8 @@ def test_a_cache_built_in_bfloat16_answers_in_float32_and_back(tmp_path, tiny_mo
 def test_quantized_weights_elsewhere_than_on_the_cpu_are_refused_naming_what_to_do(tiny_model_dir, tmp_path):
     """The int8/int4 kernels are torch's CPU ones: on another device (a GPU; the meta device stands in) the
     refusal comes before any file is read and says what to pass instead."""
-    from kvchat.device import Placement
-    from kvchat.llm import load_model
+    from kvchat.model.device import Placement
+    from kvchat.model.llm import load_model
 
     with pytest.raises(UserError, match=r"^--weights int4 runs on the CPU .*, not on meta: add --device cpu, or use "
                                         r"--weights float$"):
@@ -203,13 +203,13 @@ def test_a_conversation_of_an_older_kvchat_is_refused_with_the_command_that_rebu
 ):
     """Ingested while fingerprints carried the dtype (as kvchat wrote them before): ask and --append refuse it in
     one line naming `kvchat ingest ... --replace`."""
-    import kvchat.llm
+    import kvchat.model.llm
 
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
-    current = kvchat.llm.model_fingerprint
+    current = kvchat.model.llm.model_fingerprint
     with monkeypatch.context() as patched:
-        patched.setattr(kvchat.llm, "model_fingerprint",
+        patched.setattr(kvchat.model.llm, "model_fingerprint",
                         lambda name, model: current(name, model).replace("|L", "|torch.float32|L"))
         old = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--name", "old")
         assert old.returncode == 0, old.stderr
@@ -222,7 +222,7 @@ def test_a_conversation_of_an_older_kvchat_is_refused_with_the_command_that_rebu
 
 
 def test_profiles_made_before_the_new_fingerprint_are_still_found(tiny_lm, tmp_path):
-    from kvchat.profile import LayerProfile, find_profile
+    from kvchat.ingest.layer_profiles import LayerProfile, find_profile
 
     legacy = legacy_weights_fingerprint(tiny_lm.model)
     LayerProfile("tiny", legacy, {}, 400, [0.7, 0.6], [0.3, 0.4], alpha=1.5).save(tmp_path / "old.json")

@@ -1,4 +1,4 @@
-"""The question echo guard (kvchat.echo): an answer that opens by repeating the question is decoded again."""
+"""The question echo guard (kvchat.model.echo): an answer that opens by repeating the question is decoded again."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvchat.echo import Echo, EchoGuard
-from kvchat.llm import generate
+from kvchat.model.echo import Echo, EchoGuard
+from kvchat.model.llm import generate
 
 WORDS = ["<eos>", "When", "did", "Tom", "plant", "tomatoes?", "In", "May", "when", "The", "answer:", '"When', "Tommy"]
 ID = {w: i for i, w in enumerate(WORDS)}

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kvchat.encoder import ENCODER_BATCH, SentenceEncoder, default_encoder_path
 from kvchat.errors import UserError
+from kvchat.model.encoder import ENCODER_BATCH, SentenceEncoder, default_encoder_path
 
 TEXTS = [
     "How many tomato plants did Tom plant this spring?",

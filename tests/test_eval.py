@@ -11,9 +11,8 @@ from cli_helpers import run_main
 
 from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig
 from kvchat.errors import UserError
-from kvchat.evaluate import REFERENCE, ResultsFile, Variant, evaluate, summarize, variants
-from kvchat.history import format_turns
-from kvchat.qa import (
+from kvchat.eval.evaluate import REFERENCE, ResultsFile, Variant, evaluate, summarize, variants
+from kvchat.eval.qa import (
     QASet,
     Question,
     contains_gold,
@@ -24,7 +23,8 @@ from kvchat.qa import (
     score_answer,
     token_f1,
 )
-from kvchat.synthetic import _TOPICS
+from kvchat.history.loading import format_turns
+from kvchat.history.synthetic import _TOPICS
 
 SMALL = IngestConfig(
     cache=CacheConfig(budget=96, block_size=48, prefill="block"), episodes=EpisodeConfig(prompt_tokens=48)
@@ -168,7 +168,7 @@ def test_offload_variants_are_named_apart_and_full_kv_paged_runs_as_a_variant():
 def test_evidence_recalled_counts_resident_and_retrieved_entries_per_layer_and_head():
     import torch
 
-    from kvchat.evaluate import _retained, _with_retrieved
+    from kvchat.eval.evaluate import _retained, _with_retrieved
 
     kept = torch.zeros(4, 10, dtype=torch.bool)  # 2 layers x 2 KV heads, positions 0..9
     kept[:, :3] = True                           # resident: the sink 0..2 everywhere
@@ -184,7 +184,7 @@ def test_evidence_recalled_counts_resident_and_retrieved_entries_per_layer_and_h
 def test_evidence_attention_recalled_is_the_share_of_full_kv_attention_on_held_entries():
     import torch
 
-    from kvchat.evaluate import _attention_recalled
+    from kvchat.eval.evaluate import _attention_recalled
 
     # 2 layers x 1 KV head; evidence positions 4, 5, 7 (7 beyond the variant's kept width: not held)
     attention = torch.tensor([[0.30, 0.10, 0.0], [0.05, 0.05, 0.50]])
@@ -202,7 +202,7 @@ def test_evidence_attention_recalled_is_the_share_of_full_kv_attention_on_held_e
 def test_last_query_attention_sums_the_group_over_the_last_query_and_maps_cache_order_to_positions():
     import torch
 
-    from kvchat.evaluate import _LastQueryAttention
+    from kvchat.eval.evaluate import _LastQueryAttention
     from kvchat.kv.attention import LayerView
 
     recorder = _LastQueryAttention()
@@ -360,7 +360,7 @@ def test_cli_eval_answers_with_the_weights_asked_for(tmp_path, tiny_model_dir):
 
 
 def test_turn_positions_point_at_the_turns_tokens(tiny_lm):
-    from kvchat.evaluate import _turn_positions
+    from kvchat.eval.evaluate import _turn_positions
 
     turns = _tiny_set().turns[:12]
     ids = tiny_lm.encode("\n".join(format_turns(turns)))[0]
@@ -391,7 +391,7 @@ def test_a_variant_the_model_cannot_take_is_recorded_as_skipped(tmp_path, tiny_l
 def test_per_conversation_rows_name_their_conversation(tmp_path, tiny_lm, encoder):
     """Two conversations: the pooled summary has one row per variant, the per-conversation one a row per
     conversation and variant, each counting only its own questions."""
-    from kvchat.evaluate import summarize_per_conversation
+    from kvchat.eval.evaluate import summarize_per_conversation
 
     sets = planted_sets(2, topics=2, turns_per_topic=8)
     variant = Variant(dataclasses.replace(SMALL.cache, method="streaming", budget=64))

@@ -14,11 +14,11 @@ from conftest import FAMILIES, random_ids, tiny_model, tiny_tokenizer, with_kvch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from kvchat.errors import UserError
+from kvchat.history.synthetic import planted_conversation
 from kvchat.kv import families
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.prefill import block_prefill
-from kvchat.synthetic import planted_conversation
 
 # (family, KV heads): GQA everywhere, MHA on Llama and Gemma2 (4 query heads over 4 KV heads).
 CASES = [(arch, 2) for arch in sorted(FAMILIES)] + [("llama", 4), ("gemma2", 4)]

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvchat.errors import UserError
-from kvchat.formats.common import EXAMPLES
-from kvchat.history import FORMAT_NAMES, Turn, format_turns, load_history, parse_history
+from kvchat.history.formats.common import EXAMPLES
+from kvchat.history.loading import FORMAT_NAMES, Turn, format_turns, load_history, parse_history
 
 DATA = Path(__file__).parent / "data"
 GOOD = DATA / "good"

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.history import format_turns, load_history
-from kvchat.ingest import ingest
+from kvchat.history.loading import format_turns, load_history
+from kvchat.ingest.pipeline import ingest
 from kvchat.store import Store
 
 GOOD = Path(__file__).parent / "data" / "good"

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from kvchat.encoder import embedding_dimension
+from kvchat.model.encoder import embedding_dimension
 from kvchat.store import Store
 
 mount, report, room, commands = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]

@@ -1,4 +1,4 @@
-"""Beyond the window: `rag` and `recent` baselines and scoring against gold answers (kvchat.rag, kvchat.gold)."""
+"""Beyond the window: `rag` and `recent` baselines and scoring against gold answers (answer.rag, eval.gold)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from kvchat.answer.rag import RagIndex, RagSession, chunk_turns
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
-from kvchat.evaluate import ResultsFile
-from kvchat.gold import (
+from kvchat.eval.evaluate import ResultsFile
+from kvchat.eval.gold import (
     bootstrap_interval,
     evaluate_gold,
     fits_window,
@@ -22,12 +23,11 @@ from kvchat.gold import (
     summarize_gold,
     verdict,
 )
+from kvchat.eval.qa import planted_sets
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.methods import STREAMING_SINK
-from kvchat.qa import planted_sets
-from kvchat.rag import RagIndex, RagSession, chunk_turns
 from kvchat.store import Store
 
 SYSTEM = "You are a helpful assistant . Conversation :\n"
@@ -50,7 +50,7 @@ def test_chunks_are_consecutive_turns_within_the_token_cap():
 
 
 def test_dated_chunks_open_with_their_date(short_lm, encoder):
-    from kvchat.history import Turn
+    from kvchat.history.loading import Turn
 
     turns = [Turn("A", f"word {i}", time="1 May 2023" if i < 30 else "2 June 2023") for i in range(60)]
     plain = RagIndex.build(turns, short_lm, encoder, chunk_tokens=24)
@@ -82,7 +82,7 @@ def test_rag_prefills_exactly_the_top_chunks_in_history_order(short_lm, encoder)
 
 
 def test_recent_keeps_the_system_prompt_a_sink_and_the_last_tokens(short_lm, encoder, tmp_path):
-    from kvchat.ingest import ingest
+    from kvchat.ingest.pipeline import ingest
 
     budget = 96
     variant = recent_variant(budget)
@@ -182,7 +182,7 @@ def test_gold_eval_runs_every_system_on_a_history_3x_the_window(short_lm, encode
 
 def test_auto_sends_only_histories_beyond_the_window_to_gold(short_lm):
     from kvchat.errors import UserError
-    from kvchat.gold import by_reference
+    from kvchat.eval.gold import by_reference
 
     short = dataclasses.replace(QA, name="short", turns=QA.turns[:4])
     assert by_reference([QA, short], short_lm, "auto", SYSTEM) == ([short], [QA])
@@ -193,7 +193,7 @@ def test_auto_sends_only_histories_beyond_the_window_to_gold(short_lm):
 
 def test_gold_variants_put_rag_and_recent_at_each_budget():
     from kvchat.config import OffloadConfig
-    from kvchat.gold import gold_variants
+    from kvchat.eval.gold import gold_variants
 
     paged = CacheConfig(method="snapkv", budget=512, offload=OffloadConfig(mode="icecache", retrieve=192))
     caches = [("snapkv@512", CacheConfig(method="snapkv", budget=512)), ("snapkv@512/paged", paged)]
@@ -231,7 +231,7 @@ def test_cli_eval_scores_a_history_beyond_the_window_against_gold(tmp_path, shor
 def test_gold_eval_builds_caches_with_lm_and_answers_with_the_answering_model(short_lm, short_model_dir, encoder,
                                                                               tmp_path):
     """As `kvchat ingest` then `kvchat ask --weights int4`: the caches are the float weights', the answers int4's."""
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     int4 = load_model(str(short_model_dir), tmp_path / "models", weights="int4")
     variants = [kvchat_variant(dataclasses.replace(BASE.cache, method="snapkv"), "snapkv@96"), rag_variant(96, 32)]

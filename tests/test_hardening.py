@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_main
 
-from kvchat import preflight
 from kvchat import store as store_module
 from kvchat.errors import UserError
-from kvchat.preflight import ModelShape, check_fits, estimate_ingest_bytes
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest import preflight
+from kvchat.ingest.preflight import ModelShape, check_fits, estimate_ingest_bytes
 from kvchat.store import Store, validate_name
-from kvchat.synthetic import planted_conversation
 
 TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
 
@@ -113,9 +113,9 @@ def test_estimate_grows_with_budget_and_block_not_with_the_history():
 
 
 def test_estimate_sizes_attention_by_the_longest_head_layer_and_head_budgets_allow():
+    from kvchat.ingest.plan import _longest_head
     from kvchat.kv.cascade import CakeBudgets
     from kvchat.kv.heads import HeadBudgets
-    from kvchat.plan import _longest_head
 
     uniform, adaptive = HeadBudgets("uniform"), HeadBudgets("adaptive")
     sensitivity = [512] * 20 + [2048] * 10  # mean 1024

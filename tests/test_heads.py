@@ -16,9 +16,10 @@ from conftest import with_kvchat_attention as _with_kvchat_attention
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.ingest import ingest
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec
 from kvchat.kv.attention import AttentionRecorder, HeadList, kvchat_attention
 from kvchat.kv.cache import EpisodeCache, RaggedLayer
@@ -27,7 +28,6 @@ from kvchat.kv.heads import HeadBudgets, head_floor, select_adaptive
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import PatchedPromptScorer, select_top
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 HEADS, HEAD_DIM, LAYERS = 2, 16, 2  # the tiny model's KV heads, head size, layers (conftest.tiny_model)
 ADAPTIVE = HeadBudgets("adaptive")

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvchat.errors import UserError
-from kvchat.formats import common
-from kvchat.history import MAX_FILE_BYTES, MAX_TURNS, Turn, format_turns, load_history, parse_history
+from kvchat.history.formats import common
+from kvchat.history.loading import MAX_FILE_BYTES, MAX_TURNS, Turn, format_turns, load_history, parse_history
 
 DATA = Path(__file__).parent / "data"
 BAD_FILES = sorted((DATA / "bad").iterdir())

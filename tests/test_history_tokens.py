@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from conftest import MODELS_DIR, SHARED_DATA
 
-from kvchat import history_tokens
-from kvchat.history import Turn, format_turns, load_history
-from kvchat.history_tokens import tokenize_turns, turn_spans
-from kvchat.sources import TurnSpan, span_of
-from kvchat.synthetic import planted_conversation
+from kvchat.history import tokens as history_tokens
+from kvchat.history.loading import Turn, format_turns, load_history
+from kvchat.history.spans import TurnSpan, span_of
+from kvchat.history.synthetic import planted_conversation
+from kvchat.history.tokens import tokenize_turns, turn_spans
 
 
 def _whole_text_spans(tokenizer, turns, offset, lead=""):
@@ -98,7 +98,7 @@ def test_a_tokenizer_without_offsets_gives_ids_and_no_spans():
 
 
 def test_turn_spans_survive_their_metadata_round_trip():
-    from kvchat.sources import from_metadata, to_metadata
+    from kvchat.history.spans import from_metadata, to_metadata
 
     spans = [TurnSpan(1, 4, 0, "user", "hi", "2024", "D1:1"), TurnSpan(4, 9, 1, "assistant", json.dumps("x"))]
     assert from_metadata({"turns": to_metadata(spans)}) == spans

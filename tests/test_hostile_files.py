@@ -19,11 +19,11 @@ from safetensors.torch import save_file
 
 from kvchat.config import IndexMemConfig
 from kvchat.errors import UserError
+from kvchat.ingest.layer_profiles import find_indexmem, find_profile, profile_texts
 from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
-from kvchat.llm import weights_fingerprint
-from kvchat.profile import find_indexmem, find_profile, profile_texts
+from kvchat.model.llm import weights_fingerprint
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are POSIX")
 
@@ -211,8 +211,8 @@ def test_a_model_directory_whose_weights_are_cut_short_is_refused_before_it_is_m
 
 
 def test_a_converted_copy_cut_short_is_refused_with_how_to_convert_it_again(tmp_path, tiny_model_dir):
-    from kvchat.llm import load_model
-    from kvchat.model_files import _converted_dir, default_gguf_path
+    from kvchat.model.files import _converted_dir, default_gguf_path
+    from kvchat.model.llm import load_model
 
     models = tmp_path / "models"
     copy = _converted_dir(default_gguf_path(), models)

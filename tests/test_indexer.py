@@ -13,16 +13,16 @@ import torch
 from conftest import tiny_model
 from memory_helpers import logits_with_shut_and_without_memory
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IndexMemConfig, IngestConfig, TrainConfig
 from kvchat.errors import UserError
-from kvchat.ingest import ingest
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec
 from kvchat.kv.indexer import IndexMemShape, LayerIndexer, causal_importance, top_overlap
 from kvchat.kv.latent import LatentMemory, MemoryWeights, read
 from kvchat.kv.trained import TrainedIndexMem
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 from kvchat.training import train
 
 SMALL = TrainConfig(steps=3, chunk_tokens=96, train_chunks=4, held_out_chunks=2, checkpoint_every=2, warmup=1,
@@ -93,8 +93,8 @@ def test_twenty_steps_on_one_chunk_lower_the_loss(tiny_lm, history, tmp_path):
 def test_a_bfloat16_model_trains_in_float32(tiny_model_dir, history, tmp_path):
     """A model loaded in bfloat16 (a GPU's default) teaches in its own dtype: its attention modules run on
     bfloat16 inputs and the stages compute on what they return in float32."""
-    from kvchat.device import Placement
-    from kvchat.llm import load_model
+    from kvchat.model.device import Placement
+    from kvchat.model.llm import load_model
 
     lm = load_model(str(tiny_model_dir), tmp_path / "models", placement=Placement(torch.device("cpu"),
                                                                                   torch.bfloat16))
@@ -110,8 +110,8 @@ def test_a_bfloat16_model_trains_in_float32(tiny_model_dir, history, tmp_path):
 def test_training_on_a_gpu_writes_what_training_on_the_cpu_writes(tiny_model_dir, tiny_lm, history, tmp_path):
     """Both stages with the model on CUDA (float32): every tensor the stages make lives where the model runs, the
     checkpoint and the file are written from there, and the weights are the CPU run's up to float rounding."""
-    from kvchat.device import Placement
-    from kvchat.llm import load_model
+    from kvchat.model.device import Placement
+    from kvchat.model.llm import load_model
 
     gpu_lm = load_model(str(tiny_model_dir), tmp_path / "models", placement=Placement(torch.device("cuda"),
                                                                                       torch.float32))
@@ -313,9 +313,9 @@ def test_an_indexmem_ingest_with_int4_weights_reads_what_the_packed_projections_
         trained_home, tiny_lm, encoder, history, tmp_path):  # fmt: skip
     """`kvchat ingest --weights int4 --method indexmem`: the indexer's query maps are built from the weights the
     packed q_proj multiplies by (`float_weight`), not from its packed bytes."""
-    from kvchat.int4_weights import Int4Linear
     from kvchat.kv.indexer import Indexer
-    from kvchat.llm import load_model
+    from kvchat.model.int4_weights import Int4Linear
+    from kvchat.model.llm import load_model
 
     int4 = load_model(tiny_lm.spec, tmp_path / "models", weights="int4")
     q_proj = int4.model.model.layers[0].self_attn.q_proj
@@ -390,7 +390,7 @@ def test_train_indexer_command_writes_where_ingest_looks_and_refuses_a_model_it_
 
 
 def test_an_indexmem_conversation_is_not_appended_to_but_reingested(trained_home, tiny_lm, encoder, history):
-    from kvchat.append import append
+    from kvchat.ingest.append import append
 
     store = _ingest(trained_home, tiny_lm, encoder, history, "grow")
     with pytest.raises(UserError, match="--append --reingest"):

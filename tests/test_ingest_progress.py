@@ -6,8 +6,8 @@ import pytest
 
 from kvchat.cli.progress import BlockTally
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.ingest import IngestProgress, ingest
-from kvchat.qa import planted_sets
+from kvchat.eval.qa import planted_sets
+from kvchat.ingest.pipeline import IngestProgress, ingest
 from kvchat.store import Store
 
 QA = planted_sets(1, topics=3, turns_per_topic=16)[0]

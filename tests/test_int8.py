@@ -15,11 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvchat import store as store_module
-from kvchat.append import append
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig
 from kvchat.errors import UserError
-from kvchat.ingest import ingest, validate
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.append import append
+from kvchat.ingest.pipeline import ingest, validate
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
@@ -30,7 +31,6 @@ from kvchat.kv.quantize import SCALE_DTYPES, QuantizedEntries, pack4, quantized_
 from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.settings import from_settings, rebuild_command, to_settings
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 GROUP = 8  # the tiny model's head_dim is 16: two value groups per token
 HEAD_DIM = 16

@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SHARED_DATA
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.history import format_turns, load_history
-from kvchat.ingest import ingest
+from kvchat.history.loading import format_turns, load_history
+from kvchat.ingest.pipeline import ingest
 from kvchat.store import Store
 
 pytestmark = pytest.mark.slow
 
 EXAMPLE = REPO / "examples" / "planted_facts.json"
-QUESTIONS = [  # the facts planted in examples/planted_facts.json (kvchat.synthetic, seed 7)
+QUESTIONS = [  # the facts planted in examples/planted_facts.json (kvchat.history.synthetic, seed 7)
     "What is the secret ingredient in Maya's grandmother's soup?",
     "Which gate does Tom's flight to Lisbon leave from?",
     "What is the code name of Tom's project at work?",

@@ -1,11 +1,11 @@
-"""Lexical ranking of retrieval chunks (kvchat.lexical) and how RagIndex.top combines it with the encoder's."""
+"""Lexical ranking of retrieval chunks (kvchat.answer.lexical) and how RagIndex.top combines it with the encoder's."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvchat.lexical import LexicalIndex
-from kvchat.rag import Chunk, RagIndex
+from kvchat.answer.lexical import LexicalIndex
+from kvchat.answer.rag import Chunk, RagIndex
 
 TEXTS = [
     "Caroline: I went to the support group yesterday, it was lovely.",

@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from kvchat import encoder as encoder_module
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.plan import plan_ingest
+from kvchat.ingest.plan import plan_ingest
+from kvchat.model import encoder as encoder_module
 
 TURNS = 100_000
 

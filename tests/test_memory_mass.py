@@ -11,7 +11,7 @@ import torch
 from memory_helpers import logits_with_shut_and_without_memory
 
 from kvchat.config import CacheConfig, EpisodeConfig, IndexMemConfig, IngestConfig, TrainConfig
-from kvchat.ingest import ingest
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec
 from kvchat.kv.attention import HeadList, kvchat_attention
 from kvchat.kv.indexer import IndexMemShape

@@ -17,8 +17,8 @@ from cli_helpers import run_main
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvchat import model_files
 from kvchat.errors import UserError
+from kvchat.model import files as model_files
 
 TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
 WEIGHTS = 123_000_000

@@ -12,7 +12,6 @@ import torch
 from conftest import random_ids, with_kvchat_attention
 from transformers import AutoModelForCausalLM
 
-from kvchat import native_llama
 from kvchat.config import PagingConfig
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
@@ -26,6 +25,7 @@ from kvchat.kv.prefill import block_prefill, keep_sink_and_window
 from kvchat.kv.retrieval import attach_pages
 from kvchat.kv.scoring import KeyDiffScorer, PatchedPromptScorer
 from kvchat.kv.spill import SpillWriter
+from kvchat.model import native_llama
 
 CPU = torch.device("cpu")
 STEPS = 5

@@ -1,4 +1,4 @@
-"""`kvchat.native_llama`: the Llama kvchat builds with torch alone computes what transformers' model computes, under
+"""`model.native_llama`: the Llama kvchat builds with torch alone computes what transformers' model computes, under
 the same fingerprint, and a question is answered without importing transformers' model code."""
 
 from __future__ import annotations
@@ -16,19 +16,19 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from kvchat import int4_weights, int8_weights, native_llama
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, RecallConfig
-from kvchat.decode_step import DecodeStep
-from kvchat.ingest import ingest
+from kvchat.eval.qa import planted_sets
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
 from kvchat.kv.scoring import KeyDiffScorer
-from kvchat.llm import LoadedModel, load_model, model_fingerprint
-from kvchat.model_files import _write_converted
-from kvchat.qa import planted_sets
+from kvchat.model import int4_weights, int8_weights, native_llama
+from kvchat.model.decode_step import DecodeStep
+from kvchat.model.files import _write_converted
+from kvchat.model.llm import LoadedModel, load_model, model_fingerprint
 from kvchat.store import Store
 
 CPU = torch.device("cpu")

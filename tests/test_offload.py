@@ -12,10 +12,10 @@ import torch
 from conftest import random_ids as _ids
 from torch.nn.utils.rnn import pad_sequence
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.ingest import ingest
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv.forward import forward
 from kvchat.kv.layers import PagedLayer
 from kvchat.kv.pagefile import open_pages

@@ -11,7 +11,7 @@ import torch
 from cli_helpers import KVCHAT, cli_env, run_main
 
 from kvchat.errors import UserError
-from kvchat.llm import generate
+from kvchat.model.llm import generate
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")

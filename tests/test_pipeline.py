@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 import torch
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
-from kvchat.episodes import build_episodes, route, segment
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.history import Turn, format_turns
-from kvchat.ingest import ingest
-from kvchat.llm import ChatLayout
+from kvchat.history.episodes import build_episodes, route, segment
+from kvchat.history.loading import Turn, format_turns
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
+from kvchat.model.llm import ChatLayout
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 # Block prefill, whose peak these tests bound (the default, auto, holds the whole history when it fits).
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
@@ -104,9 +104,9 @@ def test_compact_positions_stay_within_the_budget(tmp_path, history, tiny_lm, en
 @pytest.mark.parametrize("alpha", [None, 3.0])
 def test_a_profile_of_the_weights_gives_sensitivity_budgets_and_is_recorded(tmp_path, history, tiny_lm, encoder,
                                                                           alpha):
+    from kvchat.ingest.layer_profiles import LayerProfile
     from kvchat.kv.budgets import sensitivity_budgets
-    from kvchat.llm import weights_fingerprint
-    from kvchat.profile import LayerProfile
+    from kvchat.model.llm import weights_fingerprint
 
     profiles = tmp_path / "profiles"
     LayerProfile("tiny", weights_fingerprint(tiny_lm.model), {}, 400, [0.7, 0.6], [0.3, 0.4], alpha=1.5).save(

@@ -21,7 +21,7 @@ def _row(variant, method, budget, f1, agreement):
 
 
 def test_eval_plot(figures, tmp_path):
-    from kvchat import report
+    from kvchat.eval import report
 
     rows = [_row("full", "full", None, 0.0, 1.0)] + [
         _row(f"{m}@{b}", m, b, 0.0, 0.5 + b / 4096) for m in ("epicache", "snapkv") for b in (128, 256, 1024)
@@ -44,8 +44,8 @@ def _scored(variant, method, budget, f1, questions=3):
 
 def test_a_report_of_one_budget_and_zero_f1_states_its_settings_and_stays_readable(figures, tmp_path):
     """A 3-question run at one budget where every answer scores 0: bars with their values, not an empty chart."""
-    from kvchat import report
     from kvchat.config import EvalConfig, IngestConfig
+    from kvchat.eval import report
 
     rows = [_scored("full", "full", None, 0.0), _scored("epicache@256", "epicache", 256, 0.0),
             _scored("snapkv@256", "snapkv", 256, 0.0)]
@@ -68,7 +68,7 @@ def test_a_report_of_one_budget_and_zero_f1_states_its_settings_and_stays_readab
 
 
 def test_zero_values_over_several_budgets_show_on_the_axis_with_their_values(figures, tmp_path):
-    from kvchat import report
+    from kvchat.eval import report
 
     rows = [_scored(f"epicache@{b}", "epicache", b, 0.0, questions=5) for b in (128, 256)]
     report.plot(rows, tmp_path / "p.png", synthetic=True)
@@ -81,7 +81,7 @@ def test_zero_values_over_several_budgets_show_on_the_axis_with_their_values(fig
 
 
 def test_profile_plot_title_and_budget(figures, tmp_path):
-    from kvchat.profile import LayerProfile, save_plot
+    from kvchat.ingest.layer_profiles import LayerProfile, save_plot
 
     profile = LayerProfile(model="default", weights="0123456789abcdef", settings={"budget": 256}, tokens=100,
                            similarity=[0.99, 0.98, 0.97], sensitivity=[0.01, 0.02, 0.03], alpha=1.2)

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import random_ids as _ids
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.errors import UserError
-from kvchat.ingest import ingest, plan_ingest
+from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.prefill import block_prefill, select_from

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_main
 
-from kvchat.history import load_history
-from kvchat.synthetic import planted_conversation
+from kvchat.history.loading import load_history
+from kvchat.history.synthetic import planted_conversation
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -9,14 +9,14 @@ import json
 import pytest
 import torch
 
-from kvchat import recall
-from kvchat.ask import Session
+from kvchat.answer import recall
+from kvchat.answer.rag import RagIndex
+from kvchat.answer.session import Session
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import UserError
-from kvchat.ingest import ingest, plan_ingest
+from kvchat.eval.qa import planted_sets
+from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv import codec
-from kvchat.qa import planted_sets
-from kvchat.rag import RagIndex
 from kvchat.settings import from_settings, rebuild_command, with_settings
 from kvchat.store import Store
 
@@ -124,7 +124,7 @@ def test_chunks_are_ranked_by_the_retrieval_the_conversation_was_built_with(stor
 
 
 def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):
-    from kvchat.append import append
+    from kvchat.ingest.append import append
 
     store = Store(tmp_path)
     ingest(QA.turns[:200], name="c", config=CONFIG, store=store, lm=short_lm, encoder=encoder)

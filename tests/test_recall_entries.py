@@ -1,5 +1,5 @@
 """`--recall-entries stored`: recall's chunks as KV entries computed at ingest, kept in one file per conversation and
-placed on the routed cache at each question (kvchat.recall_entries)."""
+placed on the routed cache at each question (kvchat.answer.recall_entries)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,17 @@ import json
 import pytest
 import torch
 
-from kvchat import recall, recall_entries
-from kvchat.ask import Session
+from kvchat.answer import recall, recall_entries
+from kvchat.answer.rag import Chunk
+from kvchat.answer.recall_entries import StoredEntries
+from kvchat.answer.session import Session
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.ingest import ingest, plan_ingest
+from kvchat.eval.qa import planted_sets
+from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.rope import rotate_keys
 from kvchat.kv.tensorfile import open_tensors
-from kvchat.qa import planted_sets
-from kvchat.rag import Chunk
-from kvchat.recall_entries import StoredEntries
 from kvchat.settings import rebuild_command
 from kvchat.store import Store
 
@@ -202,7 +202,7 @@ def test_a_file_holding_other_chunks_is_refused_with_the_rebuild_command(both, s
 
 
 def test_an_append_copies_the_stored_chunks_entries_and_adds_the_new_ones(short_lm, encoder, tmp_path):
-    from kvchat.append import append
+    from kvchat.ingest.append import append
 
     store = Store(tmp_path)
     ingest(QA.turns[:200], name="c", config=config("stored"), store=store, lm=short_lm, encoder=encoder)

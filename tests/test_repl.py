@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.cli.repl import HELP, Repl
 from kvchat.errors import UserError
-from kvchat.repl import HELP, Repl
 
 
 class Script:

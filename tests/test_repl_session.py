@@ -11,9 +11,9 @@ from prompt_toolkit.output import DummyOutput
 
 from kvchat.cli.asking import _Asker
 from kvchat.cli.options import open_store
+from kvchat.cli.repl import Repl, prompt_reader
 from kvchat.config import AskConfig
-from kvchat.repl import Repl, prompt_reader
-from kvchat.synthetic import planted_conversation
+from kvchat.history.synthetic import planted_conversation
 
 
 class _Recording:

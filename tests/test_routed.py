@@ -6,14 +6,14 @@ import dataclasses
 
 import torch
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.history import format_turns
-from kvchat.ingest import ingest, plan_ingest
+from kvchat.eval.qa import planted_sets
+from kvchat.history.loading import format_turns
+from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward
-from kvchat.qa import planted_sets
 from kvchat.store import Store
 
 QA = planted_sets(1, topics=4, turns_per_topic=16)[0]

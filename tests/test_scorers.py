@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from kvchat.ask import Session
+from kvchat.answer.session import Session
 from kvchat.config import METHODS, CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.ingest import ingest
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.pipeline import ingest
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import REGISTRY
 from kvchat.kv.scoring import BlockPromptScorer, CakeScorer, KeyDiffScorer, RecencyScorer
 from kvchat.store import Store
-from kvchat.synthetic import planted_conversation
 
 
 def _cache(keys: torch.Tensor, protected: int = 0) -> EpisodeCache:

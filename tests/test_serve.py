@@ -22,15 +22,15 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from kvchat.ask import Session  # noqa: E402
+from kvchat.answer.session import Session  # noqa: E402
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, ServeConfig  # noqa: E402
-from kvchat.ingest import ingest  # noqa: E402
+from kvchat.history.synthetic import planted_conversation  # noqa: E402
+from kvchat.ingest.pipeline import ingest  # noqa: E402
 from kvchat.serve.announcement import ANNOUNCEMENT, write_announcement  # noqa: E402
 from kvchat.serve.engine import Engine  # noqa: E402
 from kvchat.serve.server import build_server  # noqa: E402
 from kvchat.serve.stops import TextGate  # noqa: E402
 from kvchat.store import Store  # noqa: E402
-from kvchat.synthetic import planted_conversation  # noqa: E402
 
 KEY = "test-key"
 SMALL = IngestConfig(cache=CacheConfig(budget=64, block_size=32, prefill="block"),
@@ -57,7 +57,7 @@ def tiny_lm(tmp_path_factory):
     words (the default seed's answer every question with one word)."""
     from conftest import tiny_model, tiny_tokenizer
 
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     path = tmp_path_factory.mktemp("tiny-llama-seed1")
     tokenizer = tiny_tokenizer()
@@ -374,7 +374,7 @@ def test_a_servers_ingest_jobs_build_with_its_weights_as_kvchat_ingest_does(tmp_
     the library's ingest on the same model, which differ from the float model's."""
     import torch
 
-    from kvchat.llm import load_model
+    from kvchat.model.llm import load_model
 
     int4 = load_model(tiny_lm.spec, tmp_path / "int4-models", weights="int4")
     messages, _ = planted_conversation(seed=11, topics=2, turns_per_topic=8)

@@ -40,10 +40,10 @@ def _home(tmp_path_factory, encoder):
     from conftest import tiny_model, tiny_tokenizer
 
     from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
-    from kvchat.ingest import ingest
-    from kvchat.llm import load_model
+    from kvchat.history.synthetic import planted_conversation
+    from kvchat.ingest.pipeline import ingest
+    from kvchat.model.llm import load_model
     from kvchat.store import Store
-    from kvchat.synthetic import planted_conversation
 
     path = tmp_path_factory.mktemp("tiny-llama-replicas")
     tokenizer = tiny_tokenizer()
@@ -66,7 +66,7 @@ def _home(tmp_path_factory, encoder):
 
 
 def _alone(home, lm, encoder, conversation: str, question: str, max_tokens: int) -> str:
-    from kvchat.ask import Session
+    from kvchat.answer.session import Session
     from kvchat.config import AskConfig
     from kvchat.store import Store
 

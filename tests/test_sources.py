@@ -11,17 +11,18 @@ import torch
 from cli_helpers import run_main
 
 from kvchat import documents
-from kvchat.ask import Session
+from kvchat.answer.session import Session
+from kvchat.answer.sources import SourceRecorder, quote, rank
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig
-from kvchat.history import Turn
-from kvchat.history_tokens import turn_spans
-from kvchat.ingest import build_episodes, commit_ingest, ingest, plan_ingest, write_episode
+from kvchat.history.loading import Turn
+from kvchat.history.spans import TurnSpan
+from kvchat.history.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
+from kvchat.history.tokens import turn_spans
+from kvchat.ingest.pipeline import build_episodes, commit_ingest, ingest, plan_ingest, write_episode
 from kvchat.kv.attention import LayerView, Retrieved
 from kvchat.kv.layers import UniformLayer
-from kvchat.llm import ChatLayout
-from kvchat.sources import SourceRecorder, TurnSpan, quote, rank
+from kvchat.model.llm import ChatLayout
 from kvchat.store import Store
-from kvchat.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
 
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
                      episodes=EpisodeConfig(prompt_tokens=48))
@@ -224,7 +225,7 @@ def test_embedded_model_names_the_planted_turn_among_its_top_sources(tmp_path, d
 
 
 def test_the_repl_sources_command_turns_receipts_on_and_off():
-    from kvchat.repl import Repl
+    from kvchat.cli.repl import Repl
 
     actions, said = SimpleNamespace(sources=False), []
     lines = iter(["/sources", "/sources off", "/sources on", "/sources maybe"])
@@ -260,8 +261,8 @@ def test_routed_episodes_name_the_history_turns_they_hold(tmp_path, tiny_lm, enc
 
 
 def test_an_append_extends_the_stored_turn_spans(tmp_path, tiny_lm, encoder):
-    from kvchat.append import append
-    from kvchat.sources import from_metadata
+    from kvchat.history.spans import from_metadata
+    from kvchat.ingest.append import append
 
     store = Store(tmp_path)
     turns, _ = _turns()

@@ -22,9 +22,9 @@ from test_store import FP, _dead_pid, _ingest
 
 from kvchat import store as store_module
 from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.history.synthetic import planted_conversation
 from kvchat.store import DamagedDatabase, Store, diagnose, repair
 from kvchat.store.manifest import MANIFEST_NAME
-from kvchat.synthetic import planted_conversation
 
 ASKS = 3
 
@@ -390,7 +390,7 @@ def test_ask_refuses_a_fifo_with_the_rebuild_command(tiny_home, tmp_path):
 def test_held_weights_no_process_will_read_are_found_and_removed(tmp_path):
     from torch import nn
 
-    from kvchat.held_weights import keep, path_for
+    from kvchat.model.held_weights import keep, path_for
     from kvchat.store.layout import held_name, held_source
 
     home = _home(tmp_path)

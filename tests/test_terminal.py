@@ -1,4 +1,4 @@
-"""Untrusted text on a terminal (kvchat.terminal) and streamed answers (the incremental detokenizer, stop)."""
+"""Untrusted text on a terminal (kvchat.cli.terminal) and streamed answers (the incremental detokenizer, stop)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvchat.ask import Detokenizer
-from kvchat.terminal import StreamCleaner, cell, clean
+from kvchat.answer.session import Detokenizer
+from kvchat.cli.terminal import StreamCleaner, cell, clean
 
 
 @pytest.mark.parametrize(
@@ -97,11 +97,11 @@ def test_detokenizer_decodes_a_window_not_the_whole_answer(tiny_lm):
 def test_stop_ends_an_answer_early_and_leaves_the_cache_as_it_was(tmp_path, tiny_lm, encoder):
     import json
 
-    from kvchat.ask import Session
+    from kvchat.answer.session import Session
     from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig
-    from kvchat.ingest import ingest
+    from kvchat.history.synthetic import planted_conversation
+    from kvchat.ingest.pipeline import ingest
     from kvchat.store import Store
-    from kvchat.synthetic import planted_conversation
 
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
@@ -126,7 +126,7 @@ def test_kmeans_on_repeated_segments_prints_no_warning():
 
     import numpy as np
 
-    from kvchat.episodes import cluster
+    from kvchat.history.episodes import cluster
 
     repeated = np.tile(np.eye(4, dtype=np.float32)[:2], (4, 1))  # 8 segments, 2 distinct
     with warnings.catch_warnings(record=True) as caught:

@@ -43,8 +43,8 @@ def pack() -> None:
     from importlib.metadata import version
 
     from kvchat.config import default_home
-    from kvchat.encoder import default_encoder_path
-    from kvchat.model_files import default_gguf_path, resolve
+    from kvchat.model.encoder import default_encoder_path
+    from kvchat.model.files import default_gguf_path, resolve
 
     shutil.rmtree(KIT, ignore_errors=True)
     pins = [f"{name}=={version(name)}" for name in WHEELS]

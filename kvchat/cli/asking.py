@@ -23,9 +23,9 @@ from kvchat.cli.options import (
     open_store,
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
+from kvchat.cli.terminal import StreamCleaner, clean
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
-from kvchat.terminal import StreamCleaner, clean
 
 
 def ask(
@@ -93,7 +93,7 @@ def ask(
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
-        from kvchat.repl import Repl, prompt_reader
+        from kvchat.cli.repl import Repl, prompt_reader
 
         if episode is not None:
             asker.check_episode(episode)
@@ -135,7 +135,7 @@ class _Asker:
                  device: DeviceConfig = DeviceConfig()) -> None:
         self.store, self.config, self.log = store, config, log
         record = store.get(conversation) if conversation else store.default()  # an unknown name: before torch loads
-        from kvchat.ask import Session
+        from kvchat.answer.session import Session
 
         self.threads, self.device = threads, device
         lm = load_model(record.model, store, threads=threads, device=device, weights=config.weights)
@@ -156,7 +156,7 @@ class _Asker:
         _check_episode(episode, self.name, self.episode_count())
 
     def switch(self, name: str) -> int:
-        from kvchat.ask import Session
+        from kvchat.answer.session import Session
 
         record = self.store.get(name)
         same = record.model == self.session.lm.spec

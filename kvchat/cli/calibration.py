@@ -43,7 +43,7 @@ def profile_layers_command(
     as_json: JsonOpt = False,
 ) -> None:
     """Measure how much block prefill disturbs each layer; ingest then budgets layers by it."""
-    from kvchat.profile import profile_layers, read_calibration, save_plot, save_profile
+    from kvchat.ingest.layer_profiles import profile_layers, read_calibration, save_plot, save_profile
 
     calibration, source = read_calibration(text)
     store = open_store()

@@ -29,8 +29,8 @@ from kvchat.config import (
     IngestConfig,
     OffloadConfig,
 )
-from kvchat.report import COLUMNS as EVAL_COLUMNS
-from kvchat.report import cell as eval_cell
+from kvchat.eval.report import COLUMNS as EVAL_COLUMNS
+from kvchat.eval.report import cell as eval_cell
 
 
 def eval_command(
@@ -90,7 +90,7 @@ def eval_command(
 ) -> None:
     """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL), or against
     the gold answers beside rag and recent where a history does not fit the model's window."""
-    from kvchat import evaluate, gold
+    from kvchat.eval import evaluate, gold
 
     config = EvalConfig(
         methods=_names(methods), budgets=int_list(budgets, "--budgets"), max_context=max_context,
@@ -134,7 +134,7 @@ def eval_command(
     for line in skips:
         say(f"kvchat: {line}", console=err)
     if report is not None:
-        from kvchat import report as eval_report
+        from kvchat.eval import report as eval_report
 
         ran = eval_report.settings(config, base, model=lm.spec, offloads=_names(offload),
                                    precisions=_names(cache_precision), retrieve=retrieve, weights=lm.weights)

@@ -54,7 +54,7 @@ from kvchat.config import (
     RecallConfig,
 )
 from kvchat.errors import UserError
-from kvchat.history import FORMAT_NAMES
+from kvchat.history.loading import FORMAT_NAMES
 from kvchat.kv.methods import REGISTRY
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
@@ -217,9 +217,9 @@ def ingest(
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
     started = time.monotonic()  # the summary's time is the whole command's: reading, model loading, ingest
-    from kvchat.history import load_history
-    from kvchat.ingest import ingest as run_ingest
-    from kvchat.ingest import validate
+    from kvchat.history.loading import load_history
+    from kvchat.ingest.pipeline import ingest as run_ingest
+    from kvchat.ingest.pipeline import validate
     from kvchat.settings import read_options, with_settings
     from kvchat.store import validate_name
 
@@ -254,7 +254,7 @@ def ingest(
     with progress_bars() as bars:
         progress = RichIngestProgress(bars) if err.is_terminal else LineIngestProgress()
         if append:
-            from kvchat import append as appending
+            from kvchat.ingest import append as appending
 
             run = appending.reingest if reingest else appending.append
             extra = {} if reingest else {"source": str(history.resolve())}
@@ -366,7 +366,7 @@ def ingest_batch(
 
     Exit status 2 when any history failed (each is reported; the others go on).
     """
-    from kvchat import batch as batching
+    from kvchat.ingest import batch as batching
 
     sources = batching.histories(files or [], manifest or [], format=history_format, pick=pick)
     store = open_store()

@@ -74,9 +74,9 @@ def open_store(*, frees_space: bool = False):
 def load_model(spec: str, store, trust_remote_code: bool = False, threads: int | None = None,
                device: DeviceConfig = DeviceConfig(), weights: str = "float"):
     """The model `spec` names, placed and threaded as asked (torch and transformers load here, not before)."""
-    from kvchat import llm
     from kvchat.cli.progress import ConversionDisplay
-    from kvchat.device import resolve
+    from kvchat.model import llm
+    from kvchat.model.device import resolve
 
     placement = resolve(device)  # a device this machine lacks is refused before anything loads
     llm.use_threads(threads)
@@ -86,7 +86,7 @@ def load_model(spec: str, store, trust_remote_code: bool = False, threads: int |
 
 
 def load_encoder():
-    from kvchat.encoder import SentenceEncoder
+    from kvchat.model.encoder import SentenceEncoder
 
     return SentenceEncoder()
 

@@ -17,7 +17,7 @@ from rich.progress import (
 )
 
 from kvchat.cli.render import counted, err, say
-from kvchat.terminal import clean
+from kvchat.cli.terminal import clean
 
 
 def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
@@ -30,7 +30,7 @@ def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
 
 
 class ConversionDisplay:
-    """A first model conversion (kvchat.model_files.ConversionProgress) on stderr, once: what is converted, its size and
+    """A first model conversion (kvchat.model.files.ConversionProgress) on stderr, once: what is converted, its size and
     an estimate, then its phase and the time elapsed on a terminal (a line when it starts and one when it ends in a
     log). A context: the display ends with it, whether or not the conversion finished."""
 

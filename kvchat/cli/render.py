@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvchat.terminal import cell, clean
+from kvchat.cli.terminal import cell, clean
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
@@ -69,7 +69,7 @@ def head_budgets_text(mode: str, entries: list[int]) -> str:
 
 def episode_lines(record) -> list[str]:
     """One line per episode of a stored conversation: its number, topic label and size (user text cleaned)."""
-    from kvchat.episodes import topic_labels
+    from kvchat.history.episodes import topic_labels
 
     labels = topic_labels([e.medoid_text for e in record.episodes])
     return [f"  {e.index}  {clean(label, one_line=True) or '(no topic words)'}  ({e.bytes / 2**20:.1f} MiB)"

@@ -10,10 +10,10 @@ import typer
 from kvchat import documents
 from kvchat.cli.options import JsonOpt, NameArg, complete_conversation, open_store
 from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, out, say, table
+from kvchat.cli.terminal import clean
 from kvchat.config import default_home
 from kvchat.errors import UserError
-from kvchat.history import cut_at_word
-from kvchat.terminal import clean
+from kvchat.history.loading import cut_at_word
 
 
 def list_conversations(as_json: JsonOpt = False) -> None:
@@ -175,7 +175,7 @@ def doctor(
 
     Exit status: 0 when the store is healthy (with --fix: once repaired), 1 when problems remain.
     """
-    from kvchat.encoder import embedding_dimension
+    from kvchat.model.encoder import embedding_dimension
     from kvchat.store import diagnose, repair
 
     home, dimension = default_home(), embedding_dimension()  # from the encoder's config: no model, no torch

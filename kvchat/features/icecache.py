@@ -84,8 +84,8 @@ class IceCache(Feature):
 
     def episode(self, setup: EpisodeSetup) -> EpisodePart:
         from kvchat.kv import pagefile
+        from kvchat.kv.shape import ModelShape
         from kvchat.kv.spill import PAGE_DTYPES, SpillWriter
-        from kvchat.preflight import ModelShape
 
         if setup.scratch is None:
             raise ValueError("IceCache spills an episode's evictions into a scratch dir; none was given")

@@ -115,7 +115,7 @@ class EpisodeCache(Cache):
 
     def append_token(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`update` for one answer token fed outside the model's forward (`kvchat.decode_step`): the layer's
+        """`update` for one answer token fed outside the model's forward (`kvchat.model.decode_step`): the layer's
         append alone. The caller has checked that nothing else `update` does applies (it is not probing, no
         origins are tracked) and calls `note_decoded` once after the last layer instead of a peak per layer."""
         layer = self.layers[layer_idx]

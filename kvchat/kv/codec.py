@@ -47,7 +47,7 @@ def format_version(metadata: dict[str, str]) -> str:
 class EpisodeMeta:
     """What an episode file says about its cache, besides the tensors."""
 
-    fingerprint: str            # the model that built it (kvchat.llm.model_fingerprint)
+    fingerprint: str            # the model that built it (kvchat.model.llm.model_fingerprint)
     method: str                 # the eviction method (kvchat.kv.methods)
     positions: str              # original | compact (keys re-rotated to 0..n-1)
     next_position: int          # logical position of the next token fed after the history
@@ -118,7 +118,7 @@ def decode(
 ) -> tuple[EpisodeCache, EpisodeMeta]:
     """The cache an episode file holds, its keys and values converted to `dtype` and everything moved to
     `device` (None: as stored, on the CPU): a cache built on a GPU in bfloat16 answers on a CPU in float32 and
-    the other way round (the fingerprint leaves dtype and device out, kvchat.llm). With `origins`, a file that
+    the other way round (the fingerprint leaves dtype and device out, kvchat.model.llm). With `origins`, a file that
     keeps its entries' original positions gives them back as tracked origins (`EpisodeCache.track_origins`: to
     continue it); answering needs none (`stored_origins` reads them without tracking them). Raises ValueError
     when the tensors or metadata do not describe one."""

@@ -3,7 +3,7 @@ and paging, IndexMem's sizes and update rule. Dataclasses and constants only (no
 
 A field's `metadata` says what is not its type or default: `key`, its key in a conversation's saved settings
 when that is not the field's name (kvchat.settings; keys are stable across versions); `option`, its name in
-messages (the command-line option); `choices` or `min`, the values ingest accepts (kvchat.plan.validate).
+messages (the command-line option); `choices` or `min`, the values ingest accepts (kvchat.ingest.plan.validate).
 
 They live here, at the KV core's level, so that `kvchat.kv` never imports upwards; `kvchat.config`, which
 holds every other default, re-exports them, and callers import them from there.
@@ -22,7 +22,7 @@ OFFLOAD_MODES = ("none", "icecache")  # kvchat.features registers a feature for 
 CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a feature for each but "full"
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
-RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.rag.RagIndex.top)
+RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.answer.rag.RagIndex.top)
 RECALL_ENTRIES = ("prefilled", "stored")  # RecallConfig.entries
 
 
@@ -115,7 +115,7 @@ OffloadConfig = IceCacheConfig  # its name before kvchat.features: a generic nam
 
 @dataclass(frozen=True)
 class RecallConfig:
-    """`--method recall` (kvchat.recall): of the budget M, the share `share` goes to chunks of raw turns retrieved
+    """`--method recall` (answer.recall): of the budget M, the share `share` goes to chunks of raw turns retrieved
     for each question and prefilled on top of the routed episode cache, which keeps the rest."""
 
     share: float = field(default=0.5, metadata={"key": "recall_share"})  # of M, in whole chunks (at least one)
@@ -128,7 +128,7 @@ class RecallConfig:
     # Each chunk opens with the date of its first turn: a chunk lifted out of the history keeps its time
     dated: bool = field(default=False, metadata={"key": "recall_dated"})
     # A recalled chunk's entries: prefilled at each question, or stored (computed at ingest after the chunk before
-    # it, kept in one file per conversation, placed at each question: kvchat.recall_entries)
+    # it, kept in one file per conversation, placed at each question: kvchat.answer.recall_entries)
     entries: str = field(default="prefilled", metadata={"key": "recall_entries", "option": "--recall-entries",
                                                         "choices": RECALL_ENTRIES})
     # Stored entries are kept as KIVI codes (kvchat.kv.quantize) of this many bits, keys in groups of this many

@@ -1,7 +1,7 @@
 """Running tokens through the model on top of an EpisodeCache, at the cache's logical positions.
 
 `feeding` is what every forward on an EpisodeCache does around the model's layers, whichever model computes them
-(transformers' through `forward`, kvchat's own through `kvchat.native_llama.NativeLlama.forward`): the context
+(transformers' through `forward`, kvchat's own through `kvchat.model.native_llama.NativeLlama.forward`): the context
 check, the positions, the keywords kvchat's attention takes, and the cache's advance after.
 """
 

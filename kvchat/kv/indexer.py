@@ -242,6 +242,6 @@ class IndexerScorer(BlockScorer):
 
 def _float_weight(linear: nn.Module) -> torch.Tensor:
     """A projection's weight `[out, in]` in float32: an `nn.Linear`'s own, or what an int8/int4 weight module
-    (kvchat.int8_weights, kvchat.int4_weights: a model loaded with `--weights`) stands for (its `float_weight`)."""
+    (model.int8_weights, model.int4_weights: a model loaded with `--weights`) stands for (its `float_weight`)."""
     dequantized = getattr(linear, "float_weight", None)
     return dequantized() if callable(dequantized) else linear.weight.detach().float()

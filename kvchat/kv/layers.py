@@ -143,7 +143,7 @@ class UniformLayer(DynamicLayer):
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The whole buffers (`[1, kv_heads, capacity, D]` twice, `[kv_heads, capacity]`) that `keys`, `values`
         and `positions` are the first `size` entries of: for a writer that fills the room in place
-        (kvchat.cuda_graph_step) while `writable_room` lasts, then calls `extend`."""
+        (kvchat.model.cuda_graph_step) while `writable_room` lasts, then calls `extend`."""
         return self._k, self._v, self._p
 
     def extend(self, n: int) -> None:

@@ -24,7 +24,7 @@ __all__ = ["INFINIPOT_PROMPT", "KVZIP_PROMPT", "SNAPKV_WINDOW", "STREAMING_SINK"
 
 
 class PromptLayout(Protocol):
-    """Where a user turn sits in the model's chat template (kvchat.llm.ChatLayout)."""
+    """Where a user turn sits in the model's chat template (kvchat.model.llm.ChatLayout)."""
 
     before_question: str
     after_question: str
@@ -57,7 +57,7 @@ class Method:
     episodic: bool = False       # one cache per episode, each scored by that episode's patched prompt
     trained: bool = False        # needs trained weights shipped in profiles/ or made by a train command
     routed: bool = False         # episodic, and each episode's cache prefills only its own segments' turns
-    recalls: bool = False        # part of the budget goes to raw turns retrieved for each question (kvchat.recall)
+    recalls: bool = False        # part of the budget goes to raw turns retrieved for each question (answer.recall)
 
 
 def _epicache(inputs: ScorerInputs) -> Scorer:

@@ -125,7 +125,7 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
 
     @app.post("/kvchat/ingest", status_code=202, dependencies=[key])
     async def ingest(body: IngestBody) -> dict:
-        from kvchat.history import parse_history
+        from kvchat.history.loading import parse_history
         from kvchat.store import validate_name
 
         validate_name(body.name)
@@ -149,7 +149,7 @@ class AskBody(BaseModel):
     question: str = Field(min_length=1)
     episode: int | None = Field(None, ge=0)
     max_tokens: int | None = Field(None, ge=1)
-    sources: bool = False           # the answer's sources (kvchat.sources)
+    sources: bool = False           # the answer's sources (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well
 
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from kvchat.ask import Answer, Session
+from kvchat.answer.session import Answer, Session
 from kvchat.config import AskConfig, IngestConfig, ServeConfig
 from kvchat.errors import KvchatError, UserError
-from kvchat.history import Turn
-from kvchat.ingest import IngestProgress
+from kvchat.history.loading import Turn
+from kvchat.ingest.pipeline import IngestProgress
 from kvchat.serve.jobs import RUNNING, Job
 from kvchat.serve.stops import TextGate
 
@@ -54,7 +54,7 @@ class ChatRequest:
     earlier: tuple[tuple[str, str], ...] = ()
     max_tokens: int = AskConfig.max_new_tokens
     stop: tuple[str, ...] = ()
-    sources: bool = False        # record the answer's attention per turn (kvchat.sources)
+    sources: bool = False        # record the answer's attention per turn (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
 
 
@@ -188,7 +188,7 @@ class Engine:
     # ----- the worker thread
 
     def _work(self) -> None:
-        from kvchat.llm import use_threads
+        from kvchat.model.llm import use_threads
         from kvchat.store import Store
 
         try:
@@ -233,8 +233,8 @@ class Engine:
         """The model of `spec` with its Linear weights held as `config.weights`: it answers, and it builds the caches
         of ingest and append jobs, as `kvchat ingest --weights` with the same weights builds them."""
         if spec not in self._models:
-            from kvchat.device import resolve
-            from kvchat.llm import load_model
+            from kvchat.model.device import resolve
+            from kvchat.model.llm import load_model
 
             self._models[spec] = load_model(spec, self._store.models_dir, placement=resolve(self.config.device),
                                             weights=self.config.weights)
@@ -242,7 +242,7 @@ class Engine:
 
     def _encoder_(self):
         if self._encoder is None:
-            from kvchat.encoder import SentenceEncoder
+            from kvchat.model.encoder import SentenceEncoder
 
             self._encoder = SentenceEncoder()
         return self._encoder
@@ -328,8 +328,8 @@ class Engine:
         return session
 
     def _ingest(self, job: Job):
-        from kvchat.append import append
-        from kvchat.ingest import ingest
+        from kvchat.ingest.append import append
+        from kvchat.ingest.pipeline import ingest
 
         request: IngestRequest = job.request
         progress = _JobProgress(job)

@@ -63,7 +63,7 @@ class KvchatOptions(BaseModel):
     """kvchat's own request options (the body's `kvchat` object; OpenAI clients send it as extra body)."""
 
     model_config = ConfigDict(extra="forbid")
-    sources: bool = False  # the answer's sources in the response's `kvchat` (kvchat.sources)
+    sources: bool = False  # the answer's sources in the response's `kvchat` (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer (`finish_reason` "refused" in `kvchat`) when no episode matches well
 
 
@@ -102,7 +102,7 @@ class ChatCompletionRequest(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
+        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.answer.sources,
                            refuse_off_topic=self.kvchat.refuse_off_topic)
 
 

@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvchat.batch import import_ray, ray_session
 from kvchat.config import ServeConfig
 from kvchat.errors import UserError
+from kvchat.ingest.batch import import_ray, ray_session
 from kvchat.serve.engine import ChatRequest, Closed, Completion, Engine, IngestRequest, QueueFull
 from kvchat.serve.jobs import RUNNING, Job
 
@@ -212,9 +212,9 @@ def replica_engine(home: Path, config: ServeConfig, replicas: int) -> Iterator[R
         from ray.serve.config import RequestRouterConfig
     except ImportError:
         raise UserError(f"kvchat serve --replicas needs Ray Serve: {INSTALL_HINT}") from None
-    from kvchat import preflight
+    from kvchat.model.device import usable_cores
 
-    threads = config.threads or max(1, preflight.usable_cores() // replicas)
+    threads = config.threads or max(1, usable_cores() // replicas)
     config = dataclasses.replace(config, threads=threads, preload=True)
     with ray_session(ray, None, cpus=replicas * threads):
         try:

@@ -522,7 +522,7 @@ def diagnose(home: Path, *, embedding_dimension: int | None = None) -> list[Prob
     """Everything wrong in `home`, changing nothing (`kvchat doctor`). A damaged kvchat.db is one
     "database" problem saying what a rebuild would restore, plus one "lost" problem per conversation it
     could not (with the command that builds it again); else the store's `check` (`embedding_dimension`: the
-    encoder's, which every centroid must have; kvchat.encoder.embedding_dimension)."""
+    encoder's, which every centroid must have; kvchat.model.encoder.embedding_dimension)."""
     home = Path(home).expanduser().absolute()
     store, damage = _open_for_doctor(home)
     if store is None:

@@ -11,8 +11,8 @@ from kvchat.errors import UserError
 
 DB_NAME = "kvchat.db"
 CACHES_DIR = "caches"
-MODELS_DIR = "models"  # converted models (kvchat.model_files.convert_gguf); its dead temp dirs are leftovers
-HELD_DIR = "held"  # in MODELS_DIR: int8/int4 weights kept by kvchat.held_weights
+MODELS_DIR = "models"  # converted models (kvchat.model.files.convert_gguf); its dead temp dirs are leftovers
+HELD_DIR = "held"  # in MODELS_DIR: int8/int4 weights kept by kvchat.model.held_weights
 HELD_SUFFIX = ".safetensors"
 _TORCH = ".torch-"  # in a held file's name: the torch build that packed it follows
 EPISODE_SUFFIX = ".safetensors"
@@ -37,7 +37,7 @@ def show(name: str) -> str:
 
 
 def held_name(fingerprint: str, weights: str, torch_build: str) -> str:
-    """The file name of held weights (kvchat.held_weights): the float weights' fingerprint, the mode (int8, int4,
+    """The file name of held weights (kvchat.model.held_weights): the float weights' fingerprint, the mode (int8, int4,
     or auto for its verdict) and the torch build that packed them (its version and CPU kernels, as
     `torch_build_tag` writes them)."""
     return f"{fingerprint}.{weights}{_TORCH}{torch_build_tag(torch_build)}{HELD_SUFFIX}"

@@ -3,8 +3,8 @@
 
 Kept apart from the store proper: no read or write of a conversation needs it. It agrees with the store
 on the layout (`caches/<name>/<ingest_id>`, temp dirs from `files.new_temp_path`, `models/.tmp-<pid>-*`,
-where `kvchat.model_files.convert_gguf` writes a converted model, and `models/held/`, where
-`kvchat.held_weights` keeps quantized weights) and on the lock:
+where `kvchat.model.files.convert_gguf` writes a converted model, and `models/held/`, where
+`kvchat.model.held_weights` keeps quantized weights) and on the lock:
 a function marked "under the write lock" must run inside the store's write transaction, which a
 committing ingest holds from its rename to its row commit, so a dir about to be committed is never taken
 for an orphan. What goes is first renamed to a temp dir of this process and deleted after the lock is
@@ -84,7 +84,7 @@ def model_leftovers(models_dir: Path) -> list[Problem]:
 
 
 def stale_held_weights(models_dir: Path) -> list[Problem]:
-    """Files in `models/held/` (kvchat.held_weights) that no process will read: made from a float weights file that
+    """Files in `models/held/` (model.held_weights) that no process will read: made from a float weights file that
     is gone or has changed since, packed by a torch other than the one installed, or not readable as held weights.
     Each is written again where it is next needed, so deleting one costs time, never an answer."""
     try:

@@ -102,7 +102,7 @@ def open_side_file(
 
 def is_legacy_fingerprint(fingerprint: str) -> bool:
     """A model fingerprint of a kvchat before dtype and device left it (`name|w=...|torch.float32|...`): its
-    weights hash cannot be compared with today's (kvchat.llm.model_fingerprint), so its caches are rebuilt."""
+    weights hash cannot be compared with today's (kvchat.model.llm.model_fingerprint), so its caches are rebuilt."""
     return "|torch." in fingerprint
 
 

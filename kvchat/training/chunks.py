@@ -22,10 +22,10 @@ import torch
 
 from kvchat.config import SYSTEM_PROMPT, TrainConfig
 from kvchat.errors import UserError
-from kvchat.history import Turn, format_turns, load_history
-from kvchat.llm import ChatLayout, LoadedModel
-from kvchat.profile import calibration_text
-from kvchat.synthetic import planted_conversation
+from kvchat.history.loading import Turn, format_turns, load_history
+from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.layer_profiles import calibration_text
+from kvchat.model.llm import ChatLayout, LoadedModel
 
 DEFAULT_SOURCES = ("chitchat", "synthetic", "calibration")
 SHARES = {"chitchat": 0.6, "synthetic": 0.25, "calibration": 0.15}  # of the chunks, when all are there

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from kvchat.kv.indexer import Indexer, distill_loss, top_overlap
-from kvchat.llm import LoadedModel
+from kvchat.model.llm import LoadedModel
 from kvchat.training.teacher import Captured
 
 

@@ -30,7 +30,7 @@ from kvchat.kv.latent import (
     write_terms,
 )
 from kvchat.kv.scoring import select_top
-from kvchat.llm import LoadedModel
+from kvchat.model.llm import LoadedModel
 from kvchat.training.teacher import Captured, Rope, layer_attention
 
 

@@ -26,7 +26,7 @@ from kvchat.kv import families
 from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
-from kvchat.llm import LoadedModel
+from kvchat.model.llm import LoadedModel
 from kvchat.training.checkpoints import restore_checkpoint, save_checkpoint
 from kvchat.training.chunks import data_hash, make_chunks
 from kvchat.training.indexer_stage import evaluate_indexer, indexer_loss

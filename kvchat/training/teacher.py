@@ -18,7 +18,7 @@ import torch
 
 from kvchat.kv.attention import LayerView, attention_logits
 from kvchat.kv.methods import SNAPKV_WINDOW
-from kvchat.llm import LoadedModel
+from kvchat.model.llm import LoadedModel
 from kvchat.training.chunks import Chunk
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # the (cos, sin) `[1, n, head_dim]` a model passes a layer's attention
@@ -107,7 +107,7 @@ def layer_attention(model, layer_idx: int, hidden: torch.Tensor, rope: Rope, row
     module(hidden_states=hidden[None].to(dtype), position_embeddings=(cos, sin), attention_mask=None,
            past_key_values=entries, kvchat_recorder=recorder)
     if recorder.view is None or entries.keys is None:
-        raise RuntimeError("the model's attention is not kvchat's (kvchat.llm.load_model attaches it)")
+        raise RuntimeError("the model's attention is not kvchat's (kvchat.model.llm.load_model attaches it)")
     view = recorder.view
     return LayerAttention(view.queries.float(), entries.keys.float(), entries.values.float(), view.scale,
                           view.softcap)

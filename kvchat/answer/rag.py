@@ -1,0 +1,175 @@
+"""Retrieval of raw turns: what a user of a long-conversation assistant would run instead of a KV cache.
+
+The history is cut into chunks of consecutive turns (at most `RagConfig.chunk_tokens` tokens each), every
+chunk embedded once by the sentence encoder kvchat routes with (kvchat.model.encoder). A question embeds the same
+way; its top-k chunks go back into the system prompt in history order, in the chat layout kvchat answers
+in (kvchat.model.llm.ChatLayout), and are prefilled with the question into a fresh cache: nothing is computed
+before the question, everything the answer attends to is computed again for each one. kvchat's evaluation
+against gold answers (kvchat.eval.gold) measures it beside kvchat's caches at equal KV entries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from kvchat.answer.lexical import LexicalIndex
+from kvchat.config import SYSTEM_PROMPT, AskConfig, RagConfig
+from kvchat.errors import UserError
+from kvchat.history.loading import Turn, format_turns
+from kvchat.history.spans import TurnMark, turn_marks
+from kvchat.kv.cache import EpisodeCache
+from kvchat.model.echo import guard_for
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, LoadedModel, generate
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive rendered turns `[first, end)` of the history, as one retrievable text; `marks`, where each turn
+    sits in it (receipts for recalled turns, answer.sources; empty in an index stored before kvchat kept them)."""
+
+    first: int
+    end: int
+    text: str
+    tokens: int
+    marks: tuple[TurnMark, ...] = ()
+
+
+def chunk_turns(turns: int, render: Callable[[int, int], str], count_tokens: Callable[[str], int],
+                chunk_tokens: int, cut: Callable[[str, int], str]) -> list[Chunk]:  # fmt: skip
+    """Consecutive turns `[first, end)` of `turns` grouped while their text, `render(first, end)`, stays within
+    `chunk_tokens` tokens; a single turn longer than that is a chunk of its own, cut to its first `chunk_tokens`
+    tokens by `cut(text, n)`, so k chunks never hold more than k x chunk_tokens tokens."""
+    if chunk_tokens < 1:
+        raise UserError(f"--chunk-tokens must be >= 1 (got {chunk_tokens})")
+    chunks: list[Chunk] = []
+    first, used = 0, 0
+    for i in range(turns):
+        if i > first:
+            joined = count_tokens(render(first, i + 1))
+            if joined <= chunk_tokens:
+                used = joined
+                continue
+            chunks.append(Chunk(first, i, render(first, i), used))
+            first = i
+        used = count_tokens(render(i, i + 1))
+        if used > chunk_tokens:
+            text = cut(render(i, i + 1), chunk_tokens)
+            chunks.append(Chunk(i, i + 1, text, count_tokens(text)))
+            first, used = i + 1, 0
+    if first < turns:
+        chunks.append(Chunk(first, turns, render(first, turns), used))
+    return chunks
+
+
+@dataclass(frozen=True)
+class RagIndex:
+    """A history's chunks and their unit-norm embeddings `[chunks, dim]`."""
+
+    chunks: list[Chunk]
+    embeddings: np.ndarray
+
+    @classmethod
+    def build(cls, turns: Sequence[Turn], lm: LoadedModel, encoder: SentenceEncoder, chunk_tokens: int,
+              dated: bool = False) -> RagIndex:  # fmt: skip
+        """`dated`: each chunk opens with the date of its first turn (the history's rendering dates only the
+        first turn of each session)."""
+        lines = format_turns(turns)
+
+        def render(first: int, end: int) -> str:
+            return "\n".join(format_turns(turns[first:end]) if dated else lines[first:end])
+
+        def count(text: str) -> int:
+            return int(lm.encode(text).shape[-1])
+
+        def cut(text: str, n: int) -> str:
+            return lm.decode(lm.encode(text)[0, :n].tolist())
+
+        def marked(chunk: Chunk) -> Chunk:
+            shown = format_turns(turns[chunk.first : chunk.end]) if dated else lines[chunk.first : chunk.end]
+            marks = turn_marks(turns[chunk.first : chunk.end], shown)
+            if chunk.text != "\n".join(shown):  # one turn cut to the chunk's tokens: its text as far as it goes
+                marks = (replace(marks[0], text=min(marks[0].text, len(chunk.text))),)
+            return replace(chunk, marks=marks)
+
+        chunks = [marked(c) for c in chunk_turns(len(turns), render, count, chunk_tokens, cut)]
+        if not chunks:
+            raise UserError("the history has no turns to retrieve from")
+        return cls(chunks, encoder.embed([c.text for c in chunks]))
+
+    def top(self, query: np.ndarray, k: int, question: str | None = None) -> list[int]:
+        """The `k` chunks most similar to `query` (cosine of embeddings), in history order. With `question` (its
+        text), ranked by their words first (kvchat.answer.lexical) and by `query` among chunks that tie."""
+        dense = self.embeddings @ query
+        if question is None:
+            order = np.argsort(-dense, kind="stable")
+        else:
+            order = np.lexsort((-dense, -self.lexical.scores(question)))
+        return sorted(int(i) for i in order[: max(0, k)])
+
+    @cached_property
+    def lexical(self) -> LexicalIndex:
+        """The chunks' words, indexed the first time a question is ranked by them."""
+        return LexicalIndex([c.text for c in self.chunks])
+
+    @property
+    def nbytes(self) -> int:
+        """What storing the index takes: the chunks' text (UTF-8) and their float32 embeddings."""
+        return sum(len(c.text.encode()) for c in self.chunks) + self.embeddings.nbytes
+
+
+@dataclass(frozen=True)
+class RagAnswer:
+    text: str
+    chunks: tuple[int, ...]     # the chunks prefilled, in history order
+    prompt_tokens: int          # everything prefilled at question time: system prompt, chunks, question
+    answer_tokens: int
+    entries: int                # keys the first answer token attends to, per layer and KV head
+    timings_ms: dict[str, float] = field(default_factory=dict)  # embed, prefill_decode
+
+
+class RagSession:
+    """Answers questions about one history by retrieving its chunks (see the module docstring)."""
+
+    def __init__(self, index: RagIndex, lm: LoadedModel, encoder: SentenceEncoder, config: RagConfig = RagConfig(),
+                 ask_config: AskConfig = AskConfig(), system_prompt: str | None = None) -> None:  # fmt: skip
+        self.index, self.lm, self.encoder, self.config, self.ask_config = index, lm, encoder, config, ask_config
+        self.layout = ChatLayout.from_tokenizer(lm.tokenizer, SYSTEM_PROMPT if system_prompt is None else system_prompt)
+
+    def prompt(self, question: str, chunks: Sequence[int]) -> torch.Tensor:
+        """Token ids [1, n] prefilled for `question` over `chunks`: tokenized in the same pieces as an
+        ingest's cache and an ask's question (system prompt, conversation, question turn)."""
+        text = "\n".join(self.index.chunks[i].text for i in chunks)
+        question_text = self.layout.question(self.ask_config.question_template.format(question=question))
+        parts = [self.lm.encode(self.layout.before_conversation), self.lm.encode(text), self.lm.encode(question_text)]
+        return torch.cat(parts, dim=-1)
+
+    def retrieve(self, question: str) -> list[int]:
+        lexical = question if self.config.retrieval == "lexical" else None
+        return self.index.top(self.encoder.embed([question])[0], self.config.top_k, lexical)
+
+    def ask(self, question: str, *, on_first_logits: Callable[[torch.Tensor], None] | None = None) -> RagAnswer:
+        question = question.strip()
+        if not question:
+            raise UserError("the question is empty")
+        clock = time.perf_counter()
+        chunks = self.retrieve(question)
+        timings = {"embed": _ms_since(clock)}
+        clock = time.perf_counter()
+        ids = self.prompt(question, chunks)
+        cache = EpisodeCache(self.lm.num_layers)
+        echo = guard_for(self.ask_config, question, self.lm.decode)
+        tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits, echo=echo))
+        timings["prefill_decode"] = _ms_since(clock)
+        n = int(ids.shape[-1])
+        return RagAnswer(self.lm.decode(tokens).strip(), tuple(chunks), n, len(tokens), n, timings)
+
+
+def _ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 2)

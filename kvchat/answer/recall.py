@@ -1,0 +1,139 @@
+"""Recall (`--method recall`): a routed episode cache, and on top of it the question's chunks of raw turns.
+
+Beyond the model's window an episode cache keeps a fraction of its turns' entries, chosen at ingest before any
+question is known; retrieval of raw turns (kvchat.answer.rag) chooses for the question but computes everything again
+each time. Recall does both within one budget M: the routed episode caches keep `M - R` entries, and at each
+question its top chunks of consecutive turns (R tokens, by the sentence encoder that routes it, so the
+question is embedded once) are prefilled after the cache and before the question. A turn the cache dropped, or
+that another episode holds, comes back as text.
+
+The chunk index (chunks and their embeddings) is written into every episode file's metadata, so each file
+answers on its own and is covered by its own digest; an append extends it with the new turns' chunks.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+
+from kvchat.answer.rag import Chunk, RagIndex
+from kvchat.errors import UserError
+from kvchat.history.spans import STORED_CHARS, TurnMark, TurnSpan, token_ranges
+from kvchat.kv.config import CacheConfig
+from kvchat.kv.methods import REGISTRY
+from kvchat.packed_text import pack, unpack
+
+METADATA_KEY = "recall"  # the episode file metadata entry holding the chunk index
+_MAX_INDEX_BYTES = 1 << 30  # what an index may inflate to: bounded before it allocates
+
+
+@dataclass(frozen=True)
+class RecallSplit:
+    """How `--method recall` spends a budget M per layer and KV head: `cache_budget` entries of the routed episode
+    cache, `chunks` x `chunk_tokens` of recalled turns, ranked by `retrieval` (RecallConfig.retrieval)."""
+
+    cache_budget: int
+    chunks: int
+    chunk_tokens: int
+    retrieval: str
+
+    @property
+    def recalled(self) -> int:
+        return self.chunks * self.chunk_tokens
+
+
+def split(cache: CacheConfig) -> RecallSplit:
+    """`cache.budget` split by its recall share into whole chunks (at least one; chunks shrink to fit a small
+    budget), the episode caches keeping the rest."""
+    share = cache.recall.share
+    if not 0 < share < 1:
+        raise UserError(f"recall share must be between 0 and 1 (got {share})")
+    recalled = max(1, int(cache.budget * share))
+    chunk_tokens = min(cache.recall.chunk_tokens, recalled)
+    chunks = recalled // chunk_tokens
+    return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens, cache.recall.retrieval)
+
+
+def split_for(cache: CacheConfig) -> RecallSplit | None:
+    """`split(cache)` where its method recalls chunks (`--method recall`), else None."""
+    entry = REGISTRY.get(cache.method)
+    return split(cache) if entry is not None and entry.recalls else None
+
+
+def offset(index: RagIndex, turns: int) -> RagIndex:
+    """`index` of turns that follow `turns` stored ones: its chunks' turn numbers counted from the history's start."""
+    chunks = [replace(c, first=c.first + turns, end=c.end + turns) for c in index.chunks]
+    return RagIndex(chunks, index.embeddings)
+
+
+def joined(first: RagIndex, then: RagIndex) -> RagIndex:
+    """One index of `first`'s chunks followed by `then`'s (an append's new turns)."""
+    return RagIndex([*first.chunks, *then.chunks], np.concatenate([first.embeddings, then.embeddings]))
+
+
+def to_metadata(index: RagIndex) -> str:
+    embeddings = index.embeddings.astype(np.float16)
+    document = {"chunks": [asdict(c) for c in index.chunks], "dim": int(embeddings.shape[1]),
+                "embeddings": base64.b64encode(embeddings.tobytes()).decode("ascii")}  # fmt: skip
+    return pack(json.dumps(document, separators=(",", ":")).encode())
+
+
+def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
+    """The index an episode file stores; None when it has none. ValueError when the entry does not decode."""
+    raw = metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        document = json.loads(unpack(raw, _MAX_INDEX_BYTES))
+        chunks = [Chunk(**(c | {"marks": tuple(TurnMark(**m) for m in c.get("marks", ()))}))
+                  for c in document["chunks"]]  # fmt: skip
+        embeddings = np.frombuffer(base64.b64decode(document["embeddings"], validate=True),
+                                   dtype=np.float16)
+        embeddings = embeddings.reshape(len(chunks), int(document["dim"])).astype(np.float32)
+    except (TypeError, ValueError, KeyError, binascii.Error) as e:
+        raise ValueError(f"its recall index does not decode ({e})") from None
+    if not chunks:
+        raise ValueError("its recall index has no chunks")
+    return RagIndex(chunks, embeddings)
+
+
+def picked(index: RagIndex, question: str, query: np.ndarray, split: RecallSplit) -> list[int]:
+    """The chunks recalled for `question` (embedded as `query`): their indices in `index`, in history order."""
+    lexical = question if split.retrieval == "lexical" else None
+    return index.top(query, split.chunks, lexical)
+
+
+def recalled_text(chunks: Sequence[Chunk]) -> str:
+    """The text prefilled for recalled `chunks` (after a line break: the cached history's last line has none)."""
+    return "\n".join(c.text for c in chunks)
+
+
+def recalled_spans(tokenizer, chunks: Sequence[Chunk], lead: str = "\n") -> list[TurnSpan]:
+    """Each turn of `chunks` (a question's, as `recalled_text` joins them) with its `[start, end)` tokens in the
+    text prefilled for them (`lead` + that text), counted from its first token: receipts for recalled turns
+    (kvchat.answer.sources). Empty when the tokenizer gives no character offsets or a chunk was stored without its
+    turns' places (an index written before kvchat kept them)."""
+    if not chunks or any(len(c.marks) != c.end - c.first for c in chunks):
+        return []
+    starts, turns, cursor = [], [], len(lead)
+    for chunk in chunks:
+        for i, mark in enumerate(chunk.marks):
+            starts.append(cursor + mark.line)
+            end = chunk.marks[i + 1].line - 1 if i + 1 < len(chunk.marks) else len(chunk.text)
+            turns.append((chunk.first + i, mark, chunk.text[mark.text : end].strip()))
+        cursor += len(chunk.text) + 1
+    ranges = token_ranges(tokenizer, lead + "\n".join(c.text for c in chunks), starts)
+    if ranges is None:
+        return []
+    return [TurnSpan(first, end, index, mark.speaker, text[:STORED_CHARS], mark.time, mark.turn_id)
+            for (index, mark, text), (first, end) in zip(turns, ranges, strict=True)]  # fmt: skip
+
+
+def turn_ranges(chunks: Sequence[Chunk]) -> list[list[int]]:
+    """`[first, end)` turn numbers of each chunk, as answers report what was recalled."""
+    return [[c.first, c.end] for c in chunks]

@@ -1,0 +1,434 @@
+"""The answer pipeline as one library call: route the question -> load that episode's cache -> decode.
+
+A `Session` keeps the model, the encoder and the resident episode cache between questions: a question
+routed to the episode already resident reuses it without reloading. Every answer is decoded on top of
+the cache and rolled back afterwards, so no question leaks into the next.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from kvchat import features
+from kvchat.answer import recall, recall_entries
+from kvchat.answer.rag import Chunk, RagIndex
+from kvchat.answer.recall_entries import StoredEntries
+from kvchat.answer.sources import Source, SourceRecorder, rank
+from kvchat.config import AskConfig
+from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.features import UnreadableFile, retrieved_positions
+from kvchat.history.episodes import route
+from kvchat.history.spans import METADATA_KEY, TurnSpan, from_metadata
+from kvchat.kv import codec, families
+from kvchat.kv.attention import Recorder
+from kvchat.kv.cache import Checkpoint, EpisodeCache
+from kvchat.kv.tensorfile import ShrunkFile
+from kvchat.model.echo import guard_for
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import ChatLayout, LoadedModel, generate
+from kvchat.settings import from_settings, rebuild_command
+from kvchat.store import ConversationRecord, Store
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    conversation: str
+    episode: int
+    similarity: float
+    prompt_tokens: int
+    answer_tokens: int
+    reused_cache: bool
+    timings_ms: dict[str, float] = field(default_factory=dict)  # embed, route, load, decode
+    # "stop": the model ended it; "length": cut at max_new_tokens; "stopped": `stop` asked (Ctrl-C)
+    finish_reason: str = "stop"
+    attention_backend: str = "torch"  # the decode attention kernel that answered: torch | flashinfer
+    weights: str = "float"  # how the answering model's Linear weights were held: float | int8 | int4 (--weights)
+    off_topic: bool = False  # routing similarity under AskConfig.off_topic_similarity
+    sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
+    sources_note: str | None = None  # asked for and unavailable: why
+    recalled: list[list[int]] | None = None  # --method recall: the [first, end) turns recalled for the question
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Session:
+    """Answers questions about one stored conversation."""
+
+    def __init__(
+        self,
+        store: Store,
+        conversation: ConversationRecord,
+        lm: LoadedModel,
+        encoder: SentenceEncoder,
+        config: AskConfig = AskConfig(),
+    ) -> None:
+        self.store, self.conversation, self.lm, self.encoder, self.config = (
+            store, conversation, lm, encoder, config,
+        )
+        self.layout = ChatLayout.from_tokenizer(lm.tokenizer, conversation.settings["system_prompt"])
+        self._centroids = self._routing_centroids(conversation)
+        self._split = _recall_split(conversation)
+        self._resident: tuple[int, EpisodeCache] | None = None
+        self._turns: dict[str, str] = {}  # the resident episode file's turn spans entry, parsed when asked
+        self._compacted = False  # the resident episode's keys were re-rotated to compact positions
+        self._origins: list[list[torch.Tensor]] | None = None  # its entries' original positions, where compacted
+        self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
+        self._stored: StoredEntries | None = None  # its recall entries file (--recall-entries stored), opened once
+
+    def ask(
+        self,
+        question: str,
+        *,
+        episode: int | None = None,
+        on_text: Callable[[str], None] | None = None,
+        on_first_logits: Callable[[torch.Tensor], None] | None = None,
+        first_recorder: Recorder | None = None,
+        log: bool = True,
+        stop: Callable[[], bool] | None = None,
+        earlier: Sequence[tuple[str, str]] = (),
+        sources: bool = False,
+        recalled: str = "",
+    ) -> Answer:
+        """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
+        decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
+        `first_recorder` the attention of that token's forward (the question's; evaluation reads where
+        full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
+        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
+        `sources` records the answer's attention to name the turns it drew on (kvchat.answer.sources; costs one forward
+        of the answer's tokens once it is decoded, nothing when off); `recalled`, turns of the history
+        prefilled after the cache and before the question (retrieved for it, kvchat.answer.rag), so the answer sees them
+        in the conversation (given this way they are not counted as sources; the turns `--method recall` recalls
+        are). An off-topic question is not answered when the config refuses them (`finish_reason` "refused")."""
+        question = question.strip()
+        if not question:
+            raise UserError("the question is empty")
+        self._check_length(question)
+        timings: dict[str, float] = {}
+        self._follow_replacement()
+        clock = time.perf_counter()
+        query = self.encoder.embed([question])[0]
+        timings["embed"] = _ms_since(clock)
+
+        clock = time.perf_counter()
+        index, similarity = self._route(query, episode)
+        timings["route"] = _ms_since(clock)
+        off_topic = similarity < self.config.off_topic_similarity
+        if off_topic and self.config.refuse_off_topic:
+            return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, False, timings,
+                          "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
+
+        clock = time.perf_counter()
+        reused = self._resident is not None and self._resident[0] == index
+        with self._shrunk_pages_refused(index):
+            cache = self._cache(index)
+        stored = self._stored_entries()
+        timings["load"] = _ms_since(clock)
+
+        clock = time.perf_counter()
+        prompt_ids = self.lm.encode(
+            self.layout.question(self.config.question_template.format(question=question), earlier)
+        )
+        chunks: list[list[int]] | None = None
+        placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
+        recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
+        if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
+            picks = recall.picked(self._recall, question, query, self._split)
+            picked = [self._recall.chunks[i] for i in picks]
+            chunks = recall.turn_ranges(picked)
+            if stored is not None:
+                placing = picks
+            else:
+                recalled = recall.recalled_text(picked)
+            recalled_turns = self._recalled_spans(picked, placing) if sources else []
+        if recalled:  # the cached history's last line ends without a newline
+            prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
+        placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
+        families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
+            self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,
+            self.lm.spec, what="the conversation with this question and --max-new-tokens",
+        )
+        recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
+        kept = recorder.kept_tokens() if recorder is not None else None
+        mark = cache.checkpoint()
+        stream = Detokenizer(self.lm.decode)
+        finish = "stop"
+        shown = ""
+        with self._shrunk_pages_refused(index):
+            try:
+                self._place(cache, placing)
+                for token in generate(
+                    self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
+                    first_recorder=first_recorder, echo=guard_for(self.config, question, self.lm.decode),
+                ):
+                    if stop is not None and stop():
+                        finish = "stopped"
+                        break
+                    delta = stream.push(token)
+                    if on_text is not None and delta:
+                        on_text(delta)
+                        shown += delta
+                tokens = stream.tokens
+                if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
+                    finish = "length"
+                full_text = self.lm.decode(tokens)
+                if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
+                    on_text(full_text[len(shown):])
+                if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
+                    self._record_answer(cache, recorder, mark.extended(placed + prompt_ids.shape[-1] - 1),
+                                        prompt_ids, tokens[:-1] if finish == "length" else tokens)  # fmt: skip
+            finally:
+                cache.rollback(mark)
+        text = full_text.strip()
+        timings["decode"] = _ms_since(clock)
+
+        answer = Answer(
+            text=text,
+            conversation=self.conversation.name,
+            episode=index,
+            similarity=round(similarity, 4),
+            prompt_tokens=placed + int(prompt_ids.shape[-1]),
+            answer_tokens=len(tokens),
+            reused_cache=reused,
+            timings_ms=timings,
+            finish_reason=finish,
+            attention_backend=self.lm.attention_backend,
+            weights=self.lm.weights,
+            off_topic=off_topic,
+            sources=None if recorder is None else rank(
+                recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
+                recorder.recalled),
+            sources_note=note,
+            recalled=chunks,
+        )
+        if log:
+            self.store.log_ask(
+                {
+                    "conversation": answer.conversation,
+                    "episode": answer.episode,
+                    "question": question,
+                    "answer": answer.text,
+                    "similarity": answer.similarity,
+                    "timings": timings,
+                }
+            )
+        return answer
+
+    def _routing_centroids(self, conversation: ConversationRecord) -> np.ndarray:
+        """The episodes' centroids, refused unless each is one of the encoder's embeddings: their digest only
+        proves they are what was written (a re-signed manifest can hold any numbers)."""
+        lengths = sorted({len(e.centroid) for e in conversation.episodes})
+        if lengths != [self.encoder.dimension]:
+            c = conversation
+            raise CacheIntegrityError(
+                f"conversation '{c.name}' has episode centroids of {'/'.join(map(str, lengths))} numbers where the "
+                f"encoder's embeddings have {self.encoder.dimension}, so no question can be routed; rebuild with "
+                f"`{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
+            )
+        return np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
+
+    def route(self, question: str) -> tuple[int, float]:
+        """The episode `question` routes to and its similarity, without answering."""
+        return self._route(self.encoder.embed([question.strip()])[0], None)
+
+    def _route(self, query: np.ndarray, episode: int | None) -> tuple[int, float]:
+        if episode is None:
+            return route(query, self._centroids)
+        if not 0 <= episode < len(self._centroids):
+            raise UserError(
+                f"--episode {episode} does not exist (conversation "
+                f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
+            )
+        return episode, float(self._centroids[episode] @ query)
+
+    def _stored_entries(self) -> StoredEntries | None:
+        """The conversation's recall entries file (`--recall-entries stored`), opened and checked once; None where
+        its chunks are prefilled."""
+        c = self.conversation
+        if c.recall_entries is None or self._recall is None:
+            return None
+        if self._stored is None:
+            tensors, metadata = self.store.load_recall_entries(c, self.lm.fingerprint)
+            try:
+                stored = StoredEntries.opened(tensors, metadata)
+                prefix = self.lm.encode(self.layout.before_conversation)
+                if stored.digest != recall_entries.digest(self._recall.chunks, prefix):
+                    raise ValueError("holds the entries of other chunks than its recall index")
+            except ValueError as e:
+                raise self._unreadable_entries(str(e)) from None
+            self._stored = stored
+        return self._stored
+
+    def _place(self, cache: EpisodeCache, placing: Sequence[int]) -> None:
+        """The stored entries of chunks `placing` appended to `cache` in turn; a file truncated since it was
+        checked ends the answer with a message (the caller rolls the cache back)."""
+        try:
+            for chunk in placing:
+                self._stored.place(cache, chunk, self.lm)
+        except ShrunkFile:
+            self._stored = None  # the next question checks the file again
+            raise self._unreadable_entries("was truncated while this session was reading it") from None
+
+    def _recalled_spans(self, picked: Sequence[Chunk], placing: Sequence[int]) -> list[TurnSpan]:
+        """Each recalled turn's tokens after the cache: in the text prefilled for `picked`, or (`placing`) in their
+        stored entries, each chunk's counted after those placed before it."""
+        if not placing:
+            return recall.recalled_spans(self.lm.tokenizer, picked)
+        spans, offset = [], 0
+        for chunk, i in zip(picked, placing, strict=True):
+            spans += [dataclasses.replace(s, start=s.start + offset, end=s.end + offset)
+                      for s in recall.recalled_spans(self.lm.tokenizer, [chunk], recall_entries.LEAD)]  # fmt: skip
+            offset += self._stored.tokens[i]
+        return spans
+
+    def _unreadable_entries(self, problem: str) -> CacheIntegrityError:
+        c = self.conversation
+        return CacheIntegrityError(f"recall entries file of conversation '{c.name}' {problem}; "
+                                   f"rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`")
+
+    def _source_recorder(self, cache: EpisodeCache, recalled: Sequence[TurnSpan]
+                         ) -> tuple[SourceRecorder | None, str | None]:  # fmt: skip
+        """A recorder of the answer's attention per turn (`recalled`: turns prefilled after the cache), or why
+        there can be none."""
+        spans = from_metadata(self._turns)
+        c = self.conversation
+        rebuild = f"rebuild it with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
+        if spans is None:
+            return None, (f"no sources: conversation '{c.name}' was ingested before kvchat recorded turn spans; "
+                          f"{rebuild}")
+        if self._compacted and self._origins is None:
+            return None, (f"no sources: conversation '{c.name}' was re-rotated to compact positions before kvchat "
+                          f"kept each cached entry's original position; {rebuild}")
+        first = int(self.config.source_layers_from * len(cache.layers))
+        return SourceRecorder(cache, spans, first_layer=first, origins=self._origins, recalled=recalled), None
+
+    def _record_answer(self, cache: EpisodeCache, recorder: SourceRecorder, prompt_held: Checkpoint,
+                       prompt_ids: torch.Tensor, fed: list[int]) -> None:  # fmt: skip
+        """Into `recorder`, the attention of the queries that chose the answer's tokens: the prompt's last token
+        chose the first, each token of `fed` the one after it (or the end). Recorded once the answer is decoded
+        (so it is the answer decoded without sources), in one forward of those tokens on the cache rolled back
+        to `prompt_held`: the prompt's entries but its last token's, as the answer's forwards saw them."""
+        cache.rollback(prompt_held)
+        ids = torch.tensor([fed], dtype=prompt_ids.dtype, device=prompt_ids.device)
+        recorder.query_rows = 1 + len(fed)
+        self.lm.forward(cache, torch.cat([prompt_ids[:, -1:], ids], dim=-1), recorder=recorder)
+
+    def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
+        """Per layer of the resident cache, the original positions each KV head is attending to from its
+        offloaded pages right now (None for a layer without pages); empty before any question. Read it
+        while answering (e.g. from `ask`'s `on_first_logits`): the pool empties when the answer ends."""
+        return [] if self._resident is None else retrieved_positions(self._resident[1])
+
+    def _check_length(self, question: str) -> None:
+        """Refuse a question longer than a quarter of the model's window before it costs anything: its
+        attention over the cache grows with its square."""
+        limit = max(64, self.lm.context_window // 4) if self.lm.context_window else 2048
+        if len(question) > 32 * limit:  # no tokenizer makes fewer than one token per 32 characters of text
+            raise UserError(f"the question is {len(question)} characters; at most about {limit} tokens fit")
+        n = int(self.lm.encode(question).shape[-1])
+        if n > limit:
+            raise UserError(f"the question is {n} tokens; at most {limit} (a quarter of the model's window) fit")
+
+    def _follow_replacement(self) -> None:
+        """A conversation re-ingested (`--replace`) while this session is open is answered from its new
+        caches; one removed meanwhile is a clear error rather than a missing-file one."""
+        name = self.conversation.name
+        try:
+            current = self.store.get(name)
+        except UserError:
+            raise UserError(f"conversation '{name}' was removed while this session was open") from None
+        if current.fingerprint not in (self.conversation.fingerprint, self.lm.fingerprint):
+            raise UserError(f"conversation '{name}' was re-ingested with another model; ask again in a new session")
+        if [e.path for e in current.episodes] != [e.path for e in self.conversation.episodes]:
+            self.conversation = current
+            self.layout = ChatLayout.from_tokenizer(self.lm.tokenizer, current.settings["system_prompt"])
+            self._centroids = self._routing_centroids(current)
+            self._split, self._recall, self._stored = _recall_split(current), None, None
+            self._resident = None
+
+    def _cache(self, index: int) -> EpisodeCache:
+        """The episode's cache, reused when it is the resident one."""
+        if self._resident is not None and self._resident[0] == index:
+            return self._resident[1]
+        self._resident = None  # drop the old one before loading the next: one resident cache at a time
+        record = self.conversation.episodes[index]
+        tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
+        try:
+            cache, meta = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)
+            origins = codec.stored_origins(tensors, meta, cache)  # for receipts of a compacted cache
+        except ValueError as e:  # checksummed, so written this way: not a layout kvchat reads
+            raise self._unreadable(index, "cache", f"does not hold a KV cache kvchat can read ({e})") from None
+        try:  # what the cache features stored beside it (IceCache's pages, read on demand)
+            features.attach(cache, from_settings(self.conversation.settings).cache,
+                            lambda: self.store.load_pages(record, self.lm.fingerprint), self.config.retrieve)
+        except UnreadableFile as e:
+            raise self._unreadable(index, e.what, e.problem) from None
+        if self._split is not None and self._recall is None:  # every episode file holds the same index: read once
+            try:
+                self._recall = recall.from_metadata(metadata)
+            except ValueError as e:
+                raise self._unreadable(index, "cache", str(e)) from None
+        self._resident = (index, cache)
+        self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
+        # full KV evicts nothing, so nothing was re-rotated, whatever its positions setting says
+        self._compacted, self._origins = meta.positions == "compact" and meta.method != "full", origins
+        return cache
+
+    @contextmanager
+    def _shrunk_pages_refused(self, index: int) -> Iterator[None]:
+        """A pages file truncated after it was checked (reads run out of bytes, kvchat.kv.tensorfile) ends the
+        answer with a message; the cache is dropped, so the next question reads its files again and checks them."""
+        try:
+            yield
+        except ShrunkFile:
+            self._resident = None
+            raise self._unreadable(index, "pages file", "was truncated while this session was reading it") from None
+
+    def _unreadable(self, index: int, what: str, problem: str) -> CacheIntegrityError:
+        c = self.conversation
+        return CacheIntegrityError(
+            f"{what} of conversation '{c.name}' episode {index} {problem}; "
+            f"rebuild with `{rebuild_command(c.name, c.model, c.settings, replace=True)}`"
+        )
+
+
+class Detokenizer:
+    """The text of a growing list of tokens, decoding a few tokens per step rather than all of them
+    (linear in the answer's length, where decoding everything at each step is quadratic).
+
+    Each step decodes the tokens since the last-but-one emitted chunk and emits what that adds beyond
+    the previous chunk, so tokenizers that drop a leading space or join bytes into characters (a
+    multi-byte character across tokens decodes to U+FFFD until it is complete) stream right."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.tokens: list[int] = []
+        self._prefix = 0  # start of the window decoded each step
+        self._read = 0  # tokens already emitted
+
+    def push(self, token: int) -> str:
+        """Add `token`; return the text it completes ("" while a character is still partial)."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self._prefix:self._read])
+        after = self.decode(self.tokens[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.tokens)
+            return after[len(before):]
+        return ""
+
+
+def _recall_split(conversation: ConversationRecord) -> recall.RecallSplit | None:
+    """How a `--method recall` conversation spends its budget (None for other methods)."""
+    return recall.split_for(from_settings(conversation.settings).cache)
+
+
+def _ms_since(start: float) -> float:
+    return round((time.perf_counter() - start) * 1000, 2)

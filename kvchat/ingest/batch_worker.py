@@ -1,0 +1,207 @@
+"""A batch ingest's worker (kvchat.ingest.batch): one Ray actor's state and the steps it sends its driver.
+
+The worker loads the model and the encoder once, then ingests the histories it is given one at a time
+with the pipeline's own steps (`plan_ingest`, `build_episodes`, `encode_episode`), sending each episode as
+soon as it is built; it never touches the store, whose only writer is the driver. IceCache's evictions are
+spilled into a temp dir of the worker's own and its pages file travels with the episode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvchat.config import WEIGHTS, DeviceConfig, IngestConfig
+from kvchat.errors import UserError
+from kvchat.history.loading import Turn
+from kvchat.ingest import preflight
+from kvchat.ingest.pipeline import (
+    EpisodeStats,
+    IngestPlan,
+    build_episodes,
+    encode_episode,
+    plan_ingest,
+    recall_entries_writer,
+)
+from kvchat.model.device import resolve
+from kvchat.model.encoder import SentenceEncoder
+from kvchat.model.llm import LoadedModel, ModelIdentity, load_model, use_threads
+from kvchat.settings import to_settings
+from kvchat.store.files import hold_point
+
+
+@dataclass(frozen=True)
+class StoredIngest:
+    """What the store holds of a conversation, to tell whether a re-run may skip its history."""
+
+    settings: dict
+    fingerprint: str
+    turns: int | None
+    history_tokens: int | None
+
+
+@dataclass(frozen=True)
+class HistoryJob:
+    """One history as the driver hands it to a worker."""
+
+    name: str
+    source: str  # the history's path, recorded for rebuild commands
+    turns: list[Turn]
+    config: IngestConfig
+    stored: StoredIngest | None
+    replace: bool
+    force: bool
+    max_memory: int | None  # bytes this ingest may use; None: the memory available / workers on the node
+    workers_on_node: int
+    read: dict[str, str] = dataclasses.field(default_factory=dict)  # how it was read (settings.read_options)
+
+
+# A worker's steps through one history: Skipped, or Planned, one EncodedEpisode per episode, its RecallEntries
+# (`--recall-entries stored`), then Finished.
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The history will be ingested: the driver opens its pending conversation."""
+
+    episodes: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """Stored already with the same settings, model and history."""
+
+
+@dataclass(frozen=True)
+class RecallEntries:
+    """The history's recall entries file (kvchat.answer.recall_entries), for the driver to write."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Every episode was sent: what the driver needs to commit."""
+
+    plan: IngestPlan
+    stats: list[EpisodeStats]
+    model: ModelIdentity
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the driver once loaded."""
+
+    fingerprint: str
+    node: str  # Ray node id: workers on one node share its memory
+
+
+class HistoryWorker:
+    """The state of one Ray actor: the model and encoder, loaded once, and the history in progress.
+
+    The driver calls `start(job)` and then `advance()` until it returns `Finished` (or `Skipped`); each
+    call returns one step (`Planned`, an `EncodedEpisode`, ...), so an episode reaches the driver as soon
+    as it is built and a worker holds one episode cache at a time, as `kvchat ingest` does.
+    """
+
+    def __init__(self) -> None:
+        self._lm: LoadedModel | None = None
+        self._encoder: SentenceEncoder | None = None
+        self._profiles: dict[str, str] | None = None
+        self._steps: Iterator[Any] = iter(())
+
+    def load(
+        self, spec: str, models_dir: str, threads: int, trust_remote_code: bool, profiles: dict[str, str],
+        device: DeviceConfig = DeviceConfig(), weights: str = WEIGHTS,
+    ) -> WorkerInfo:
+        """Load the model and encoder with `threads` torch threads, on the device `device` resolves to here (Ray
+        shows an actor only the GPUs it was given, `gpu_share`), its Linear weights held as `weights` (`ingest
+        --weights`). `profiles` are the driver's own layer profiles (file name -> JSON), so a worker on another
+        machine resolves budgets as the driver would."""
+        import ray
+
+        use_threads(threads)
+        self._lm = load_model(spec, Path(models_dir), trust_remote_code=trust_remote_code, placement=resolve(device),
+                              weights=weights)
+        self._encoder = SentenceEncoder()
+        self._profiles = dict(profiles)  # written out only while a history is planned: a killed actor leaves no dir
+        return WorkerInfo(self._lm.fingerprint, ray.get_runtime_context().get_node_id())
+
+    def start(self, job: HistoryJob) -> Any:
+        """Begin `job` (dropping any unfinished one) and return its first step."""
+        self._steps = self._ingest(job)
+        return self.advance()
+
+    def advance(self) -> Any:
+        step = next(self._steps)
+        if isinstance(step, (Finished, Skipped)):
+            self._steps = iter(())  # release the history's tensors now, not at the next start
+        return step
+
+    def _ingest(self, job: HistoryJob) -> Iterator[Any]:
+        lm, encoder = self._lm, self._encoder
+        if lm is None or encoder is None or self._profiles is None:
+            raise RuntimeError("HistoryWorker.load must run first")
+        available = job.max_memory
+        if available is None:
+            free = preflight.available_bytes(lm.device)
+            available = None if free is None else free // job.workers_on_node
+        with tempfile.TemporaryDirectory(prefix="kvchat-profiles-") as profile_dir:
+            for file_name, text in self._profiles.items():
+                (Path(profile_dir) / Path(file_name).name).write_text(text)
+            plan = plan_ingest(
+                job.turns, name=job.name, config=job.config, store=None, lm=lm, encoder=encoder, replace=True,
+                source=job.source, force=True, profile_dirs=[Path(profile_dir)], max_memory=available,
+                reads={job.source: job.read} if job.read else None,
+            )  # fmt: skip
+        if job.stored is not None:
+            differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
+            if not differences:
+                yield Skipped()
+                return
+            if not job.replace:
+                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use --replace")
+        if not job.force:
+            shape = preflight.ModelShape.of(lm.model)
+            preflight.check_fits(plan.estimated_peak_bytes, resident=shape.weight_bytes, available=available)
+        yield Planned(len(plan.episodes))
+        stats: list[EpisodeStats] = []
+        with tempfile.TemporaryDirectory(prefix="kvchat-episode-") as scratch:  # IceCache's spilled evictions
+
+            def episode_dir(index: int) -> Path:
+                (Path(scratch) / str(index)).mkdir(exist_ok=True)
+                return Path(scratch) / str(index)
+
+            for built in build_episodes(plan, lm, scratch=episode_dir):
+                stats.append(built.stats())
+                encoded = encode_episode(plan, built, lm, side_file_at=Path(scratch) / f"{built.episode.index}.side")
+                del built  # one episode cache at a time
+                yield encoded
+                hold_point("batch-episode-sent")  # a test hook (the driver has the episode): nothing in a real run
+            writer = recall_entries_writer(plan, lm)
+            if writer is not None:
+                path = Path(scratch) / "recall-entries"
+                writer(path)
+                data = path.read_bytes()
+                path.unlink()
+                yield RecallEntries(data)
+        yield Finished(plan, stats, lm.identity)
+
+
+def stored_differences(stored: StoredIngest, plan: IngestPlan, fingerprint: str, requested: IngestConfig) -> list[str]:
+    """What differs between a stored conversation and `plan` (empty: the same ingest), in words."""
+    settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source, reads=plan.reads)))  # as stored
+    if requested.cache.prefill == "auto" and stored.settings.get("prefill") in ("block", "full"):
+        settings["prefill"] = stored.settings["prefill"]
+    keys = sorted(k for k in set(settings) | set(stored.settings) if settings.get(k) != stored.settings.get(k))
+    differences = [f"settings ({', '.join(keys)})"] if keys else []
+    if stored.fingerprint != fingerprint:
+        differences.append("model")
+    if (stored.turns, stored.history_tokens) != (plan.turns, plan.history_tokens):
+        differences.append(f"history ({stored.turns} turns stored, {plan.turns} now)")
+    return differences

@@ -1,0 +1,408 @@
+"""The ingest pipeline as library calls: plan -> build each episode's cache -> commit; `ingest` runs all three.
+
+- `plan_ingest` (kvchat.ingest.plan): validate the settings, load and tokenize the history, resolve budgets, check
+  memory before anything runs, and cut the history into episodes. Nothing is written.
+- `build_episodes`: the one episode loop, which `ingest`, an append (kvchat.ingest.append) and a batch worker
+  (kvchat.ingest.batch) all run; `build_episode` is one episode's block prefill, the expensive step, with the cache
+  features (kvchat.features) taking part.
+- `write_episode` and `commit_ingest`: encode each cache to its file (kvchat.kv.codec) in the store's
+  pending conversation, then make the conversation visible at once with its resolved settings. A batch
+  worker encodes where it builds (`encode_episode`) and its driver writes and commits.
+One episode cache is held at a time, so peak memory stays at one prefill's bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvchat import features
+from kvchat.answer import recall, recall_entries
+from kvchat.features import EpisodeParts, EpisodeSetup
+from kvchat.history import spans as turn_spans
+from kvchat.history.episodes import Episode
+from kvchat.history.loading import Turn
+from kvchat.ingest.plan import IngestPlan as IngestPlan
+from kvchat.ingest.plan import episode_scorer as episode_scorer
+from kvchat.ingest.plan import plan_ingest as plan_ingest
+from kvchat.ingest.plan import validate as validate
+from kvchat.kv import codec
+from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.prefill import block_prefill, select_from
+from kvchat.model.llm import LoadedModel, ModelIdentity
+from kvchat.settings import to_settings
+from kvchat.store import EpisodeRecord, FileRecord, PagesRecord, PendingConversation, Store
+from kvchat.store.files import write_file
+
+if TYPE_CHECKING:
+    from kvchat.features.feature import StoredFile
+
+
+class IngestProgress:
+    """Hooks for a progress display; the default does nothing."""
+
+    def planning(self, step: str, done: int, total: int) -> None:
+        """A step of planning, before the first block (ingest.plan: reading, tokenizing, embedding, clustering)."""
+
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None:
+        """The work ahead, before any of it: `blocks` steps (block forwards; `blocks_to_prefill`) in all,
+        over `episodes` episodes and `tokens` history tokens, so a display can give an overall ETA."""
+
+    def history(self, done: int, total: int) -> None:
+        """Blocks of the one full prefill that `--prefill full` shares among the episodes."""
+
+    def episode(self, index: int, total: int) -> None: ...
+
+    def block(self, done: int, total: int) -> None: ...
+
+    def recall_entries(self, done: int, total: int) -> None:
+        """Chunks whose entries are computed (or copied) into the recall entries file (`--recall-entries stored`)."""
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    name: str
+    method: str
+    positions: str
+    turns: int
+    history_tokens: int
+    episodes: int
+    budgets: list[int]   # kept entries per KV head of each layer of an episode cache
+    layer_budgets: str
+    peak_layer_entries: int   # most entries one layer held at once during any episode's prefill
+    peak_total_entries: int  # most entries all layers held together at once (per KV head), same counting
+    estimated_peak_bytes: int  # the pre-flight memory estimate (kvchat.ingest.preflight)
+    cache_bytes: int
+    seconds: float
+    head_budgets: str = "uniform"
+    head_entries: list[int] = dataclasses.field(default_factory=list)  # [fewest, most] entries one KV head kept
+    prefill: str = "block"  # how the caches were built: block by block, or selected from the full history
+    episode_segments: list[int] = dataclasses.field(default_factory=list)  # history segments in each episode
+    notes: list[str] = dataclasses.field(default_factory=list)  # things the user should know, said once
+    offload: str = "none"       # none | icecache (evicted entries kept in each episode's pages file)
+    offloaded_entries: int = 0  # entries written to the pages files, over episodes, layers and KV heads
+    pages_bytes: int = 0        # the pages files' size on disk, over episodes
+    cache_precision: str = "full"  # full | int8 | int4 (caches held in 8 or 4 bits, kvchat.features.precision)
+    device: str = "cpu"         # where the model ran (--device) and its dtype, which the caches are stored in
+    dtype: str = "float32"
+    attention_backend: str = "torch"  # decode attention's kernel on that device: torch | flashinfer (kv.backends)
+    weights: str = "float"      # how the model's Linear weights were held while it built the caches (--weights)
+    budget: int = 0             # M per layer and KV head while answering (--budget): the caches' entries, and with
+                                # --method recall the question's recalled chunks (`recalled_entries`) on top
+    recalled_entries: int = 0   # --method recall: entries per layer and KV head recalled at each question
+    recall_entries_bytes: int = 0  # --recall-entries stored: the recall entries file's size on disk
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class EpisodeStats:
+    """What the report needs of a built episode once its cache is written and released."""
+
+    budgets: list[int]        # kept entries per KV head of each layer
+    head_entries: list[int]   # kept entries of every (layer, KV head)
+    peak_layer_entries: int
+    peak_total_entries: int
+    offloaded_entries: int = 0  # entries its pages file holds
+
+
+@dataclass(frozen=True)
+class BuiltEpisode:
+    episode: Episode
+    cache: EpisodeCache
+    peak_layer_entries: int
+    peak_total_entries: int
+    parts: EpisodeParts | None = None  # the cache features' parts (IceCache's spilled evictions, ...)
+
+    def stats(self) -> EpisodeStats:
+        heads = [n for layer in self.cache.layers for n in layer.lengths]
+        offloaded = self.parts.offloaded if self.parts is not None else 0
+        return EpisodeStats(self.cache.sizes, heads, self.peak_layer_entries, self.peak_total_entries, offloaded)
+
+
+def prefill_history(
+    plan: IngestPlan, lm: LoadedModel, *, on_block: Callable[[int, int], None] | None = None
+) -> EpisodeCache:
+    """The whole history's KV, fed block by block and kept whole: what `--prefill full` selects from."""
+    return block_prefill(
+        lm.model, plan.prefix_ids, plan.context_ids, block_size=plan.config.cache.block_size, budgets=None,
+        scorer=None, on_block=on_block,
+    ).cache
+
+
+def build_episode(
+    plan: IngestPlan,
+    episode: Episode,
+    lm: LoadedModel,
+    *,
+    on_block: Callable[[int, int], None] | None = None,
+    full: EpisodeCache | None = None,
+    scratch: Path | None = None,
+    resume: EpisodeCache | None = None,
+    stored: StoredFile | None = None,
+) -> BuiltEpisode:
+    """`episode`'s cache: block prefill of the history, or with `plan.prefill == "full"` a selection from
+    `full` (`prefill_history`), scored once by the episode's patched prompt; an append continues `resume`, a
+    stored cache (`stored`: its side file). The cache features take part (kvchat.features): they observe every
+    eviction (IceCache spills what is dropped into `scratch`, IndexMem writes its memory), then finish the
+    cache as it is stored (quantized with `--cache-precision`)."""
+    cache_cfg = plan.config.cache
+    scorer = episode_scorer(plan.config, episode, lm, plan.layout, plan.trained)
+    compact = cache_cfg.positions == "compact"
+    parts = EpisodeParts(EpisodeSetup(cache_cfg, lm.model, plan.trained, scratch, stored))
+    recent = features.resident_window(cache_cfg) if scorer is not None else 0
+    # every compacted cache keeps its entries' original positions (receipts, IceCache's placement), but one stored
+    # compacted without them cannot get them back
+    origins = compact and scorer is not None and (resume is None or resume.origins is not None)
+    if plan.prefill == "full":
+        if full is None:
+            raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
+        last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
+        cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
+                            compact=compact, on_evict=parts.on_evict, recent=recent, origins=origins)  # fmt: skip
+        if on_block is not None:
+            on_block(1, 1)
+        peaks = cache.peak_layer_entries, cache.peak_total_entries
+    else:
+        result = block_prefill(
+            lm.model, None if resume is not None else plan.prefix_ids,
+            plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,  # routed: its own turns
+            block_size=cache_cfg.block_size, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=on_block,
+            heads=plan.heads, on_evict=parts.on_evict, recent=recent, resume=resume, origins=origins,
+        )  # fmt: skip
+        cache, peaks = result.cache, (result.peak_layer_entries, result.peak_total_entries)
+    parts.finish(cache, evicted=scorer is not None)
+    return BuiltEpisode(episode, cache, *peaks, parts)
+
+
+def blocks_to_prefill(plan: IngestPlan) -> int:
+    """Steps the plan's episode loop reports: with `--prefill full` the history's blocks once and one selection
+    per episode; else each episode's history (routed: its own turns) in blocks of B."""
+    block = plan.config.cache.block_size
+    if plan.prefill == "full":
+        return -(-int(plan.context_ids.shape[-1]) // block) + len(plan.episodes)
+    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * len(plan.episodes)
+    return sum(-(-n // block) for n in lengths)
+
+
+def build_episodes(
+    plan: IngestPlan,
+    lm: LoadedModel,
+    *,
+    scratch: Callable[[int], Path],
+    progress: IngestProgress | None = None,
+    resume: Callable[[Episode], tuple[EpisodeCache, StoredFile | None]] | None = None,
+) -> Iterator[BuiltEpisode]:
+    """The episode loop that `ingest`, an append (ingest.append) and a batch worker (ingest.batch) all run:
+    each episode's cache in turn, one in memory at a time (the caller writes or sends it before asking for
+    the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
+    gives an append's stored cache and its side file."""
+    progress = progress or IngestProgress()
+    progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
+    full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
+    for episode in plan.episodes:
+        progress.episode(episode.index, len(plan.episodes))
+        cache, stored = resume(episode) if resume is not None else (None, None)
+        yield build_episode(plan, episode, lm, on_block=progress.block, full=full, scratch=scratch(episode.index),
+                            resume=cache, stored=stored)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EncodedEpisode:
+    """One built episode as its file's tensors and metadata plus its index row: what a batch worker sends
+    its driver, which writes it into the pending conversation."""
+
+    index: int
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    centroid: list[float]
+    medoid_text: str
+    budgets: list[int]
+    n_tokens: int
+    side_file: bytes | None = None  # its side file (IceCache's pages), when a batch worker sends one
+
+    def write(self, pending: PendingConversation, pages: PagesRecord | None = None) -> EpisodeRecord:
+        """Write and fsync the file in `pending` (not visible until commit); `pages`, its pages file's
+        record when the episode offloads (written first: the episode's record refers to it), else the
+        record of the `side_file` it carries."""
+        if pages is None and self.side_file is not None:
+            data = self.side_file
+            pages = pending.write_pages(self.index, lambda path: _write_bytes(path, data))
+        return pending.write_episode(
+            self.index, self.tensors, self.metadata, centroid=self.centroid, medoid_text=self.medoid_text,
+            budgets=self.budgets, n_tokens=self.n_tokens, pages=pages,
+        )
+
+
+def encode_episode(
+    plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel, *, side_file_at: Path | None = None
+) -> EncodedEpisode:
+    """Encode one episode's cache (kvchat.kv.codec) with its routing data; with `side_file_at`, its side file
+    too (written there, then read back into the result: a batch worker's, whose driver writes it)."""
+    cache = built.cache
+    meta = codec.meta_of(
+        cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
+    )
+    tensors, metadata = codec.encode(cache, meta)
+    spans = plan.turn_spans  # routed: one per episode, of its own turns
+    if plan.episode_ids:
+        spans = spans[built.episode.index] if spans else ()
+    if spans:  # what `ask --sources` maps cached positions to
+        metadata[turn_spans.METADATA_KEY] = turn_spans.to_metadata(spans)
+    if plan.recall is not None:  # the chunks each question recalls turns from (--method recall)
+        metadata[recall.METADATA_KEY] = recall.to_metadata(plan.recall)
+    side_file = None
+    writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
+    if writer is not None:
+        writer(side_file_at)
+        side_file = side_file_at.read_bytes()
+        side_file_at.unlink()
+    return EncodedEpisode(
+        built.episode.index, tensors, metadata, centroid=built.episode.centroid.tolist(),
+        medoid_text=built.episode.medoid_text, budgets=list(meta.budgets), n_tokens=cache.entries,
+        side_file=side_file,
+    )
+
+
+def write_episode(
+    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
+) -> EpisodeRecord:
+    """Encode one episode's cache into its file in the pending conversation (not visible until commit), its
+    side file first when a feature writes one (IceCache's pages, streamed from its spill files)."""
+    writer = built.parts.side_file(lm.fingerprint) if built.parts is not None else None
+    pages = pending.write_pages(built.episode.index, writer) if writer is not None else None
+    return encode_episode(plan, built, lm).write(pending, pages)
+
+
+def _write_bytes(path: Path, data: bytes) -> tuple[int, str]:
+    write_file(path, data)
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def recall_entries_writer(
+    plan: IngestPlan,
+    lm: LoadedModel,
+    progress: IngestProgress | None = None,
+    previous: recall_entries.StoredEntries | None = None,
+) -> Callable[[Path], tuple[int, str]] | None:
+    """`--recall-entries stored`: what writes every recall chunk's entries (kvchat.answer.recall_entries) at a path and
+    returns (bytes, sha256); `previous`, the stored version's file (an append: its chunks are copied). None where
+    the conversation prefills its chunks."""
+    recalling = plan.config.cache.recall
+    if plan.recall is None or recalling.entries != "stored":
+        return None
+    on_chunk = progress.recall_entries if progress is not None else None
+    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, plan.prefix_ids, bits=recalling.stored_bits,
+                                             group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
+
+
+def write_recall_entries(
+    pending: PendingConversation,
+    plan: IngestPlan,
+    lm: LoadedModel,
+    progress: IngestProgress | None = None,
+    previous: recall_entries.StoredEntries | None = None,
+) -> FileRecord | None:
+    """The conversation's recall entries file (`recall_entries_writer`) written in `pending`; None without one."""
+    writer = recall_entries_writer(plan, lm, progress, previous)
+    return pending.write_recall_entries(writer) if writer is not None else None
+
+
+def write_recall_entries_bytes(pending: PendingConversation, data: bytes) -> FileRecord:
+    """A recall entries file a batch worker wrote and sent, written in `pending`."""
+    return pending.write_recall_entries(lambda path: _write_bytes(path, data))
+
+
+def commit_ingest(
+    pending: PendingConversation,
+    plan: IngestPlan,
+    built: Sequence[EpisodeStats],
+    records: Sequence[EpisodeRecord],
+    lm: LoadedModel | ModelIdentity,
+    seconds: float,
+    recall_file: FileRecord | None = None,
+) -> IngestReport:
+    """Make the conversation visible with its resolved settings; returns what the ingest did. `lm` is the
+    model that built the caches, or its identity where it was loaded elsewhere (a batch worker); `recall_file`,
+    its recall entries file (`write_recall_entries`)."""
+    cache_cfg = plan.config.cache
+    settings = to_settings(plan.config, source=plan.source, appended=plan.appended, reads=plan.reads)
+    head_entries = [n for b in built for n in b.head_entries]
+    identity = lm.identity if isinstance(lm, LoadedModel) else lm
+    report = IngestReport(
+        name=plan.name,
+        method=cache_cfg.method,
+        positions=cache_cfg.positions,
+        turns=plan.turns,
+        history_tokens=plan.history_tokens,
+        episodes=len(built),
+        budgets=list(built[-1].budgets),
+        layer_budgets=settings["layer_budgets"],
+        peak_layer_entries=max(b.peak_layer_entries for b in built),
+        peak_total_entries=max(b.peak_total_entries for b in built),
+        estimated_peak_bytes=plan.estimated_peak_bytes,
+        cache_bytes=sum(r.bytes for r in records),
+        seconds=round(seconds, 2),
+        head_budgets=cache_cfg.head_budgets,
+        head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
+        prefill=plan.prefill,
+        episode_segments=list(plan.episode_segments),
+        notes=plan.notes,
+        offload=cache_cfg.offload.mode,
+        offloaded_entries=sum(b.offloaded_entries for b in built),
+        pages_bytes=sum(r.pages.bytes for r in records if r.pages is not None),
+        cache_precision=cache_cfg.precision,
+        device=identity.device,
+        dtype=identity.dtype,
+        attention_backend=identity.attention_backend,
+        weights=identity.weights,
+        budget=cache_cfg.budget,
+        recalled_entries=split.recalled if (split := recall.split_for(cache_cfg)) else 0,
+        recall_entries_bytes=recall_file.bytes if recall_file is not None else 0,
+    )
+    pending.commit(
+        model=lm.spec,
+        fingerprint=lm.fingerprint,
+        settings=settings,
+        stats=report.to_dict(),
+    )
+    return report
+
+
+def ingest(
+    history: str | os.PathLike | Sequence[Turn],
+    *,
+    store: Store,
+    lm: LoadedModel,
+    progress: IngestProgress | None = None,
+    **plan_options: Any,
+) -> IngestReport:
+    """Build and store the episode caches of one history (a file, or turns already loaded from one).
+    Nothing is visible in the store until all is written.
+
+    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
+    `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
+    passed) and `reads` (how it was read: `--format`, `--pick`), `force` past the memory estimate (an ingest
+    whose estimate exceeds the available memory is refused by default), `profile_dirs` where layer profiles are
+    looked up (default: the store's `profiles/`) before the shipped ones."""
+    started = time.perf_counter()
+    progress = progress or IngestProgress()
+    plan = plan_ingest(history, store=store, lm=lm, on_step=progress.planning, **plan_options)
+    stats: list[EpisodeStats] = []
+    records: list[EpisodeRecord] = []
+    with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
+        with pending.disk_full_guard():  # IceCache's evicted entries are spilled during the prefill
+            for built in build_episodes(plan, lm, scratch=pending.scratch_dir, progress=progress):
+                records.append(write_episode(pending, plan, built, lm))
+                stats.append(built.stats())  # the cache itself is released before the next episode is built
+            recall_file = write_recall_entries(pending, plan, lm, progress)
+        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
