@@ -24,7 +24,7 @@ from kvchat.config import ProfileSettings
 from kvchat.errors import UserError
 from kvchat.model.llm import LoadedModel
 
-DATA_DIR = Path(__file__).parent / "data"  # package data: the calibration text
+DATA_DIR = Path(__file__).parents[1] / "data"  # package data (kvchat.data): the calibration text
 PROFILE_VERSION = 1
 MAX_PROFILE_BYTES = 1 << 24  # a profile is a few numbers per layer; more is not one
 
