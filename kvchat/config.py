@@ -4,7 +4,7 @@ re-exported here). The CLI and the library both start from these."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import platformdirs
@@ -29,6 +29,9 @@ from kvchat.kv.config import (
 )
 from kvchat.kv.config import (
     OFFLOAD_SCORERS as OFFLOAD_SCORERS,
+)
+from kvchat.kv.config import (
+    PAGE_DTYPE_NAMES as PAGE_DTYPE_NAMES,
 )
 from kvchat.kv.config import (
     POSITION_MODES as POSITION_MODES,
@@ -122,10 +125,10 @@ DEFAULT_EPISODES = 4  # episodes when --episodes is not given and the history ha
 class EpisodeConfig:
     """How a history is cut into topical episodes (EpiCache §3.1)."""
 
-    episodes: int | None = field(default=None, metadata={"option": "--episodes", "min": 1})  # E: number of K-Means
-    # clusters; None: DEFAULT_EPISODES, or fewer when the history has fewer segments (a given E is not lowered),
-    # counted again at every re-ingest (saved as None: `--append --reingest` of a longer history gets more)
-    window: int = field(default=4, metadata={"option": "--window", "min": 1})  # w: turns per segment
+    episodes: int | None = None  # E: number of K-Means clusters; None: DEFAULT_EPISODES, or fewer when the history
+    # has fewer segments (a given E is not lowered), counted again at every re-ingest (saved as None: `--append
+    # --reingest` of a longer history gets more)
+    window: int = 4            # w: turns per segment
     prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes
 
@@ -164,7 +167,7 @@ TRAIN_STAGES = ("indexer", "memory", "both")
 
 @dataclass(frozen=True)
 class IngestConfig:
-    model: str = field(default="default", metadata={"key": None})  # saved beside the settings, not in them
+    model: str = "default"  # saved beside the settings, not in them
     episodes: EpisodeConfig = EpisodeConfig()
     cache: CacheConfig = CacheConfig()
     system_prompt: str = SYSTEM_PROMPT

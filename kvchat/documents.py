@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from kvchat.settings import from_settings, upgraded
+
 SCHEMA = 1
 
 
@@ -67,13 +69,14 @@ def answer(question: str, result) -> dict[str, Any]:
 
 def conversation(record) -> dict[str, Any]:
     """A conversation in `kvchat list --json`."""
+    cache = from_settings(record.settings).cache
     return {
         "name": record.name,
         "created_at": record.created_at,
         "model": record.model,
-        "method": record.settings.get("method"),
-        "offload": record.settings.get("offload", "none"),
-        "cache_precision": record.settings.get("cache_precision", "full"),
+        "method": cache.method,
+        "offload": cache.offload.mode,
+        "cache_precision": cache.precision,
         "episode_count": len(record.episodes),
         "turns": record.stats.get("turns"),
         "cache_bytes": sum(e.bytes for e in record.episodes),
@@ -98,7 +101,7 @@ def show(record) -> dict[str, Any]:
     segments = record.stats.get("episode_segments") or []
     return document(
         **(_reported(record.stats) | conversation(record)),  # the record's own counts where both say
-        settings=record.settings,
+        settings=upgraded(record.settings),  # under today's keys, whichever kvchat saved them
         stats=record.stats,
         episodes=[
             {"index": e.index, "topic": label, "segments": segments[e.index] if e.index < len(segments) else None,

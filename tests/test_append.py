@@ -137,7 +137,7 @@ def test_cli_append_and_its_refusals(tmp_path, halves, tiny_model_dir):
     first, second = halves
     home = tmp_path / "home"
     model = ("--model", str(tiny_model_dir))
-    base = ("--budget", "64", "--block-size", "32", "--episodes", "2")
+    base = ("--budget", "64", "--setting", "block_size=32", "--episodes", "2")
     assert run_main(home, "ingest", str(first), "--name", "chat", *model, *base).returncode == 0
     for args, says in [
         (("--append",), "--append needs --name"),
@@ -229,8 +229,8 @@ def test_cli_appends_a_single_new_turn(tmp_path, halves, tiny_model_dir):
     first, _ = halves
     home = tmp_path / "home"
     model = ("--model", str(tiny_model_dir))
-    assert run_main(home, "ingest", str(first), "--name", "chat", *model, "--budget", "64", "--block-size", "32",
-                    "--episodes", "2").returncode == 0
+    assert run_main(home, "ingest", str(first), "--name", "chat", *model, "--budget", "64",
+                    "--setting", "block_size=32", "--episodes", "2").returncode == 0
     before = Store(home).get("chat").stats["turns"]
     one = tmp_path / "one.json"
     one.write_text(json.dumps([{"role": "user", "content": "By the way, the gate changed to 52."}]))
@@ -245,7 +245,7 @@ def test_appending_the_same_file_twice_says_so(tmp_path, halves, tiny_model_dir)
     first, second = halves
     home = tmp_path / "home"
     assert run_main(home, "ingest", str(first), "--name", "chat", "--model", str(tiny_model_dir), "--budget", "64",
-                    "--block-size", "32", "--episodes", "2").returncode == 0
+                    "--setting", "block_size=32", "--episodes", "2").returncode == 0
     once = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
     assert once.returncode == 0 and not any("before" in n for n in json.loads(once.stdout)["notes"])
     twice = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")

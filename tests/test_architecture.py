@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.settings",),
     ("kvchat.features",),
     ("kvchat.history",),
+    ("kvchat.settings_table",),
     ("kvchat.config",),
     ("kvchat.kv",),
     ("kvchat.errors", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),

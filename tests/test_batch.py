@@ -28,7 +28,7 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
 pytestmark = pytest.mark.xdist_group("ray")
 
 EPISODES = 4
-SMALL = ("--budget", "64", "--block-size", "32", "--episodes", str(EPISODES))
+SMALL = ("--budget", "64", "--setting", "block_size=32", "--episodes", str(EPISODES))
 
 
 def _config(model_dir: Path, budget: int = 64) -> IngestConfig:
@@ -324,7 +324,8 @@ def test_the_command_reports_json_replaces_with_other_settings_and_exits_2(ray_i
 def test_a_batch_reads_every_history_with_format_and_pick(ray_instance, tmp_path, tiny_model_dir):
     export = Path(__file__).parent / "data" / "good" / "chatgpt_export.json"
     args = ["ingest-batch", str(export), "--pick", "Tomato plants", "--format", "chatgpt", "--model",
-            str(tiny_model_dir), "--workers", "1", "--budget", "64", "--block-size", "32", "--episodes", "1", "--json"]
+            str(tiny_model_dir), "--workers", "1", "--budget", "64", "--setting", "block_size=32", "--episodes", "1",
+            "--json"]
     run = run_main(tmp_path, *args)
     assert run.returncode == 0, run.stderr
     (entry,) = json.loads(run.stdout)["histories"]
@@ -339,8 +340,8 @@ def test_a_batch_reads_every_history_with_format_and_pick(ray_instance, tmp_path
 def test_batch_workers_build_with_the_weights_asked_for(ray_instance, tmp_path, tiny_model_dir):
     export = Path(__file__).parent / "data" / "good" / "chatgpt_export.json"
     run = run_main(tmp_path, "ingest-batch", str(export), "--pick", "Tomato plants", "--model", str(tiny_model_dir),
-                   "--workers", "1", "--budget", "64", "--block-size", "32", "--episodes", "1", "--weights", "int4",
-                   "--json")  # fmt: skip
+                   "--workers", "1", "--budget", "64", "--setting", "block_size=32", "--episodes", "1",
+                   "--weights", "int4", "--json")  # fmt: skip
     assert run.returncode == 0, run.stderr
     (entry,) = json.loads(run.stdout)["histories"]
     assert entry["status"] == "committed" and entry["weights"] == "int4"

@@ -40,7 +40,7 @@ pytestmark = [
 ]
 
 EPISODES = 4
-SMALL = ("--budget", "64", "--block-size", "32", "--episodes", str(EPISODES))
+SMALL = ("--budget", "64", "--setting", "block_size=32", "--episodes", str(EPISODES))
 OBJECT_STORE = str(80 * 2**20)
 
 

@@ -26,8 +26,8 @@ def ingested(tmp_path_factory, tiny_model_dir):
     history = home / "chat.json"
     history.write_text(json.dumps(messages))
     result = run(
-        home, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "80", "--block-size", "32",
-        "--episodes", "3", "--prefill", "block", "--json",
+        home, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "80", "--setting", "block_size=32",
+        "--episodes", "3", "--setting", "prefill=block", "--json",
     )
     assert result.returncode == 0, result.stderr
     assert [line.split(" (")[0] for line in result.stderr.splitlines() if line.startswith("kvchat: episode ")] == [
@@ -112,7 +112,7 @@ def test_a_single_cache_is_counted_as_one_episode(tmp_path, tiny_model_dir):
     history = tmp_path / "chat.json"
     history.write_text(json.dumps(messages))
     ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--method", "snapkv",
-                        "--budget", "64", "--block-size", "32")
+                        "--budget", "64", "--setting", "block_size=32")
     assert ingested.returncode == 0, ingested.stderr
     assert "-> 1 episode x budget 64 (snapkv" in ingested.stdout
     assert " in 1 episode (segments of " in run_main(tmp_path, "show", "chat").stderr  # not a terminal: beside it
@@ -147,8 +147,10 @@ def test_show_on_a_terminal_leads_with_sizes_and_topics(ingested, monkeypatch):
         (("ingest", "/no/such/file.json"), "no such file"),
         (("ingest", "{history}", "--budget", "0"), "--budget must be >= 1"),
         (("ingest", "{history}", "--name", "../escape"), "name"),
-        (("ingest", "{history}", "--tau1", "0"), "--tau1 must be in (0, 10]"),
-        (("ingest", "{history}", "--tau2", "-1"), "--tau2 must be in (0, 10]"),
+        (("ingest", "{history}", "--setting", "tau1=0"), "--setting tau1 must be in (0, 10]"),
+        (("ingest", "{history}", "--setting", "tau2=-1"), "--setting tau2 must be in (0, 10]"),
+        (("ingest", "{history}", "--setting", "positions=sideways"), "unknown --setting positions 'sideways'"),
+        (("ingest", "{history}", "--setting", "budget=many"), "--setting budget: expected int, got 'many'"),
         (("ingest", "{history}", "--model", "/no/such/model.gguf"), "model file not found"),
         (("ingest", "{history}", "--model", "no-such-org/no-such-model"), "model not found"),
         (("ask", "hello?", "--conversation", "nope"), "unknown conversation"),
@@ -175,7 +177,8 @@ def test_show_lists_each_episodes_cake_budgets(tmp_path, tiny_model_dir):
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     result = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "80",
-                      "--block-size", "32", "--episodes", "2", "--layer-budgets", "cake", "--tau2", "0.5", "--json")
+                      "--setting", "block_size=32", "--episodes", "2", "--setting", "layer_budgets=cake", "--setting",
+                      "tau2=0.5", "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["peak_total_entries"] <= 2 * (80 + 32) + 256 + 16
     shown = json.loads(run_main(tmp_path, "show", "h", "--json").stdout)
@@ -204,7 +207,7 @@ def test_profile_layers_on_a_local_model_dir_then_ingest_uses_it(tmp_path, tiny_
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "96",
-                        "--block-size", "32", "--episodes", "2", "--json")
+                        "--setting", "block_size=32", "--episodes", "2", "--json")
     assert ingested.returncode == 0, ingested.stderr
     report = json.loads(ingested.stdout)
     assert report["layer_budgets"] == "sensitivity" and report["notes"] == []
@@ -223,7 +226,7 @@ def test_rm_removes(tmp_path, tiny_model_dir):
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     assert run(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64",
-               "--block-size", "32", "--episodes", "2").returncode == 0
+               "--setting", "block_size=32", "--episodes", "2").returncode == 0
     assert run(tmp_path, "rm", "h").returncode == 0
     assert json.loads(run(tmp_path, "list", "--json").stdout)["conversations"] == []
 
@@ -233,7 +236,7 @@ def test_use_chooses_the_default_conversation_and_list_and_ask_follow_it(tmp_pat
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     for name in ("first", "second"):
         assert run_main(tmp_path, "ingest", str(history), "--name", name, "--model", str(tiny_model_dir),
-                        "--budget", "64", "--block-size", "32", "--episodes", "2").returncode == 0
+                        "--budget", "64", "--setting", "block_size=32", "--episodes", "2").returncode == 0
     shown = run_main(tmp_path, "use")  # none chosen: the latest, and a note saying so
     assert shown.returncode == 0 and shown.stdout == "second\n" and "kvchat use NAME" in shown.stderr
     assert json.loads(run_main(tmp_path, "use", "--json").stdout) == {"schema": 1, "conversation": "second",
@@ -299,10 +302,10 @@ def test_help_lists_the_commands():
         (("ingest",), "Missing argument 'HISTORY'"),
         (("ingest", "h.json", "--budget", "abc"), "Invalid value for '--budget'"),
         (("ingest", "h.json", "--budget", "1.5"), "Invalid value for '--budget'"),
-        (("ingest", "h.json", "--positions", "sideways"), "Invalid value for '--positions'"),
-        (("ingest", "h.json", "--layer-budgets", "cake-walk"), "Invalid value for '--layer-budgets'"),
         (("ingest", "h.json", "--method", "magic"), "Invalid value for '--method'"),
-        (("ingest", "h.json", "--prefill", "half"), "Invalid value for '--prefill'"),
+        (("ingest", "h.json", "--cache-precision", "int2"), "Invalid value for '--cache-precision'"),
+        (("ingest", "h.json", "--block-size", "32"), "--block-size is `--setting block_size=VALUE` now"),
+        (("ingest-batch", "h.json", "--no-memory"), "--no-memory is `--setting memory=VALUE` now"),
         (("list", "--frobnicate"), "No such option: --frobnicate"),
         (("ask", "q?", "--max-new-tokens"), "Option '--max-new-tokens' requires an argument"),
         (("show",), "Missing argument 'NAME'"),
@@ -356,8 +359,8 @@ def hostile(tmp_path_factory, tiny_model_dir):
     history = root / "h.json"
     history.write_text(json.dumps([{**m, "content": m["content"] + HOSTILE} for m in messages]))
     home = root / "home"
-    result = run_main(home, "ingest", str(history), "--model", str(model), "--budget", "64", "--block-size", "32",
-                      "--episodes", "2")
+    result = run_main(home, "ingest", str(history), "--model", str(model), "--budget", "64",
+                      "--setting", "block_size=32", "--episodes", "2")
     assert result.returncode == 0, result.stderr
     return home, str(model)
 
@@ -503,8 +506,8 @@ def test_sigterm_during_an_ingest_removes_its_temp_dir(tmp_path, tiny_model_dir)
     history.write_text(json.dumps(planted_conversation(seed=7, topics=6, turns_per_topic=30)[0]))
     home = tmp_path / "home"
     proc = subprocess.Popen(
-        [*KVCHAT, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64", "--block-size", "32",
-         "--episodes", "4"],
+        [*KVCHAT, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64", "--setting",
+         "block_size=32", "--episodes", "4"],
         env={**cli_env(home), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     seen = []

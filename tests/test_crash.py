@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 TRIALS = 20
 EPISODES = 4
-SMALL = ("--budget", "64", "--block-size", "32", "--episodes", str(EPISODES))
+SMALL = ("--budget", "64", "--setting", "block_size=32", "--episodes", str(EPISODES))
 
 
 def _env(home: Path) -> dict[str, str]:

@@ -26,7 +26,7 @@ from kvchat.kv.scoring import PatchedPromptScorer
 from kvchat.model.device import resolve
 from kvchat.model.llm import legacy_weights_fingerprint, load_model, model_fingerprint, weights_fingerprint
 
-TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
+TINY = ("--budget", "64", "--setting", "block_size=32", "--episodes", "2")
 CUDA = torch.cuda.is_available()
 
 

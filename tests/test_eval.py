@@ -331,7 +331,7 @@ def test_cli_eval_with_no_scorable_question_is_a_user_error(tmp_path, tiny_model
 def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
     out, report = tmp_path / "r.jsonl", tmp_path / "rep" / "report.md"
     args = ("eval", "--synthetic", "1", "--model", str(tiny_model_dir), "--methods", "streaming",
-            "--budgets", "256", "--block-size", "256", "--questions", "2", "--out", str(out),
+            "--budgets", "256", "--setting", "block_size=256", "--questions", "2", "--out", str(out),
             "--report", str(report), "--json")
     result = run_main(tmp_path / "home", *args)
     assert result.returncode == 0, result.stderr
@@ -352,8 +352,8 @@ def test_cli_eval_synthetic_end_to_end_with_report(tmp_path, tiny_model_dir):
 def test_cli_eval_answers_with_the_weights_asked_for(tmp_path, tiny_model_dir):
     report = tmp_path / "report.md"
     result = run_main(tmp_path / "home", "eval", "--synthetic", "1", "--model", str(tiny_model_dir), "--methods",
-                      "streaming", "--budgets", "256", "--block-size", "256", "--questions", "1", "--weights", "int4",
-                      "--device", "cpu", "--report", str(report), "--json")  # fmt: skip
+                      "streaming", "--budgets", "256", "--setting", "block_size=256", "--questions", "1",
+                      "--weights", "int4", "--device", "cpu", "--report", str(report), "--json")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "; int4 weights (the caches built and the answers decoded with them" in report.read_text()
     assert (tmp_path / "home" / "models" / "held").is_dir()  # the int4 weights were made, and kept

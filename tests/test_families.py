@@ -22,7 +22,7 @@ from kvchat.kv.prefill import block_prefill
 
 # (family, KV heads): GQA everywhere, MHA on Llama and Gemma2 (4 query heads over 4 KV heads).
 CASES = [(arch, 2) for arch in sorted(FAMILIES)] + [("llama", 4), ("gemma2", 4)]
-TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
+TINY = ("--budget", "64", "--setting", "block_size=32", "--episodes", "2")
 
 
 def _ids(case) -> str:
@@ -107,8 +107,8 @@ def test_ingest_and_ask_end_to_end(case, tmp_path, history):
     arch, kv_heads = case
     model = _model_dir(tmp_path, arch, kv_heads)
     home = tmp_path / "home"
-    ingested = run_main(home, "ingest", str(history), "--model", str(model), *TINY, "--head-budgets", "adaptive",
-                        "--json")
+    ingested = run_main(home, "ingest", str(history), "--model", str(model), *TINY,
+                        "--setting", "head_budgets=adaptive", "--json")
     assert ingested.returncode == 0, ingested.stderr
     report = json.loads(ingested.stdout)
     assert report["episode_count"] == 2 and report["attention_backend"] == "torch"

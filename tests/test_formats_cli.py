@@ -9,7 +9,7 @@ import pytest
 from cli_helpers import run_main
 
 GOOD = Path(__file__).parent / "data" / "good"
-TINY = ("--budget", "64", "--block-size", "32", "--episodes", "1", "--json")
+TINY = ("--budget", "64", "--setting", "block_size=32", "--episodes", "1", "--json")
 
 
 def test_ingest_picks_a_conversation_of_a_chatgpt_export(tmp_path, tiny_model_dir):

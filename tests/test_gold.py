@@ -210,7 +210,7 @@ def test_cli_eval_scores_a_history_beyond_the_window_against_gold(tmp_path, shor
 
     out, report = tmp_path / "r.jsonl", tmp_path / "report.md"
     args = ("eval", "--synthetic", "1", "--model", str(short_model_dir), "--methods", "snapkv", "--budgets", "96",
-            "--block-size", "48", "--chunk-tokens", "32", "--questions", "3", "--out", str(out), "--report",
+            "--setting", "block_size=48", "--chunk-tokens", "32", "--questions", "3", "--out", str(out), "--report",
             str(report), "--json")  # fmt: skip
     result = run_main(tmp_path / "home", *args)  # --against auto: the history does not fit, so gold
     assert result.returncode == 0, result.stderr

@@ -20,7 +20,7 @@ from kvchat.ingest import preflight
 from kvchat.ingest.preflight import ModelShape, check_fits, estimate_ingest_bytes
 from kvchat.store import Store, validate_name
 
-TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
+TINY = ("--budget", "64", "--setting", "block_size=32", "--episodes", "2")
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def _assert_refused(home: Path, result, fragment: str) -> None:
     "args, fragment",
     [
         (("--budget", "-5"), "--budget must be >= 1"),
-        (("--budget", "64", "--block-size", "600"), "more than 8x --budget 64"),
-        (("--block-size", "8"), "--block-size must be >= 16"),
+        (("--budget", "64", "--setting", "block_size=600"), "more than 8x --budget 64"),
+        (("--setting", "block_size=8"), "--setting block_size must be >= 16"),
         (("--episodes", "0"), "--episodes must be >= 1"),
         ((*TINY, "--episodes", "99"), "--episodes 99 is more than the history's"),
         (("--name", "a/b"), "invalid conversation name"),
@@ -68,15 +68,16 @@ def test_bad_ingest_options(tmp_path, history, tiny_model_dir, args, fragment):
     assert "\x1b" not in result.stderr
 
 
-@pytest.mark.parametrize("args", [("--tau1", "1e-300"), ("--method", "cake", "--tau2", "5e-324")])
+@pytest.mark.parametrize("args", [("--setting", "tau1=1e-300"), ("--method", "cake", "--setting", "tau2=5e-324")])
 def test_cake_budgets_take_any_temperature_in_range(tmp_path, history, tiny_model_dir, args):
     """H^(1/tau1) overflowed a float into a ValueError (issue 16); the preference is kept in log space."""
     home = tmp_path / "home"
-    result = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--layer-budgets", "cake",
-                      *args)
+    result = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), *TINY, "--setting",
+                      "layer_budgets=cake", *args)
     assert result.returncode == 0, result.stderr
     record = Store(home).get("h")
-    assert record.settings["layer_budgets"] == "cake" and record.settings[args[-2][2:]] == float(args[-1])
+    key, value = args[-1].split("=")
+    assert record.settings["layer_budgets"] == "cake" and record.settings[key] == float(value)
     assert all(sum(e.budgets) <= 2 * 64 for e in record.episodes)  # 2 layers, mean budget 64
 
 

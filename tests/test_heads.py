@@ -328,19 +328,18 @@ def test_cli_head_budgets_option(tmp_path, tiny_model_dir):
     path = tmp_path / "chat.json"
     path.write_text(json.dumps(messages))
     home = tmp_path / "home"
-    common = ["ingest", str(path), "--model", str(tiny_model_dir), "--budget", "80", "--block-size", "32",
+    common = ["ingest", str(path), "--model", str(tiny_model_dir), "--budget", "80", "--setting", "block_size=32",
               "--episodes", "2"]  # fmt: skip
 
-    bad = run_main(home, *common, "--head-budgets", "greedy")
-    assert bad.returncode == 2 and "Usage: kvchat ingest" in bad.stderr and "--head-budgets" in bad.stderr
-    streaming = run_main(home, *common, "--method", "streaming", "--head-budgets", "adaptive")
-    assert streaming.returncode == 2 and "--head-budgets adaptive" in streaming.stderr
+    bad = run_main(home, *common, "--setting", "head_budgets=greedy")
+    assert bad.returncode == 2 and "unknown --setting head_budgets 'greedy' (choose from uniform" in bad.stderr
+    streaming = run_main(home, *common, "--method", "streaming", "--setting", "head_budgets=adaptive")
+    assert streaming.returncode == 2 and "--setting head_budgets=adaptive needs" in streaming.stderr
 
-    done = run_main(home, *common, "--head-budgets", "adaptive", "--json")
+    done = run_main(home, *common, "--setting", "head_budgets=adaptive", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["head_budgets"] == "adaptive" and report["head_entries"][0] < 80 < report["head_entries"][1]
     shown = run_main(home, "show", "chat", "--verbose")  # the summary goes to stderr when stdout is piped
     assert shown.returncode == 0 and "adaptive head budgets" in shown.stderr
     assert json.loads(run_main(home, "show", "chat", "--json").stdout)["settings"]["head_budgets"] == "adaptive"
-    assert "--head-budgets" in run_main(home, "ingest", "--help").stdout

@@ -346,7 +346,7 @@ def test_a_zero_gate_makes_the_memory_a_no_op(trained_home, tiny_lm, encoder, hi
 def test_no_memory_and_adaptive_heads(trained_home, tiny_lm, encoder, history):
     store = _ingest(trained_home, tiny_lm, encoder, history, "plain", memory=False, head_budgets="adaptive")
     record = store.get("plain")
-    assert record.settings["memory"] is False and "--no-memory" in _rebuild(record)
+    assert record.settings["memory"] is False and "--setting=memory=false" in _rebuild(record)
     cache, _ = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
     assert cache.memory is None
     assert any(layer.ragged for layer in cache.layers)  # heads kept different counts

@@ -402,7 +402,7 @@ def test_settings_round_trip_and_rebuild_command(precision):
 @PRECISIONS
 def test_cli_cache_precision_option_and_json_key(tmp_path, tiny_model_dir, planted, precision):
     home = tmp_path / "home"
-    common = ["ingest", str(planted), "--model", str(tiny_model_dir), "--budget", "80", "--block-size", "32",
+    common = ["ingest", str(planted), "--model", str(tiny_model_dir), "--budget", "80", "--setting", "block_size=32",
               "--episodes", "2"]  # fmt: skip
     bad = run_main(home, *common, "--cache-precision", "int2")
     assert bad.returncode == 2 and "--cache-precision" in bad.stderr

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvchat.errors import UserError
 from kvchat.model import files as model_files
 
-TINY = ("--budget", "64", "--block-size", "32", "--episodes", "2")
+TINY = ("--budget", "64", "--setting", "block_size=32", "--episodes", "2")
 WEIGHTS = 123_000_000
 
 

@@ -276,10 +276,10 @@ def test_offload_settings_round_trip_and_rebuild(tmp_path):
         (OffloadConfig(mode="disk"), "--offload"),
         (OffloadConfig(mode="icecache", retrieve=-1), "--retrieve"),
         (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=1, cluster_size=1)), None),
-        (OffloadConfig(mode="icecache", scorer="best"), "page scorer"),
-        (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=0)), "--page-size"),
-        (OffloadConfig(mode="icecache", window=-1), "--offload-window"),
-        (OffloadConfig(mode="icecache", candidates=0), "candidates"),
+        (OffloadConfig(mode="icecache", scorer="best"), "--setting page_scorer"),
+        (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=0)), "--setting page_size must be >= 1"),
+        (OffloadConfig(mode="icecache", window=-1), "--setting offload_window must be >= 0"),
+        (OffloadConfig(mode="icecache", candidates=0), "--setting page_candidates must be >= 1"),
     ],
 )
 def test_bad_offload_settings_are_user_errors(tmp_path, history, tiny_lm, encoder, offload, message):

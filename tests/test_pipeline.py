@@ -151,9 +151,9 @@ def test_cake_layer_budgets_ingest_and_answer(tmp_path, history, tiny_lm, encode
         (replace(SMALL, cache=replace(SMALL.cache, budget=20)), "must exceed the system prompt"),
         (replace(SMALL, episodes=EpisodeConfig(episodes=500)), "more than the history's"),
         (replace(SMALL, cache=replace(SMALL.cache, method="magic")), "unknown --method"),
-        (replace(SMALL, cache=replace(SMALL.cache, block_size=8)), "--block-size must be >= 16"),
-        (replace(SMALL, cache=replace(SMALL.cache, cake=CakeConfig(tau1=0.0))), r"--tau1 must be in \(0, 10\]"),
-        (replace(SMALL, cache=replace(SMALL.cache, cake=CakeConfig(tau2=float("nan")))), "--tau2 must be in"),
+        (replace(SMALL, cache=replace(SMALL.cache, block_size=8)), "--setting block_size must be >= 16"),
+        (replace(SMALL, cache=replace(SMALL.cache, cake=CakeConfig(tau1=0.0))), r"--setting tau1 must be in \(0, 10\]"),
+        (replace(SMALL, cache=replace(SMALL.cache, cake=CakeConfig(tau2=float("nan")))), "--setting tau2 must be in"),
         (replace(SMALL, cache=replace(SMALL.cache, layer_budgets="cake", budget=20)), "must exceed the system prompt"),
     ],
 )

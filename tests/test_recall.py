@@ -33,7 +33,7 @@ def test_the_budget_splits_into_whole_chunks_and_the_episode_caches_keep_the_res
     assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "lexical")
     small = recall.split(CacheConfig(budget=64))  # chunks shrink to fit a small budget
     assert (small.chunks, small.chunk_tokens, small.cache_budget) == (1, 32, 32)
-    with pytest.raises(UserError, match="recall share"):
+    with pytest.raises(UserError, match="recall_share must be between 0 and 1"):
         recall.split(CacheConfig(recall=RecallConfig(share=1.0)))
 
 

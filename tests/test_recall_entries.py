@@ -238,7 +238,7 @@ def test_the_command_line_stores_the_entries_shows_their_bytes_and_answers_from_
 
     history = tmp_path / "long.json"
     history.write_text(json.dumps([{"role": t.role, "content": t.text} for t in QA.turns]))
-    model = ("--model", str(short_model_dir), "--budget", "96", "--block-size", "48", "--episodes", "3")
+    model = ("--model", str(short_model_dir), "--budget", "96", "--setting", "block_size=48", "--episodes", "3")
     made = run_main(tmp_path, "ingest", str(history), *model, "--recall-entries", "stored", "--json")
     assert made.returncode == 0, made.stderr
     report = json.loads(made.stdout)

@@ -35,7 +35,7 @@ def test_repl_set_episodes_follow_up_and_help(tmp_path, tiny_model_dir, monkeypa
     history = tmp_path / "chat.json"
     history.write_text(json.dumps(messages))
     ingest = run(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "80",
-                 "--block-size", "32", "--episodes", "3", "--prefill", "block")
+                 "--setting", "block_size=32", "--episodes", "3", "--setting", "prefill=block")
     assert ingest.returncode == 0, ingest.stderr
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     asker = _Asker(open_store(), "chat", AskConfig(max_new_tokens=16), log=False, threads=1)

@@ -198,7 +198,7 @@ def test_cli_sources_json_and_refusal_exit_code(tmp_path, tiny_model_dir):
     history.write_text(json.dumps(messages))
     home = tmp_path / "home"
     made = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "80",
-                    "--block-size", "32", "--episodes", "3", "--prefill", "block")
+                    "--setting", "block_size=32", "--episodes", "3", "--setting", "prefill=block")
     assert made.returncode == 0, made.stderr
     asked = run_main(home, "ask", facts[0].question, "--sources", "--json", "--max-new-tokens", "3")
     assert asked.returncode == 0, asked.stderr

@@ -294,7 +294,7 @@ def tiny_home(tmp_path: Path, tiny_model_dir: Path) -> Path:
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     home = tmp_path / "home"
     ingested = run_main(home, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64",
-                        "--block-size", "32", "--episodes", "2")  # fmt: skip
+                        "--setting", "block_size=32", "--episodes", "2")  # fmt: skip
     assert ingested.returncode == 0, ingested.stderr
     asked = run_main(home, "ask", "Which gate?")
     assert asked.returncode == 0, asked.stderr

@@ -8,7 +8,8 @@ question is embedded once) are prefilled after the cache and before the question
 that another episode holds, comes back as text.
 
 The chunk index (chunks and their embeddings) is written into every episode file's metadata, so each file
-answers on its own and is covered by its own digest; an append extends it with the new turns' chunks.
+answers on its own and is covered by its own digest; an append extends it with the new turns' chunks. How M is
+split, recall's settings and their checks are the recall feature's (kvchat.features.recall).
 """
 
 from __future__ import annotations
@@ -17,52 +18,19 @@ import base64
 import binascii
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 
 import numpy as np
 
 from kvchat.answer.rag import Chunk, RagIndex
-from kvchat.errors import UserError
+from kvchat.features.recall import RecallSplit as RecallSplit  # how M is split: the feature's, used here too
+from kvchat.features.recall import split as split
+from kvchat.features.recall import split_for as split_for
 from kvchat.history.spans import STORED_CHARS, TurnMark, TurnSpan, token_ranges
-from kvchat.kv.config import CacheConfig
-from kvchat.kv.methods import REGISTRY
 from kvchat.packed_text import pack, unpack
 
 METADATA_KEY = "recall"  # the episode file metadata entry holding the chunk index
 _MAX_INDEX_BYTES = 1 << 30  # what an index may inflate to: bounded before it allocates
-
-
-@dataclass(frozen=True)
-class RecallSplit:
-    """How `--method recall` spends a budget M per layer and KV head: `cache_budget` entries of the routed episode
-    cache, `chunks` x `chunk_tokens` of recalled turns, ranked by `retrieval` (RecallConfig.retrieval)."""
-
-    cache_budget: int
-    chunks: int
-    chunk_tokens: int
-    retrieval: str
-
-    @property
-    def recalled(self) -> int:
-        return self.chunks * self.chunk_tokens
-
-
-def split(cache: CacheConfig) -> RecallSplit:
-    """`cache.budget` split by its recall share into whole chunks (at least one; chunks shrink to fit a small
-    budget), the episode caches keeping the rest."""
-    share = cache.recall.share
-    if not 0 < share < 1:
-        raise UserError(f"recall share must be between 0 and 1 (got {share})")
-    recalled = max(1, int(cache.budget * share))
-    chunk_tokens = min(cache.recall.chunk_tokens, recalled)
-    chunks = recalled // chunk_tokens
-    return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens, cache.recall.retrieval)
-
-
-def split_for(cache: CacheConfig) -> RecallSplit | None:
-    """`split(cache)` where its method recalls chunks (`--method recall`), else None."""
-    entry = REGISTRY.get(cache.method)
-    return split(cache) if entry is not None and entry.recalls else None
 
 
 def offset(index: RagIndex, turns: int) -> RagIndex:

@@ -193,6 +193,7 @@ def _run(args: list[str], debug: bool) -> None:
     except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
         if getattr(exc, "ctx", False) is None:  # raised by the parser before it had a context
             exc.ctx = _usage_context(args)
+        _name_the_setting(exc)
         exc.show()
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
@@ -207,6 +208,18 @@ def _run(args: list[str], debug: bool) -> None:
         err.print("kvchat: interrupted", markup=False)
     if isinstance(status, int) and status:
         sys.exit(status)
+
+
+def _name_the_setting(exc: typer.TyperException) -> None:
+    """An option older versions had, now a saved setting without one: the usage error says how to give it."""
+    from typer._click.exceptions import NoSuchOption
+
+    from kvchat.settings_table import former_option
+
+    row = former_option(exc.option_name) if isinstance(exc, NoSuchOption) else None
+    if row is not None:
+        exc.message += f" ({exc.option_name} is `--setting {row.key}=VALUE` now: docs/commands.md)"
+        exc.possibilities = None
 
 
 def _usage_context(args: Sequence[str]):

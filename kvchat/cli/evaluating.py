@@ -12,7 +12,6 @@ from kvchat.cli.options import (
     DeviceOpt,
     DtypeOpt,
     JsonOpt,
-    Prefill,
     ThreadsOpt,
     Weights,
     int_list,
@@ -53,15 +52,11 @@ def eval_command(
     model: Annotated[str, typer.Option(help="'default' (embedded SmolLM2-135M), a model dir or a .gguf file.")] = (
         IngestConfig.model
     ),
-    block_size: Annotated[int, typer.Option(help="Tokens per prefill block (B).")] = CacheConfig.block_size,
     offload: Annotated[str, typer.Option(
         help="Comma-separated offload modes, each run with every method and budget: none, icecache (with "
         "icecache, full KV runs once more, paged past the system prompt and the last tokens).")] = "none",
     retrieve: Annotated[int, typer.Option(help="--offload icecache: entries per layer and KV head read (R).")] = (
         OffloadConfig.retrieve
-    ),
-    prefill: Annotated[Prefill, typer.Option(help="block, full or auto, as for ingest (recorded per variant).")] = (
-        CacheConfig.prefill
     ),
     cache_precision: Annotated[str, typer.Option(
         help="Comma-separated cache precisions, each run with every method and budget: full, int8, int4 (as for "
@@ -78,6 +73,9 @@ def eval_command(
     chunk_tokens: Annotated[int, typer.Option(help="Against gold: tokens per chunk of the rag baseline.")] = (
         EvalConfig.chunk_tokens
     ),
+    setting: Annotated[list[str] | None, typer.Option(
+        metavar="KEY=VALUE", help="A saved setting of every variant's ingest, as `kvchat ingest --setting` takes it "
+        "(block_size, prefill, ...: docs/commands.md); repeatable.")] = None,
     threads: ThreadsOpt = None,
     weights: Annotated[Weights, typer.Option(
         help="The Linear weights the caches are built and the answers decoded with, as `kvchat ingest` and "
@@ -91,13 +89,14 @@ def eval_command(
     """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL), or against
     the gold answers beside rag and recent where a history does not fit the model's window."""
     from kvchat.eval import evaluate, gold
+    from kvchat.settings import with_settings
 
     config = EvalConfig(
         methods=_names(methods), budgets=int_list(budgets, "--budgets"), max_context=max_context,
         questions=questions, categories=int_list(categories, "--categories"), against=against,
         chunk_tokens=chunk_tokens, weights=weights,
     )
-    base = IngestConfig(model=model, cache=CacheConfig(block_size=block_size, prefill=prefill))
+    base = with_settings(IngestConfig(model=model), setting or [])
     variant_list = evaluate.plan_variants(data or [], synthetic, config, base, offloads=_names(offload),
                                           precisions=_names(cache_precision), retrieve=retrieve)
     results = evaluate.ResultsFile(out_path)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import inspect
 import time
 from pathlib import Path
 from typing import Annotated, Literal
@@ -14,18 +11,10 @@ import typer
 from kvchat import documents
 from kvchat.cli.options import (
     BuildWeightsOpt,
-    CachePrecision,
     DeviceOpt,
     DtypeOpt,
     ForceOpt,
-    HeadBudgets,
     JsonOpt,
-    LayerBudgets,
-    Method,
-    Offload,
-    Positions,
-    Prefill,
-    RecallEntries,
     ThreadsOpt,
     TrustOpt,
     load_encoder,
@@ -40,125 +29,20 @@ from kvchat.cli.progress import (
     progress_bars,
 )
 from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, say, table
-from kvchat.config import (
-    DEFAULT_EPISODES,
-    WEIGHTS,
-    BatchConfig,
-    CacheConfig,
-    CakeConfig,
-    DeviceConfig,
-    EpisodeConfig,
-    IngestConfig,
-    OffloadConfig,
-    PagingConfig,
-    RecallConfig,
-)
+from kvchat.cli.setting_options import OFFLOAD_PANEL, with_setting_options
+from kvchat.config import WEIGHTS, BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history.loading import FORMAT_NAMES
-from kvchat.kv.methods import REGISTRY
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
-_INPUT, _CACHE, _PAGES, _STORE = "History", "Cache", "Offload and memory", "Storing"
+_INPUT, _STORE = "History", "Storing"
 INGEST_EXAMPLES = """Examples:
   kvchat ingest chat.json                       # stored as "chat"
   kvchat ingest conversations.json --pick "Trip to Japan" --name japan
   kvchat ingest more.json --append --name chat  # continue a stored conversation"""
-_METHOD_HELP = "How entries are scored for eviction. auto (default): epicache within the model's window, recall " \
-    "beyond it; " + "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()) + "."
 
 
-def _option(name: str, annotation: object, default: object) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation, default=default)
-
-
-# The cache options of `ingest` and `ingest-batch`, which `_cache_options` gives a command.
-_CACHE_OPTIONS = [
-    _option("model", Annotated[str, typer.Option(
-        help="'default' (SmolLM2-135M), a model dir or a .gguf file. The default one is embedded in kvchat.",
-        show_default=False, rich_help_panel=_CACHE)], IngestConfig.model),
-    _option("budget", Annotated[int, typer.Option(help="Kept KV entries per layer and head (M).",
-                                                  rich_help_panel=_CACHE)],
-            CacheConfig.budget),
-    _option("block_size", Annotated[int, typer.Option(help="Tokens per prefill block (B).", rich_help_panel=_CACHE)],
-            CacheConfig.block_size),
-    _option("episodes", Annotated[int | None, typer.Option(
-        help=f"Number of topical episodes (E). Default: {DEFAULT_EPISODES}, or fewer when the history has fewer "
-        "segments.", show_default=False, rich_help_panel=_CACHE)], EpisodeConfig.episodes),
-    _option("window", Annotated[int, typer.Option(help="Turns per segment for clustering (w).",
-                                                  rich_help_panel=_CACHE)],
-            EpisodeConfig.window),
-    _option("method", Annotated[Method, typer.Option(help=_METHOD_HELP, rich_help_panel=_CACHE)], CacheConfig.method),
-    _option("positions", Annotated[Positions, typer.Option(
-        help="original, compact (re-rotate kept keys) or auto.", rich_help_panel=_CACHE)], CacheConfig.positions),
-    _option("layer_budgets", Annotated[LayerBudgets, typer.Option(
-        rich_help_panel=_CACHE, help="Per-layer budgets. auto (sensitivity if the model has a profile, else "
-        "uniform), uniform, "
-        "sensitivity (kvchat profile-layers), pyramid (PyramidKV) or cake (CAKE: from each block's "
-        "attention; with --method cake, layers are evicted one by one in the forward).")], CacheConfig.layer_budgets),
-    _option("alpha", Annotated[float | None, typer.Option(
-        help="Sharpness of sensitivity budgets (default: the profile's, 1.2).", rich_help_panel=_CACHE)],
-        CacheConfig.alpha),
-    _option("tau1", Annotated[float, typer.Option(
-        help="Dispersion temperature of cake budgets. Smaller weighs it more (attention entropy).",
-        rich_help_panel=_CACHE)], CakeConfig.tau1),
-    _option("tau2", Annotated[float, typer.Option(
-        help="Shift temperature of cake budgets. Smaller weighs it more (attention variance).",
-        rich_help_panel=_CACHE)], CakeConfig.tau2),
-    _option("head_budgets", Annotated[HeadBudgets, typer.Option(
-        rich_help_panel=_CACHE, help="Per-head budgets within a layer. uniform (every KV head keeps M_l "
-        "entries) or adaptive (AdaKV: "
-        "the layer's top M_l x KV-heads entries across heads, each head keeping at least a fifth of M_l; "
-        "files and memory hold only kept entries). adaptive needs epicache, snapkv, infinipot or kvzip.")],
-        CacheConfig.head_budgets),
-    _option("prefill", Annotated[Prefill, typer.Option(
-        rich_help_panel=_CACHE, help="When eviction starts: block, full or auto. block (evict after every block: "
-        "peak memory flat in the history's length), full (keep the whole "
-        "history once, then each episode keeps its top entries: one prefill instead of one per episode) or auto "
-        "(full when the history fits the model's window and its full KV fits memory).")], CacheConfig.prefill),
-    _option("cache_precision", Annotated[CachePrecision, typer.Option(
-        rich_help_panel=_CACHE, help="Stored precision of the caches: full, int8 or int4. full (the model's "
-        "dtype), int8 or int4 (KIVI: keys per channel, values per token, in 8 bits with "
-        "a float32 scale and zero point per group of 32, or in 4 bits, two per byte, with float16 ones per group "
-        "of 16; each head's last entries and the answer stay in full precision): stored and resident caches take "
-        "about a third (int8) or a fifth (int4) of float32's bytes, 64% or 38% of bfloat16's, dequantized while "
-        "answering. Not with --offload.")], CacheConfig.precision),
-    _option("recall_entries", Annotated[RecallEntries, typer.Option(
-        rich_help_panel=_CACHE, help="Recalled chunks: prefilled at each question, or stored. "
-        "With --method recall (auto's beyond the model's window): prefilled (each question's recalled chunks are "
-        "prefilled on top of the routed cache) or stored (every chunk's entries computed once at ingest, after the "
-        "chunk before it, and kept in 4 bits in one file per conversation, about 9 KB per history token for the "
-        "embedded model; a question places its chunks' entries and prefills only itself: faster answers, a second "
-        "pass over the history at ingest).")],
-        RecallConfig.entries),
-]
-
-
-def _cache_options(command):
-    """Give `command`, in place of its parameter `config: IngestConfig`, the cache options (`_CACHE_OPTIONS`),
-    and call it with the IngestConfig they describe: one list of options for every command that ingests."""
-    signature = inspect.signature(command, eval_str=True)
-    params = list(signature.parameters.values())
-    at = [p.name for p in params].index("config")
-
-    @functools.wraps(command)
-    def with_config(**options):
-        o = {p.name: options.pop(p.name) for p in _CACHE_OPTIONS}
-        config = IngestConfig(
-            model=o["model"],
-            episodes=EpisodeConfig(episodes=o["episodes"], window=o["window"]),
-            cache=CacheConfig(method=o["method"], budget=o["budget"], block_size=o["block_size"],
-                              positions=o["positions"], layer_budgets=o["layer_budgets"], alpha=o["alpha"],
-                              cake=CakeConfig(tau1=o["tau1"], tau2=o["tau2"]), head_budgets=o["head_budgets"],
-                              prefill=o["prefill"], precision=o["cache_precision"],
-                              recall=RecallConfig(entries=o["recall_entries"])),
-        )  # fmt: skip
-        return command(config=config, **options)
-
-    with_config.__signature__ = signature.replace(parameters=[*params[:at], *_CACHE_OPTIONS, *params[at + 1 :]])
-    return with_config
-
-
-@_cache_options
+@with_setting_options
 def ingest(
     history: Annotated[Path, typer.Argument(
         metavar="HISTORY", help='A chat history file (docs/formats.md). OpenAI messages JSON/JSONL, a '
@@ -172,32 +56,9 @@ def ingest(
         help='The conversation to take: its number, title or "all". From a ChatGPT or Claude export or fine-tune '
         'JSONL holding several; number 1 is the first in the file, "all" takes them oldest first.')] = None,
     config: IngestConfig = IngestConfig(),
-    memory: Annotated[bool, typer.Option(
-        "--memory/--no-memory", rich_help_panel=_PAGES, help="indexmem: fold evicted entries into a latent "
-        "memory stored with each episode "
-        "and read while answering (IndexMem).")] = CacheConfig.memory,
-    max_memory: Annotated[int | None, typer.Option(
+    max_memory: Annotated[int | None, typer.Option(rich_help_panel=OFFLOAD_PANEL,
         help="MiB this ingest may use (default: what the system has available). It decides auto prefill and the "
         "pre-flight check.")] = None,
-    offload: Annotated[Offload, typer.Option(rich_help_panel=_PAGES,
-        help="Page evicted entries to disk (icecache) or drop them (none). icecache: keep what eviction drops "
-        "on disk, in pages of similar keys, and answer with the pages "
-        "that match the question beside the kept cache (IceCache); with --method full, everything but the "
-        "system prompt and the last tokens is paged. none: drop it.")] = OffloadConfig.mode,
-    retrieve: Annotated[int, typer.Option(rich_help_panel=_PAGES,
-        help="Entries per layer and KV head read from the pages (R). With --offload icecache, while answering.")] = (
-        OffloadConfig.retrieve
-    ),
-    page_size: Annotated[int, typer.Option(help="--offload icecache: entries per page at most.",
-                                           rich_help_panel=_PAGES)] = (
-        PagingConfig.page_size
-    ),
-    offload_window: Annotated[int, typer.Option(rich_help_panel=_PAGES,
-        help="--offload icecache: the last W history tokens stay resident. In every layer and KV head, whatever "
-        "the method scores them, beside --budget (IceCache's window pages).")] = OffloadConfig.window,
-    setting: Annotated[list[str] | None, typer.Option(metavar="KEY=VALUE", rich_help_panel=_STORE, help="A saved "
-        "setting without an option of its own, VALUE in JSON. Rebuild commands carry them; keys as `kvchat list "
-        "--json` shows.")] = None,
     replace: Annotated[bool, typer.Option(help="Replace a conversation of the same name.",
                                           rich_help_panel=_STORE)] = False,
     append: Annotated[bool, typer.Option(rich_help_panel=_STORE,
@@ -220,14 +81,10 @@ def ingest(
     from kvchat.history.loading import load_history
     from kvchat.ingest.pipeline import ingest as run_ingest
     from kvchat.ingest.pipeline import validate
-    from kvchat.settings import read_options, with_settings
+    from kvchat.settings import read_options
     from kvchat.store import validate_name
 
     model = config.model
-    offloading = OffloadConfig(mode=offload, retrieve=retrieve, window=offload_window,
-                               paging=PagingConfig(page_size=page_size))
-    config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, offload=offloading, memory=memory))
-    config = with_settings(config, setting or [])
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
@@ -329,7 +186,7 @@ def _check_append(append: bool, reingest: bool, replace: bool, config: IngestCon
         raise UserError(f"--append uses the model the conversation was built with ({record.model}); drop --model")
 
 
-@_cache_options
+@with_setting_options
 def ingest_batch(
     files: Annotated[list[Path] | None, typer.Argument(
         metavar="HISTORY", help="History files; each becomes the conversation named after its stem.")] = None,

@@ -132,7 +132,8 @@ def plan_variants(
     planned = [
         v for mode in offloads or (_OFFLOAD_DEFAULTS.mode,) for precision in precisions or (_CACHE_DEFAULTS.precision,)
         for v in variants(config.methods, config.budgets, dataclasses.replace(
-            base.cache, offload=OffloadConfig(mode=mode, retrieve=retrieve), precision=precision))
+            base.cache, offload=dataclasses.replace(base.cache.offload, mode=mode, retrieve=retrieve),
+            precision=precision))
     ]  # fmt: skip
     for v in planned:
         validate(dataclasses.replace(base, cache=v.cache))
@@ -294,7 +295,7 @@ class _SetRunner:
             raise MixedResults(
                 f"{self.results.path}: {variant.key} on {self.qa_set.name} was measured with "
                 f"{earlier[variant.key]} prefill and this run builds its caches with {report.prefill} prefill; "
-                f"resume with --prefill {earlier[variant.key]} or write to a new --out file"
+                f"resume with --setting prefill={earlier[variant.key]} or write to a new --out file"
             )
         if variant.key not in earlier:
             self.results.append(

@@ -34,7 +34,7 @@ from kvchat.history.loading import format_turns
 from kvchat.ingest.pipeline import IngestProgress, ingest, plan_ingest
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
-from kvchat.settings import to_settings
+from kvchat.settings import to_settings, upgraded
 from kvchat.store import Store
 
 GOLD = "gold"            # the `against` of every record this module writes
@@ -307,7 +307,7 @@ def _stored(store, name, qa_set, config, lm, encoder, profile_dirs):
                        source=qa_set.name, profile_dirs=profile_dirs, force=True)  # fmt: skip
     stored = store.get(name)
     wanted = to_settings(plan.config, source=None)
-    return stored if {**stored.settings, "source": None} == wanted else None
+    return stored if {**upgraded(stored.settings), "source": None} == wanted else None
 
 
 def _note_ingest(results: Results, qa_set: str, variant: GoldVariant, **fields) -> None:

@@ -3,12 +3,12 @@
 A feature (kvchat.features.feature.Feature) is an optional part of how episode caches are built, stored and
 answered from. `FEATURES` lists them; ingest, append, a batch worker and ask call the functions below and
 never a feature's own module. Adding an offload scheme or a cache precision is one module beside these and
-one line in `FEATURES` (and its name in the option's choices, kvchat.kv.config); ARCHITECTURE.md says more.
+one line in `FEATURES` (its name in the option's choices, kvchat.kv.config, and its settings' rows in
+kvchat.settings_table); ARCHITECTURE.md says more.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
@@ -16,6 +16,7 @@ from kvchat.features.icecache import IceCache
 from kvchat.features.icecache import retrieved_positions as retrieved_positions  # what answering read
 from kvchat.features.indexmem import IndexMem
 from kvchat.features.precision import Precision
+from kvchat.features.recall import Recall
 from kvchat.kv.config import CacheConfig
 
 if TYPE_CHECKING:
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["EpisodeSetup", "EpisodeParts", "Feature", "UnreadableFile", "FEATURES"]
 
 FEATURES: tuple[Feature, ...] = (
+    Recall(),
     IceCache(),
     IndexMem(),
     Precision("int8", bits=8, group="quant_group"),
@@ -54,6 +56,14 @@ def resident_window(cache: CacheConfig) -> int:
     return max((f.resident_window(cache) for f in active(cache)), default=0)
 
 
+def episode_budget(cache: CacheConfig) -> int:
+    """M of each episode cache: `--budget`, less what the features spend elsewhere (recall's chunks)."""
+    budget = cache.budget
+    for feature in active(cache):
+        budget = feature.episode_budget(cache, budget)
+    return budget
+
+
 def budgets(cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
     for feature in active(cache):
         budgets = feature.budgets(cache, budgets, entries)
@@ -75,30 +85,6 @@ def attach(cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retriev
     a feature asks for it). UnreadableFile when that file does not fit the cache."""
     for feature in active(config):
         feature.attach(cache, config, stored, retrieve)
-
-
-def settings(cache: CacheConfig) -> dict:
-    """The saved settings of the features `cache` turns on."""
-    out: dict = {}
-    for feature in active(cache):
-        out |= feature.settings(cache)
-    return out
-
-
-def options(cache: CacheConfig) -> dict[str, object]:
-    """`kvchat ingest`'s options (without `--`) for the features `cache` turns on; True/False: a `--x/--no-x` flag."""
-    out: dict[str, object] = {}
-    for feature in active(cache):
-        out |= feature.options(cache)
-    return out
-
-
-def from_settings(saved: Mapping[str, Any], cache: CacheConfig) -> dict:
-    """`CacheConfig` fields every feature reads from `saved` (those it finds; `cache`, the rest as read)."""
-    fields: dict = {}
-    for feature in FEATURES:
-        fields |= feature.from_settings(saved, cache)
-    return fields
 
 
 class EpisodeParts:

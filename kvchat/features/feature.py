@@ -1,10 +1,11 @@
 """The protocol every cache feature implements (`Feature`), and what one episode's build hands it.
 
-A feature is an optional part of how an episode cache is built, stored and answered from: IceCache's offload
-(kvchat.features.icecache), IndexMem's latent memory (kvchat.features.indexmem), a cache precision
-(kvchat.features.precision). The pipelines (ingest, append, a batch worker, ask) call these hooks through
-the registry (kvchat.features) and never a feature's own modules; every hook does nothing by default, so a
-feature implements only the ones it needs.
+A feature is an optional part of how an episode cache is built, stored and answered from: recall's share of the
+budget (kvchat.features.recall), IceCache's offload (kvchat.features.icecache), IndexMem's latent memory
+(kvchat.features.indexmem), a cache precision (kvchat.features.precision). The pipelines (ingest, append, a batch
+worker, ask) call these hooks through the registry (kvchat.features) and never a feature's own modules; every
+hook does nothing by default, so a feature implements only the ones it needs. Its saved settings are rows of
+kvchat.settings_table naming it in `features`: saved while it is on, and nowhere else written.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ class Feature:
         """History tokens at the end that every eviction keeps whatever the scorer says."""
         return 0
 
+    def episode_budget(self, cache: CacheConfig, budget: int) -> int:
+        """M of each episode cache, of the `budget` the others left it."""
+        return budget
+
     def budgets(self, cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
         """Per-layer budgets as this feature keeps them (`entries`: the whole history with the system prompt)."""
         return budgets
@@ -96,17 +101,3 @@ class Feature:
     def attach(self, cache: EpisodeCache, config: CacheConfig, stored: StoredFile, retrieve: int | None) -> None:
         """Make a loaded `cache` answer with what this feature stored beside it (`stored`, its side file);
         `retrieve` overrides what it reads per answer. UnreadableFile when the file does not fit the cache."""
-
-    def settings(self, cache: CacheConfig) -> dict:
-        """Its saved settings (kvchat.settings), when it is on."""
-        return {}
-
-    def options(self, cache: CacheConfig) -> dict[str, object]:
-        """The `kvchat ingest` options (without `--`) that rebuild it (kvchat.settings.rebuild_command); a
-        bool is a `--x/--no-x` flag. Its library-only settings have none."""
-        return {}
-
-    def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
-        """`CacheConfig` fields from saved `settings` (`cache`: what the other keys gave; defaults for keys an
-        older kvchat did not write)."""
-        return {}

@@ -15,12 +15,11 @@ compacted one, and the pages are written at positions beside the resident entrie
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
-from kvchat.kv.config import CacheConfig, IceCacheConfig, PagingConfig, saved_keys
+from kvchat.kv.config import CacheConfig, IceCacheConfig
 
 if TYPE_CHECKING:  # torch and the KV core are imported where an episode is built or answered
     import torch
@@ -29,34 +28,12 @@ if TYPE_CHECKING:  # torch and the KV core are imported where an episode is buil
     from kvchat.kv.cache import EpisodeCache
     from kvchat.kv.spill import SpillWriter
 
-# Saved settings keys (kvchat.kv.config's field metadata): IceCacheConfig's fields but the mode, which every
-# conversation saves ("offload"), then PagingConfig's.
-OFFLOAD_KEYS = {key: name for key, name in saved_keys(IceCacheConfig).items() if name != "mode"}
-PAGING_KEYS = saved_keys(PagingConfig)
-
-
 class IceCache(Feature):
     name = "icecache"
     side_file_name = "pages file"
 
     def active(self, cache: CacheConfig) -> bool:
         return cache.offload.mode == self.name
-
-    def validate(self, cache: CacheConfig) -> None:
-        """`--page-size` and the library-only settings that field metadata does not cover."""
-        from kvchat.kv.spill import PAGE_DTYPES
-
-        offload = cache.offload  # its mode, scorer, retrieve and window: checked by their fields' metadata
-        if offload.dtype not in PAGE_DTYPES:
-            raise UserError(f"unknown pages dtype {offload.dtype!r} (choose from {', '.join(PAGE_DTYPES)})")
-        paging = offload.paging
-        if paging.page_size < 1 or paging.cluster_size < 1 or paging.iterations < 1:
-            raise UserError(f"--page-size must be >= 1 (got {paging.page_size}), and so must the cluster size and "
-                            "k-means iterations")
-        if offload.refresh < 0 or offload.first_paged_layer < 0 or offload.candidates < 1:
-            raise UserError("offload refresh and first paged layer must be >= 0, page candidates >= 1")
-        if not 0 <= offload.pinned_share <= 1:
-            raise UserError(f"pinned share must be in [0, 1] (got {offload.pinned_share})")
 
     def resident_window(self, cache: CacheConfig) -> int:
         return cache.offload.window
@@ -71,7 +48,8 @@ class IceCache(Feature):
         first, window = cache.offload.first_paged_layer, cache.offload.window
         if isinstance(budgets, CakeBudgets):
             if first:
-                raise UserError("a first paged layer above 0 needs fixed layer budgets, not --layer-budgets cake")
+                raise UserError("a first paged layer above 0 needs fixed layer budgets, not --setting "
+                                "layer_budgets=cake")
             return dataclasses.replace(budgets, budget=budgets.budget + window)
         return [max(entries, b) if i < first else b + window for i, b in enumerate(budgets)]
 
@@ -112,25 +90,6 @@ class IceCache(Feature):
             )
         except ValueError as e:
             raise UnreadableFile(self.side_file_name, f"does not hold pages of this cache ({e})") from None
-
-    def settings(self, cache: CacheConfig) -> dict:
-        offload = cache.offload
-        return ({key: getattr(offload, field) for key, field in OFFLOAD_KEYS.items()}
-                | {key: getattr(offload.paging, field) for key, field in PAGING_KEYS.items()})  # fmt: skip
-
-    def options(self, cache: CacheConfig) -> dict[str, object]:
-        offload = cache.offload
-        return {"offload": offload.mode, "retrieve": offload.retrieve, "page-size": offload.paging.page_size,
-                "offload-window": offload.window}  # fmt: skip
-
-    def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
-        defaults = IceCacheConfig()
-        paging = {field: settings.get(key, getattr(defaults.paging, field)) for key, field in PAGING_KEYS.items()}
-        return {"offload": IceCacheConfig(
-            mode=settings.get("offload", defaults.mode),  # stores written before --offload existed offload nothing
-            paging=PagingConfig(**paging),
-            **{field: settings.get(key, getattr(defaults, field)) for key, field in OFFLOAD_KEYS.items()},
-        )}  # fmt: skip
 
 
 class _Spill(EpisodePart):

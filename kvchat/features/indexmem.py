@@ -4,17 +4,15 @@ state per layer and KV head (kvchat.kv.latent), stored in the episode file and r
 An episode's memory is written by an eviction observer during its prefill and attached to the cache when
 the prefill ends; the codec stores it and attention reads it (kvchat.kv.forward passes it), so answering
 needs nothing more here. Without trained memory weights (`train-indexer --stage indexer`) there is no
-memory, which the ingest notes once. The indexer's own scoring settings are saved here too: they exist only
-for this method.
+memory, which the ingest notes once. The indexer's own scoring settings are saved while it is on: they exist
+only for this method (their rows in kvchat.settings_table name it).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
 from kvchat.kv.config import CacheConfig
 
@@ -22,20 +20,11 @@ if TYPE_CHECKING:
     from kvchat.kv.cache import EpisodeCache
     from kvchat.kv.latent import LatentMemory
 
-SETTINGS_KEYS = ("memory", "recent_window", "attention_mix", "indexer_pool_kernel")  # CacheConfig's fields
-
-
 class IndexMem(Feature):
     name = "indexmem"
 
     def active(self, cache: CacheConfig) -> bool:
         return cache.method == self.name
-
-    def validate(self, cache: CacheConfig) -> None:
-        if cache.recent_window < 0:
-            raise UserError(f"recent window must be >= 0 (got {cache.recent_window})")
-        if not 0 <= cache.attention_mix <= 1:
-            raise UserError(f"attention mix must be in [0, 1] (got {cache.attention_mix})")
 
     def resolve(self, cache: CacheConfig, trained: Any, notes: list[str]) -> CacheConfig:
         """The memory runs when asked for and trained weights hold memory weights."""
@@ -52,19 +41,6 @@ class IndexMem(Feature):
 
         memory = LatentMemory(setup.trained.memory, setup.trained.config)  # written where the evictions are
         return _Memory(memory.to(next(setup.model.parameters()).device), setup)
-
-    def settings(self, cache: CacheConfig) -> dict:
-        return {key: getattr(cache, key) for key in SETTINGS_KEYS}
-
-    def options(self, cache: CacheConfig) -> dict[str, object]:
-        return {"memory": cache.memory}
-
-    def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
-        fields = {key: settings[key] for key in SETTINGS_KEYS if key in settings}
-        if cache.method == self.name:  # a store written before the blend existed: the indexer alone, pooled
-            fields.setdefault("attention_mix", 0.0)  # with pool_kernel
-            fields.setdefault("indexer_pool_kernel", cache.pool_kernel)
-        return fields
 
 
 class _Memory(EpisodePart):

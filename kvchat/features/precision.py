@@ -9,8 +9,7 @@ precision and quantizes it again here.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
@@ -30,11 +29,7 @@ class Precision(Feature):
         return cache.precision == self.name
 
     def validate(self, cache: CacheConfig) -> None:
-        """Its group size and the residual (the precision's name: by its field's metadata), and no offload."""
-        group = getattr(cache, self.group)
-        if group < 1 or cache.quant_residual < 0:
-            raise UserError(f"quantization group sizes must be >= 1 and residual >= 0 (got {self.group} {group}, "
-                            f"quant_residual {cache.quant_residual})")  # fmt: skip
+        """No offload (its group size and residual: by their rows in kvchat.settings_table)."""
         if self.active(cache) and cache.offload.enabled:
             raise UserError(f"--cache-precision {cache.precision} does not combine with --offload {cache.offload.mode} "
                             "(its pages are stored at half precision and attached to full-precision layers); "
@@ -42,16 +37,6 @@ class Precision(Feature):
 
     def episode(self, setup: EpisodeSetup) -> EpisodePart:
         return _Quantize(self, setup.config)
-
-    def settings(self, cache: CacheConfig) -> dict:
-        """The group of this precision only (the other's setting changes nothing)."""
-        return {self.group: getattr(cache, self.group), "quant_residual": cache.quant_residual}
-
-    def options(self, cache: CacheConfig) -> dict[str, object]:
-        return {"cache-precision": self.name}
-
-    def from_settings(self, settings: Mapping[str, Any], cache: CacheConfig) -> dict:
-        return {key: settings[key] for key in (self.group, "quant_residual") if key in settings}
 
 
 class _Quantize(EpisodePart):

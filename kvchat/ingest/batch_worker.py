@@ -31,7 +31,7 @@ from kvchat.ingest.pipeline import (
 from kvchat.model.device import resolve
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel, ModelIdentity, load_model, use_threads
-from kvchat.settings import to_settings
+from kvchat.settings import to_settings, upgraded
 from kvchat.store.files import hold_point
 
 
@@ -196,9 +196,10 @@ class HistoryWorker:
 def stored_differences(stored: StoredIngest, plan: IngestPlan, fingerprint: str, requested: IngestConfig) -> list[str]:
     """What differs between a stored conversation and `plan` (empty: the same ingest), in words."""
     settings = json.loads(json.dumps(to_settings(plan.config, source=plan.source, reads=plan.reads)))  # as stored
-    if requested.cache.prefill == "auto" and stored.settings.get("prefill") in ("block", "full"):
-        settings["prefill"] = stored.settings["prefill"]
-    keys = sorted(k for k in set(settings) | set(stored.settings) if settings.get(k) != stored.settings.get(k))
+    before = upgraded(stored.settings)  # under today's keys
+    if requested.cache.prefill == "auto" and before.get("prefill") in ("block", "full"):
+        settings["prefill"] = before["prefill"]
+    keys = sorted(k for k in set(settings) | set(before) if settings.get(k) != before.get(k))
     differences = [f"settings ({', '.join(keys)})"] if keys else []
     if stored.fingerprint != fingerprint:
         differences.append("model")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvchat import features
+from kvchat import features, settings_table
 from kvchat.answer import recall
 from kvchat.answer.rag import RagIndex
 from kvchat.config import (
@@ -41,68 +41,46 @@ from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import (
     AUTO_METHOD,
     AUTO_METHODS,
-    METHOD_CHOICES,
-    REGISTRY,
     ScorerInputs,
     across_heads_methods,
     candidates,
-    may_recall,
     method,
 )
 from kvchat.kv.scoring import Scorer
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel
+from kvchat.settings_table import given, named
 from kvchat.store import Store, validate_name
 
 
 def validate(config: IngestConfig) -> None:
-    """Reject option values that cannot work, before anything is loaded or written."""
+    """Reject setting values that cannot work, before anything is loaded or written: each against its row in
+    kvchat.settings_table (choices, bounds), then the combinations and ranges a row does not say."""
     cache = config.cache
-    if cache.method != AUTO_METHOD and cache.method not in REGISTRY:
-        raise UserError(f"unknown --method {cache.method!r} (choose from {', '.join(METHOD_CHOICES)})")
-    check_fields(config)
+    settings_table.check(config)
     if cache.block_size > cache.budget * 8 and cache.method != "full":
         raise UserError(
-            f"--block-size {cache.block_size} is more than 8x --budget {cache.budget}: "
+            f"{given('block_size', cache.block_size)} is more than 8x --budget {cache.budget}: "
             "peak memory would be dominated by the block"
         )
-    if may_recall(cache.method):
-        recall.split(cache)  # refuses a share it cannot split the budget by
-    elif cache.recall.entries != RecallConfig.entries:
-        raise UserError(f"--recall-entries {cache.recall.entries} needs --method recall (or auto, which recalls "
-                        f"beyond the model's window); --method {cache.method} recalls nothing")
     if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
         raise UserError(
-            f"--head-budgets adaptive needs attention scores to compare across heads; --method {cache.method} "
-            f"has none (use it with {', '.join(across_heads_methods())})"
+            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; --method "
+            f"{cache.method} has none (use it with {', '.join(across_heads_methods())})"
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
-        raise UserError(f"--alpha must be in (0, 10] (got {cache.alpha})")
-    for kernel in (cache.pool_kernel, cache.indexer_pool_kernel):
+        raise UserError(f"{named('alpha')} must be in (0, 10] (got {cache.alpha})")
+    for key in ("pool_kernel", "indexer_pool_kernel", "cake_pool_kernel"):
+        kernel = settings_table.setting(key).get(config)
         if kernel < 1 or kernel % 2 == 0:
-            raise UserError(f"pool kernel must be an odd number >= 1 (got {kernel})")
+            raise UserError(f"{named(key)} must be an odd number >= 1 (got {kernel})")
     cake = cache.cake
-    for option, tau in (("--tau1", cake.tau1), ("--tau2", cake.tau2)):
+    for key, tau in (("tau1", cake.tau1), ("tau2", cake.tau2)):
         if not 0 < tau <= 10:  # also refuses nan and inf
-            raise UserError(f"{option} must be in (0, 10] (got {tau})")
-    if cake.window < 1 or not 0 <= cake.gamma < float("inf") or not 0 <= cake.floor_fraction <= 1:
-        raise UserError("CAKE settings: window must be >= 1, gamma finite and >= 0, floor_fraction in [0, 1]")
-    if cake.pool_kernel < 1 or cake.pool_kernel % 2 == 0:
-        raise UserError(f"CAKE pool kernel must be an odd number >= 1 (got {cake.pool_kernel})")
+            raise UserError(f"{named(key)} must be in (0, 10] (got {tau})")
+    if not cake.gamma < float("inf"):
+        raise UserError(f"{named('cake_gamma')} must be finite (got {cake.gamma})")
     features.validate(cache)
-
-
-def check_fields(config: object) -> None:
-    """The values a config dataclass's fields accept, as their metadata says (`choices`, `min`; kvchat.kv.config),
-    nested configs included: one line naming the field's `option`."""
-    for f in dataclasses.fields(config):
-        value, meta = getattr(config, f.name), f.metadata
-        if dataclasses.is_dataclass(value):
-            check_fields(value)
-        elif "choices" in meta and value not in meta["choices"]:
-            raise UserError(f"unknown {meta['option']} {value!r} (choose from {', '.join(meta['choices'])})")
-        elif "min" in meta and value is not None and value < meta["min"]:
-            raise UserError(f"{meta['option']} must be >= {meta['min']} (got {value})")
 
 
 @dataclass(frozen=True)
@@ -207,7 +185,7 @@ def plan_ingest(
     config = dataclasses.replace(config, cache=cache_cfg)
     full = method(cache_cfg.method).scorer is None
     split = recall.split_for(cache_cfg)
-    kept = split.cache_budget if split else cache_cfg.budget  # M of each episode cache
+    kept = features.episode_budget(cache_cfg)  # M of each episode cache
     if not full and kept <= protected:  # every layer's floor lies above the prompt when M does
         raise UserError(
             f"--budget {cache_cfg.budget} must exceed the system prompt's {protected} tokens, which every "
@@ -342,7 +320,8 @@ def resolve_layer_budgets(
         if profile is None:
             notes.append(f"no layer profile for {lm.spec}: uniform budgets (run `kvchat profile-layers` to make one)")
     elif strategy == "sensitivity" and profile is None:
-        raise UserError(f"--layer-budgets sensitivity needs a profile of {lm.spec}: run `kvchat profile-layers` first")
+        raise UserError(f"{given('layer_budgets', 'sensitivity')} needs a profile of {lm.spec}: run `kvchat "
+                        "profile-layers` first")
     alpha = cache.alpha if cache.alpha is not None else (profile.alpha if profile else 1.0)
     budgets = layer_budgets(
         strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha,
@@ -417,7 +396,8 @@ def _prefill_mode(
         why_not = None
     if cache.prefill == "full":
         if why_not:
-            raise UserError(f"--prefill full cannot run: {why_not}; use --prefill block or auto")
+            raise UserError(f"{given('prefill', 'full')} cannot run: {why_not}; use {given('prefill', 'block')} or "
+                            "auto")
         return "full"
     fits = available is None or full_bytes - shape.weight_bytes <= available
     return "full" if why_not is None and fits else "block"

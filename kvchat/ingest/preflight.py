@@ -96,7 +96,7 @@ def check_fits(estimate: int, *, resident: int, available: int | None, device: t
     raise UserError(
         f"this ingest needs an estimated {_gib(estimate)} of {memory} at its peak ({_gib(estimate - resident)} "
         f"more than the loaded model) but only {_gib(available)} is available: lower --budget or "
-        "--block-size, or pass --force to run it anyway"
+        "--setting block_size, or pass --force to run it anyway"
     )
 
 

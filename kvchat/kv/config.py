@@ -1,18 +1,14 @@
 """The KV core's settings: how one episode cache is built (`CacheConfig` and its parts), IceCache's offload
 and paging, IndexMem's sizes and update rule. Dataclasses and constants only (no torch).
 
-A field's `metadata` says what is not its type or default: `key`, its key in a conversation's saved settings
-when that is not the field's name (kvchat.settings; keys are stable across versions); `option`, its name in
-messages (the command-line option); `choices` or `min`, the values ingest accepts (kvchat.ingest.plan.validate).
-
-They live here, at the KV core's level, so that `kvchat.kv` never imports upwards; `kvchat.config`, which
-holds every other default, re-exports them, and callers import them from there.
+Which of them a conversation saves, under what key, with which option and which values it accepts is said once,
+in kvchat.settings_table. They live here, at the KV core's level, so that `kvchat.kv` never imports upwards;
+`kvchat.config`, which holds every other default, re-exports them, and callers import them from there.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 LAYER_BUDGETS = ("auto", "uniform", "sensitivity", "pyramid", "cake")
 POSITION_MODES = ("original", "compact", "auto")
@@ -24,14 +20,7 @@ OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
 RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.answer.rag.RagIndex.top)
 RECALL_ENTRIES = ("prefilled", "stored")  # RecallConfig.entries
-
-
-
-def saved_keys(config_class: type) -> dict[str, str]:
-    """A config dataclass's saved-settings keys -> its plain fields' names (nested configs left out): each
-    field's `metadata["key"]`, else its name; a field whose key is None is not saved."""
-    return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(config_class)
-            if f.metadata.get("key", f.name) is not None and not dataclasses.is_dataclass(f.default)}  # fmt: skip
+PAGE_DTYPE_NAMES = ("float16", "float32")  # IceCacheConfig.dtype (kvchat.kv.spill.PAGE_DTYPES)
 
 
 # Adaptive head budgets: every KV head keeps at least this fraction of its layer's per-head budget M_l
@@ -57,16 +46,11 @@ class CakeConfig:
 
     tau1: float = 1.0      # temperature of attention dispersion in the layer preference (eq. 6); the paper
     tau2: float = 1.0      # grid-searches both per model (appendix C), its code's values lie around 1
-    window: int = field(default=32, metadata={"key": "cake_window"})  # S_w: the block's last queries that
-    # measure preferences and score (appendix C)
-    gamma: float = field(default=200.0, metadata={"key": "cake_gamma"})  # weight of the attention variance in
-    # the eviction indicator (eq. 11, appendix C)
-    pool_kernel: int = field(default=5, metadata={"key": "cake_pool_kernel"})  # average pool of the indicator
-    # over neighbouring entries (CAKE's code)
-    floor_fraction: float = field(default=0.25, metadata={"key": "cake_floor_fraction"})  # each layer keeps at
-    # least M/4 (and the system prompt plus the window)
-    cascade: bool = field(default=True, metadata={"key": "cake_cascade"})  # evict layer by layer during the
-    # block's forward (False: once at its end)
+    window: int = 32       # S_w: the block's last queries that measure preferences and score (appendix C)
+    gamma: float = 200.0   # weight of the attention variance in the eviction indicator (eq. 11, appendix C)
+    pool_kernel: int = 5   # average pool of the indicator over neighbouring entries (CAKE's code)
+    floor_fraction: float = 0.25  # each layer keeps at least M/4 (and the system prompt plus the window)
+    cascade: bool = True   # evict layer by layer during the block's forward (False: once at its end)
 
 
 @dataclass(frozen=True)
@@ -75,10 +59,8 @@ class PagingConfig:
 
     page_size: int = 16     # entries per page at most (IceCache's official page: a 16-entry tree leaf)
     cluster_size: int = 16  # target entries per k-means cluster; clusters over page_size are cut into pages
-    iterations: int = field(default=8, metadata={"key": "kmeans_iterations"})  # Lloyd iterations of k-means
-    # (random initialisation)
-    seed: int = field(default=0, metadata={"key": "paging_seed"})  # k-means initialisation and the projection
-    # that orders entries in a cluster
+    iterations: int = 8     # Lloyd iterations of k-means (random initialisation)
+    seed: int = 0           # k-means initialisation and the projection that orders entries in a cluster
 
 
 @dataclass(frozen=True)
@@ -88,22 +70,19 @@ class IceCacheConfig:
     the question and attends to them beside the resident cache. Defaults chosen in benchmarks/icecache_pages.py
     (its results: benchmarks/results/)."""
 
-    mode: str = field(default="none", metadata={"key": "offload", "option": "--offload", "choices": OFFLOAD_MODES})
-    retrieve: int = field(default=192, metadata={"option": "--retrieve", "min": 0})  # R: entries per layer and
-    # KV head read from the pages while answering
-    scorer: str = field(default="entries", metadata={"key": "page_scorer", "option": "page scorer",
-                                                     "choices": OFFLOAD_SCORERS})  # what is read (kvchat.kv.retrieval)
+    mode: str = "none"          # OFFLOAD_MODES
+    retrieve: int = 192         # R: entries per layer and KV head read from the pages while answering
+    scorer: str = "entries"     # what is read (kvchat.kv.retrieval, OFFLOAD_SCORERS)
     refresh: int = 8            # decoded tokens between re-choosing the pages beyond the question's pinned ones
     pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
-    candidates: int = field(default=8, metadata={"key": "page_candidates"})  # two-stage, entries: centroids
-    # choose pages of up to candidates x R entries, whose keys are scored exactly
-    window: int = field(default=32, metadata={"key": "offload_window", "option": "--offload-window", "min": 0})
-    # W: every head's last W entries are kept
-    # at every eviction whatever the scorer says, beside M (budgets M + W), so the cache ends with the history's
-    # last W tokens; --method full: system prompt + W resident, the rest paged
+    candidates: int = 8         # two-stage, entries: centroids choose pages of up to candidates x R entries,
+                                # whose keys are scored exactly
+    window: int = 32            # W: every head's last W entries are kept at every eviction whatever the scorer
+    # says, beside M (budgets M + W), so the cache ends with the history's last W tokens; --method full: system
+    # prompt + W resident, the rest paged
     first_paged_layer: int = 0  # layers below keep every entry (nothing evicted or paged; IceCache keeps 0-1)
     paging: PagingConfig = PagingConfig()
-    dtype: str = field(default="float16", metadata={"key": "pages_dtype"})  # pages on disk: float16 | float32
+    dtype: str = "float16"  # pages on disk: float16 | float32
 
     @property
     def enabled(self) -> bool:
@@ -118,23 +97,20 @@ class RecallConfig:
     """`--method recall` (answer.recall): of the budget M, the share `share` goes to chunks of raw turns retrieved
     for each question and prefilled on top of the routed episode cache, which keeps the rest."""
 
-    share: float = field(default=0.5, metadata={"key": "recall_share"})  # of M, in whole chunks (at least one)
-    chunk_tokens: int = field(default=256, metadata={"key": "recall_chunk_tokens", "option": "recall chunk tokens",
-                                                     "min": 1})  # consecutive turns of at most this many tokens
+    share: float = 0.5       # of M, in whole chunks (at least one)
+    chunk_tokens: int = 256  # consecutive turns of at most this many tokens
     # How a question's chunks are ranked: lexical (TF-IDF of their words, the encoder breaking ties) or dense
     # (the sentence encoder alone)
-    retrieval: str = field(default="lexical", metadata={"key": "recall_retrieval", "option": "recall retrieval",
-                                                        "choices": RETRIEVALS})
+    retrieval: str = "lexical"
     # Each chunk opens with the date of its first turn: a chunk lifted out of the history keeps its time
-    dated: bool = field(default=False, metadata={"key": "recall_dated"})
+    dated: bool = False
     # A recalled chunk's entries: prefilled at each question, or stored (computed at ingest after the chunk before
     # it, kept in one file per conversation, placed at each question: kvchat.answer.recall_entries)
-    entries: str = field(default="prefilled", metadata={"key": "recall_entries", "option": "--recall-entries",
-                                                        "choices": RECALL_ENTRIES})
+    entries: str = "prefilled"
     # Stored entries are kept as KIVI codes (kvchat.kv.quantize) of this many bits, keys in groups of this many
     # tokens (the file records both)
-    stored_bits: int = field(default=4, metadata={"key": None})
-    stored_group: int = field(default=16, metadata={"key": None})
+    stored_bits: int = 4
+    stored_group: int = 16
 
 
 @dataclass(frozen=True)
@@ -142,19 +118,16 @@ class CacheConfig:
     """How one episode's compressed cache is built by block prefill."""
 
     method: str = "auto"   # kvchat.kv.methods.REGISTRY's, or auto: epicache within the model's window, recall beyond
-    budget: int = field(default=1024, metadata={"option": "--budget", "min": 1})  # M: kept KV entries per layer
-    # and KV head, system prompt included
-    block_size: int = field(default=512, metadata={"option": "--block-size", "min": 16})  # B: tokens fed per
-    # block before evicting back to M
-    positions: str = field(default="auto", metadata={"option": "--positions", "choices": POSITION_MODES})
-    # original | compact | auto (compact only when the history exceeds the window)
+    budget: int = 1024     # M: kept KV entries per layer and KV head, system prompt included
+    block_size: int = 512  # B: tokens fed per block before evicting back to M
+    positions: str = "auto"  # original | compact | auto (compact only when the history exceeds the window)
     pool_kernel: int = 7       # max-pool of scores over neighbouring tokens (SnapKV practice); 1 = off
-    layer_budgets: str = field(default="auto", metadata={"option": "--layer-budgets", "choices": LAYER_BUDGETS})
+    layer_budgets: str = "auto"
     # auto (sensitivity when the model has a profile, else uniform) | uniform | sensitivity | pyramid | cake (from
     # each block's attention)
     alpha: float | None = None   # sharpness of sensitivity budgets; None = the profile's suggestion
     cake: CakeConfig = CakeConfig()
-    head_budgets: str = field(default="uniform", metadata={"option": "--head-budgets", "choices": HEAD_BUDGETS})
+    head_budgets: str = "uniform"
     # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's top M_l x kv_heads (head, token)
     # pairs, floor HEAD_FLOOR_FRACTION x M_l)
     memory: bool = True    # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
@@ -163,16 +136,14 @@ class CacheConfig:
     attention_mix: float = 0.75  # indexmem: share of the block's last 64 queries' attention (SnapKV's window)
                                  # blended into the indexer's importance; 0 = the indexer alone (the paper)
     indexer_pool_kernel: int = 1  # indexmem: max-pool of its scores (pool_kernel is the probe methods'); 1 = off
-    prefill: str = field(default="auto", metadata={"option": "--prefill", "choices": PREFILL_MODES})
+    prefill: str = "auto"
     # block (evict after every block: peak flat in the history) | full (keep the whole history, then each episode
     # keeps its top entries: one prefill for all episodes) | auto (full when the history fits the model's window
     # and its full KV fits memory)
     offload: IceCacheConfig = IceCacheConfig()
     recall: RecallConfig = RecallConfig()
-    precision: str = field(default="full", metadata={"key": "cache_precision", "option": "--cache-precision",
-                                                     "choices": CACHE_PRECISIONS})  # full (the model's dtype) |
-    # int8 | int4 (KIVI: keys per channel, values per token, in 8 or 4 bits; kvchat.kv.quantize), applied to each
-    # finished episode cache, stored and resident
+    precision: str = "full"  # full (the model's dtype) | int8 | int4 (KIVI: keys per channel, values per token,
+    # in 8 or 4 bits; kvchat.kv.quantize), applied to each finished episode cache, stored and resident
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
     quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser
     quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision

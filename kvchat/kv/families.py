@@ -45,4 +45,5 @@ def check_context(config, tokens: int, spec: str, *, what: str = "the history") 
 def check_positions(config, positions: str, spec: str) -> None:
     """Compact positions re-rotate keys with one RoPE base; refuse them on sliding-window models."""
     if positions == "compact" and sliding_window(config) is not None:
-        raise UserError(f"--positions compact is not supported on {spec} (sliding-window layers); use original")
+        raise UserError(f"compact positions are not supported on {spec} (sliding-window layers); use "
+                        "--setting positions=original")

@@ -148,6 +148,8 @@ METHODS = tuple(REGISTRY)
 AUTO_METHOD = "auto"  # --method's default: the first of AUTO_METHODS within the model's window, the second beyond
 AUTO_METHODS = ("epicache", "recall")
 METHOD_CHOICES = (AUTO_METHOD, *METHODS)
+# What `kvchat ingest --help` offers; the other methods are the baselines `kvchat eval` compares, accepted as well
+USER_METHODS = (AUTO_METHOD, "epicache", "recall", "full")
 
 
 def method(name: str) -> Method:
