@@ -95,20 +95,31 @@ def stored_read(settings: Mapping[str, Any], path: str | None) -> dict[str, str]
 
 
 def setting_words(config: IngestConfig) -> list[str]:
-    """The `kvchat ingest` arguments that give `config`'s saved settings: each option its row has, and
-    `--setting KEY=VALUE` for the others whose value is not the default."""
+    """The `kvchat ingest` arguments that give `config`'s saved settings: each one in use whose value is not its
+    default, by its option if its row has one, else as `--setting KEY=VALUE`."""
     words, default = [], IngestConfig()
     for row in saved_rows(config):
         value = row.get(config)
-        if not _in_use(row, config) or (row.option is None and value == row.get(default)):
+        if not _in_use(row, config) or value == row.get(default):
             continue
         if row.option is None:
-            words.append(f"--setting={row.key}={json.dumps(value)}")
+            words += ["--setting", f"{row.key}={_bare(value)}"]
         elif isinstance(value, bool):
             words.append(row.option if value else f"--no-{row.option.removeprefix('--')}")
-        elif value is not None:  # None: as the history holds (episodes), counted again
+        else:
             words += [row.option, str(value)]
     return words
+
+
+def _bare(value: Any) -> str:
+    """`value` as `--setting` reads it back: a printable string bare where it reads as no other JSON value, else
+    JSON (so a command stays on one line)."""
+    if isinstance(value, str) and value.isprintable():
+        try:
+            json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return json.dumps(value)
 
 
 def rebuild_command(name: str, model: str, settings: Mapping[str, Any], *, replace: bool = False) -> str:

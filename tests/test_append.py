@@ -159,6 +159,25 @@ def test_cli_append_and_its_refusals(tmp_path, halves, tiny_model_dir):
     assert shlex.split(first_part)[2] == settings["source"] == str(first.resolve())
 
 
+def test_an_append_takes_a_setting_equal_to_the_stored_one_and_names_one_that_differs(tmp_path, halves,
+                                                                                        tiny_model_dir):
+    """Issue 42: `--append --setting recall_share=0.75` on a conversation built with it is no conflict, and one that
+    differs is refused naming `--setting recall_share=...`, the way it is given (there is no --recall-share)."""
+    first, second = halves
+    home = tmp_path / "home"
+    base = ("--model", str(tiny_model_dir), "--budget", "256", "--setting", "block_size=32", "--episodes", "2")
+    built = run_main(home, "ingest", str(first), "--name", "chat", "--method", "recall", *base,
+                     "--setting", "recall_share=0.75")
+    assert built.returncode == 0, built.stderr
+    assert Store(home).get("chat").settings["recall_share"] == 0.75
+    other = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--setting", "recall_share=0.6")
+    assert other.returncode == 2 and "--setting recall_share=0.6 (built with 0.75)" in other.stderr, other.stderr
+    assert "--recall-share" not in other.stderr
+    same = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--setting", "recall_share=0.75")
+    assert same.returncode == 0, same.stderr
+    assert Store(home).get("chat").stats["turns"] == 48
+
+
 def test_append_refuses_a_conversation_of_another_model(tmp_path, halves, tiny_lm, encoder):
     first, second = halves
     store = Store(tmp_path)

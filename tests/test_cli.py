@@ -327,7 +327,7 @@ def test_version():
 def test_choices_are_listed_in_help(monkeypatch):
     monkeypatch.setenv("COLUMNS", "300")
     shown = " ".join(run_main(Path("/nonexistent"), "ingest", "--help").stdout.split())
-    assert "original|compact|auto" in shown and "uniform|adaptive" in shown
+    assert "auto|epicache|recall|full" in shown and "none|icecache" in shown and "prefilled|stored" in shown
 
 
 def test_shell_completion_script_and_conversation_names(ingested, monkeypatch):

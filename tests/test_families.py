@@ -136,7 +136,7 @@ def test_sliding_window_rule():
     families.check_context(gemma3(sliding_window=512), 512, "m")
     with pytest.raises(UserError, match="sliding-window"):
         families.check_context(gemma3(sliding_window=512), 513, "m")
-    with pytest.raises(UserError, match="--positions compact"):
+    with pytest.raises(UserError, match="compact positions are not supported"):
         families.check_positions(gemma3(), "compact", "m")
     families.check_positions(FAMILIES["llama"][0](), "compact", "m")
 

@@ -371,7 +371,7 @@ def test_quantized_with_offload_is_refused_in_one_line(precision):
         validate(_config(precision=precision, offload=OffloadConfig(mode="icecache")))
     with pytest.raises(UserError, match="unknown --cache-precision"):
         validate(_config(precision="int2"))
-    with pytest.raises(UserError, match="group sizes"):
+    with pytest.raises(UserError, match="--setting quant_group_4bit must be >= 1"):
         validate(_config(precision=precision, quant_group_4bit=0))
 
 
