@@ -203,7 +203,7 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
     from kvchat.eval import evaluate
 
     def variant(method: str, budget: int = 1024, **offload) -> evaluate.Variant:
-        paged = OffloadConfig(mode="icecache", retrieve=r, **{"window": w, **offload})
+        paged = OffloadConfig(mode="icecache", retrieve=r, **{"recent": w, **offload})
         return evaluate.Variant(CacheConfig(method=method, budget=budget, block_size=256, prefill="block",
                                             offload=paged))  # fmt: skip
 
@@ -212,19 +212,19 @@ def quality_variants(study: str, m: int, r: int, w: int) -> list:
 
     resident = [plain("snapkv", m + w), plain("epicache", m + w)]  # what the offload variants hold in memory
     if study == "table":
-        return [variant("epicache", m), variant("epicache", m + w, window=0), plain("epicache", m + w + r),
+        return [variant("epicache", m), variant("epicache", m + w, recent=0), plain("epicache", m + w + r),
                 plain("snapkv", m + w + r), *resident, variant("full")]  # fmt: skip
     if study == "resident":  # the issue's own comparison: eviction holding what IceCache holds in memory
         return resident
     if study == "offload":  # the table's offload rows alone (a change of retrieval, the plain rows unchanged)
         return [variant("epicache", m), variant("full")]
     return [
-        variant("epicache", m + w, window=0),
+        variant("epicache", m + w, recent=0),
         variant("epicache", m),
         variant("full"),
         variant("full", first_paged_layer=2),
         variant("epicache", m, candidates=8),
-        variant("epicache", m, window=0),
+        variant("epicache", m, recent=0),
     ][: 4 if study == "planted" else None]
 
 
@@ -290,7 +290,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8000, help="speed: history length")
     parser.add_argument("--decode", type=int, default=32, help="speed: forced tokens per measurement")
     parser.add_argument("--rounds", type=int, default=2, help="speed: rounds (median)")
-    parser.add_argument("--window", type=int, default=OffloadConfig.window, help="W: resident recent window")
+    parser.add_argument("--window", type=int, default=OffloadConfig.recent, help="W: resident recent window")
     studies = ("table", "resident", "offload", "planted", "planted-all")
     parser.add_argument("--study", choices=studies, default="table",
                         help="quality: which variants (resident: SnapKV and EpiCache at M + W without offload; "

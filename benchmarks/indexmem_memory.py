@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 LENGTHS = (512, 1536)  # indexmem_memory.py length: training's chunk length, and a planted history's
 # The memory stage's eviction before it reused ingest's scorer: the indexer alone, a 64-entry window.
-INDEXER_ALONE = {"memory_attention_mix": 0.0, "memory_window": 64}
+INDEXER_ALONE = {"memory_attention_mix": 0.0, "memory_recent": 64}
 
 
 def log(message: str) -> None:
@@ -60,7 +60,7 @@ def residual(args) -> None:
     log(f"{len(held)} held-out chunks from {', '.join(sources)}")
     evictions = {"ingest": config, "indexer alone (window 64)": dataclasses.replace(config, **INDEXER_ALONE)}
     out = {"held_out_chunks": len(held), "readers": config.memory_queries, "budgets": list(config.memory_budgets),
-           "evictions": {k: {f: getattr(v, f) for f in ("memory_attention_mix", "memory_window", "memory_block")}
+           "evictions": {k: {f: getattr(v, f) for f in ("memory_attention_mix", "memory_recent", "memory_block")}
                          for k, v in evictions.items()}, "weights": {}}
     names = args.names.split(",") if args.names else [p.name for p in args.weights]
     for name, path in zip(names, args.weights, strict=True):

@@ -89,7 +89,7 @@ def routing_hits(path: Path, lm, encoder: SentenceEncoder) -> dict:
     conversation, at recall's default split and episode settings."""
     qa = load_locomo(path, max_context=None)
     turn_of = {t.turn_id: i for i, t in enumerate(qa.turns)}
-    recall_split, window = split(IngestConfig().cache), EpisodeConfig().window
+    recall_split, window = split(IngestConfig().cache), EpisodeConfig().segment_turns
     segments = segment(format_turns(qa.turns), window)
     episodes = build_episodes(segments, encoder.embed(segments), k=min(DEFAULT_EPISODES, len(segments)),
                               seed=EpisodeConfig().seed, token_cap=1, count_tokens=len)  # fmt: skip

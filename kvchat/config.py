@@ -128,8 +128,8 @@ class EpisodeConfig:
     episodes: int | None = None  # E: number of K-Means clusters; None: DEFAULT_EPISODES, or fewer when the history
     # has fewer segments (a given E is not lowered), counted again at every re-ingest (saved as None: `--append
     # --reingest` of a longer history gets more)
-    window: int = 4            # w: turns per segment
-    prompt_tokens: int = 256   # cap on an episode's patched prompt (instruction + medoid segments)
+    segment_turns: int = 4     # w: turns per segment
+    patched_prompt_tokens: int = 256  # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes
 
 
@@ -149,7 +149,7 @@ class TrainConfig:
     memory_budgets: tuple[int, ...] = (64, 128, 256)  # simulated block-prefill budgets, cycled over chunks
     memory_block: int = 128        # simulated block size (chunks are shorter than ingest's blocks of 512)
     # The simulated eviction is ingest's (kvchat.kv.indexer.IndexerScorer.for_cache) with ingest's settings:
-    memory_window: int = CacheConfig.recent_window              # each block's last entries always kept
+    memory_recent: int = CacheConfig.indexer_recent              # each block's last entries always kept
     memory_attention_mix: float = CacheConfig.attention_mix     # share of the block's last queries' attention
     memory_pool_kernel: int = CacheConfig.indexer_pool_kernel   # max-pool of the blended scores; 1 = off
     memory_min_gain: float = 0.0   # a layer whose memory removes less of the held-out residual is shut (g = 0)
@@ -158,7 +158,7 @@ class TrainConfig:
 
     def simulated_cache(self) -> CacheConfig:
         """The indexmem settings the memory stage's simulated block prefill evicts with."""
-        return CacheConfig(method="indexmem", block_size=self.memory_block, recent_window=self.memory_window,
+        return CacheConfig(method="indexmem", block_size=self.memory_block, indexer_recent=self.memory_recent,
                            attention_mix=self.memory_attention_mix, indexer_pool_kernel=self.memory_pool_kernel)
 
 

@@ -187,18 +187,19 @@ SETTINGS: tuple[Setting, ...] = (
             legacy="block", old_options=("--prefill",)),  # stores written before it were built block by block
     Setting("episodes", "episodes.episodes", "Number of topical episodes (E). Default: 4, or fewer when the history "
             "has fewer segments.", option="--episodes", min=1),
-    Setting("window", "episodes.window", "Turns per segment clustered into episodes (w).", min=1,
-            old_options=("--window",)),
-    Setting("prompt_tokens", "episodes.prompt_tokens", "Tokens of an episode's patched prompt at most (instruction "
-            "and medoid segments)."),
+    Setting("segment_turns", "episodes.segment_turns", "Turns per segment clustered into episodes (w).", min=1,
+            old_keys=("window",), old_options=("--window",)),
+    Setting("patched_prompt_tokens", "episodes.patched_prompt_tokens", "Tokens of an episode's patched prompt at "
+            "most (instruction and medoid segments).", old_keys=("prompt_tokens",)),
     Setting("seed", "episodes.seed", "Seed of the episodes' K-Means clustering."),
     Setting("system_prompt", "system_prompt", "The system prompt the conversation sits in."),
     Setting("instruction", "instruction", "The instruction opening each episode's patched prompt."),
     # --- sensitivity and CAKE layer budgets, CAKE's scorer
     Setting("alpha", "cache.alpha", "Sharpness of sensitivity layer budgets (default: the profile's), in (0, 10].",
             used=_sensitivity, old_options=("--alpha",)),
-    Setting("cake_window", "cache.cake.window", "CAKE: the block's last queries that measure layer preferences and "
-            "score entries (S_w).", min=1, used=lambda c: _cake_budgets(c) or _cake_scorer(c)),
+    Setting("cake_queries", "cache.cake.queries", "CAKE: the block's last queries that measure layer preferences "
+            "and score entries (S_w).", min=1, old_keys=("cake_window",),
+            used=lambda c: _cake_budgets(c) or _cake_scorer(c)),
     Setting("tau1", "cache.cake.tau1", "cake layer budgets: temperature of attention dispersion (smaller weighs it "
             "more), in (0, 10].", used=_cake_budgets, old_options=("--tau1",)),
     Setting("tau2", "cache.cake.tau2", "cake layer budgets: temperature of attention shift (smaller weighs it more), "
@@ -243,8 +244,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("page_candidates", "cache.offload.candidates", "icecache, entries and two-stage scorers: page "
             "centroids choose pages of up to this many times R entries, whose keys are scored exactly.", min=1,
             features=("icecache",)),
-    Setting("offload_window", "cache.offload.window", "icecache: every head's last entries kept resident beside M "
-            "(W).", min=0, features=("icecache",), old_options=("--offload-window",)),
+    Setting("offload_recent", "cache.offload.recent", "icecache: every head's last entries kept resident beside M "
+            "(W).", min=0, features=("icecache",), old_keys=("offload_window",), old_options=("--offload-window",)),
     Setting("first_paged_layer", "cache.offload.first_paged_layer", "icecache: layers below it keep every entry.",
             min=0, features=("icecache",)),
     Setting("pages_dtype", "cache.offload.dtype", "icecache: the pages' dtype on disk.", choices=PAGE_DTYPE_NAMES,
@@ -257,11 +258,11 @@ SETTINGS: tuple[Setting, ...] = (
             "k-means.", min=1, features=("icecache",)),
     Setting("paging_seed", "cache.offload.paging.seed", "icecache: seed of the pages' k-means.",
             features=("icecache",)),
-    Setting("memory", "cache.memory", "--method indexmem: fold evicted entries into a latent memory stored with "
-            "each episode and read while answering.", features=("indexmem",),
+    Setting("latent_memory", "cache.latent_memory", "--method indexmem: fold evicted entries into a latent memory "
+            "stored with each episode and read while answering.", features=("indexmem",), old_keys=("memory",),
             old_options=("--memory", "--no-memory")),
-    Setting("recent_window", "cache.recent_window", "--method indexmem: each block's last entries, always kept.",
-            min=0, features=("indexmem",)),
+    Setting("indexer_recent", "cache.indexer_recent", "--method indexmem: each block's last entries, always kept.",
+            min=0, features=("indexmem",), old_keys=("recent_window",)),
     Setting("attention_mix", "cache.attention_mix", "--method indexmem: share of the attention of the block's last "
             "queries blended into the indexer's scores (0: the indexer alone).", min=0, max=1,
             features=("indexmem",), legacy=0.0),  # stores written before the blend: the indexer alone

@@ -46,7 +46,7 @@ def test_appending_b_to_a_gives_the_caches_of_a_and_b_at_once(tmp_path, halves, 
     a = _tokens(tiny_lm, first)
     block = a.shape[-1]  # A ends on a block boundary: its one block
     config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block"),
-                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+                          episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     report = append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
@@ -202,7 +202,7 @@ def test_appending_to_an_offload_conversation_pages_the_stored_and_the_new_evict
     offload = OffloadConfig(mode="icecache", dtype="float32")
     config = IngestConfig(cache=CacheConfig(method="epicache", budget=max(64, block // 8 + 1), block_size=block,
                                             prefill="block", offload=offload),
-                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+                          episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
@@ -218,8 +218,8 @@ def test_appending_to_an_offload_conversation_pages_the_stored_and_the_new_evict
                             dtype=torch.float32)  # fmt: skip
         block_prefill(
             tiny_lm.model, tiny_lm.encode(layout.before_conversation), both, block_size=block,
-            budgets=[config.cache.budget + offload.window] * 2, scorer=episode_scorer(config, episode, tiny_lm, layout),
-            on_evict=spill, recent=offload.window,
+            budgets=[config.cache.budget + offload.recent] * 2, scorer=episode_scorer(config, episode, tiny_lm, layout),
+            on_evict=spill, recent=offload.recent,
         )  # fmt: skip
         pages = decode_pages(*store.load_pages(stored, tiny_lm.fingerprint))
         for layer in range(2):
@@ -236,7 +236,7 @@ def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm
 
     first, second = halves
     config = IngestConfig(cache=CacheConfig(method="full", offload=OffloadConfig(mode="icecache")),
-                          episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+                          episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     with pytest.raises(UserError, match="--append --reingest"):

@@ -38,8 +38,8 @@ from kvchat.kv.spill import SpillWriter
 from kvchat.store import Store
 
 BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=32, prefill="block"),
-                    episodes=EpisodeConfig(episodes=2, window=4, prompt_tokens=48))  # fmt: skip
-OFFLOAD = OffloadConfig(mode="icecache", window=8, dtype="float32")
+                    episodes=EpisodeConfig(episodes=2, segment_turns=4, patched_prompt_tokens=48))  # fmt: skip
+OFFLOAD = OffloadConfig(mode="icecache", recent=8, dtype="float32")
 EVERYTHING = 10**6  # entries read back per head: every page
 
 
@@ -221,7 +221,7 @@ def test_indexmem_and_its_memory_beyond_the_window(tmp_path, histories, short_lm
     store = Store(tmp_path)
     report = ingest(histories["whole"], name="m", config=_config(method="indexmem"), store=store, lm=short_lm,
                     encoder=encoder)  # fmt: skip
-    assert report.positions == "compact" and store.get("m").settings["memory"] is True
+    assert report.positions == "compact" and store.get("m").settings["latent_memory"] is True
     cache, _ = codec.decode(*store.load_episode(store.get("m").episodes[0], short_lm.fingerprint))
     _assert_inside_the_window(cache, short_lm.context_window)
     memory = cache.memory

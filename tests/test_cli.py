@@ -305,7 +305,7 @@ def test_help_lists_the_commands():
         (("ingest", "h.json", "--method", "magic"), "Invalid value for '--method'"),
         (("ingest", "h.json", "--cache-precision", "int2"), "Invalid value for '--cache-precision'"),
         (("ingest", "h.json", "--block-size", "32"), "--block-size is `--setting block_size=VALUE` now"),
-        (("ingest-batch", "h.json", "--no-memory"), "--no-memory is `--setting memory=VALUE` now"),
+        (("ingest-batch", "h.json", "--no-memory"), "--no-memory is `--setting latent_memory=VALUE` now"),
         (("list", "--frobnicate"), "No such option: --frobnicate"),
         (("ask", "q?", "--max-new-tokens"), "Option '--max-new-tokens' requires an argument"),
         (("show",), "Missing argument 'NAME'"),

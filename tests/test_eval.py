@@ -27,7 +27,7 @@ from kvchat.history.loading import format_turns
 from kvchat.history.synthetic import _TOPICS
 
 SMALL = IngestConfig(
-    cache=CacheConfig(budget=96, block_size=48, prefill="block"), episodes=EpisodeConfig(prompt_tokens=48)
+    cache=CacheConfig(budget=96, block_size=48, prefill="block"), episodes=EpisodeConfig(patched_prompt_tokens=48)
 )
 
 
@@ -161,7 +161,7 @@ def test_offload_variants_are_named_apart_and_full_kv_paged_runs_as_a_variant():
     assert [v.key for v in variants(["full", "keydiff"], [8], base)] == [
         "full/offload=icecache:R64:W32", "keydiff@8/offload=icecache:R64:W32"
     ]
-    other = CacheConfig(offload=OffloadConfig(mode="icecache", retrieve=64, window=0, first_paged_layer=2))
+    other = CacheConfig(offload=OffloadConfig(mode="icecache", retrieve=64, recent=0, first_paged_layer=2))
     assert Variant(other).key == "auto@1024/offload=icecache:R64:W0:first_paged_layer=2"
 
 
@@ -225,7 +225,7 @@ def test_eval_reports_evidence_recalled_with_what_the_pages_gave(tmp_path, tiny_
     """Full KV paged past sink and window: nothing read leaves only the window's evidence; every page read
     recalls all of it, while the resident cache alone keeps little."""
     qa_set = _tiny_set()
-    offload = OffloadConfig(mode="icecache", retrieve=retrieve, window=4, dtype="float32")
+    offload = OffloadConfig(mode="icecache", retrieve=retrieve, recent=4, dtype="float32")
     paged = Variant(dataclasses.replace(SMALL.cache, method="full", offload=offload))
     records = evaluate([qa_set], [paged], lm=tiny_lm, encoder=encoder, config=EvalConfig(max_new_tokens=2),
                        base=SMALL, results=ResultsFile(None))  # fmt: skip
@@ -248,7 +248,7 @@ def test_eval_reports_evidence_recalled_with_what_the_pages_gave(tmp_path, tiny_
 
 def test_eval_of_full_kv_paged_with_every_page_read_matches_the_reference(tmp_path, tiny_lm, encoder):
     qa_set = _tiny_set()
-    everything = OffloadConfig(mode="icecache", retrieve=10**6, window=4, dtype="float32")
+    everything = OffloadConfig(mode="icecache", retrieve=10**6, recent=4, dtype="float32")
     paged = Variant(dataclasses.replace(SMALL.cache, method="full", offload=everything))
     records = evaluate([qa_set], [paged], lm=tiny_lm, encoder=encoder, config=EvalConfig(max_new_tokens=6),
                        base=SMALL, results=ResultsFile(None))  # fmt: skip

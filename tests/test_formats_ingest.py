@@ -13,8 +13,8 @@ from kvchat.ingest.pipeline import ingest
 from kvchat.store import Store
 
 GOOD = Path(__file__).parent / "data" / "good"
-SMALL = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2, window=2,
-                                                                                          prompt_tokens=32))
+SMALL = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2, segment_turns=2,
+                                                                                          patched_prompt_tokens=32))
 
 
 @pytest.mark.parametrize(("name", "pick", "question"), [

@@ -32,7 +32,7 @@ from kvchat.store import Store
 
 SYSTEM = "You are a helpful assistant . Conversation :\n"
 BASE = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
-                    episodes=EpisodeConfig(prompt_tokens=48), system_prompt=SYSTEM)  # fmt: skip
+                    episodes=EpisodeConfig(patched_prompt_tokens=48), system_prompt=SYSTEM)  # fmt: skip
 QA = planted_sets(1, topics=6, turns_per_topic=40)[0]  # conftest.short_lm: its window is a third of it
 
 

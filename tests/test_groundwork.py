@@ -191,8 +191,8 @@ def test_every_registered_method_builds_the_scorer_its_entry_describes(name, mod
 RESOLVED = [
     IngestConfig(model="m", cache=CacheConfig(positions="original", layer_budgets="sensitivity", alpha=1.3)),
     IngestConfig(cache=CacheConfig(method="cake", budget=300, positions="compact", layer_budgets="cake",
-                                   cake=CakeConfig(tau1=0.5, tau2=2.0, gamma=50.0, window=16))),
-    IngestConfig(episodes=EpisodeConfig(episodes=3, window=2, prompt_tokens=128, seed=7),
+                                   cake=CakeConfig(tau1=0.5, tau2=2.0, gamma=50.0, queries=16))),
+    IngestConfig(episodes=EpisodeConfig(episodes=3, segment_turns=2, patched_prompt_tokens=128, seed=7),
                  cache=CacheConfig(method="snapkv", positions="original", layer_budgets="uniform",
                                    head_budgets="adaptive", pool_kernel=5),
                  system_prompt="Be brief.\n", instruction="Find facts."),
@@ -225,12 +225,12 @@ def test_the_rebuild_command_replaces_when_asked():
                                    layer_budgets="uniform", prefill="block", pool_kernel=5, offload=OffloadConfig(
                                        mode="icecache", retrieve=32, scorer="centroid", refresh=4, candidates=2,
                                        dtype="float32", paging=PagingConfig(page_size=8, iterations=3, seed=1))),
-                 episodes=EpisodeConfig(episodes=2, prompt_tokens=48, seed=2), system_prompt="Be brief.\n",
+                 episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48, seed=2), system_prompt="Be brief.\n",
                  instruction="Find the facts."),
     IngestConfig(cache=CacheConfig(method="cake", budget=64, block_size=32, positions="original",
                                    layer_budgets="cake", prefill="block", precision="int4", quant_group_4bit=8,
                                    quant_residual=2, cake=CakeConfig(tau1=0.5, gamma=100.0, cascade=False)),
-                 episodes=EpisodeConfig(episodes=2, window=2)),
+                 episodes=EpisodeConfig(episodes=2, segment_turns=2)),
 ], ids=["icecache", "cake-int4"])  # fmt: skip
 def test_the_rebuild_command_builds_the_same_settings_through_the_cli(config, tmp_path, tiny_model_dir, history):
     """Library-only settings too (`--setting KEY=VALUE`): the conversation the printed command builds has

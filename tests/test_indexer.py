@@ -245,7 +245,7 @@ def test_the_indexer_and_the_memory_move_to_the_models_device():
     assert {p.device.type for p in scorer.indexer.parameters()} == {"meta"}
     assert {m.device.type for m, _ in scorer.query_maps} == {"meta"}
     trained = SimpleNamespace(memory=MemoryWeights(shape), config=IndexMemConfig())
-    setup = SimpleNamespace(config=SimpleNamespace(memory=True), trained=trained, model=model)
+    setup = SimpleNamespace(config=SimpleNamespace(latent_memory=True), trained=trained, model=model)
     memory = IndexMem().episode(setup).memory
     assert {t.device.type for t in [*memory.m, *memory.b, memory.ref]} == {"meta"}
 
@@ -280,7 +280,7 @@ class _IdentityRotary(torch.nn.Module):
 def _ingest(home: Path, lm, encoder, history: Path, name: str, **cache) -> Store:
     store = Store(home)
     config = IngestConfig(cache=CacheConfig(method="indexmem", budget=48, block_size=32, prefill="block", **cache),
-                          episodes=EpisodeConfig(prompt_tokens=48))
+                          episodes=EpisodeConfig(patched_prompt_tokens=48))
     ingest(history, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=True)
     return store
 
@@ -288,7 +288,7 @@ def _ingest(home: Path, lm, encoder, history: Path, name: str, **cache) -> Store
 def test_ingest_keeps_its_peak_bound_and_the_memory_round_trips(trained_home, tiny_lm, encoder, history):
     store = _ingest(trained_home, tiny_lm, encoder, history, "mem")
     record = store.get("mem")
-    assert record.settings["method"] == "indexmem" and record.settings["memory"] is True
+    assert record.settings["method"] == "indexmem" and record.settings["latent_memory"] is True
     assert (record.settings["attention_mix"], record.settings["indexer_pool_kernel"]) == (0.75, 1)
     from kvchat.settings import from_settings
 
@@ -344,9 +344,9 @@ def test_a_zero_gate_makes_the_memory_a_no_op(trained_home, tiny_lm, encoder, hi
 
 
 def test_no_memory_and_adaptive_heads(trained_home, tiny_lm, encoder, history):
-    store = _ingest(trained_home, tiny_lm, encoder, history, "plain", memory=False, head_budgets="adaptive")
+    store = _ingest(trained_home, tiny_lm, encoder, history, "plain", latent_memory=False, head_budgets="adaptive")
     record = store.get("plain")
-    assert record.settings["memory"] is False and "--setting=memory=false" in _rebuild(record)
+    assert record.settings["latent_memory"] is False and "latent_memory=false" in _rebuild(record)
     cache, _ = codec.decode(*store.load_episode(record.episodes[0], tiny_lm.fingerprint))
     assert cache.memory is None
     assert any(layer.ragged for layer in cache.layers)  # heads kept different counts

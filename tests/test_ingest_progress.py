@@ -34,7 +34,7 @@ class Recorder(IngestProgress):
 @pytest.mark.parametrize("method, prefill", [("epicache", "block"), ("routed", "block"), ("epicache", "full")])
 def test_the_planned_blocks_are_the_blocks_run(method, prefill, tiny_lm, encoder, tmp_path):
     config = IngestConfig(cache=CacheConfig(method=method, budget=64, block_size=32, prefill=prefill),
-                          episodes=EpisodeConfig(episodes=3, prompt_tokens=48))  # fmt: skip
+                          episodes=EpisodeConfig(episodes=3, patched_prompt_tokens=48))  # fmt: skip
     seen = Recorder()
     report = ingest(QA.turns, name="c", config=config, store=Store(tmp_path), lm=tiny_lm, encoder=encoder,
                     progress=seen)  # fmt: skip

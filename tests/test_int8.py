@@ -314,7 +314,7 @@ def planted(tmp_path_factory):
 def _config(**cache) -> IngestConfig:
     groups = {"quant_group": GROUP, "quant_group_4bit": GROUP}
     return IngestConfig(cache=CacheConfig(budget=96, block_size=48, **groups | cache),
-                        episodes=EpisodeConfig(episodes=2, prompt_tokens=48))  # fmt: skip
+                        episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
 
 
 @PRECISIONS

@@ -49,7 +49,7 @@ def test_locomo_conversation_cut_to_2k_tokens(tmp_path, default_lm, encoder):
     assert 1000 < report.history_tokens <= 2000 and report.episodes == 4
     assert report.layer_budgets == "sensitivity"  # the shipped profile of the embedded model is used
     assert sum(report.budgets) == 512 * default_lm.num_layers and len(set(report.budgets)) > 1
-    assert report.peak_layer_entries <= max(report.budgets) + 256 + config.episodes.prompt_tokens + 16
+    assert report.peak_layer_entries <= max(report.budgets) + 256 + config.episodes.patched_prompt_tokens + 16
     answer = Session(store, store.get("conv30"), default_lm, encoder).ask("What does Gina do for work?")
     assert answer.text and answer.answer_tokens > 0
 

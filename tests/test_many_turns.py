@@ -43,7 +43,7 @@ def test_planning_a_history_of_many_tiny_turns_reports_every_step(tmp_path, tiny
     names = [s[0] for s in steps]
     assert names[:2] == ["reading the history", f"tokenizing {TURNS:,} turns"] and names[-1] == "clustering episodes"
     embedding = [(done, total) for name, done, total in steps if name == "embedding segments"]
-    segments = TURNS // EpisodeConfig.window
+    segments = TURNS // EpisodeConfig.segment_turns
     assert len(embedding) == -(-segments // encoder_module.EMBED_CHUNK) > 10  # one report per chunk, in order
     assert embedding[-1] == (segments, segments) and [d for d, _ in embedding] == sorted(d for d, _ in embedding)
 

@@ -168,7 +168,7 @@ def test_a_mass_memory_round_trips_through_the_store_and_changes_the_answer_unle
 
     store = Store(mass_home)
     config = IngestConfig(cache=CacheConfig(method="indexmem", budget=48, block_size=32, prefill="block"),
-                          episodes=EpisodeConfig(prompt_tokens=48))
+                          episodes=EpisodeConfig(patched_prompt_tokens=48))
     ingest(history, name="mass", config=config, store=store, lm=tiny_lm, encoder=encoder, replace=True)
     tensors, metadata = store.load_episode(store.get("mass").episodes[0], tiny_lm.fingerprint)
     assert metadata["format_version"] == codec.MASS_MEMORY_FORMAT_VERSION

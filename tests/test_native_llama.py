@@ -254,7 +254,7 @@ def test_a_question_is_answered_without_transformers_model_code(tmp_path, tiny_l
     qa = planted_sets(1, topics=6, turns_per_topic=40)[0]
     config = IngestConfig(
         cache=CacheConfig(budget=96, block_size=48, prefill="block", recall=RecallConfig(chunk_tokens=16)),
-        episodes=EpisodeConfig(episodes=3, prompt_tokens=48), system_prompt="You are a helpful assistant .\n",
+        episodes=EpisodeConfig(episodes=3, patched_prompt_tokens=48), system_prompt="You are a helpful assistant .\n",
     )
     assert ingest(qa.turns[:40], name="within", config=config, store=store, lm=tiny_lm, encoder=encoder).method != (
         "recall")
@@ -285,7 +285,7 @@ def test_sources_and_quantized_and_paged_caches_are_answered_without_transformer
     store = Store(tmp_path)
     qa = planted_sets(1, topics=4, turns_per_topic=16)[0]
     cache = CacheConfig(budget=64, block_size=32, prefill="block")
-    episodes = EpisodeConfig(episodes=2, prompt_tokens=48)
+    episodes = EpisodeConfig(episodes=2, patched_prompt_tokens=48)
     configs = {"int8": CacheConfig(budget=64, block_size=32, prefill="block", precision="int8"),
                "icecache": CacheConfig(budget=64, block_size=32, prefill="block",
                                        offload=OffloadConfig(mode="icecache", retrieve=32, dtype="float32")),

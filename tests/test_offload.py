@@ -174,7 +174,7 @@ def test_the_window_is_resident_after_prefill_whatever_the_scorer(tmp_path, mode
 OFFLOAD = IngestConfig(
     cache=CacheConfig(budget=64, block_size=32, prefill="block",
                       offload=OffloadConfig(mode="icecache", retrieve=32, dtype="float32")),
-    episodes=EpisodeConfig(episodes=2, prompt_tokens=48),
+    episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48),
 )  # fmt: skip
 
 
@@ -187,7 +187,7 @@ def test_ingest_writes_a_pages_file_per_episode_holding_what_eviction_dropped(tm
     report = _ingest(store, history, tiny_lm, encoder)
     record = store.get("conv")
     assert report.offload == "icecache" and report.pages_bytes == sum(e.pages.bytes for e in record.episodes)
-    window = OFFLOAD.cache.offload.window  # resident beside M: a plain ingest at M + W peaks the same
+    window = OFFLOAD.cache.offload.recent  # resident beside M: a plain ingest at M + W peaks the same
     plain = _ingest(Store(tmp_path / "plain"), history, tiny_lm, encoder, replace(OFFLOAD, cache=replace(
         OFFLOAD.cache, budget=OFFLOAD.cache.budget + window, offload=OffloadConfig())))  # fmt: skip
     assert report.peak_layer_entries == plain.peak_layer_entries  # the ingest bound is unchanged
@@ -217,7 +217,7 @@ def test_answers_with_every_page_equal_full_kv_answers(tmp_path, history, tiny_l
     _ingest(store, history, tiny_lm, encoder, full)
     reference = Session(store, store.get("conv"), tiny_lm, encoder)
     paged_store = Store(tmp_path / "paged")
-    offload = replace(OFFLOAD, cache=replace(full.cache, offload=OffloadConfig(mode="icecache", window=8,
+    offload = replace(OFFLOAD, cache=replace(full.cache, offload=OffloadConfig(mode="icecache", recent=8,
                                                                              dtype="float32")))  # fmt: skip
     _ingest(paged_store, history, tiny_lm, encoder, offload)
     paged = Session(paged_store, paged_store.get("conv"), tiny_lm, encoder, AskConfig(retrieve=EVERYTHING))
@@ -254,7 +254,7 @@ def test_layers_below_the_first_paged_one_keep_everything(tmp_path, history, tin
     kept, meta = store.load_episode(episode, tiny_lm.fingerprint)
     pages, _ = store.load_pages(episode, tiny_lm.fingerprint)
     assert kept["pos.0"].shape[-1] == int(meta["next_position"]) and pages["pos.0"].numel() == 0
-    assert kept["pos.1"].shape[-1] == OFFLOAD.cache.budget + OffloadConfig.window and pages["pos.1"].numel() > 0
+    assert kept["pos.1"].shape[-1] == OFFLOAD.cache.budget + OffloadConfig.recent and pages["pos.1"].numel() > 0
     cake = replace(config, cache=replace(config.cache, layer_budgets="cake"))
     with pytest.raises(UserError, match="first paged layer"):
         _ingest(Store(tmp_path / "cake"), history, tiny_lm, encoder, cake)
@@ -262,12 +262,12 @@ def test_layers_below_the_first_paged_one_keep_everything(tmp_path, history, tin
 
 def test_offload_settings_round_trip_and_rebuild(tmp_path):
     config = replace(OFFLOAD, cache=replace(OFFLOAD.cache, offload=OffloadConfig(
-        mode="icecache", retrieve=96, window=16, candidates=8, paging=PagingConfig(page_size=8))))  # fmt: skip
+        mode="icecache", retrieve=96, recent=16, candidates=8, paging=PagingConfig(page_size=8))))  # fmt: skip
     settings = to_settings(config, source="h.json")
     assert from_settings(settings).cache.offload == config.cache.offload
     command = rebuild_command("c", "default", settings)
     assert "--offload icecache --retrieve 96" in command
-    assert "--setting offload_window=16" in command and "--setting page_size=8" in command
+    assert "--setting offload_recent=16" in command and "--setting page_size=8" in command
     assert from_settings({}).cache.offload.mode == "none"  # stores from before --offload
 
 
@@ -279,7 +279,7 @@ def test_offload_settings_round_trip_and_rebuild(tmp_path):
         (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=1, cluster_size=1)), None),
         (OffloadConfig(mode="icecache", scorer="best"), "--setting page_scorer"),
         (OffloadConfig(mode="icecache", paging=PagingConfig(page_size=0)), "--setting page_size must be >= 1"),
-        (OffloadConfig(mode="icecache", window=-1), "--setting offload_window must be >= 0"),
+        (OffloadConfig(mode="icecache", recent=-1), "--setting offload_recent must be >= 0"),
         (OffloadConfig(mode="icecache", candidates=0), "--setting page_candidates must be >= 1"),
     ],
 )

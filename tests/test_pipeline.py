@@ -21,7 +21,7 @@ from kvchat.store import Store
 
 # Block prefill, whose peak these tests bound (the default, auto, holds the whole history when it fits).
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
-                     episodes=EpisodeConfig(prompt_tokens=48))
+                     episodes=EpisodeConfig(patched_prompt_tokens=48))
 
 
 def _ingest(store, history, lm, encoder, config=SMALL, name="conv", **kw):

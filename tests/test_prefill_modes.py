@@ -18,7 +18,7 @@ from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.kv.scoring import CakeScorer, PatchedPromptScorer, probe_scores, select_top
 from kvchat.store import Store
 
-CONFIG = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(prompt_tokens=48))
+CONFIG = IngestConfig(cache=CacheConfig(budget=96, block_size=48), episodes=EpisodeConfig(patched_prompt_tokens=48))
 
 
 def test_select_from_keeps_the_top_scored_entries_and_leaves_the_full_cache_whole(model):

@@ -24,7 +24,7 @@ SYSTEM = "You are a helpful assistant . Conversation :\n"
 QA = planted_sets(1, topics=6, turns_per_topic=40)[0]  # conftest.short_lm's window is a third of it
 CONFIG = IngestConfig(
     cache=CacheConfig(budget=96, block_size=48, prefill="block", recall=RecallConfig(chunk_tokens=16)),
-    episodes=EpisodeConfig(episodes=3, prompt_tokens=48), system_prompt=SYSTEM,
+    episodes=EpisodeConfig(episodes=3, patched_prompt_tokens=48), system_prompt=SYSTEM,
 )
 
 

@@ -130,7 +130,7 @@ def config(entries: str, method: str = "auto") -> IngestConfig:
     return IngestConfig(
         cache=CacheConfig(method=method, budget=96, block_size=48, prefill="block",
                           recall=RecallConfig(chunk_tokens=16, entries=entries)),
-        episodes=EpisodeConfig(episodes=3, prompt_tokens=48), system_prompt=SYSTEM,
+        episodes=EpisodeConfig(episodes=3, patched_prompt_tokens=48), system_prompt=SYSTEM,
     )  # fmt: skip
 
 

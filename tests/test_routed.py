@@ -18,7 +18,7 @@ from kvchat.store import Store
 
 QA = planted_sets(1, topics=4, turns_per_topic=16)[0]
 CONFIG = IngestConfig(cache=CacheConfig(method="routed", budget=4096, block_size=64, prefill="auto"),
-                      episodes=EpisodeConfig(episodes=4, window=4, prompt_tokens=48))  # fmt: skip
+                      episodes=EpisodeConfig(episodes=4, segment_turns=4, patched_prompt_tokens=48))  # fmt: skip
 
 
 def test_each_episode_holds_its_own_turns_once_in_history_order(tmp_path, tiny_lm, encoder):

@@ -78,7 +78,7 @@ def test_every_baseline_ingests_and_answers_within_its_bound(method, tmp_path, t
     store = Store(tmp_path / "home")
     config = IngestConfig(
         cache=CacheConfig(method=method, budget=96, block_size=48, prefill="block"),
-        episodes=EpisodeConfig(prompt_tokens=48),
+        episodes=EpisodeConfig(patched_prompt_tokens=48),
     )
     report = ingest(history, name="h", config=config, store=store, lm=tiny_lm, encoder=encoder)
     assert report.episodes == 1 and report.budgets == [96, 96]  # baselines build one query-agnostic cache

@@ -34,7 +34,7 @@ from kvchat.store import Store  # noqa: E402
 
 KEY = "test-key"
 SMALL = IngestConfig(cache=CacheConfig(budget=64, block_size=32, prefill="block"),
-                     episodes=EpisodeConfig(episodes=3, prompt_tokens=32))
+                     episodes=EpisodeConfig(episodes=3, patched_prompt_tokens=32))
 QUESTIONS = ["Which gate does the flight leave from?", "How many tomato plants did Tom plant?",
              "What is the name of the dog?", "Where is the bakery?", "What time is the meeting?"]
 WAIT_S = 60  # an upper bound on observed events; reaching it fails the test

@@ -52,7 +52,7 @@ def _home(tmp_path_factory, encoder):
     lm = load_model(str(path), tmp_path_factory.mktemp("models"))
     home = tmp_path_factory.mktemp("replicas-home")
     config = IngestConfig(model=lm.spec, cache=CacheConfig(budget=64, block_size=32, prefill="block"),
-                          episodes=EpisodeConfig(episodes=2, prompt_tokens=32))
+                          episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=32))
     store = Store(home)
     try:
         for name, seed in (("chat", 5), ("trip", 7)):

@@ -114,7 +114,7 @@ OLDER = {
          "prompt_tokens": 256, "seed": 0, "system_prompt": "S", "instruction": "I", "source": "/h.json",
          "alpha": 1.2, "recall_share": 0.75, "recall_chunk_tokens": 128, "offload": "none",
          "cache_precision": "full"},
-        IngestConfig(episodes=EpisodeConfig(window=4), system_prompt="S", instruction="I", cache=CacheConfig(
+        IngestConfig(episodes=EpisodeConfig(segment_turns=4), system_prompt="S", instruction="I", cache=CacheConfig(
             method="recall", budget=512, block_size=256, positions="compact", layer_budgets="sensitivity", alpha=1.2,
             prefill="block", recall=RecallConfig(share=0.75, chunk_tokens=128, retrieval="dense"))),
     ),
@@ -123,11 +123,11 @@ OLDER = {
          "layer_budgets": "uniform", "head_budgets": "uniform", "episodes": 2, "window": 3, "prompt_tokens": 128,
          "seed": 1, "system_prompt": "S", "instruction": "I", "source": None, "memory": False,
          "recent_window": 32},
-        IngestConfig(episodes=EpisodeConfig(episodes=2, window=3, prompt_tokens=128, seed=1), system_prompt="S",
-                     instruction="I", cache=CacheConfig(
+        IngestConfig(episodes=EpisodeConfig(episodes=2, segment_turns=3, patched_prompt_tokens=128, seed=1),
+                     system_prompt="S", instruction="I", cache=CacheConfig(
                          method="indexmem", budget=256, block_size=128, positions="original", pool_kernel=5,
-                         layer_budgets="uniform", prefill="block", memory=False, recent_window=32, attention_mix=0.0,
-                         indexer_pool_kernel=5)),
+                         layer_budgets="uniform", prefill="block", latent_memory=False, indexer_recent=32,
+                         attention_mix=0.0, indexer_pool_kernel=5)),
     ),
     "full KV offloaded, cake scorer keys": (
         {"method": "full", "budget": 1024, "block_size": 512, "positions": "original", "pool_kernel": 7,
@@ -137,7 +137,7 @@ OLDER = {
          "offload_window": 8, "page_size": 4},
         IngestConfig(system_prompt="S", instruction="I", cache=CacheConfig(
             method="full", positions="original", prefill="block",
-            offload=OffloadConfig(mode="icecache", retrieve=64, scorer="two-stage", window=8,
+            offload=OffloadConfig(mode="icecache", retrieve=64, scorer="two-stage", recent=8,
                                   paging=PagingConfig(page_size=4)))),
     ),
     "cake": (
@@ -148,7 +148,7 @@ OLDER = {
          "cake_gamma": 50.0, "cake_pool_kernel": 5, "offload": "none", "cache_precision": "full"},
         IngestConfig(system_prompt="S", instruction="I", cache=CacheConfig(
             method="cake", budget=300, positions="compact", layer_budgets="cake", prefill="block",
-            cake=CakeConfig(tau1=0.5, tau2=2.0, gamma=50.0, window=16))),
+            cake=CakeConfig(tau1=0.5, tau2=2.0, gamma=50.0, queries=16))),
     ),
 }
 
@@ -186,9 +186,9 @@ USER_OPTIONS = {
 }
 BENCHMARK_KNOBS = {
     "--tau1": "tau1", "--tau2": "tau2", "--alpha": "alpha", "--page-size": "page_size", "--block-size": "block_size",
-    "--window": "window", "--positions": "positions", "--layer-budgets": "layer_budgets",
-    "--head-budgets": "head_budgets", "--prefill": "prefill", "--offload-window": "offload_window",
-    "--memory": "memory",
+    "--window": "segment_turns", "--positions": "positions", "--layer-budgets": "layer_budgets",
+    "--head-budgets": "head_budgets", "--prefill": "prefill", "--offload-window": "offload_recent",
+    "--memory": "latent_memory",
 }
 
 

@@ -25,7 +25,7 @@ from kvchat.model.llm import ChatLayout
 from kvchat.store import Store
 
 SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
-                     episodes=EpisodeConfig(prompt_tokens=48))
+                     episodes=EpisodeConfig(patched_prompt_tokens=48))
 SOURCE_KEYS = {"turn", "turn_id", "speaker", "time", "quote", "attention_share", "kept_tokens", "tokens", "recalled"}
 
 
@@ -249,7 +249,7 @@ def test_routed_episodes_name_the_history_turns_they_hold(tmp_path, tiny_lm, enc
     store = Store(tmp_path)
     turns, facts = _turns()
     config = IngestConfig(cache=CacheConfig(method="routed", budget=4096, block_size=64),
-                          episodes=EpisodeConfig(prompt_tokens=48))
+                          episodes=EpisodeConfig(patched_prompt_tokens=48))
     ingest(turns, name="routed", config=config, store=store, lm=tiny_lm, encoder=encoder, source="planted")
     session = Session(store, store.get("routed"), tiny_lm, encoder, AskConfig(max_new_tokens=4))
     for fact in facts:

@@ -13,7 +13,7 @@ from conftest import random_ids, tiny_model, with_kvchat_attention
 from kvchat.config import IndexMemConfig, TrainConfig
 from kvchat.errors import UserError
 from kvchat.kv.indexer import Indexer, IndexMemShape
-from kvchat.kv.methods import SNAPKV_WINDOW
+from kvchat.kv.methods import SNAPKV_QUERIES
 from kvchat.training import train
 from kvchat.training.chunks import Chunk
 from kvchat.training.memory_stage import memory_targets
@@ -65,7 +65,7 @@ def test_the_teachers_logits_are_the_models_attention(arch, settings):
     for layer, expected in enumerate(weights):
         logits = layer_attention(model, layer, hidden[layer], rope[layer]).logits()      # [kv, group, n, n]
         assert torch.allclose(logits.softmax(-1).flatten(0, 1), expected, atol=1e-5), f"layer {layer}"
-        snapkv = expected[:, -SNAPKV_WINDOW:].mean(1).unflatten(0, (logits.shape[0], -1)).amax(1)
+        snapkv = expected[:, -SNAPKV_QUERIES:].mean(1).unflatten(0, (logits.shape[0], -1)).amax(1)
         assert torch.allclose(captured.snapkv[layer], snapkv, atol=1e-5), f"layer {layer}"
         assert torch.allclose(captured.teacher[layer], logits.amax(dim=(1, 2)), atol=1e-4), f"layer {layer}"
 

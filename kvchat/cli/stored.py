@@ -101,7 +101,7 @@ def _summary(shown: dict, verbose: bool) -> list[str]:
                      (("pages_bytes", "pages"), ("recall_entries_bytes", "recall entries")) if shown[key])  # fmt: skip
     lines = [
         f"{shown['turns']} turns{tokens} in {counted(shown['episode_count'], 'episode')} "
-        f"(segments of {s.get('window')} turns): "
+        f"(segments of {s.get('segment_turns')} turns): "
         f"{entries:,} entries kept, {shown['cache_bytes'] / 2**20:.1f} MiB{beside}",
         f"{s['method']}, budget {s['budget']} per layer and KV head{_recalled_text(shown)}, "
         f"{s.get('cache_precision', 'full')} precision"

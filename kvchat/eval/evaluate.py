@@ -73,9 +73,9 @@ class Variant:
     def key(self) -> str:
         offload = self.cache.offload
         changed = [f":{f.name}={getattr(offload, f.name)}" for f in dataclasses.fields(offload)
-                   if f.name not in ("mode", "retrieve", "window")
+                   if f.name not in ("mode", "retrieve", "recent")
                    and getattr(offload, f.name) != getattr(_OFFLOAD_DEFAULTS, f.name)]  # fmt: skip
-        paged = [f"offload={offload.mode}:R{offload.retrieve}:W{offload.window}{''.join(changed)}"] if (
+        paged = [f"offload={offload.mode}:R{offload.retrieve}:W{offload.recent}{''.join(changed)}"] if (
             offload.enabled) else []  # fmt: skip
         if self.cache.method == REFERENCE:
             return "/".join([REFERENCE, *paged])

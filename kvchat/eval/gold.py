@@ -73,7 +73,7 @@ def kvchat_variant(cache: CacheConfig, key: str) -> GoldVariant:
     """A kvchat cache, compared at its budget M (with offload: M, IceCache's resident window W and the R entries
     read back)."""
     offload = cache.offload
-    return GoldVariant(key, cache.budget + (offload.window + offload.retrieve if offload.enabled else 0), cache=cache)
+    return GoldVariant(key, cache.budget + (offload.recent + offload.retrieve if offload.enabled else 0), cache=cache)
 
 
 def recent_variant(budget: int, base: CacheConfig = CacheConfig()) -> GoldVariant:

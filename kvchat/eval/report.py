@@ -64,7 +64,7 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
         "prefill": base.cache.prefill,
         "episodes": (str(episodes.episodes) if episodes.episodes is not None
                      else f"{DEFAULT_EPISODES}, or fewer when a history has fewer segments")
-                    + f", from segments of {episodes.window} turns",
+                    + f", from segments of {episodes.segment_turns} turns",
         "cache precision": ", ".join(precisions),
         "offload": ", ".join(offloads) + (f" (retrieve {retrieve})" if retrieve is not None and
                                           any(o != "none" for o in offloads) else ""),

@@ -51,9 +51,9 @@ def resolve(cache: CacheConfig, trained: Any, notes: list[str]) -> CacheConfig:
     return cache
 
 
-def resident_window(cache: CacheConfig) -> int:
+def resident_recent(cache: CacheConfig) -> int:
     """History tokens at the end that stay resident whatever the scorer says (IceCache's window; else none)."""
-    return max((f.resident_window(cache) for f in active(cache)), default=0)
+    return max((f.resident_recent(cache) for f in active(cache)), default=0)
 
 
 def episode_budget(cache: CacheConfig) -> int:

@@ -79,7 +79,7 @@ class Feature:
         """`cache` as this feature will run it, once the plan knows what there is (trained weights)."""
         return cache
 
-    def resident_window(self, cache: CacheConfig) -> int:
+    def resident_recent(self, cache: CacheConfig) -> int:
         """History tokens at the end that every eviction keeps whatever the scorer says."""
         return 0
 

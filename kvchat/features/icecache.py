@@ -35,8 +35,8 @@ class IceCache(Feature):
     def active(self, cache: CacheConfig) -> bool:
         return cache.offload.mode == self.name
 
-    def resident_window(self, cache: CacheConfig) -> int:
-        return cache.offload.window
+    def resident_recent(self, cache: CacheConfig) -> int:
+        return cache.offload.recent
 
     def budgets(self, cache: CacheConfig, budgets: Budgets, entries: int) -> Budgets:
         """The window W beside each layer's M, and the layers below `first_paged_layer` keeping all their
@@ -45,7 +45,7 @@ class IceCache(Feature):
 
         if budgets is None:
             return budgets
-        first, window = cache.offload.first_paged_layer, cache.offload.window
+        first, window = cache.offload.first_paged_layer, cache.offload.recent
         if isinstance(budgets, CakeBudgets):
             if first:
                 raise UserError("a first paged layer above 0 needs fixed layer budgets, not --setting "
@@ -108,7 +108,7 @@ class _Spill(EpisodePart):
         from kvchat.kv.prefill import keep_sink_and_window
 
         if not evicted:  # full KV evicted nothing: page everything but the system prompt and the window
-            keep_sink_and_window(cache, self.offload.window, self.offload.first_paged_layer)
+            keep_sink_and_window(cache, self.offload.recent, self.offload.first_paged_layer)
         self.spill.place_beside(cache)
 
     def side_file(self, fingerprint: str) -> SideFileWriter:

@@ -1,5 +1,5 @@
-"""IndexMem's latent memory (`--method indexmem`, `--memory`): what eviction drops is folded into a fixed-size
-state per layer and KV head (kvchat.kv.latent), stored in the episode file and read while answering.
+"""IndexMem's latent memory (`--method indexmem`, setting `latent_memory`): what eviction drops is folded into a
+fixed-size state per layer and KV head (kvchat.kv.latent), stored in the episode file and read while answering.
 
 An episode's memory is written by an eviction observer during its prefill and attached to the cache when
 the prefill ends; the codec stores it and attention reads it (kvchat.kv.forward passes it), so answering
@@ -28,14 +28,14 @@ class IndexMem(Feature):
 
     def resolve(self, cache: CacheConfig, trained: Any, notes: list[str]) -> CacheConfig:
         """The memory runs when asked for and trained weights hold memory weights."""
-        memory = cache.memory and trained is not None
+        memory = cache.latent_memory and trained is not None
         if memory and trained.memory is None:
             notes.append(f"{trained.path} holds no memory weights (trained with --stage indexer): no latent memory")
             memory = False
-        return cache if memory == cache.memory else dataclasses.replace(cache, memory=memory)
+        return cache if memory == cache.latent_memory else dataclasses.replace(cache, latent_memory=memory)
 
     def episode(self, setup: EpisodeSetup) -> EpisodePart | None:
-        if not setup.config.memory or setup.trained is None:
+        if not setup.config.latent_memory or setup.trained is None:
             return None
         from kvchat.kv.latent import LatentMemory  # torch: only when an episode is built
 

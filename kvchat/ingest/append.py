@@ -217,7 +217,7 @@ def _moved_episodes(
     centroids = np.asarray([e.centroid for e in record.episodes], dtype=np.float64)
     counts = record.stats.get("episode_segments") or []
     if len(counts) != len(centroids):
-        turns, window = int(record.stats.get("turns", 0)), from_settings(record.settings).episodes.window
+        turns, window = int(record.stats.get("turns", 0)), from_settings(record.settings).episodes.segment_turns
         counts = [max(1, -(-turns // window) // len(centroids))] * len(centroids)
     sums = centroids * np.asarray(counts, dtype=np.float64)[:, None]
     members = [int(n) for n in counts]

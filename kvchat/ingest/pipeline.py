@@ -159,7 +159,7 @@ def build_episode(
     scorer = episode_scorer(plan.config, episode, lm, plan.layout, plan.trained)
     compact = cache_cfg.positions == "compact"
     parts = EpisodeParts(EpisodeSetup(cache_cfg, lm.model, plan.trained, scratch, stored))
-    recent = features.resident_window(cache_cfg) if scorer is not None else 0
+    recent = features.resident_recent(cache_cfg) if scorer is not None else 0
     # every compacted cache keeps its entries' original positions (receipts, IceCache's placement), but one stored
     # compacted without them cannot get them back
     origins = compact and scorer is not None and (resume is None or resume.origins is not None)

@@ -196,7 +196,7 @@ def plan_ingest(
     episode_ids: list[torch.Tensor] = []
     held_turns: list[list[int]] = []  # routed: the turns each episode's cache is fed now (indices into `turns`)
     fed = total - earlier  # the tokens the longest cache is fed now (an append: the new turns only)
-    w = config.episodes.window
+    w = config.episodes.segment_turns
     if continuing:  # the new turns join the stored episodes (before anything else is noted)
         episodes, members, joined = continuing.place(segment(lines, w), notes)
         if method(cache_cfg.method).routed:  # each new segment continues the cache of the episode it joined
@@ -312,7 +312,7 @@ def resolve_layer_budgets(
     if strategy == "cake":
         cake = cache.cake
         return strategy, CakeBudgets(
-            cache.budget, cake.window, cake.tau1, cake.tau2, cake.floor_fraction, cake.cascade
+            cache.budget, cake.queries, cake.tau1, cake.tau2, cake.floor_fraction, cake.cascade
         ), None
     profile = find_profile(lm, profile_dirs) if strategy in ("auto", "sensitivity") else None
     if strategy == "auto":
@@ -361,7 +361,7 @@ def estimate_bytes(
         shape,
         budget=config.cache.budget,
         block_size=config.cache.block_size,
-        prompt_tokens=config.episodes.prompt_tokens + lm.encode(layout.question("")).shape[-1],
+        prompt_tokens=config.episodes.patched_prompt_tokens + lm.encode(layout.question("")).shape[-1],
         context_tokens=context_tokens,
         full=budgets is None,
         longest_head=None if budgets is None else _longest_head(budgets, heads, shape, protected),
@@ -463,17 +463,17 @@ def _episodes(
     given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
     is refused."""
     eps = config.episodes
-    segments = segment(lines, eps.window)
+    segments = segment(lines, eps.segment_turns)
     count = eps.episodes
     if count is None:
         count = min(DEFAULT_EPISODES, len(segments))
         if count < DEFAULT_EPISODES and episodic:
             notes.append(f"{count} episode{'s' * (count != 1)}, not {DEFAULT_EPISODES}: the history has "
-                         f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.window} turns")
+                         f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.segment_turns} turns")
     elif count > len(segments) and episodic:
         raise UserError(
             f"--episodes {count} is more than the history's {len(segments)} segments of "
-            f"{eps.window} turns; use at most {len(segments)} (or leave --episodes out)"
+            f"{eps.segment_turns} turns; use at most {len(segments)} (or leave --episodes out)"
         )
     embedded = encoder.embed(segments, lambda done, total: step("embedding segments", done, total))
     step("clustering episodes", 0, 1)
@@ -501,7 +501,7 @@ def episode_scorer(
 
 def _medoid_cap(config: IngestConfig, lm: LoadedModel) -> int:
     """Tokens left for medoid segments once the instruction is in the patched prompt."""
-    return max(config.episodes.prompt_tokens - lm.encode(config.instruction).shape[-1], 16)
+    return max(config.episodes.patched_prompt_tokens - lm.encode(config.instruction).shape[-1], 16)
 
 
 def _patched_prompt(config: IngestConfig, episode: Episode, lm: LoadedModel) -> str:

@@ -36,20 +36,20 @@ QUANT_RESIDUAL = 0
 # Prompts and windows of the baselines as EpiCache adapts them to block prefill (its appendix A.2).
 INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
 KVZIP_PROMPT = "Repeat the part of the previous context exactly."
-SNAPKV_WINDOW = 64        # SnapKV's observation window: the block's last tokens
+SNAPKV_QUERIES = 64       # SnapKV's observation window: the block's last tokens, whose queries score
 STREAMING_SINK = 128      # StreamingLLM sink tokens, scaled down to budget // 4 for small budgets
 
 
 @dataclass(frozen=True)
 class CakeConfig:
-    """CAKE (Qin et al., ICLR 2025): `--layer-budgets cake` and `--method cake` (kvchat.kv.cascade)."""
+    """CAKE (Qin et al., ICLR 2025): `cake` layer budgets and `--method cake` (kvchat.kv.cascade)."""
 
     tau1: float = 1.0      # temperature of attention dispersion in the layer preference (eq. 6); the paper
     tau2: float = 1.0      # grid-searches both per model (appendix C), its code's values lie around 1
-    window: int = 32       # S_w: the block's last queries that measure preferences and score (appendix C)
+    queries: int = 32      # S_w: the block's last queries that measure preferences and score (appendix C)
     gamma: float = 200.0   # weight of the attention variance in the eviction indicator (eq. 11, appendix C)
     pool_kernel: int = 5   # average pool of the indicator over neighbouring entries (CAKE's code)
-    floor_fraction: float = 0.25  # each layer keeps at least M/4 (and the system prompt plus the window)
+    floor_fraction: float = 0.25  # each layer keeps at least M/4 (and the system prompt plus the queries)
     cascade: bool = True   # evict layer by layer during the block's forward (False: once at its end)
 
 
@@ -77,7 +77,7 @@ class IceCacheConfig:
     pinned_share: float = 0.5   # of R, the question's best pages that stay for the whole answer
     candidates: int = 8         # two-stage, entries: centroids choose pages of up to candidates x R entries,
                                 # whose keys are scored exactly
-    window: int = 32            # W: every head's last W entries are kept at every eviction whatever the scorer
+    recent: int = 32            # W: every head's last W entries are kept at every eviction whatever the scorer
     # says, beside M (budgets M + W), so the cache ends with the history's last W tokens; --method full: system
     # prompt + W resident, the rest paged
     first_paged_layer: int = 0  # layers below keep every entry (nothing evicted or paged; IceCache keeps 0-1)
@@ -130,9 +130,9 @@ class CacheConfig:
     head_budgets: str = "uniform"
     # uniform (M_l entries in every KV head) | adaptive (AdaKV: the layer's top M_l x kv_heads (head, token)
     # pairs, floor HEAD_FLOOR_FRACTION x M_l)
-    memory: bool = True    # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
-    recent_window: int = 16  # indexmem: each block's last entries are always kept (IndexMem §4 keeps a recent
-                             # local window besides the budget; its indexer has no positions to see recency by)
+    latent_memory: bool = True  # indexmem: evicted entries feed a latent memory read while answering (IndexMem §3.2)
+    indexer_recent: int = 16  # indexmem: each block's last entries are always kept (IndexMem §4 keeps a recent
+                              # local window besides the budget; its indexer has no positions to see recency by)
     attention_mix: float = 0.75  # indexmem: share of the block's last 64 queries' attention (SnapKV's window)
                                  # blended into the indexer's importance; 0 = the indexer alone (the paper)
     indexer_pool_kernel: int = 1  # indexmem: max-pool of its scores (pool_kernel is the probe methods'); 1 = off

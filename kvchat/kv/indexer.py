@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvchat.kv.attention import LayerView
-from kvchat.kv.config import SNAPKV_WINDOW, CacheConfig, IndexMemConfig
+from kvchat.kv.config import SNAPKV_QUERIES, CacheConfig, IndexMemConfig
 from kvchat.kv.scoring import BlockScorer, pool_scores
 
 
@@ -176,8 +176,8 @@ class IndexerScorer(BlockScorer):
         """The scorer `--method indexmem` evicts with under `cache`'s settings (recent window, attention mix
         over SnapKV's last-64-query window, pooling). Ingest and the memory stage's simulated eviction
         (kvchat.training) both build it here, so the memory is trained on the evictions it makes up for."""
-        return cls(indexer, model, cache.indexer_pool_kernel, cache.recent_window,
-                   attention_mix=cache.attention_mix, attention_window=SNAPKV_WINDOW)
+        return cls(indexer, model, cache.indexer_pool_kernel, cache.indexer_recent,
+                   attention_mix=cache.attention_mix, attention_window=SNAPKV_QUERIES)
 
     @property
     def query_rows(self) -> int:

@@ -18,9 +18,9 @@ if TYPE_CHECKING:
     from kvchat.kv.config import CacheConfig
     from kvchat.kv.scoring import Scorer
 
-from kvchat.kv.config import INFINIPOT_PROMPT, KVZIP_PROMPT, SNAPKV_WINDOW, STREAMING_SINK
+from kvchat.kv.config import INFINIPOT_PROMPT, KVZIP_PROMPT, SNAPKV_QUERIES, STREAMING_SINK
 
-__all__ = ["INFINIPOT_PROMPT", "KVZIP_PROMPT", "SNAPKV_WINDOW", "STREAMING_SINK"]  # where they were first
+__all__ = ["INFINIPOT_PROMPT", "KVZIP_PROMPT", "SNAPKV_QUERIES", "STREAMING_SINK"]  # where they were first
 
 
 class PromptLayout(Protocol):
@@ -76,7 +76,7 @@ def _snapkv(inputs: ScorerInputs) -> Scorer:
     from kvchat.kv.scoring import BlockPromptScorer
 
     empty = inputs.encode("")
-    return BlockPromptScorer(empty, empty, SNAPKV_WINDOW, inputs.cache.block_size, inputs.cache.pool_kernel)
+    return BlockPromptScorer(empty, empty, SNAPKV_QUERIES, inputs.cache.block_size, inputs.cache.pool_kernel)
 
 
 def _kvzip(inputs: ScorerInputs) -> Scorer:
@@ -108,7 +108,7 @@ def _cake(inputs: ScorerInputs) -> Scorer:
     from kvchat.kv.scoring import CakeScorer
 
     cake = inputs.cache.cake
-    return CakeScorer(cake.window, cake.gamma, cake.pool_kernel)
+    return CakeScorer(cake.queries, cake.gamma, cake.pool_kernel)
 
 
 def _indexmem(inputs: ScorerInputs) -> Scorer:
@@ -132,15 +132,15 @@ REGISTRY: dict[str, Method] = {
                across_heads=True, episodic=True, routed=True, recalls=True),
         Method("full", "keep everything: the reference", None),
         Method("streaming", f"sink min({STREAMING_SINK}, M/4) + most recent (StreamingLLM)", _streaming),
-        Method("snapkv", f"prompt = the block's last {SNAPKV_WINDOW} tokens (SnapKV)", _snapkv, across_heads=True),
+        Method("snapkv", f"prompt = the block's last {SNAPKV_QUERIES} tokens (SnapKV)", _snapkv, across_heads=True),
         Method("infinipot", "a summarize prompt (InfiniPot)", _infinipot, across_heads=True),
         Method("kvzip", "a repeat prompt followed by the block (KVzip)", _kvzip, across_heads=True),
         Method("keydiff", "distance from the block's mean key (KeyDiff)", _keydiff),
         Method("cake", "mean + 200 x variance of the attention of the block's last 32 tokens, evicting each "
                "layer during the block's forward (CAKE)", _cake, in_forward=True),
         Method("indexmem", "a trained indexer, blended with the attention of the block's last "
-               f"{SNAPKV_WINDOW} queries, scores entries inside the block's forward; with --memory, what is "
-               "evicted feeds a latent memory read while answering (IndexMem)", _indexmem, across_heads=True,
+               f"{SNAPKV_QUERIES} queries, scores entries inside the block's forward; what is evicted feeds a "
+               "latent memory read while answering (IndexMem)", _indexmem, across_heads=True,
                in_forward=True, trained=True),
     )
 }

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.kv.attention import LayerView, attention_logits
-from kvchat.kv.methods import SNAPKV_WINDOW
+from kvchat.kv.methods import SNAPKV_QUERIES
 from kvchat.model.llm import LoadedModel
 from kvchat.training.chunks import Chunk
 
@@ -82,7 +82,7 @@ def capture(lm: LoadedModel, chunk: Chunk, *, with_snapkv: bool = False) -> Capt
         logits = layer_attention(model, index, x, rope[index]).logits()   # [kv, group, n, n]
         teacher.append(logits.amax(dim=(1, 2)))
         if with_snapkv:
-            window = logits[:, :, -SNAPKV_WINDOW:].softmax(-1)
+            window = logits[:, :, -SNAPKV_QUERIES:].softmax(-1)
             snap.append(window.mean(dim=2).amax(dim=1))
     return Captured(chunk, [x.half() for x in hidden], rope, torch.stack(teacher),
                     torch.stack(snap) if with_snapkv else None)
