@@ -105,10 +105,10 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
     question_ids = short_lm.encode(session.layout.question(session.config.question_template.format(question=question)))
     assert answer.prompt_tokens == short_lm.encode("\n" + text).shape[-1] + question_ids.shape[-1]
     again: list[torch.Tensor] = []  # the same text given explicitly: the same first logits
-    session.ask(question, on_first_logits=again.append, log=False, recalled=text, episode=answer.episode)
+    session.ask(question, on_first_logits=again.append, log=False, retrieved_text=text, episode=answer.episode)
     torch.testing.assert_close(first[0], again[0])
     bare: list[torch.Tensor] = []  # and something else than no recall at all
-    session.ask(question, on_first_logits=bare.append, log=False, recalled=" ", episode=answer.episode)
+    session.ask(question, on_first_logits=bare.append, log=False, retrieved_text=" ", episode=answer.episode)
     assert not torch.allclose(first[0], bare[0])
 
 

@@ -176,7 +176,8 @@ def test_a_question_places_its_chunks_entries_and_prefills_only_itself(both, sho
     stored.ask(question, log=False, on_first_logits=first.append)
     sizes = stored._resident[1].sizes  # rolled back: the next question starts from the episode cache alone
     bare: list[torch.Tensor] = []  # the placed entries are attended: without them the answer starts elsewhere
-    stored.ask(question, log=False, on_first_logits=bare.append, recalled=" ", episode=answers["stored"].episode)
+    stored.ask(question, log=False, on_first_logits=bare.append, retrieved_text=" ",
+                episode=answers["stored"].episode)
     assert stored._resident[1].sizes == sizes and not torch.allclose(first[0], bare[0])
 
 

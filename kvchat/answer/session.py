@@ -96,7 +96,7 @@ class Session:
         stop: Callable[[], bool] | None = None,
         earlier: Sequence[tuple[str, str]] = (),
         sources: bool = False,
-        recalled: str = "",
+        retrieved_text: str = "",
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
@@ -104,10 +104,11 @@ class Session:
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
         `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
         `sources` records the answer's attention to name the turns it drew on (kvchat.answer.sources; costs one forward
-        of the answer's tokens once it is decoded, nothing when off); `recalled`, turns of the history
-        prefilled after the cache and before the question (retrieved for it, kvchat.answer.rag), so the answer sees them
-        in the conversation (given this way they are not counted as sources; the turns `--method recall` recalls
-        are). An off-topic question is not answered when the config refuses them (`finish_reason` "refused")."""
+        of the answer's tokens once it is decoded, nothing when off); `retrieved_text`, turns of the history
+        retrieved for the question by the caller (kvchat.answer.rag: eval's rag baseline), prefilled after the cache
+        and before it, so the answer sees them in the conversation (given this way they are not counted as sources;
+        the turns `--method recall` recalls are). An off-topic question is not answered when the config refuses them
+        (`finish_reason` "refused")."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -140,17 +141,18 @@ class Session:
         chunks: list[list[int]] | None = None
         placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
         recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
-        if self._recall is not None and not recalled:  # --method recall: the question's chunks of raw turns
+        prefilled = retrieved_text  # text prefilled after the cache: retrieved by the caller, or recalled here
+        if self._recall is not None and not prefilled:  # --method recall: the question's chunks of raw turns
             picks = recall.picked(self._recall, question, query, self._split)
             picked = [self._recall.chunks[i] for i in picks]
             chunks = recall.turn_ranges(picked)
             if stored is not None:
                 placing = picks
             else:
-                recalled = recall.recalled_text(picked)
+                prefilled = recall.recalled_text(picked)
             recalled_turns = self._recalled_spans(picked, placing) if sources else []
-        if recalled:  # the cached history's last line ends without a newline
-            prompt_ids = torch.cat([self.lm.encode("\n" + recalled), prompt_ids], dim=-1)
+        if prefilled:  # the cached history's last line ends without a newline
+            prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
         placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,

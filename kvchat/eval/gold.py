@@ -229,10 +229,10 @@ class _KvchatAnswerer:
         self.entry_bytes = _entry_bytes(lm)
 
     def ask(self, question: str) -> _Got:
-        recalled = ""
+        retrieved = ""
         if self.recall is not None:
-            recalled = "\n".join(self.recall.index.chunks[i].text for i in self.recall.retrieve(question))
-        answer = self.session.ask(question, log=False, recalled=recalled)
+            retrieved = "\n".join(self.recall.index.chunks[i].text for i in self.recall.retrieve(question))
+        answer = self.session.ask(question, log=False, retrieved_text=retrieved)
         record = self.session.conversation.episodes[answer.episode]
         held = record.n_tokens / self.heads + answer.prompt_tokens  # resident + the question prefilled
         # resident bytes: the episode file's tensors (as held), the question's entries and the R read back
