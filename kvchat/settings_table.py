@@ -314,9 +314,10 @@ def markdown() -> str:
     for row in SETTINGS:
         if row.option is None:
             default = row.default
-            shown = "a paragraph" if isinstance(default, str) and len(default) > 40 else json.dumps(default)
-            before = f" Formerly `{'`, `'.join(row.old_keys)}`." if row.old_keys else ""
-            lines.append(f"| `{row.key}` | `{shown}` | {row.help}{before} |")
+            shown = "kvchat's own" if isinstance(default, str) and len(default) > 40 else f"`{json.dumps(default)}`"
+            former = [f"`{option}`" for option in row.old_options] + [f"key `{key}`" for key in row.old_keys]
+            before = f" Formerly {', '.join(former)}." if former else ""
+            lines.append(f"| `{row.key}` | {shown} | {row.help}{before} |")
     return "\n".join(lines) + "\n"
 
 
