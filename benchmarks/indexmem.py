@@ -51,7 +51,7 @@ def log(message: str) -> None:
 def grid(budgets: tuple[int, ...]) -> list[Variant]:
     """indexmem with memory, without, then the baselines: the order they run in."""
     base = dataclasses.replace(CacheConfig(), prefill="block")  # as docs/benchmarks.md's LoCoMo table ran
-    out = [Variant(dataclasses.replace(base, method="indexmem", budget=b, memory=m))
+    out = [Variant(dataclasses.replace(base, method="indexmem", budget=b, latent_memory=m))
            for m in (True, False) for b in budgets]
     out += [Variant(dataclasses.replace(base, method=m, budget=b)) for m in ("snapkv", "epicache") for b in budgets]
     return out

@@ -51,7 +51,7 @@ class Setting:
 
     key: str                          # its key in saved settings and in `--setting KEY=VALUE`
     field: str                        # its IngestConfig field, dotted ("cache.offload.paging.page_size")
-    help: str                         # what it is; its first sentence is the --help line and docs/commands.md's
+    help: str                         # what it is: --help's text (plain help: its first sentence), the docs' too
     option: str | None = None         # its `kvchat ingest` option, if users need one; else `--setting` only
     choices: tuple[Any, ...] = ()     # the values it accepts (none: any value of its type)
     shown_choices: tuple[Any, ...] = ()  # the choices --help lists, when not all of them (the rest still accepted)

@@ -233,7 +233,7 @@ def test_answers_with_every_page_equal_full_kv_answers(tmp_path, history, tiny_l
 def test_ingest_keeps_the_window_resident_beside_the_budget(tmp_path, history, tiny_lm, encoder, prefill):
     window = 12
     config = replace(OFFLOAD, cache=replace(OFFLOAD.cache, method="keydiff", prefill=prefill, offload=replace(
-        OFFLOAD.cache.offload, window=window)))  # fmt: skip
+        OFFLOAD.cache.offload, recent=window)))  # fmt: skip
     store = Store(tmp_path)
     _ingest(store, history, tiny_lm, encoder, config)
     for episode in store.get("conv").episodes:
