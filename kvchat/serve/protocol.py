@@ -102,7 +102,7 @@ class ChatCompletionRequest(BaseModel):
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
-        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.answer.sources,
+        return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
                            refuse_off_topic=self.kvchat.refuse_off_topic)
 
 
