@@ -332,7 +332,7 @@ def main() -> None:
     parser.add_argument("--conversation", type=Path, default=DATA / "conv-26.json")
     parser.add_argument("--models-dir", type=Path, default=default_home() / MODELS_DIR,
                         help="where the embedded GGUF is converted")  # fmt: skip
-    parser.add_argument("--rows", type=Path, default=RESULTS / "compile_speed.jsonl")
+    parser.add_argument("--rows", type=Path, default=RESULTS / "records" / "compile_speed.jsonl")
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_speed.md")
     parser.add_argument("--child-timeout", type=float, default=900.0)
     parser.add_argument("--render", action="store_true", help="only rewrite the table from --rows' rows")

@@ -41,7 +41,7 @@ from kvchat.model.llm import ChatLayout, load_model
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "locomo"
 RESULTS = REPO / "benchmarks" / "results"
-TIMING = RESULTS / "indexmem_timing.json"
+TIMING = RESULTS / "records" / "indexmem_timing.json"
 
 
 def log(message: str) -> None:
@@ -157,7 +157,7 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--budgets", default="128,256,512")
     parser.add_argument("--methods", default="indexmem,snapkv,epicache", help="quality: which of the grid to run")
-    parser.add_argument("--out", type=Path, default=RESULTS / "indexmem.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "records" / "indexmem.jsonl")
     args = parser.parse_args()
     args.budget_list = tuple(int(b) for b in args.budgets.split(","))
     if args.what == "report":

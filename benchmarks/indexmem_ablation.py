@@ -2,7 +2,7 @@
 (kvchat.history.synthetic, seeds the trainer never used) and the held-out chit-chat chunks of the training data.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem_ablation.py [--budgets 128,256] [--variants a,b]
-        [--planted 3] [--out benchmarks/results/indexmem_ablation.jsonl] [--weights FILE.indexmem.safetensors]
+        [--planted 3] [--out benchmarks/results/records/indexmem_ablation.jsonl] [--weights FILE.indexmem.safetensors]
 
 Every variant builds each context's cache by block prefill (block 512, the ingest's default layer budgets) and
 is compared with full KV: planted facts by the first answer token's KL and the gold answer's mean negative
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--variants", default="snapkv,indexer,indexer+memory")
     parser.add_argument("--planted", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "indexmem_ablation.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "records" / "indexmem_ablation.jsonl")
     parser.add_argument("--weights", type=Path, default=None, help="IndexMem weights file (default: ingest's)")
     args = parser.parse_args()
     lm = load_model("default", default_home() / "models")

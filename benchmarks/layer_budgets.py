@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--questions", type=int, default=5, help="per conversation")
     parser.add_argument("--budgets", default="256,512,1024")
-    parser.add_argument("--out", type=Path, default=RESULTS / "layer_budgets.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "records" / "layer_budgets.jsonl")
     parser.add_argument("--report", type=Path, default=RESULTS / "layer_budgets.md")
     args = parser.parse_args()
 

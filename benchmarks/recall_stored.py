@@ -2,7 +2,7 @@
 would give, measured before it is built.
 
     KVCHAT_HOME=... OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/recall_stored.py DATA... \
-        --out benchmarks/results/recall_stored.jsonl --report benchmarks/results/recall_stored.md
+        --out benchmarks/results/records/recall_stored.jsonl --report benchmarks/results/recall_stored.md
 
 Recall answers from a routed episode cache with the question's top chunks of raw turns prefilled on top of it
 (answer.recall), so every answer pays a prefill of its chunks (R = 512 tokens at the defaults). Their entries could

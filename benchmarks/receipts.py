@@ -46,9 +46,9 @@ def main() -> None:
                         help="AskConfig.source_layers_from: 0 counts every layer's attention")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true",
-                        help="the report again from the measurements beside --out (e.g. after a new threshold)")
+                        help="the report again from the records beside --out (records/NAME.jsonl): a new threshold")
     args = parser.parse_args()
-    measured = args.out.with_suffix(".jsonl")
+    measured = args.out.parent / "records" / args.out.with_suffix(".jsonl").name
     if args.report_only:
         records = [json.loads(line) for line in measured.read_text().splitlines()]
         run = next(r for r in records if r.get("kind") == "run")
@@ -86,6 +86,7 @@ def main() -> None:
     run = {"kind": "run", "histories": args.histories, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
            "source_layers_from": args.source_layers_from}
     off = [{"kind": "off_topic", "similarity": round(s, 4)} for s in off_topic]
+    measured.parent.mkdir(parents=True, exist_ok=True)
     measured.write_text("".join(json.dumps(r) + "\n" for r in [run, *rows, *off]))
     _write(_report(rows, in_topic, off_topic, args), args.out)
 

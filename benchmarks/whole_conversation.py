@@ -3,7 +3,7 @@ instead, every system scored against the gold answers at equal KV entries.
 
     KVCHAT_HOME=... /work/slot python benchmarks/whole_conversation.py DATA... [--questions N] \
         [--systems rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024] \
-        --out benchmarks/results/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
+        --out benchmarks/results/records/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
 
 Each conversation is loaded whole (every session, every category 1-4 question with evidence; LoCoMo's QA prompt
 for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.eval.gold, the
