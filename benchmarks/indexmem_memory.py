@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from _load import checked, shown  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, TrainConfig, default_home
 from kvchat.eval.evaluate import ResultsFile, summarize
@@ -72,9 +73,9 @@ def residual(args) -> None:
             metrics = evaluate_memory(trained.memory, trained.indexer, lm, held, train_config, trained.config)
             rows[eviction] = metrics["residual_removed"] | {"per_layer": metrics["per_layer"]}
             log(f"{name}, evicting as {eviction}: {metrics['residual_removed']} ({time.perf_counter() - clock:.0f} s)")
-        out["weights"][name] = {"file": str(path), "data_hash": trained.data_hash, "residual_removed": rows}
+        out["weights"][name] = {"file": shown(path), "data_hash": trained.data_hash, "residual_removed": rows}
     out["threads"] = torch.get_num_threads()
-    out["date"] = time.strftime("%Y-%m-%d")
+    out["date"], out["load"] = time.strftime("%Y-%m-%d"), args.load.record()
     (RECORDS / "indexmem_memory_residual.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
@@ -93,10 +94,10 @@ def length(args) -> None:
         for name, path in zip(names, args.weights, strict=True):
             trained = TrainedIndexMem.load(path)
             removed = residual_removed(trained.memory, trained.indexer, lm, [item], config, trained.config)[128]
-            row = out["weights"].setdefault(name, {"file": str(path), "readout": trained.config.readout})
+            row = out["weights"].setdefault(name, {"file": shown(path), "readout": trained.config.readout})
             row[str(n)] = {"all": removed[-1], "worst_layer": min(removed[:-1]), "per_layer": removed[:-1]}
             log(f"{name} at {n} tokens: {removed[-1]} (worst layer {min(removed[:-1])})")
-    out["date"] = time.strftime("%Y-%m-%d")
+    out["date"], out["load"] = time.strftime("%Y-%m-%d"), args.load.record()
     (RECORDS / "indexmem_memory_length.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
@@ -215,7 +216,7 @@ def main() -> None:
     parser.add_argument("weights", nargs="*", type=Path, help="residual, length: IndexMem weights files")
     parser.add_argument("--names", default="", help="residual, length: a name per weights file, comma-separated")
     parser.add_argument("--runs", nargs="*", default=[], help="report: NAME=RESULTS.jsonl of indexmem.py quality")
-    args = parser.parse_args()
+    args = checked(parser, skip=lambda a: a.what == "report")
     {"residual": residual, "length": length, "report": report}[args.what](args)
 
 
