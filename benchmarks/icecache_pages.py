@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import platform
 import statistics
 import sys
@@ -35,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _load import checked  # benchmarks/ is on sys.path
 from sklearn.cluster import KMeans
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
@@ -245,7 +245,7 @@ def main() -> None:
     )
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
+    args = checked(parser)
     torch.set_grad_enabled(False)
 
     lm = load_model("default", args.models_dir)
@@ -300,12 +300,11 @@ COLUMNS = ("KL", "first-token agreement", "answer agreement", "gold recall", "at
 
 
 def render(rows, build_seconds, history_tokens, args) -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     questions = len(next(iter(rows.values()))["KL"])
     columns = [c for c in COLUMNS if args.tokens or c not in ("answer agreement", "gold recall")]
     lines = [
         f"## IceCache pages ({dt.date.today()}, {platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s), load {load:.1f})",
+        f"{torch.get_num_threads()} thread(s), run {args.load})",
         "",
         f"Embedded model, {len(history_tokens)} planted-fact conversations "
         f"({statistics.fmean(history_tokens):.0f} history tokens on average), {questions} questions. "
