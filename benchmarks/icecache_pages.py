@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from _load import checked  # benchmarks/ is on sys.path
 from sklearn.cluster import KMeans
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvchat.config import SYSTEM_PROMPT, PagingConfig
@@ -248,10 +248,13 @@ def main() -> None:
     args = checked(parser)
     torch.set_grad_enabled(False)
 
-    lm = load_model("default", args.models_dir)
+    loaded = load_model("default", args.models_dir)
     AttentionInterface.register(ATTENTION, planned_attention)
     AttentionMaskInterface.register(ATTENTION, lambda *a, **k: None)
-    lm.model.set_attn_implementation(ATTENTION)
+    # transformers' model of the same weights, whose attention function this benchmark replaces by its own
+    model = AutoModelForCausalLM.from_pretrained(loaded.config.name_or_path, dtype=torch.float32).eval()
+    model.set_attn_implementation(ATTENTION)
+    lm = LoadedModel(loaded.spec, loaded.tokenizer, loaded.fingerprint, model)
 
     policies = POLICIES if args.policies is None else [tuple(p.split(":", 1)) for p in args.policies]
     rows: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))

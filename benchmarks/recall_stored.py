@@ -134,7 +134,7 @@ class StoredAnswerer:
         self.caches: dict[int, EpisodeCache] = {}
         self.index: RagIndex | None = None
         self._cache(0)  # reads the chunk index
-        self.rotary = (lm.native.model if lm.native is not None else lm.model.model).rotary_emb
+        self.rotary = lm.model.model.rotary_emb
         self.prefix = lm.encode(self.layout.before_conversation)
         self.stored: dict[str, StoredChunks] = {}
 
