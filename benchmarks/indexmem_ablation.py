@@ -27,8 +27,8 @@ from _load import checked, shown  # benchmarks/ is on sys.path
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, TrainConfig, default_home
 from kvchat.history.loading import Turn, format_turns
 from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.cache_budgets import resolve_layer_budgets
 from kvchat.ingest.layer_profiles import find_indexmem
-from kvchat.ingest.plan import resolve_layer_budgets
 from kvchat.kv.forward import forward
 from kvchat.kv.indexer import IndexerScorer
 from kvchat.kv.latent import LatentMemory
