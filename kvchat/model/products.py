@@ -94,17 +94,18 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 class Products:
     """What `build` makes of some Linear modules (a `Projection`, a `product`), made at first use and again when one
-    of them is replaced (int8/int4 weights held after loading) or its weight moved: not kept in the state dict."""
+    of them is replaced (int8/int4 weights held after loading) or the weights move (a new device or dtype): not kept
+    in the state dict."""
 
     def __init__(self, build: Callable[..., tuple]) -> None:
         self._build = build
-        self._key: tuple | None = None
+        self._modules: tuple[nn.Module, ...] = ()
+        self._where = 0  # the first module's weight's address when built: a move changes it
         self._built: tuple = ()
 
     def of(self, *modules: nn.Module) -> tuple:
-        key = tuple((m, m.weight.data_ptr(), m.weight.device) for m in modules)
-        if self._key is None or any(a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(self._key, key, strict=True)):
+        if modules != self._modules or modules[0].weight.data_ptr() != self._where:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever mode the forward runs in
                 self._built = self._build(*modules)
-            self._key = tuple((m, m.weight.data_ptr(), m.weight.device) for m in modules)  # after any rebinding
+            self._modules, self._where = modules, modules[0].weight.data_ptr()  # after any rebinding
         return self._built
