@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from _load import Load, checked  # benchmarks/ is on sys.path
+
 from kvchat.config import BatchConfig, CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.history.synthetic import planted_conversation
 from kvchat.ingest.batch import BatchProgress, histories, import_ray, ingest_batch
@@ -124,10 +126,10 @@ def run(files: list[Path], workers: int, models: Path, root: Path) -> Run:
                sum(h.report.history_tokens for h in done) // len(done))  # fmt: skip
 
 
-def render(runs: list[Run], cores_per_node: int, load_at_start: float) -> str:
+def render(runs: list[Run], cores_per_node: int, load: Load) -> str:
     one = runs[0]
     lines = [
-        f"Machine: {os.cpu_count()} CPUs, 1-min load average {load_at_start:.1f} at start (a shared machine); "
+        f"Machine: {os.cpu_count()} CPUs, {load}; "
         f"SmolLM2-135M-Instruct (embedded default, float32), one torch thread per worker; {one.histories} "
         f"planted-fact histories of {one.history_tokens} tokens ({TOPICS} topics x {TURNS_PER_TOPIC} turns), "
         f"budget {CONFIG.cache.budget}, block {CONFIG.cache.block_size}, {CONFIG.episodes.episodes} episodes; "
@@ -170,8 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--histories", type=int, default=8, help="histories per run (default 8)")
     parser.add_argument("--cores-per-node", type=int, default=16, help="for the projection (default 16)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"markdown output (default {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
-    load_at_start = os.getloadavg()[0]
+    args = checked(parser, argv)
     ray = import_ray()
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         root = Path(tmp)
@@ -188,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
             runs = [run(files, workers, models, root) for workers in (1, 2)]
         finally:
             ray.shutdown()
-    markdown = render(runs, args.cores_per_node, load_at_start)
+    markdown = render(runs, args.cores_per_node, args.load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(markdown)
     print(markdown)

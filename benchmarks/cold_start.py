@@ -1,11 +1,12 @@
 """Cold start: `kvchat ask --local QUESTION` to its first answer byte, one fresh process per run.
 
-    /work/exclusive python benchmarks/cold_start.py --checkouts /work/main,. [--runs 5] [--home H]
+    python benchmarks/cold_start.py --checkouts ../before,. [--runs 5] [--home H]
 
-Each checkout (a directory put first on PYTHONPATH: the kvchat it imports) answers the same question in turn, runs
-alternated, so a machine's drift falls on every checkout alike; the answer must be `--expect` in every run. The
-model must be converted already (`make demo` does it: the default home and question are the demo's). Prints the
-median and the runs of each; `python -X importtime -m kvchat ask ...` says where a start's time goes.
+Each checkout (a directory put first on PYTHONPATH: the kvchat it imports; `git worktree add ../before COMMIT`
+makes one of an earlier commit) answers the same question in turn, runs alternated, so a machine's drift falls on
+every checkout alike; the answer must be `--expect` in every run. The model must be converted already (`make demo`
+does it: the default home and question are the demo's). Prints the median and the runs of each, checkouts named
+relative to the working directory; `python -X importtime -m kvchat ask ...` says where a start's time goes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _load import checked  # benchmarks/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,16 +49,17 @@ def main() -> None:
     parser.add_argument("--conversation", default="demo")
     parser.add_argument("--question", default="How many tomato plants did Tom plant this spring?")
     parser.add_argument("--expect", default="Tom planted 31 tomato plants this spring.")
-    args = parser.parse_args()
+    args = checked(parser)
     runs: dict[Path, list[tuple[float, float]]] = {c: [] for c in args.checkouts}
     for _ in range(args.runs):
         for checkout in args.checkouts:
             runs[checkout].append(first_byte(checkout, args))
+    print(f"Run {args.load}.\n")
     print("| checkout | first answer byte, median (s) | runs (s) | exit, median (s) |\n|---|---:|---|---:|")
     for checkout, times in runs.items():
         firsts = [t[0] for t in times]
-        print(f"| {checkout} | {statistics.median(firsts):.2f} | {', '.join(f'{t:.2f}' for t in firsts)} | "
-              f"{statistics.median(t[1] for t in times):.2f} |")
+        print(f"| {os.path.relpath(checkout)} | {statistics.median(firsts):.2f} | "
+              f"{', '.join(f'{t:.2f}' for t in firsts)} | {statistics.median(t[1] for t in times):.2f} |")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import torch
+from _load import checked
 from core_loop import cpu_name  # benchmarks/ is on sys.path
 from decode_speed import BLOCK, BUDGET, DATA, inputs, kvchat_rate
 
@@ -251,8 +252,13 @@ def run_child_once(name: str, args: argparse.Namespace, inductor_dir: Path) -> d
     row = json.loads(rows[-1])
     row["process_s"] = time.perf_counter() - clock
     if row["ok"]:
-        row["logits_file"] = str(logits)
+        row["logits_file"] = logits.name  # in WORKDIR
     return row
+
+
+def logits_file(row: dict) -> Path:
+    """A row's first-token logits, in WORKDIR (`logits_file` names the file)."""
+    return WORKDIR / Path(row.get("logits_file") or "none").name
 
 
 def compare(rows: list[dict]) -> None:
@@ -260,17 +266,17 @@ def compare(rows: list[dict]) -> None:
     references = {row["weights"]: row for row in rows if row.get("ok") and row.get("target") is None}
     for row in rows:
         reference = references.get(row.get("weights"))
-        files = [Path(r.get("logits_file", "")) for r in (row, reference or {})]
+        files = [logits_file(r) for r in (row, reference or {})]
         if not row.get("ok") or reference is None or not all(f.is_file() for f in files):
             continue
         row["decode_ratio"] = row["tokens_per_s"] / reference["tokens_per_s"]
         row["session_ratio"] = reference["session_s"] / row["session_s"]
-        ours, theirs = torch.load(row["logits_file"]), torch.load(reference["logits_file"])
+        ours, theirs = torch.load(files[0]), torch.load(files[1])
         row["max_logit_diff"] = float((ours - theirs).abs().max())
         row["same_answer"] = row["answer"] == reference["answer"]
         floats = references.get("float")
-        if row["weights"] != "float" and floats is not None and Path(floats["logits_file"]).is_file():
-            row["max_logit_diff_float"] = float((ours - torch.load(floats["logits_file"])).abs().max())
+        if row["weights"] != "float" and floats is not None and logits_file(floats).is_file():
+            row["max_logit_diff_float"] = float((ours - torch.load(logits_file(floats))).abs().max())
 
 
 def compile_seconds(row: dict, tokens: int) -> float:
@@ -287,7 +293,8 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
         f"(`--prefill full`'s selection), {args.tokens} greedy tokens per answer (end of turn ignored), each "
         f"variant in a fresh process. Compile s: the first answer's wall time less {args.tokens} tokens at the "
         f"steady rate; the second answer is the same question again. Ratios and logit differences against eager "
-        f"with the same weights.",
+        f"with the same weights."
+        + (f" The variants measured in this run ({', '.join(args.variants)}) ran {args.load}." if args.load else ""),
         "",
         "| weights | variant | first / second answer s | compile s | tokens/s | x eager | "
         f"{args.questions}-question session s | x eager | recompiles (in session) | graphs | "
@@ -332,13 +339,13 @@ def main() -> None:
     parser.add_argument("--conversation", type=Path, default=DATA / "conv-26.json")
     parser.add_argument("--models-dir", type=Path, default=default_home() / MODELS_DIR,
                         help="where the embedded GGUF is converted")  # fmt: skip
-    parser.add_argument("--rows", type=Path, default=RESULTS / "compile_speed.jsonl")
+    parser.add_argument("--rows", type=Path, default=RESULTS / "records" / "compile_speed.jsonl")
     parser.add_argument("--out", type=Path, default=RESULTS / "compile_speed.md")
     parser.add_argument("--child-timeout", type=float, default=900.0)
     parser.add_argument("--render", action="store_true", help="only rewrite the table from --rows' rows")
     parser.add_argument("--child", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
     parser.add_argument("--logits", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = checked(parser, skip=lambda a: a.child is not None or a.render)  # the parent checked for a child
     if args.child:
         print(json.dumps(run_variant(args.child, args)), flush=True)
         return
@@ -350,6 +357,8 @@ def main() -> None:
         args.variants = []
     with tempfile.TemporaryDirectory(prefix="kvchat-compile-speed-inductor-") as inductor_dir:
         fresh = [run_child(name, args, Path(inductor_dir)) for name in args.variants]
+    for row in fresh:
+        row["load"] = args.load.record()
     rows = [row for row in kept if row["variant"] not in args.variants] + fresh
     rows.sort(key=lambda row: list(VARIANTS).index(row["variant"]))
     compare(rows)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _load import Load, checked  # benchmarks/ is on sys.path
 
 from kvchat.answer.session import Answer, Session
 from kvchat.config import EPISODE_INSTRUCTION, SYSTEM_PROMPT, CacheConfig, IngestConfig
@@ -271,11 +272,11 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def header(load_at_start: float) -> str:
+def header(load: Load) -> str:
     return (
         f"Machine: {cpu_name()}, {os.cpu_count()} CPUs, {platform.system()}; torch {torch.__version__} "
         f"with {torch.get_num_threads()} threads; SmolLM2-135M-Instruct (embedded default, float32); "
-        f"1-min load average {load_at_start:.1f} at start; {dt.date.today().isoformat()}."
+        f"run {load}; {dt.date.today().isoformat()}."
     )
 
 
@@ -317,7 +318,7 @@ def render(
     *,
     new_tokens: int,
     quick: bool,
-    load_at_start: float,
+    load: Load,
     prompt_tokens: int,
 ) -> str:
     longest = max(r.history_tokens for r in prefill)
@@ -326,7 +327,7 @@ def render(
     lines = [
         "## Core loop benchmark" + (" (quick)" if quick else ""),
         "",
-        header(load_at_start),
+        header(load),
         "",
         f"### Peak KV entries per layer (budget {BUDGET}, block {BLOCK}, patched prompt {prompt_tokens} tokens: "
         f"instruction + segment capped at {PROMPT_TOKENS}, in the question template)",
@@ -359,7 +360,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, default=None, help="torch intra-op threads (default: torch's own choice)"
     )
-    return parser.parse_args(argv)
+    return checked(parser, argv)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -370,7 +371,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     started = time.perf_counter()
-    load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-") as tmp:
         home = Path(tmp)
         models_dir = TEST_MODELS_DIR if TEST_MODELS_DIR.is_dir() else home / "models"
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         turns,
         new_tokens=new_tokens,
         quick=args.quick,
-        load_at_start=load_at_start,
+        load=args.load,
         prompt_tokens=prompt_tokens,
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)

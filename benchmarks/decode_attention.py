@@ -1,4 +1,4 @@
-"""One decode query's attention on the CPU: kvchat's grouped matmuls (`decode_attention`) against torch's SDPA.
+"""One decode query's attention on the CPU: kvchat's grouped matmuls (`softmax_attention`) against torch's SDPA.
 
     HF_HUB_OFFLINE=1 python benchmarks/decode_attention.py [--threads 1 2] [--out PATH]
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _load import checked  # benchmarks/ is on sys.path
 
-from kvchat.kv.attention import decode_attention
+from kvchat.kv.attention import softmax_attention
 
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 LAYERS, HEADS, KV_HEADS, DIM = 30, 9, 3, 64
@@ -42,12 +43,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
-    grouped = lambda q, k, v: decode_attention(q, k, v, DIM**-0.5)  # noqa: E731
+    args = checked(parser)
+    grouped = lambda q, k, v: softmax_attention(q, k, v, DIM**-0.5)  # noqa: E731
     sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, scale=DIM**-0.5, enable_gqa=True)  # noqa: E731
     lines = [
         f"### One decode query's attention, microseconds per layer ({platform.machine()}, {os.cpu_count()} CPUs, "
-        f"torch {torch.__version__}, {dt.date.today()}; `{Path(__file__).name}`)", "",
+        f"torch {torch.__version__}, {dt.date.today()}; `{Path(__file__).name}`; run {args.load})", "",
         "| dtype | threads | entries per head | grouped matmuls | SDPA | SDPA / grouped |",
         "|---|---:|---:|---:|---:|---:|",
     ]

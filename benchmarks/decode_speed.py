@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import EPISODE_INSTRUCTION, SYSTEM_PROMPT
 from kvchat.eval.gold import bootstrap_interval
@@ -282,7 +283,8 @@ def report(rows: list[Row], threads: int, bandwidth: float, args: argparse.Names
     load = os.getloadavg()[0]
     lines = [
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}, {threads} threads "
-        f"(llama.cpp: {threads if with_llama else 'not installed'}); 1-min load {load:.1f} at the end; "
+        f"(llama.cpp: {threads if with_llama else 'not installed'}); run {args.load}, 1-min load {load:.1f} at "
+        f"the end; "
         f"{dt.date.today()}. Embedded SmolLM2-135M-Instruct, {args.conversation.stem} cut to each length, "
         f"{args.tokens} greedy tokens (end of turn ignored), copy bandwidth {bandwidth / 1e9:.1f} GB/s.",
         "",
@@ -360,7 +362,8 @@ def one(args: argparse.Namespace) -> None:
 def alternate_report(results: list[tuple[int, dict[str, float]]], args: argparse.Namespace) -> str:
     lines = [
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs; torch {torch.__version__}, {args.threads} threads "
-        f"each; 1-min load {os.getloadavg()[0]:.1f} at the end; {dt.date.today()}. Embedded SmolLM2-135M-Instruct, "
+        f"each; run {args.load}, 1-min load {os.getloadavg()[0]:.1f} at the end; {dt.date.today()}. Embedded "
+        f"SmolLM2-135M-Instruct, "
         f"{args.conversation.stem} cut to each length, {args.tokens} greedy tokens (end of turn ignored). Each run: "
         f"kvchat's episode cache (budget 512) with int4 weights and llama.cpp over its full KV with Q4_1 weights, "
         f"each in a process of its own, the median of {args.reps} answers after a warm-up; which goes first "
@@ -430,7 +433,7 @@ def precision(args: argparse.Namespace) -> str:
                 results[name].append((kl, agreement, ids[:1] == ids32[:1]))
     lines = [
         f"Against float32, full KV, {args.context}-token LoCoMo histories, {args.questions} questions per "
-        f"conversation, 32-token greedy answers.", "",
+        f"conversation, 32-token greedy answers; run {args.load}.", "",
         "| weights | questions | first-token KL (mean) | max | agreement | same first token |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -458,7 +461,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="alternate: answers per engine and run")
     parser.add_argument("--engine", choices=ENGINES, help=argparse.SUPPRESS)  # mode one
     parser.add_argument("--ids", type=Path, help=argparse.SUPPRESS)  # mode one
-    args = parser.parse_args()
+    args = checked(parser, skip=lambda a: a.mode == "one")  # the parent of mode one checked
     if args.mode == "one":
         one(args)
         return

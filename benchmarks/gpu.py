@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _load import Load, checked  # benchmarks/ is on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "gpu.md"
@@ -122,14 +123,15 @@ def run(lm, lengths: list[int]) -> list[Row]:
     return rows
 
 
-def render(rows: list[Row], lm, backend: str) -> str:
+def render(rows: list[Row], lm, backend: str, load: Load) -> str:
     props = torch.cuda.get_device_properties(0)
     lines = [
         "## Core loop on CUDA (benchmarks/gpu.py)",
         "",
         f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, model {lm.spec} in "
         f"{str(lm.dtype).removeprefix('torch.')}, decode attention: {backend}; budget {BUDGET}, block {BLOCK}, "
-        f"{DECODE_TOKENS} decoded tokens. Peak GPU memory: torch.cuda.max_memory_allocated over prefill + decode.",
+        f"{DECODE_TOKENS} decoded tokens; run {load}. Peak GPU memory: torch.cuda.max_memory_allocated over "
+        f"prefill + decode.",
         "",
         "| history tokens | cache | entries/layer | prefill tokens/s | decode tokens/s | with CUDA graphs | "
         "peak GPU GiB |",
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     parser.add_argument("--models-dir", type=Path, default=None, help="where a GGUF is converted (default: home)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"markdown output (default {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
+    args = checked(parser, argv, skip=lambda _: not torch.cuda.is_available())  # without CUDA: the line below
     if not torch.cuda.is_available():
         print(f"benchmarks/gpu.py needs a CUDA GPU and torch {torch.__version__} sees none; run it where one is "
               "lent (see the module docstring)", file=sys.stderr)
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                     placement=resolve(DeviceConfig("cuda", args.dtype)))
     window = lm.context_window - ANSWER_ROOM if lm.context_window else SHORT
     lengths = sorted({min(SHORT, window), window})
-    text = render(run(lm, lengths), lm, lm.attention_backend)
+    text = render(run(lm, lengths), lm, lm.attention_backend, args.load)
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _load import checked
 from core_loop import forced_decode  # benchmarks/ is on sys.path when a script here runs
 
 from kvchat.answer.session import Session
@@ -58,9 +59,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=32, help="forced decode tokens per measurement")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = checked(parser)
     torch.set_grad_enabled(False)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
 
     lm = load_model("default", TEST_MODELS_DIR)
     encoder = SentenceEncoder()
@@ -96,7 +96,7 @@ def main() -> None:
         "## Head budgets: uniform vs adaptive (AdaKV)",
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with "
-        f"{torch.get_num_threads()} threads, 1-min load average {load:.1f} at start; "
+        f"{torch.get_num_threads()} threads, run {args.load}; "
         f"SmolLM2-135M-Instruct (embedded, float32, 30 layers x 3 KV heads x 64); "
         f"{dt.date.today()}. `examples/planted_facts.json` ({reports['uniform'].history_tokens} tokens), "
         f"budget {args.budget}, block {CacheConfig.block_size}, {reports['uniform'].layer_budgets} layer budgets, "

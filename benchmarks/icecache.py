@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import platform
 import statistics
 import sys
@@ -43,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from _load import Load, checked
 from core_loop import forced_decode, long_history_ids, patched_prompt_ids  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig
@@ -70,10 +70,9 @@ def mib(nbytes: float) -> float:
     return nbytes / 2**20
 
 
-def machine() -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+def machine(load: Load) -> str:
     return (f"{dt.date.today()}, {platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} "
-            f"thread(s), 1-min load {load:.1f} at start")  # fmt: skip
+            f"thread(s), run {load}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- speed and memory
@@ -166,7 +165,7 @@ def speed(args: argparse.Namespace) -> str:
 
     full_speed = statistics.median(runs[("full KV", 8)])
     lines = [
-        f"## IceCache: memory and decode speed at a {history.shape[-1]}-token history ({machine()})",
+        f"## IceCache: memory and decode speed at a {history.shape[-1]}-token history ({machine(args.load)})",
         "",
         f"Embedded model (float32). Decode: {args.decode} greedy tokens forced past EOS after one question, "
         f"median of {args.rounds} rounds, kinds interleaved. Pages: half precision, read by the default scorer "
@@ -246,7 +245,7 @@ def quality(args: argparse.Namespace) -> str:
     columns = ("variant", "questions", "kl", "agreement", "f1", "relative_f1", "evidence_kept", "evidence_recalled",
                "evidence_attention_recalled", "peak_layer_entries", "answer_tokens_per_s")  # fmt: skip
     lines = [
-        f"## IceCache: answer quality, {args.study} ({machine()})",
+        f"## IceCache: answer quality, {args.study} ({machine(args.load)})",
         "",
         f"`kvchat eval` on {', '.join(s.name for s in sets)} (histories cut to {args.max_context} tokens, "
         f"at most {args.questions} questions each, 24-token answers). M = {m}, W = {w} (offload: the last W "
@@ -303,7 +302,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None, help="quality: JSON lines to resume from")
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = checked(parser)
     report = speed(args) if args.part == "speed" else quality(args)
     print(report)
     name = args.part if args.part == "speed" or args.study == "table" else f"{args.part}_{args.study}"

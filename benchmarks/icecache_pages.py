@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import platform
 import statistics
 import sys
@@ -35,8 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from _load import checked  # benchmarks/ is on sys.path
 from sklearn.cluster import KMeans
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvchat.config import SYSTEM_PROMPT, PagingConfig
@@ -245,13 +245,16 @@ def main() -> None:
     )
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
+    args = checked(parser)
     torch.set_grad_enabled(False)
 
-    lm = load_model("default", args.models_dir)
+    loaded = load_model("default", args.models_dir)
     AttentionInterface.register(ATTENTION, planned_attention)
     AttentionMaskInterface.register(ATTENTION, lambda *a, **k: None)
-    lm.model.set_attn_implementation(ATTENTION)
+    # transformers' model of the same weights, whose attention function this benchmark replaces by its own
+    model = AutoModelForCausalLM.from_pretrained(loaded.config.name_or_path, dtype=torch.float32).eval()
+    model.set_attn_implementation(ATTENTION)
+    lm = LoadedModel(loaded.spec, loaded.tokenizer, loaded.fingerprint, model)
 
     policies = POLICIES if args.policies is None else [tuple(p.split(":", 1)) for p in args.policies]
     rows: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -300,12 +303,11 @@ COLUMNS = ("KL", "first-token agreement", "answer agreement", "gold recall", "at
 
 
 def render(rows, build_seconds, history_tokens, args) -> str:
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     questions = len(next(iter(rows.values()))["KL"])
     columns = [c for c in COLUMNS if args.tokens or c not in ("answer agreement", "gold recall")]
     lines = [
         f"## IceCache pages ({dt.date.today()}, {platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s), load {load:.1f})",
+        f"{torch.get_num_threads()} thread(s), run {args.load})",
         "",
         f"Embedded model, {len(history_tokens)} planted-fact conversations "
         f"({statistics.fmean(history_tokens):.0f} history tokens on average), {questions} questions. "

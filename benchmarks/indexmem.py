@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, IngestConfig, default_home
 from kvchat.eval import report as eval_report
@@ -41,7 +42,7 @@ from kvchat.model.llm import ChatLayout, load_model
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data" / "locomo"
 RESULTS = REPO / "benchmarks" / "results"
-TIMING = RESULTS / "indexmem_timing.json"
+TIMING = RESULTS / "records" / "indexmem_timing.json"
 
 
 def log(message: str) -> None:
@@ -103,7 +104,7 @@ def timing(args, lm, rounds: int = 2, budget: int = 256, block: int = 512) -> No
         "min_ratio_to_full": {k: round(min(v) / min(seconds["full"]), 2) for k, v in seconds.items()},
         "median_ratio_to_full": {k: round(statistics.median(v) / statistics.median(seconds["full"]), 2)
                                  for k, v in seconds.items()},
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, 1-min load average {os.getloadavg()[0]:.1f}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, run {args.load}", "load": args.load.record(),
         "date": time.strftime("%Y-%m-%d"),
     }
     TIMING.write_text(json.dumps(result, indent=1) + "\n")
@@ -157,12 +158,13 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=10)
     parser.add_argument("--budgets", default="128,256,512")
     parser.add_argument("--methods", default="indexmem,snapkv,epicache", help="quality: which of the grid to run")
-    parser.add_argument("--out", type=Path, default=RESULTS / "indexmem.jsonl")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=RESULTS / "records" / "indexmem.jsonl")
+    args = checked(parser, skip=lambda a: a.what == "report")
     args.budget_list = tuple(int(b) for b in args.budgets.split(","))
     if args.what == "report":
         write_report(args)
         return
+    log(f"run {args.load}")  # quality's records are kvchat eval's: the load is in this log only
     lm = load_model("default", default_home() / "models")
     quality(args, lm) if args.what == "quality" else timing(args, lm)
 

@@ -2,7 +2,7 @@
 (kvchat.history.synthetic, seeds the trainer never used) and the held-out chit-chat chunks of the training data.
 
     HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/indexmem_ablation.py [--budgets 128,256] [--variants a,b]
-        [--planted 3] [--out benchmarks/results/indexmem_ablation.jsonl] [--weights FILE.indexmem.safetensors]
+        [--planted 3] [--out benchmarks/results/records/indexmem_ablation.jsonl] [--weights FILE.indexmem.safetensors]
 
 Every variant builds each context's cache by block prefill (block 512, the ingest's default layer budgets) and
 is compared with full KV: planted facts by the first answer token's KL and the gold answer's mean negative
@@ -22,12 +22,13 @@ import time
 from pathlib import Path
 
 import torch
+from _load import checked, shown  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, TrainConfig, default_home
 from kvchat.history.loading import Turn, format_turns
 from kvchat.history.synthetic import planted_conversation
+from kvchat.ingest.cache_budgets import resolve_layer_budgets
 from kvchat.ingest.layer_profiles import find_indexmem
-from kvchat.ingest.plan import resolve_layer_budgets
 from kvchat.kv.forward import forward
 from kvchat.kv.indexer import IndexerScorer
 from kvchat.kv.latent import LatentMemory
@@ -176,9 +177,9 @@ def main() -> None:
     parser.add_argument("--budgets", default="128,256")
     parser.add_argument("--variants", default="snapkv,indexer,indexer+memory")
     parser.add_argument("--planted", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=RESULTS / "indexmem_ablation.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "records" / "indexmem_ablation.jsonl")
     parser.add_argument("--weights", type=Path, default=None, help="IndexMem weights file (default: ingest's)")
-    args = parser.parse_args()
+    args = checked(parser)
     lm = load_model("default", default_home() / "models")
     trained = TrainedIndexMem.load(args.weights) if args.weights else find_indexmem(lm, [default_home() / "profiles"])
     log(f"weights {trained.path} (memory readout {trained.config.readout})")
@@ -216,12 +217,12 @@ def main() -> None:
                 rows.append({"context": ctx.name} | measure(lm, trained, prefix, ctx, cache, refs[ctx.name]))
             planted = [r for r in rows if "kl_first" in r]
             summary = {
-                "variant": name, "budget": budget, "weights": str(trained.path), "readout": trained.config.readout,
+                "variant": name, "budget": budget, "weights": shown(trained.path), "readout": trained.config.readout,
                 "kl_first": round(sum(r["kl_first"] for r in planted) / len(planted), 4),
                 "agree_first": round(sum(r["agree_first"] for r in planted) / len(planted), 3),
                 "nll_gap": round(sum(r["nll_gap"] for r in planted) / len(planted), 4),
                 "kl_cont": round(sum(r["kl_cont"] for r in rows if "kl_cont" in r), 4),
-                "seconds": round(time.perf_counter() - clock, 1), "rows": rows,
+                "seconds": round(time.perf_counter() - clock, 1), "load": args.load.record(), "rows": rows,
             }
             with args.out.open("a") as f:
                 f.write(json.dumps(summary) + "\n")

@@ -10,11 +10,11 @@ mass readout).
 training's own `evaluate_memory` twice: evicting as ingest does (`TrainConfig`'s defaults, which are
 `CacheConfig`'s: the indexer blended 1:3 with the block's last 64 queries' attention, a 16-entry window) and
 as the memory stage did before it reused ingest's scorer (the indexer alone, a 64-entry window). Writes
-benchmarks/results/indexmem_memory_residual.json.
+benchmarks/results/records/indexmem_memory_residual.json.
 `length`: the same share on one planted-fact conversation (kvchat.history.synthetic seed 7100, the first of
 indexmem_ablation.py's; never LoCoMo) cut to 512 tokens, as training's chunks are, and to 1536, as an
 ingest's history of it is: budget 128, its last 64 tokens reading. Writes
-benchmarks/results/indexmem_memory_length.json.
+benchmarks/results/records/indexmem_memory_length.json.
 `report`: the LoCoMo table (first-token KL and agreement against full KV, memory on and off) of runs made
 by `benchmarks/indexmem.py quality --methods indexmem --out RESULTS.jsonl`, one per weights file (each with
 `KVCHAT_HOME` holding that file in its profiles/), into benchmarks/results/indexmem_memory.md.
@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from _load import checked, shown  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, TrainConfig, default_home
 from kvchat.eval.evaluate import ResultsFile, summarize
@@ -43,6 +44,7 @@ from kvchat.training.teacher import capture
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+RECORDS = RESULTS / "records"
 LENGTHS = (512, 1536)  # indexmem_memory.py length: training's chunk length, and a planted history's
 # The memory stage's eviction before it reused ingest's scorer: the indexer alone, a 64-entry window.
 INDEXER_ALONE = {"memory_attention_mix": 0.0, "memory_recent": 64}
@@ -71,10 +73,10 @@ def residual(args) -> None:
             metrics = evaluate_memory(trained.memory, trained.indexer, lm, held, train_config, trained.config)
             rows[eviction] = metrics["residual_removed"] | {"per_layer": metrics["per_layer"]}
             log(f"{name}, evicting as {eviction}: {metrics['residual_removed']} ({time.perf_counter() - clock:.0f} s)")
-        out["weights"][name] = {"file": str(path), "data_hash": trained.data_hash, "residual_removed": rows}
+        out["weights"][name] = {"file": shown(path), "data_hash": trained.data_hash, "residual_removed": rows}
     out["threads"] = torch.get_num_threads()
-    out["date"] = time.strftime("%Y-%m-%d")
-    (RESULTS / "indexmem_memory_residual.json").write_text(json.dumps(out, indent=1) + "\n")
+    out["date"], out["load"] = time.strftime("%Y-%m-%d"), args.load.record()
+    (RECORDS / "indexmem_memory_residual.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 def length(args) -> None:
@@ -92,11 +94,11 @@ def length(args) -> None:
         for name, path in zip(names, args.weights, strict=True):
             trained = TrainedIndexMem.load(path)
             removed = residual_removed(trained.memory, trained.indexer, lm, [item], config, trained.config)[128]
-            row = out["weights"].setdefault(name, {"file": str(path), "readout": trained.config.readout})
+            row = out["weights"].setdefault(name, {"file": shown(path), "readout": trained.config.readout})
             row[str(n)] = {"all": removed[-1], "worst_layer": min(removed[:-1]), "per_layer": removed[:-1]}
             log(f"{name} at {n} tokens: {removed[-1]} (worst layer {min(removed[:-1])})")
-    out["date"] = time.strftime("%Y-%m-%d")
-    (RESULTS / "indexmem_memory_length.json").write_text(json.dumps(out, indent=1) + "\n")
+    out["date"], out["load"] = time.strftime("%Y-%m-%d"), args.load.record()
+    (RECORDS / "indexmem_memory_length.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 def report(args) -> None:
@@ -116,7 +118,7 @@ def report(args) -> None:
             "LoCoMo conv-26 and conv-30 cut to whole sessions within 4096 tokens, 10 questions each (categories "
             "1-4), block 512, block prefill, default layer budgets, uniform heads; first-token KL and agreement "
             "against full KV, means over the 20 questions.\n\n" + "\n".join(lines) + "\n")
-    training = RESULTS / "indexmem_training_memory_ingest_eviction.json"
+    training = RECORDS / "indexmem_training_memory_ingest_eviction.json"
     if training.is_file():
         t = json.loads(training.read_text())
         text += ("\nadditive (retrained): "
@@ -124,7 +126,7 @@ def report(args) -> None:
                  f"on a copy of the shipped file (its indexer; seed 0, the default recipe, data hash "
                  f"{t['data_hash']}), evicting as ingest does; {t['timings_ms']['total'] / 1000:.0f} s "
                  f"(`{training.name}`). Not shipped.\n")
-    mass = RESULTS / "indexmem_training_memory_mass.json"
+    mass = RECORDS / "indexmem_training_memory_mass.json"
     if mass.is_file():
         t = json.loads(mass.read_text())
         removed = ", ".join(f"{v:.3f} @{k}" for k, v in t["metrics"]["memory"]["residual_removed"].items())
@@ -134,7 +136,7 @@ def report(args) -> None:
                  f"{t['timings_ms']['total'] / 1000:.0f} s (`{mass.name}`); held-out residual removed {removed}. "
                  "Answering adds half its correction (`IndexMemConfig.mass_scale` 0.5, chosen on the planted facts "
                  "below before this LoCoMo run). Shipped: now the default.\n")
-    residual_file = RESULTS / "indexmem_memory_residual.json"
+    residual_file = RECORDS / "indexmem_memory_residual.json"
     if residual_file.is_file():
         data = json.loads(residual_file.read_text())
         budgets = data["budgets"]
@@ -149,10 +151,10 @@ def report(args) -> None:
             for eviction, row in weights["residual_removed"].items():
                 text += (f"| {name} | {eviction} | " + " | ".join(f"{row[str(b)]:.3f}" for b in budgets)
                          + f" | {min(row['per_layer']):.3f} |\n")
-    planted = RESULTS / "indexmem_mass_planted.jsonl"
+    planted = RECORDS / "indexmem_mass_planted.jsonl"
     if planted.is_file():
         text += planted_table(planted)
-    length_file = RESULTS / "indexmem_memory_length.json"
+    length_file = RECORDS / "indexmem_memory_length.json"
     if length_file.is_file():
         data = json.loads(length_file.read_text())
         head = " | ".join(f"{n} tokens" for n in LENGTHS)
@@ -201,7 +203,7 @@ def planted_table(path: Path) -> str:
         cells = [fmt.format(row[b][key]) if b in row else "–" for key, _, fmt in metrics for b in budgets]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return ("\nPlanted facts and held-out chit-chat (`benchmarks/indexmem_ablation.py --variants chosen,chosen+memory "
-            "--weights FILE`, records in `indexmem_mass_planted.jsonl`; never LoCoMo): three planted-fact "
+            "--weights FILE`, records in `records/indexmem_mass_planted.jsonl`; never LoCoMo): three planted-fact "
             "conversations (history.synthetic seeds 7100-7102, about 1466 tokens, 6 questions each) and the held-out "
             "chit-chat chunks (2322 tokens, then 48 more teacher-forced); ingest's scorer (the 1:3 blend, window 16, "
             "no pooling), block 512, sensitivity layer budgets; against full KV. `xS`: the memory's addition "
@@ -214,7 +216,7 @@ def main() -> None:
     parser.add_argument("weights", nargs="*", type=Path, help="residual, length: IndexMem weights files")
     parser.add_argument("--names", default="", help="residual, length: a name per weights file, comma-separated")
     parser.add_argument("--runs", nargs="*", default=[], help="report: NAME=RESULTS.jsonl of indexmem.py quality")
-    args = parser.parse_args()
+    args = checked(parser, skip=lambda a: a.what == "report")
     {"residual": residual, "length": length, "report": report}[args.what](args)
 
 

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _load import checked  # benchmarks/ is on sys.path
+
 from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig
 from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, summarize
 from kvchat.history.loading import Turn
@@ -85,7 +87,7 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=4096)
     parser.add_argument("--questions", type=int, default=10, help="per conversation, for KL and agreement")
     parser.add_argument("--out", type=Path, default=RESULTS / "ingest_speed.md")
-    args = parser.parse_args()
+    args = checked(parser)
 
     threads = use_threads()
     lm = load_model("default", REPO / ".venv" / "kvchat-test-models")
@@ -94,7 +96,7 @@ def main() -> None:
     sets = qa_sets(args.data, 0, lm, config)
     lines = [
         f"Embedded model, {threads} thread(s), {os.cpu_count()} CPUs; budget 512, block 512, 4 episodes; "
-        f"histories cut to {args.max_context} tokens (whole sessions).", "",
+        f"histories cut to {args.max_context} tokens (whole sessions); run {args.load}.", "",
         "| history | build | seconds | x one full-KV prefill | peak entries/layer |", "|---|---|---|---|---|",
     ]
     for qa_set in sets:

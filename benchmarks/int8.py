@@ -3,7 +3,7 @@ speed.
 
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/int8.py --synthetic 2 --choose [--bits 4]  # pick G and R
     OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/int8.py DATA... [--max-context 4096] [--questions 12]
-    /work/cpu-slot --quiet env OMP_NUM_THREADS=1 python benchmarks/int8.py DATA... --speed   # decode tokens/s
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 python benchmarks/int8.py DATA... --speed   # decode tokens/s
 
 Each conversation is ingested once with the default method at `--budget` (full precision, the embedded model's
 float32) into a scratch store. Every question is routed as `kvchat ask` routes it and answered greedily from
@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 import safetensors.torch
 import torch
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import LOCOMO_QA_TEMPLATE, CacheConfig, IngestConfig
 from kvchat.eval.evaluate import _kl
@@ -192,7 +193,7 @@ def main() -> None:
     parser.add_argument("--speed-tokens", type=int, default=32)
     parser.add_argument("--speed-rounds", type=int, default=5)
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = checked(parser)
     defaults = CacheConfig()
     chosen = [("int8", defaults.quant_group, defaults.quant_residual),
               ("int4", defaults.quant_group_4bit, defaults.quant_residual)]  # fmt: skip
@@ -219,7 +220,7 @@ def main() -> None:
             speed = decode_speed(lm, caches, args.speed_tokens, args.speed_rounds)
     lines = [
         f"## quantized caches vs full precision ({dt.date.today()}, {platform.machine()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} thread(s))", "",
+        f"{torch.get_num_threads()} thread(s), run {args.load})", "",
         f"Embedded SmolLM2-135M (float32), default method at budget {args.budget}, {args.questions} questions per "
         f"conversation (LoCoMo cut to {args.max_context} tokens), answers of up to {args.max_new_tokens} tokens. "
         "Reference: the same episode caches in full precision.", "",

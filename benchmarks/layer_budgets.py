@@ -18,6 +18,8 @@ import dataclasses
 import os
 from pathlib import Path
 
+from _load import checked  # benchmarks/ is on sys.path
+
 from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
 from kvchat.eval import report
 from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
@@ -67,9 +69,9 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--questions", type=int, default=5, help="per conversation")
     parser.add_argument("--budgets", default="256,512,1024")
-    parser.add_argument("--out", type=Path, default=RESULTS / "layer_budgets.jsonl")
+    parser.add_argument("--out", type=Path, default=RESULTS / "records" / "layer_budgets.jsonl")
     parser.add_argument("--report", type=Path, default=RESULTS / "layer_budgets.md")
-    args = parser.parse_args()
+    args = checked(parser)
 
     home = default_home()
     lm = load_model("default", home / "models")
@@ -83,7 +85,8 @@ def main() -> None:
     )
     rows = summarize(records)
     notes = [s.describe(config.questions) for s in sets]
-    notes.append(f"embedded model; epicache; --max-context {args.max_context}; {os.cpu_count()} CPUs")
+    notes.append(f"embedded model; epicache; --max-context {args.max_context}; {os.cpu_count()} CPUs; the last run "
+                 f"(records resumed from earlier runs are not timed again) {args.load}")
     notes += [f"{key} skipped: {reason}" for (_, key), reason in skipped(records).items()]
     table = pivot(rows, variants, budgets)
     text = report.markdown(rows, title="Layer and head budgets vs full KV", notes=notes)

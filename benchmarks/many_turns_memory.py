@@ -1,7 +1,7 @@
 """Peak memory of planning an ingest of a history of very many tiny turns (issue 29, case 11), and how soon the
 user hears of it.
 
-    /work/slot python benchmarks/many_turns_memory.py 100000 1000000 --out benchmarks/results/many_turns_memory.md
+    python benchmarks/many_turns_memory.py 100000 1000000 --out benchmarks/results/many_turns_memory.md
 
 Per size, a JSONL history of N turns `{"role": "user"/"assistant", "content": "hi i"}` is written and the real
 `kvchat ingest` command line runs under `/usr/bin/time -v` (`--method snapkv --budget 64 --block-size 64
@@ -25,6 +25,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _load import checked  # benchmarks/ is on sys.path
 
 KVCHAT = [sys.executable, "-m", "kvchat"]
 OPTIONS = ["--method", "snapkv", "--budget", "64", "--block-size", "64", "--episodes", "1", "--threads", "1"]
@@ -75,7 +77,7 @@ def main() -> None:
     parser.add_argument("--home", type=Path, help="a kvchat home, the embedded model converted (default: a temp one)")
     parser.add_argument("--label", default="", help="what this run measures (the code's version)")
     parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args = checked(parser)
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         home = args.home or Path(scratch) / "home"
@@ -86,8 +88,8 @@ def main() -> None:
     table = ["| turns | history tokens | first line s | plan made s | peak RSS MB |", "|---:|---:|---:|---:|---:|"]
     table += [f"| {t:,} | {f['tokens']:,} | {f['first_line_s']:.0f} | {f['planned_s']:.0f} | {f['peak_mb']:.0f} |"
               for t, f in rows]  # fmt: skip
-    text = (f"{args.label}\n\n{dt.date.today()}, {platform.machine()}, `{' '.join(OPTIONS)}`\n\n" + "\n".join(table)
-            + "\n")  # fmt: skip
+    text = (f"{args.label}\n\n{dt.date.today()}, {platform.machine()}, `{' '.join(OPTIONS)}`, run {args.load}\n\n"
+            + "\n".join(table) + "\n")  # fmt: skip
     print(text)
     if args.out:
         with args.out.open("a") as f:

@@ -2,7 +2,7 @@
 would give, measured before it is built.
 
     KVCHAT_HOME=... OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONPATH=. python benchmarks/recall_stored.py DATA... \
-        --out benchmarks/results/recall_stored.jsonl --report benchmarks/results/recall_stored.md
+        --out benchmarks/results/records/recall_stored.jsonl --report benchmarks/results/recall_stored.md
 
 Recall answers from a routed episode cache with the question's top chunks of raw turns prefilled on top of it
 (answer.recall), so every answer pays a prefill of its chunks (R = 512 tokens at the defaults). Their entries could
@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _load import Load, checked  # benchmarks/ is on sys.path
 
 from kvchat.answer import recall
 from kvchat.answer.rag import RagIndex
@@ -133,7 +134,7 @@ class StoredAnswerer:
         self.caches: dict[int, EpisodeCache] = {}
         self.index: RagIndex | None = None
         self._cache(0)  # reads the chunk index
-        self.rotary = (lm.native.model if lm.native is not None else lm.model.model).rotary_emb
+        self.rotary = lm.model.model.rotary_emb
         self.prefix = lm.encode(self.layout.before_conversation)
         self.stored: dict[str, StoredChunks] = {}
 
@@ -173,8 +174,9 @@ class StoredAnswerer:
         return self.lm.decode(text.tokens).strip()
 
 
-def run(paths: list[Path], out: Path, home: Path) -> list[dict]:
-    """Every question of every conversation answered by each system; records appended to `out` (resumed)."""
+def run(paths: list[Path], out: Path, home: Path, load: Load) -> list[dict]:
+    """Every question of every conversation answered by each system; records appended to `out` (resumed), after
+    a `run` record of the load this run started on."""
     records = [json.loads(line) for line in out.open()] if out.exists() else []
     done = {(r["set"], r["qid"], r["system"]) for r in records if r["kind"] == "answer"}
     store, encoder = Store(home), SentenceEncoder()
@@ -189,6 +191,7 @@ def run(paths: list[Path], out: Path, home: Path) -> list[dict]:
             sink.write(json.dumps(record) + "\n")
             sink.flush()
 
+        note({"kind": "run", "date": str(dt.date.today()), "load": load.record()})
         for path in paths:
             qa = load_locomo(path, max_context=None)
             todo = [(q, s) for q in qa.questions for s in SYSTEMS if (qa.name, q.qid, s) not in done]
@@ -219,7 +222,7 @@ def run(paths: list[Path], out: Path, home: Path) -> list[dict]:
     return records
 
 
-def report(records: list[dict], command: str) -> str:
+def report(records: list[dict], command: str, load: Load) -> str:
     answers: dict[str, dict] = defaultdict(dict)
     seconds: dict[str, list[float]] = defaultdict(list)
     for r in records:
@@ -236,7 +239,8 @@ def report(records: list[dict], command: str) -> str:
         f"`{command}`",
         "",
         f"{dt.date.today()}, {platform.machine()}, one torch thread, the embedded model with its default weights "
-        "(int4 on a CPU), caches ingested at the defaults.",
+        f"(int4 on a CPU), caches ingested at the defaults; the last run {load} (each run's load: the `run` "
+        "records).",
         "",
         "| system | questions | F1 [95% interval] | - prefilled [95% interval] | answer s, mean | x prefilled "
         "| built s | stored MB |",
@@ -269,10 +273,10 @@ def main() -> None:
     parser.add_argument("data", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True, help="JSON lines, resumed")
     parser.add_argument("--report", type=Path, default=None)
-    args = parser.parse_args()
+    args = checked(parser)
     use_threads()
-    records = run(args.data, args.out, default_home())
-    text = report(records, "python benchmarks/recall_stored.py " + " ".join(sys.argv[1:]))
+    records = run(args.data, args.out, default_home(), args.load)
+    text = report(records, "python benchmarks/recall_stored.py " + " ".join(sys.argv[1:]), args.load)
     print(text)
     if args.report is not None:
         args.report.write_text(text)

@@ -1,7 +1,7 @@
 """Receipts on the embedded model: are the sources an answer names the turns that hold its fact, and does the
 off-topic flag tell questions about the history from questions about another one?
 
-    HF_HUB_OFFLINE=1 /work/slot .venv/bin/python benchmarks/receipts.py [--histories 10] [--budget N] [--out PATH]
+    HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/receipts.py [--histories 10] [--budget N] [--out PATH]
 
 For each planted-fact history kvchat.history.synthetic generates (seeds 0..N-1, 4 topics of 24 turns, ingested with the
 default settings), every planted question is asked with sources (`Session.ask(sources=True)`): when the answer
@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.answer.session import Session
 from kvchat.config import OFF_TOPIC_SIMILARITY, AskConfig, CacheConfig, IngestConfig
@@ -46,9 +48,9 @@ def main() -> None:
                         help="AskConfig.source_layers_from: 0 counts every layer's attention")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--report-only", action="store_true",
-                        help="the report again from the measurements beside --out (e.g. after a new threshold)")
-    args = parser.parse_args()
-    measured = args.out.with_suffix(".jsonl")
+                        help="the report again from the records beside --out (records/NAME.jsonl): a new threshold")
+    args = checked(parser, skip=lambda a: a.report_only)
+    measured = args.out.parent / "records" / args.out.with_suffix(".jsonl").name
     if args.report_only:
         records = [json.loads(line) for line in measured.read_text().splitlines()]
         run = next(r for r in records if r.get("kind") == "run")
@@ -84,8 +86,9 @@ def main() -> None:
             off_topic += [session.route(q)[1] for q in OFF_TOPIC_QUESTIONS]
             print(f"history {seed + 1}/{args.histories}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     run = {"kind": "run", "histories": args.histories, "budget": args.budget, "max_new_tokens": args.max_new_tokens,
-           "source_layers_from": args.source_layers_from}
+           "source_layers_from": args.source_layers_from, "load": args.load.record()}
     off = [{"kind": "off_topic", "similarity": round(s, 4)} for s in off_topic]
+    measured.parent.mkdir(parents=True, exist_ok=True)
     measured.write_text("".join(json.dumps(r) + "\n" for r in [run, *rows, *off]))
     _write(_report(rows, in_topic, off_topic, args), args.out)
 

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.answer.rag import RagIndex
 from kvchat.answer.recall import split
@@ -129,12 +130,13 @@ def main() -> None:
     parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[256, 128])
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 768, 1024], help="k x chunk tokens")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = checked(parser)
     use_threads()
     home = default_home()
     lm, encoder = load_model("default", home / "models"), SentenceEncoder()
     lines = ["# Retrieval: the share of a question's evidence turns in its top chunks", "",
-             f"`python benchmarks/retrieval.py {' '.join(sys.argv[1:])}` ({dt.date.today()}); whole conversations "
+             f"`python benchmarks/retrieval.py {' '.join(sys.argv[1:])}` ({dt.date.today()}, run {args.load}); "
+             "whole conversations "
              f"({', '.join(p.stem for p in args.data)}), every category 1-4 question with evidence, mean over "
              "questions of the share of its evidence turns inside the chosen chunks.", "",
              "| chunk tokens | tokens retrieved | k | " + " | ".join(RANKINGS) + " |",

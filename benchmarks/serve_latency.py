@@ -37,6 +37,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from _load import checked  # benchmarks/ is on sys.path
+
 from kvchat.config import WEIGHT_MODES, AskConfig, CacheConfig, IngestConfig
 from kvchat.history.synthetic import planted_conversation
 from kvchat.ingest.pipeline import ingest
@@ -56,7 +58,7 @@ def main() -> None:
     parser.add_argument("--weights", choices=WEIGHT_MODES, default=AskConfig.weights, help="the server's weights")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each command-line measurement")
     parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+    args = checked(parser)
     from openai import OpenAI
 
     use_threads(args.threads)
@@ -122,8 +124,8 @@ def main() -> None:
         f"### kvchat serve: first-token latency ({args.clients} streaming clients, {args.tokens} tokens)", "",
         f"Embedded SmolLM2-135M, `--weights {args.weights}`, {args.threads} threads, "
         f"planted-fact conversation ({len(questions)} questions), budget {args.budget}; `kvchat serve` in its own "
-        f"process, the clients in another; one worker answers one request at a time. Load average at the end "
-        f"{os.getloadavg()[0]:.1f}.", "",
+        f"process, the clients in another; one worker answers one request at a time. Run {args.load}; load "
+        f"average at the end {os.getloadavg()[0]:.1f}.", "",
         "| pass | answers | first token p50 (s) | first token p95 (s) | answer p95 (s) |",
         "|---|---:|---:|---:|---:|", *rows, "",
         f"Concurrent answers equal to the same question asked alone: {equal} of {len(together)}. Decode through the "

@@ -1,9 +1,9 @@
 """Whole LoCoMo conversations (2-3x the embedded model's window): kvchat's caches against what a user would run
 instead, every system scored against the gold answers at equal KV entries.
 
-    KVCHAT_HOME=... /work/slot python benchmarks/whole_conversation.py DATA... [--questions N] \
+    KVCHAT_HOME=... python benchmarks/whole_conversation.py DATA... [--questions N] \
         [--systems rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024] \
-        --out benchmarks/results/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
+        --out benchmarks/results/records/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
 
 Each conversation is loaded whole (every session, every category 1-4 question with evidence; LoCoMo's QA prompt
 for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.eval.gold, the
@@ -32,6 +32,8 @@ import platform
 import re
 import sys
 from pathlib import Path
+
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import (
     WEIGHT_MODES,
@@ -119,7 +121,7 @@ def main() -> None:
     parser.add_argument("--ingest-weights", choices=WEIGHT_MODES, default=None,
                         help="the Linear weights the caches are built with (as `kvchat ingest --weights`; default: "
                              "--weights, as kvchat builds and answers with the same weights)")
-    args = parser.parse_args()
+    args = checked(parser)
     use_threads()
     variants = [parse_system(s) for s in args.systems.split(",") if s.strip()]
     home = default_home()
@@ -140,8 +142,8 @@ def main() -> None:
     names = {s.name for s in sets}
     records = [r for r in records if r.get("set") in names]
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
-    note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores shared with other jobs (load "
-            f"average {os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
+    note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, run {args.load} (load average "
+            f"{os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
     text = gold_markdown(records, title="Whole LoCoMo conversations against gold answers", notes=[f"`{command}`", note])
     print(text)
     if args.report is not None:

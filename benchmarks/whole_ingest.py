@@ -1,7 +1,7 @@
 """Ingest of whole LoCoMo conversations at the defaults: time and peak memory, against one single cache, and
 what appending one new session costs against ingesting everything again.
 
-    /work/exclusive python benchmarks/whole_ingest.py ../shared/data/locomo/conv-26.json [...] \
+    python benchmarks/whole_ingest.py ../shared/data/locomo/conv-26.json [...] \
         --out benchmarks/results/whole_ingest.md
 
 Every command is the real `kvchat` command line, each in its own process under `/usr/bin/time` (wall seconds
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.history.loading import load_history
 
@@ -66,7 +68,7 @@ def main() -> None:
     parser.add_argument("data", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--rows", default=None, help="labels of the rows to run, separated by ; (default: all)")
-    args = parser.parse_args()
+    args = checked(parser)
     wanted = None if args.rows is None else {r.strip() for r in args.rows.split(";")} | {"--method snapkv"}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,8 +121,8 @@ def main() -> None:
         "",
         f"{dt.date.today()}, {platform.machine()}, {os.cpu_count()} cores, one torch thread, each command in its own "
         f"process (`/usr/bin/time`: wall seconds, peak RSS), the embedded model with its default weights (`--weights "
-        f"auto`: int4 on a CPU) unless a row says `--weights float`, nothing else running "
-        f"(load average {os.getloadavg()[0]:.1f} at the end).",
+        f"auto`: int4 on a CPU) unless a row says `--weights float`; run {args.load} (load average "
+        f"{os.getloadavg()[0]:.1f} at the end).",
         "",
         "| conversation | ingest | method | turns | history tokens | episodes | seconds | x snapkv | peak RSS MB | "
         "peak entries per layer |",

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import platform
 import statistics
 import sys
@@ -47,6 +46,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _load import checked
 from core_loop import patched_prompt_ids  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, AskConfig, IceCacheConfig, PagingConfig
@@ -256,11 +256,10 @@ def main() -> None:
     parser.add_argument("--retrieve", type=int, default=128, help="R: entries read back per KV head")
     parser.add_argument("--models-dir", type=Path, default=DEFAULT_MODELS_DIR)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = parser.parse_args()
-    load = os.getloadavg()[0]
+    args = checked(parser)
     lm = load_model("default", args.models_dir)
     out = [f"## Offloaded entries beside a compacted cache ({dt.date.today()}, {platform.machine()}, torch "
-           f"{torch.__version__}, {torch.get_num_threads()} thread(s), 1-min load {load:.1f} at start)", "",
+           f"{torch.__version__}, {torch.get_num_threads()} thread(s), run {args.load})", "",
            f"Embedded model (window {lm.context_window}); M = {args.budget}, W = {args.window}, R = {args.retrieve} "
            f"(IceCache's default page scorer), block {BLOCK}; six planted facts per history.", ""]  # fmt: skip
     done: list[dict] = []  # rows of a run that stopped: its histories are not run again

@@ -327,8 +327,8 @@ def test_auto_weights_are_int4_only_where_the_decoder_already_holds_4_bit_groups
     from kvchat.model.llm import load_model
 
     random = load_model(str(tiny_model_dir), tmp_path, weights="auto")  # random float weights: kept as loaded
-    assert random.weights == "float" and not holds_4_bit_groups(random.answering)
-    assert not any(isinstance(m, Int4Linear) for m in random.answering.modules())
+    assert random.weights == "float" and not holds_4_bit_groups(random.model)
+    assert not any(isinstance(m, Int4Linear) for m in random.model.modules())
 
     grid = tmp_path / "on-grid"  # the same model with its decoder's weights put on 4-bit groups, as a Q4_1 GGUF's
     shutil.copytree(tiny_model_dir, grid)
@@ -339,7 +339,7 @@ def test_auto_weights_are_int4_only_where_the_decoder_already_holds_4_bit_groups
             assert on_4_bit_grid(tensors[name]) and not on_4_bit_grid(tensors[name] + 1e-3 * torch.randn(tensor.shape))
     save_file(tensors, grid / "model.safetensors", metadata={"format": "pt"})
     four = load_model(str(grid), tmp_path, weights="auto")
-    assert four.weights == "int4" and any(isinstance(m, Int4Linear) for m in four.answering.modules())
+    assert four.weights == "int4" and any(isinstance(m, Int4Linear) for m in four.model.modules())
     assert load_model(str(grid), tmp_path).weights == "float"  # the library's default: as loaded
 
 
@@ -355,9 +355,9 @@ def test_quantized_weights_are_kept_beside_the_models_and_read_back_not_computed
         again = load_model(str(tiny_model_dir), models, weights="int4")
     assert any("read from" in r.getMessage() for r in caplog.records)
     assert again.weights == "int4" and again.weight_ids == first.weight_ids
-    ours, theirs = dict(again.answering.named_buffers()), dict(first.answering.named_buffers())
+    ours, theirs = dict(again.model.named_buffers()), dict(first.model.named_buffers())
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert any(isinstance(m, Int4Linear) for m in again.answering.modules())
+    assert any(isinstance(m, Int4Linear) for m in again.model.modules())
     ids = _ids(30, 5, vocab=40)
     with torch.no_grad():
         torch.testing.assert_close(again.model(ids).logits, first.model(ids).logits, atol=0, rtol=0)

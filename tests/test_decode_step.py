@@ -1,4 +1,5 @@
-"""`kvchat.model.decode_step.DecodeStep`: one answer token in few torch calls computes what the model's forward does."""
+"""`kvchat.model.decode_step.DecodeStep`: one answer token through the native Llama's layers without a forward's
+bookkeeping computes what the model's forward does, and so does its CUDA graph (kvchat.model.cuda_graph_step)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ from conftest import random_ids, tiny_model, with_kvchat_attention
 from kvchat.kv.cache import RaggedLayer
 from kvchat.kv.forward import forward
 from kvchat.kv.prefill import block_prefill
-from kvchat.model import int4_weights, int8_weights
+from kvchat.model import int4_weights, int8_weights, native_llama
+from kvchat.model.cuda_graph_step import CudaGraphStep
 from kvchat.model.decode_step import DecodeStep
+
+
+def _step(model: torch.nn.Module) -> DecodeStep:
+    """The decode step of transformers' Llama `model`, through the native Llama holding its modules."""
+    step = DecodeStep.for_model(native_llama.from_transformers(model))
+    assert step is not None
+    return step
 
 
 def _prefilled(model: torch.nn.Module, n: int = 40):
@@ -20,7 +29,7 @@ def _prefilled(model: torch.nn.Module, n: int = 40):
                              budgets=None, scorer=None).cache
 
 
-def _decode_both_ways(model: torch.nn.Module, step: DecodeStep, tokens: int = 6):
+def _decode_both_ways(model: torch.nn.Module, step: DecodeStep | CudaGraphStep, tokens: int = 6):
     """Greedy tokens from the same cache through the model's forward and through `step`: logits of each."""
     fast, slow = _prefilled(model), _prefilled(model)
     fast.reserve(tokens)
@@ -43,11 +52,9 @@ def test_the_decode_step_gives_the_forwards_logits_and_cache(weights, kv_heads):
     if weights != "float":
         {"int8": int8_weights, "int4": int4_weights}[weights].quantize_linears(model)
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    step = DecodeStep.for_model(model)
-    assert step is not None
+    pairs, fast, slow = _decode_both_ways(model, _step(model))
     after = model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)  # weights regrouped, not changed
-    pairs, fast, slow = _decode_both_ways(model, step)
     for expected, got in pairs:
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -61,14 +68,15 @@ def test_the_decode_step_gives_the_forwards_logits_and_cache(weights, kv_heads):
 def test_the_model_forward_is_unchanged_by_the_regrouped_weights():
     model = with_kvchat_attention(tiny_model("llama", seed=4))
     expected = forward(model, _prefilled(model), torch.tensor([[9]]))
-    DecodeStep.for_model(model)
+    forward(native_llama.from_transformers(model), _prefilled(model), torch.tensor([[9]]))  # regroups the weights
     torch.testing.assert_close(forward(model, _prefilled(model), torch.tensor([[9]])), expected, atol=0, rtol=0)
 
 
 def test_models_and_caches_it_does_not_compute_exactly_take_the_forward():
-    assert DecodeStep.for_model(with_kvchat_attention(tiny_model("qwen2"))) is None  # attention biases
+    qwen = with_kvchat_attention(tiny_model("qwen2"))  # attention biases
+    assert native_llama.from_transformers(qwen) is None and DecodeStep.for_model(qwen) is None
     model = with_kvchat_attention(tiny_model("llama"))
-    step = DecodeStep.for_model(model)
+    step = _step(model)
     cache = _prefilled(model)
     assert not step.applies(cache, torch.tensor([[5, 6]]))  # more than one token
     cache.layers[0] = RaggedLayer.from_uniform(cache.layers[0])
@@ -121,7 +129,7 @@ def test_the_static_step_a_cuda_graph_records_gives_the_steps_logits_and_cache()
     mask of the live entries) computes what the step computes and leaves the cache as `append_token` does; room
     holding garbage (NaN) beyond the live entries changes nothing."""
     model = with_kvchat_attention(tiny_model("llama", seed=3, kv_heads=2))
-    step = DecodeStep.for_model(model)
+    step = _step(model)
     pairs, _, slow = _decode_both_ways(model, step)
     cache = _prefilled(model)
     cache.reserve(len(pairs))
@@ -143,30 +151,31 @@ def test_the_static_step_a_cuda_graph_records_gives_the_steps_logits_and_cache()
 def test_a_dynamic_rope_is_never_recorded_in_a_cuda_graph():
     """NTK-dynamic RoPE recomputes its frequencies from the position on the host, which a graph cannot replay."""
     dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
-    assert DecodeStep.for_model(with_kvchat_attention(dynamic)).cuda_graphs is False
-    assert DecodeStep.for_model(with_kvchat_attention(tiny_model("llama"))).cuda_graphs is True
+    assert CudaGraphStep(_step(with_kvchat_attention(dynamic))).cuda_graphs is False
+    assert CudaGraphStep(_step(with_kvchat_attention(tiny_model("llama")))).cuda_graphs is True
+
+
+class _Unrecordable(CudaGraphStep):
+    """A graphed step whose graph cannot be recorded (a kernel a graph cannot hold)."""
+
+    def _run_graph(self, cache, ids):
+        raise RuntimeError("operation not permitted when stream is capturing")
 
 
 def test_a_cuda_graph_that_cannot_be_recorded_leaves_the_step_answering_without_graphs(caplog):
-    """A step whose graph fails (a kernel a graph cannot hold) says so once, turns graphs off and leaves the cache
-    as it was, so the eager step feeds the token as if no graph had been tried."""
+    """A step whose graph fails says so once, turns graphs off and leaves the cache as it was, so the eager step
+    feeds the token as if no graph had been tried."""
     model = with_kvchat_attention(tiny_model("llama", seed=3, kv_heads=2))
-    step = DecodeStep.for_model(model)
+    graphed = _Unrecordable(_step(model))
     cache = _prefilled(model)
     cache.reserve(1)
     sizes, position = cache.sizes, cache.next_position
-
-    class Unrecordable:
-        def __call__(self, cache, ids):
-            raise RuntimeError("operation not permitted when stream is capturing")
-
-    step._graph = Unrecordable()
     with caplog.at_level("WARNING", logger="kvchat"), torch.inference_mode():
-        assert step._replayed(cache, torch.tensor([[7]])) is None
+        assert graphed._replayed(cache, torch.tensor([[7]])) is None
     assert "answering without CUDA graphs: operation not permitted" in caplog.text
-    assert step.cuda_graphs is False and step._graph is None
+    assert graphed.cuda_graphs is False and graphed._graph is None
     assert cache.sizes == sizes and cache.next_position == position
-    pairs, _, _ = _decode_both_ways(model, step, tokens=2)
+    pairs, _, _ = _decode_both_ways(model, graphed, tokens=2)
     for expected, got in pairs:
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

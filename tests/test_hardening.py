@@ -114,7 +114,7 @@ def test_estimate_grows_with_budget_and_block_not_with_the_history():
 
 
 def test_estimate_sizes_attention_by_the_longest_head_layer_and_head_budgets_allow():
-    from kvchat.ingest.plan import _longest_head
+    from kvchat.ingest.cache_budgets import longest_head as _longest_head
     from kvchat.kv.cascade import CakeBudgets
     from kvchat.kv.heads import HeadBudgets
 

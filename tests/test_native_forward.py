@@ -1,7 +1,8 @@
-"""`NativeLlama.forward` computes what `kv.forward.forward` computes through transformers' model and kvchat's attention
-for every cache layout and option: recorders (with the layers' hidden states or not), int8 and int4 caches, ragged
-(adaptive head budgets), paged with attached pages (the per-head path and the paged decode), latent memories (the
-additive and the mass readout). The same logits, the same recorded attention, the same cache after."""
+"""`kv.forward.forward` through the native Llama computes what it computes through transformers' model and
+kvchat's attention for every cache layout and option: recorders (with the layers' hidden states or not), int8 and
+int4 caches, ragged (adaptive head budgets), paged with attached pages (the per-head path and the paged decode),
+latent memories (the additive and the mass readout). The same logits, the same recorded attention, the same cache
+after."""
 
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def test_the_native_forward_is_transformers_forward_for_every_cache(models, layo
     ours, theirs = _caches(layout, reference, vocab, tmp_path)
     question = random_ids(9, seed=7, vocab=vocab)
     recorders = [None, None] if recording is None else [Views(needs_hidden=recording == "hidden") for _ in range(2)]
-    got = _answered(lambda c, i, r: native(c, i, recorder=r), ours, question, recorders[0])
+    got = _answered(lambda c, i, r: forward(native, c, i, recorder=r), ours, question, recorders[0])
     expected = _answered(lambda c, i, r: forward(reference, c, i, recorder=r), theirs, question, recorders[1])
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape == (1, 1, vocab)
@@ -178,4 +179,4 @@ def test_the_native_forward_is_transformers_forward_for_every_cache(models, layo
     if layout.startswith("memory"):  # the memory's readout changed the answer: it was read
         cache = _caches(layout, reference, vocab, tmp_path)[0]
         cache.memory = None
-        assert not torch.allclose(native(cache, question), got[0], atol=1e-4)
+        assert not torch.allclose(forward(native, cache, question), got[0], atol=1e-4)

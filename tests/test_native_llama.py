@@ -77,7 +77,7 @@ def test_the_tokenizer_is_the_one_autotokenizer_loads(model_dir, tmp_path):
     from transformers import AutoTokenizer
 
     lm, auto = load_model(str(model_dir), tmp_path), AutoTokenizer.from_pretrained(model_dir)
-    assert lm.native is not None and type(lm.tokenizer) is type(auto)
+    assert isinstance(lm.model, native_llama.NativeLlama) and type(lm.tokenizer) is type(auto)
     text = "<|im_start|>user\nHow many tomato plants did Tom plant ?<|im_end|>\n<|im_start|>assistant\n"
     ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert ids == auto(text, add_special_tokens=False)["input_ids"] and lm.tokenizer.decode(ids) == auto.decode(ids)
@@ -87,6 +87,11 @@ def test_the_tokenizer_is_the_one_autotokenizer_loads(model_dir, tmp_path):
                                                                                                   tokenize=False)
     saved = json.loads((model_dir / "tokenizer_config.json").read_text())
     assert ("added_tokens_decoder" in saved) == (model_dir.name == "model")  # kvchat's converted copy
+
+
+def _fed(model: torch.nn.Module):
+    """Feeding `model` tokens on a cache (kv.forward.forward: transformers' call, which the native model takes)."""
+    return lambda cache, ids: forward(model, cache, ids)
 
 
 def _greedy(feed, cache: EpisodeCache, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -108,7 +113,7 @@ def test_a_prefill_on_an_empty_cache_and_the_steps_after_it_give_transformers_lo
     native, reference = _both(model_dir)
     layers, ids = native.config.num_hidden_layers, random_ids(30, seed=4, vocab=native.config.vocab_size)
     ours, theirs = EpisodeCache(layers), EpisodeCache(layers)
-    _same(_greedy(native, ours, ids, 6), _greedy(lambda c, i: forward(reference, c, i), theirs, ids, 6))
+    _same(_greedy(_fed(native), ours, ids, 6), _greedy(_fed(reference), theirs, ids, 6))
     assert ours.next_position == theirs.next_position == 36
     for a, b in zip(ours.layers, theirs.layers, strict=True):
         torch.testing.assert_close(a.keys, b.keys, atol=1e-6, rtol=1e-6)
@@ -132,7 +137,7 @@ def test_a_question_on_a_stored_episode_cache_gives_transformers_logits(model_di
     if not compact:  # the kept entries' positions have gaps, and differ between heads
         assert int(positions[0, -1]) > 24 and not torch.equal(positions[0], positions[1])
     question = random_ids(9, seed=7, vocab=vocab)
-    _same(_greedy(native, ours, question, 5), _greedy(lambda c, i: forward(reference, c, i), theirs, question, 5))
+    _same(_greedy(_fed(native), ours, question, 5), _greedy(_fed(reference), theirs, question, 5))
 
 
 @pytest.mark.parametrize("weights", ["float", "int8", "int4"])
@@ -147,7 +152,7 @@ def test_the_decode_step_runs_on_the_native_model(model_dir, weights):
     assert step is not None
     ours, theirs = EpisodeCache(layers), EpisodeCache(layers)
     prompt = random_ids(20, seed=3, vocab=vocab)
-    _same([native(ours, prompt)], [forward(reference, theirs, prompt)])
+    _same([forward(native, ours, prompt)], [forward(reference, theirs, prompt)])
     ids = torch.tensor([[5]])
     for _ in range(4):
         got, expected = step(ours, ids), forward(reference, theirs, ids)
@@ -155,27 +160,56 @@ def test_the_decode_step_runs_on_the_native_model(model_dir, weights):
         ids = expected[:, -1:].argmax(-1)
 
 
-def test_transformers_model_is_built_on_first_use_around_the_native_modules(tiny_lm):
-    """What needs transformers' model (recorders, ingest, training) gets one holding the native model's own weights:
-    nothing is loaded twice."""
-    assert tiny_lm.native is not None and tiny_lm.answering is tiny_lm.native
-    model = tiny_lm.model
-    assert model is tiny_lm.model and type(model).__name__ == "LlamaForCausalLM"
-    ours = dict(tiny_lm.native.named_parameters())
-    assert {n: p.data_ptr() for n, p in model.named_parameters()} == {n: ours[n].data_ptr() for n, _ in
-                                                                     model.named_parameters()}
+def test_the_loaded_model_is_the_native_one_and_takes_transformers_call(tiny_lm, tiny_model_dir):
+    """One model: what feeds transformers' model (ingest's prefill, scorers, profiling's `DynamicCache`, training's
+    cacheless call) feeds the native one, with transformers' logits."""
+    from transformers import DynamicCache
+
+    assert isinstance(tiny_lm.model, native_llama.NativeLlama)
+    reference = with_kvchat_attention(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)).eval()
     vocab, layers = tiny_lm.config.vocab_size, tiny_lm.num_layers
     ids = random_ids(12, seed=6, vocab=vocab)
-    torch.testing.assert_close(tiny_lm.native(EpisodeCache(layers), ids), forward(model, EpisodeCache(layers), ids),
-                               atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(forward(tiny_lm.model, EpisodeCache(layers), ids),
+                               forward(reference, EpisodeCache(layers), ids), atol=1e-6, rtol=1e-6)
+    with torch.inference_mode():
+        ours, theirs = DynamicCache(), DynamicCache()
+        got = tiny_lm.model(input_ids=ids, past_key_values=ours, use_cache=True, logits_to_keep=1).logits
+        expected = reference(input_ids=ids, past_key_values=theirs, use_cache=True, logits_to_keep=1).logits
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(ours.layers[1].keys, theirs.layers[1].keys, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(tiny_lm.model(input_ids=ids, use_cache=False).logits,
+                                   reference(input_ids=ids, use_cache=False).logits, atol=1e-6, rtol=1e-6)
+
+
+def test_a_llama_transformers_loads_runs_as_the_native_model(tmp_path, tiny_model_dir):
+    """A Llama kvchat does not build from its file (here: RoPE scaling) loads through transformers and runs as a
+    `NativeLlama` holding transformers' modules (its RoPE module too): transformers' logits, the decode step."""
+    path = _variant(tmp_path, tiny_model_dir, "scaled-rope",
+                    {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})
+    assert native_llama.load(path, torch.float32, CPU) is None
+    lm = load_model(str(path), tmp_path / "models")
+    assert isinstance(lm.model, native_llama.NativeLlama) and lm.decode_step is not None
+    assert type(lm.model.model.rotary_emb).__name__ == "LlamaRotaryEmbedding"
+    reference = with_kvchat_attention(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)).eval()
+    assert model_fingerprint(lm.fingerprint.split("|")[0], reference) == lm.fingerprint
+    layers, vocab = lm.num_layers, lm.config.vocab_size
+    ours, theirs = EpisodeCache(layers), EpisodeCache(layers)
+    _same([forward(lm.model, ours, random_ids(30, seed=4, vocab=vocab))],
+          [forward(reference, theirs, random_ids(30, seed=4, vocab=vocab))])
+    ours.reserve(4)
+    ids = torch.tensor([[5]])
+    for _ in range(4):
+        got, expected = lm.decode_step(ours, ids), forward(reference, theirs, ids)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        ids = expected[:, -1:].argmax(-1)
 
 
 def test_the_stop_tokens_are_the_generation_configs(tiny_model_dir, tmp_path):
     native = load_model(str(tiny_model_dir), tmp_path)
-    assert native.native is not None
+    assert isinstance(native.model, native_llama.NativeLlama)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert native.answering.generation_config.eos_token_id == reference.generation_config.eos_token_id
+    assert native.model.generation_config.eos_token_id == reference.generation_config.eos_token_id
     assert native.stop_ids == {config["eos_token_id"], native.tokenizer.eos_token_id}
 
 
@@ -211,7 +245,7 @@ def test_another_family_answers_through_transformers(tmp_path):
     tiny_model("qwen2", vocab_size=len(tokenizer)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     lm = load_model(str(path), tmp_path / "models")
-    assert lm.native is None and lm.answering is lm.model
+    assert type(lm.model).__name__ == "Qwen2ForCausalLM" and lm.decode_step is None
     cache = EpisodeCache(lm.num_layers)
     assert lm.forward(cache, random_ids(8, vocab=len(tokenizer))).shape == (1, 1, len(tokenizer))
 
@@ -220,14 +254,14 @@ def test_another_family_answers_through_transformers(tmp_path):
 def test_the_embedded_model_built_natively_is_transformers_own(default_lm):
     """SmolLM2, converted from its GGUF file: the same fingerprint and the same logits for a prefill, a question on
     the cache it left and the answer's steps."""
-    directory = default_lm.native.config.name_or_path
+    directory = default_lm.model.config.name_or_path
     reference = with_kvchat_attention(AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)).eval()
     assert model_fingerprint("SmolLM2-135M-Instruct", reference) == default_lm.fingerprint
     layers, vocab = default_lm.num_layers, default_lm.config.vocab_size
     ours, theirs = EpisodeCache(layers), EpisodeCache(layers)
     history, question = random_ids(60, seed=8, vocab=vocab), random_ids(12, seed=9, vocab=vocab)
-    _same([default_lm.native(ours, history)], [forward(reference, theirs, history)])
-    _same(_greedy(default_lm.native, ours, question, 4),
+    _same([forward(default_lm.model, ours, history)], [forward(reference, theirs, history)])
+    _same(_greedy(_fed(default_lm.model), ours, question, 4),
           _greedy(lambda c, i: forward(reference, c, i), theirs, question, 4))
 
 
@@ -298,8 +332,9 @@ def test_sources_and_quantized_and_paged_caches_are_answered_without_transformer
     question = qa.questions[0].text
     asks = [("plain", ["--sources"]), ("int8", []), ("icecache", []), ("int8", ["--sources"])]
     answers = _asked_in_a_new_process(tmp_path, question, asks)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_lm.config.name_or_path, dtype=torch.float32)
     through_transformers = LoadedModel(tiny_lm.spec, tiny_lm.tokenizer, tiny_lm.fingerprint,
-                                       transformers_model=tiny_lm.model)
+                                       with_kvchat_attention(reference).eval())
     for (name, options), answer in zip(asks, answers, strict=True):
         expected = Session(store, store.get(name), through_transformers, encoder).ask(
             question, log=False, sources=bool(options))

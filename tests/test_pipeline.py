@@ -8,6 +8,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from conftest import with_kvchat_attention
+from transformers import AutoModelForCausalLM
 
 from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
@@ -59,8 +61,10 @@ def test_full_method_reproduces_model_generate(tmp_path, history, tiny_lm, encod
         ],
         dim=-1,
     )
-    with torch.no_grad():
-        out = tiny_lm.model.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=list(tiny_lm.stop_ids))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_lm.config.name_or_path, dtype=torch.float32)
+    reference = with_kvchat_attention(reference).eval()
+    with torch.no_grad():  # transformers' own generate, on its own model of the same weights
+        out = reference.generate(ids, max_new_tokens=64, do_sample=False, eos_token_id=list(tiny_lm.stop_ids))
     reference = tiny_lm.decode([t for t in out[0, ids.shape[1]:].tolist() if t not in tiny_lm.stop_ids])
     assert answer.text == reference.strip()
     assert answer.answer_tokens > 0

@@ -89,7 +89,7 @@ def test_placed_keys_are_the_stored_keys_rotated_to_their_new_positions(tiny_lm,
     n, moved = stored.tokens[1], cache.next_position - stored.tokens[1] - stored.starts[1]
     assert moved != 0
     keys, values = stored.entries(1, 0, torch.float32, torch.device("cpu"))
-    rotary = tiny_lm.answering.model.rotary_emb
+    rotary = tiny_lm.model.model.rotary_emb
     assert torch.allclose(cache.layers[0].keys[:, :, -n:], rotate_keys(keys, torch.full((keys.shape[1], n), moved),
                                                                        rotary), atol=1e-5)  # fmt: skip
     assert torch.equal(cache.layers[0].values[:, :, -n:], values)

@@ -116,7 +116,7 @@ class StoredEntries:
     def place(self, cache: EpisodeCache, chunk: int, lm: LoadedModel) -> int:
         """Chunk `chunk`'s entries appended to `cache` as a prefill of its text there would append them; returns
         their number."""
-        rotary, dtype, device = lm.answering.model.rotary_emb, lm.dtype, lm.device
+        rotary, dtype, device = lm.model.model.rotary_emb, lm.dtype, lm.device
         n = self.tokens[chunk]
         delta = torch.full((lm.config.num_key_value_heads, n), cache.next_position - self.starts[chunk], device=device)
         for layer in range(len(cache.layers)):

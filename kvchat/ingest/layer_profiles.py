@@ -24,7 +24,6 @@ from kvchat.config import ProfileSettings
 from kvchat.errors import UserError
 from kvchat.model.llm import LoadedModel
 
-DATA_DIR = Path(__file__).parents[1] / "data"  # package data (kvchat.data): the calibration text
 PROFILE_VERSION = 1
 MAX_PROFILE_BYTES = 1 << 24  # a profile is a few numbers per layer; more is not one
 
@@ -205,7 +204,7 @@ def train_command(spec: str) -> str:
 
 def calibration_text() -> str:
     """The shipped calibration text (public domain; see kvchat/data/calibration.txt)."""
-    return (DATA_DIR / "calibration.txt").read_text()
+    return (importlib.resources.files("kvchat.data") / "calibration.txt").read_text()
 
 
 def save_plot(profile: LayerProfile, path: Path, budget: int | None = None) -> None:

@@ -33,11 +33,11 @@ from kvchat.history.loading import Turn, format_turns, load_history
 from kvchat.history.spans import TurnSpan
 from kvchat.history.tokens import TokenizedTurns, tokenize_turns
 from kvchat.ingest import preflight
-from kvchat.ingest.layer_profiles import find_indexmem, find_profile
+from kvchat.ingest.cache_budgets import estimate_bytes, prefill_mode, resolve_layer_budgets
+from kvchat.ingest.layer_profiles import find_indexmem
 from kvchat.kv import families
-from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
-from kvchat.kv.heads import HeadBudgets, head_floor
+from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.methods import (
     AUTO_METHOD,
     AUTO_METHODS,
@@ -150,11 +150,78 @@ def plan_ingest(
     plans without the store, which only its driver opens (kvchat.ingest.batch). With `continuing`, `history` holds
     the new turns of a stored conversation whose resolved settings `config` is (an append). `on_step(step, done,
     total)` hears of its steps as they go (reading, tokenizing, embedding segments, clustering), so that a long
-    history shows progress before the first block."""
-    step = on_step or (lambda what, done, total: None)
+    history shows progress before the first block.
+
+    The steps, each its own function: the history read and tokenized (`_read`); the method resolved (`_method`);
+    the episodes, fresh or joined by an append's turns, each cache fed the whole history or, routed, its own turns
+    (`_fresh_episodes`, `_appended_episodes`); the layer budgets (`_budgets`); block or full prefill and the memory
+    check (`_prefill`); the positions (`_positions`)."""
     if store is None and (not replace or profile_dirs is None):
         raise ValueError("plan_ingest without a store needs replace=True and profile_dirs")
     validate(config)
+    name = _new_name(history, name, store, replace)
+    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
+    planner = _Planner(lm, encoder, continuing, dirs, max_memory, force, on_step or _quiet)
+    text = _read(history, config, planner)
+    config = dataclasses.replace(config, cache=_method(config.cache, text, planner))
+    fed = _appended_episodes(text, config, planner) if continuing else _fresh_episodes(text, config, planner)
+    chosen = _budgets(config.cache, fed.total, text.protected, planner)
+    prefill, peak_bytes = _prefill(config, chosen, fed, text, planner)
+    resolved = dataclasses.replace(config, cache=dataclasses.replace(
+        chosen.cache, positions=_positions(chosen.cache, fed.total, planner), alpha=chosen.alpha,
+        layer_budgets=chosen.cache.layer_budgets if chosen.strategy == "full" else chosen.strategy,
+        prefill=chosen.cache.prefill if continuing else prefill,
+    ))  # fmt: skip
+    spans = _turn_spans(text, fed)
+    text = dataclasses.replace(text, tokenized=None)  # its offsets go before the recall index is built
+    return IngestPlan(
+        name=name,
+        config=resolved,
+        source=continuing.source if continuing else _source(history, source),
+        turns=text.first + len(text.turns),
+        layout=text.layout,
+        prefix_ids=text.prefix_ids,
+        context_ids=text.context_ids,
+        history_tokens=text.history_tokens,
+        budgets=chosen.budgets,
+        heads=chosen.heads,
+        prefill=prefill,
+        episodes=fed.episodes,
+        episode_segments=fed.members,
+        estimated_peak_bytes=peak_bytes,
+        notes=planner.notes,
+        trained=chosen.trained,
+        appended=tuple(appended),
+        reads={path: dict(options) for path, options in (reads or {}).items() if options},
+        turn_spans=spans,
+        episode_ids=fed.episode_ids,
+        recall=_recall_index(text, resolved.cache, planner),
+    )
+
+
+def _quiet(step: str, done: int, total: int) -> None:
+    """No progress to hear of."""
+
+
+@dataclass
+class _Planner:
+    """What every step of a plan reads besides the history and the settings: the model and encoder, the stored
+    conversation an append continues (None: a fresh ingest), where profiles are found, the memory there is (None:
+    measured) and whether to go ahead past the estimate, progress, and the notes gathered so far."""
+
+    lm: LoadedModel
+    encoder: SentenceEncoder
+    continuing: Continuation | None
+    profile_dirs: list[Path]
+    max_memory: int | None
+    force: bool
+    step: Callable[[str, int, int], None]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+def _new_name(history: str | os.PathLike | Sequence[Turn], name: str | None, store: Store | None,
+              replace: bool) -> str:  # fmt: skip
+    """The conversation's name (a file's stem when not given), checked, and free in `store` unless replacing."""
     from_file = isinstance(history, (str, os.PathLike))
     if not from_file and not name:
         raise ValueError("name is required when ingesting turns rather than a file")
@@ -163,6 +230,46 @@ def plan_ingest(
         store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
         raise UserError(f"conversation '{name}' exists; use --replace")
+    return name
+
+
+def _source(history: str | os.PathLike | Sequence[Turn], source: str | None) -> str | None:
+    """The history's path as recorded for rebuild commands: a file's, else the one given."""
+    return str(Path(history).resolve()) if isinstance(history, (str, os.PathLike)) else source
+
+
+@dataclass(frozen=True)
+class _History:
+    """The history (an append: its new turns) read and tokenized after the system prompt."""
+
+    turns: list[Turn]
+    lines: list[str]               # each turn as the history renders it
+    layout: ChatLayout
+    prefix_ids: torch.Tensor       # the system prompt up to the conversation: never evicted
+    tokenized: TokenizedTurns | None
+    context_ids: torch.Tensor      # the turns' tokens, on the model's device
+    earlier: int                   # history tokens the stored caches already hold (an append's; else 0)
+    first: int                     # the history index of `turns[0]` (an append's: the stored turns' count)
+
+    @property
+    def protected(self) -> int:
+        return self.prefix_ids.shape[-1]
+
+    @property
+    def history_tokens(self) -> int:
+        """Tokens of the whole history the caches hold."""
+        return self.earlier + int(self.context_ids.shape[-1])
+
+    @property
+    def total(self) -> int:
+        """With the system prompt."""
+        return self.protected + self.history_tokens
+
+
+def _read(history: str | os.PathLike | Sequence[Turn], config: IngestConfig, planner: _Planner) -> _History:
+    """The turns (from the file, or as given), rendered and tokenized in one chunked pass with their spans."""
+    lm, step, continuing = planner.lm, planner.step, planner.continuing
+    from_file = isinstance(history, (str, os.PathLike))
     if from_file:
         step("reading the history", 0, 1)
     turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
@@ -170,237 +277,170 @@ def plan_ingest(
     step(tokenizing, 0, 1)
     lines = format_turns(turns)
     layout = ChatLayout.from_tokenizer(lm.tokenizer, config.system_prompt)
-    prefix_ids = lm.encode(layout.before_conversation)
     # an append's first new line follows the stored history's last one, which ends without a newline
-    lead = "\n" if continuing else ""
-    tokenized = tokenize_turns(lm.tokenizer, turns, lead=lead, lines=lines,
+    tokenized = tokenize_turns(lm.tokenizer, turns, lead="\n" if continuing else "", lines=lines,
                                on_progress=lambda done, total: step(tokenizing, done, total))  # fmt: skip
-    context_ids = tokenized.ids.to(lm.device)
-    earlier = continuing.history_tokens if continuing else 0
-    history_tokens = earlier + int(context_ids.shape[-1])
-    protected = prefix_ids.shape[-1]
-    total = protected + history_tokens
-    notes: list[str] = []
-    cache_cfg = _resolve_method(config.cache, total, lm.context_window, notes)
-    config = dataclasses.replace(config, cache=cache_cfg)
-    full = method(cache_cfg.method).scorer is None
-    split = recall.split_for(cache_cfg)
-    kept = features.episode_budget(cache_cfg)  # M of each episode cache
-    if not full and kept <= protected:  # every layer's floor lies above the prompt when M does
+    return _History(turns, lines, layout, lm.encode(layout.before_conversation), tokenized,
+                    tokenized.ids.to(lm.device), continuing.history_tokens if continuing else 0,
+                    continuing.turns if continuing else 0)  # fmt: skip
+
+
+def _method(cache: CacheConfig, text: _History, planner: _Planner) -> CacheConfig:
+    """`cache` with `--method auto` resolved, refused where each episode cache's budget M would not exceed the
+    system prompt, which every layer keeps."""
+    cache = _resolve_method(cache, text.total, planner.lm.context_window, planner.notes)
+    kept = features.episode_budget(cache)  # M of each episode cache
+    if method(cache.method).scorer is not None and kept <= text.protected:  # every layer's floor lies above it
         raise UserError(
-            f"--budget {cache_cfg.budget} must exceed the system prompt's {protected} tokens, which every "
-            "layer keeps; raise --budget" if kept == cache_cfg.budget else
-            f"--budget {cache_cfg.budget} leaves --method recall's episode caches {kept} entries, no more than "
-            f"the system prompt's {protected} tokens, which every layer keeps; raise --budget"
+            f"--budget {cache.budget} must exceed the system prompt's {text.protected} tokens, which every "
+            "layer keeps; raise --budget" if kept == cache.budget else
+            f"--budget {cache.budget} leaves --method recall's episode caches {kept} entries, no more than "
+            f"the system prompt's {text.protected} tokens, which every layer keeps; raise --budget"
         )
-    episode_ids: list[torch.Tensor] = []
-    held_turns: list[list[int]] = []  # routed: the turns each episode's cache is fed now (indices into `turns`)
-    fed = total - earlier  # the tokens the longest cache is fed now (an append: the new turns only)
-    w = config.episodes.segment_turns
-    if continuing:  # the new turns join the stored episodes (before anything else is noted)
-        episodes, members, joined = continuing.place(segment(lines, w), notes)
-        if method(cache_cfg.method).routed:  # each new segment continues the cache of the episode it joined
-            held_turns = [_segment_turns([s for s, e in enumerate(joined) if e == episode.index], w, len(turns))
-                          for episode in episodes]  # fmt: skip
-            routed = _routed_tokens(turns, held_turns, lm, lead="\n")
-            episode_ids = [t.ids.to(lm.device) for t in routed]
-            stored = continuing.episode_tokens or (earlier,) * len(episodes)
-            total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
-                             for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
+    return cache
+
+
+@dataclass(frozen=True)
+class _Episodes:
+    """The episodes and what their caches are fed: every cache the history (an append: its new turns), or routed,
+    each episode its own turns."""
+
+    episodes: list[Episode]
+    members: list[int]             # history segments per episode
+    total: int                     # the longest cache's tokens with the system prompt (stored ones included)
+    fed: int                       # the tokens the longest cache is fed now (an append: the new turns only)
+    held_turns: list[list[int]] = dataclasses.field(default_factory=list)  # routed: indices into the turns
+    routed: list[TokenizedTurns] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
+    episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # their tokens, on the device
+    starts: list[int] = dataclasses.field(default_factory=list)  # routed: where each one's new turns start
+
+
+def _fresh_episodes(text: _History, config: IngestConfig, planner: _Planner) -> _Episodes:
+    """A new conversation's episodes (embedded segments, clustered); routed, each one's own turns: the longest
+    sets the window. The config keeps the count asked for: without one, a re-ingest counts again."""
+    entry = method(config.cache.method)
+    episodes = _episodes(text.lines, config, planner.lm, planner.encoder, episodic=entry.episodic,
+                         notes=planner.notes, step=planner.step)  # fmt: skip
+    whole = _Episodes(episodes, [len(e.segments) for e in episodes], text.total, text.total)
+    if not entry.routed:
+        return whole
+    w, n = config.episodes.segment_turns, len(text.turns)
+    return _routed(whole, text, [_segment_turns(e.segments, w, n) for e in episodes], (0,) * len(episodes), planner)
+
+
+def _appended_episodes(text: _History, config: IngestConfig, planner: _Planner) -> _Episodes:
+    """An append's new segments joined to the stored episodes (before anything else is noted); routed, each
+    stored cache continues with the new turns of the segments that joined its episode."""
+    continuing, w = planner.continuing, config.episodes.segment_turns
+    episodes, members, joined = continuing.place(segment(text.lines, w), planner.notes)
+    whole = _Episodes(episodes, members, text.total, text.total - text.earlier)
+    if not method(config.cache.method).routed:
+        return whole
+    held = [_segment_turns([s for s, e in enumerate(joined) if e == episode.index], w, len(text.turns))
+            for episode in episodes]  # fmt: skip
+    stored = continuing.episode_tokens or (text.earlier,) * len(episodes)
+    return _routed(whole, text, held, stored, planner)
+
+
+def _routed(whole: _Episodes, text: _History, held: list[list[int]], stored: Sequence[int], planner: _Planner
+            ) -> _Episodes:  # fmt: skip
+    """`whole`'s episodes, each fed its `held` turns on top of the `stored` history tokens its cache holds."""
+    routed = _routed_tokens(text.turns, held, planner.lm, lead="\n" if planner.continuing else "")
+    episode_ids = [t.ids.to(planner.lm.device) for t in routed]
+    protected = text.protected
+    total, fed = max((protected + h + int(ids.shape[-1]), int(ids.shape[-1]) + protected)
+                     for h, ids in zip(stored, episode_ids, strict=True))  # fmt: skip
+    return dataclasses.replace(whole, total=total, fed=fed, held_turns=held, routed=routed, episode_ids=episode_ids,
+                               starts=[protected + h for h in stored])
+
+
+@dataclass(frozen=True)
+class _Budgets:
+    """The caches' budgets as resolved: layer budgets (None: full KV) and how each layer shares them among heads."""
+
+    cache: CacheConfig                       # as the cache features resolved it
+    strategy: str                            # the layer budgets' strategy that runs ("full": none)
+    budgets: list[int] | CakeBudgets | None
+    alpha: float | None                      # sensitivity's alpha
+    heads: HeadBudgets
+    trained: object | None                   # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+
+
+def _budgets(cache: CacheConfig, total: int, protected: int, planner: _Planner) -> _Budgets:
+    """Layer budgets of M (the recalled chunks' share taken out), each above the `protected` system prompt, with
+    the cache features' say (resident windows beside M); a trained method's weights found by fingerprint."""
+    lm = planner.lm
+    trained = find_indexmem(lm, planner.profile_dirs) if method(cache.method).trained else None
+    cache = features.resolve(cache, trained, planner.notes)
+    if method(cache.method).scorer is None:
+        strategy, budgets, alpha = "full", None, None
     else:
-        episodes = _episodes(lines, config, lm, encoder, episodic=method(cache_cfg.method).episodic, notes=notes,
-                             step=step)  # the config keeps the count asked for: without one, a re-ingest counts again
-        members = [len(e.segments) for e in episodes]
-        if method(cache_cfg.method).routed:  # each cache holds its episode's turns: the longest sets the window
-            held_turns = [_segment_turns(e.segments, w, len(turns)) for e in episodes]
-            routed = _routed_tokens(turns, held_turns, lm)
-            episode_ids = [t.ids.to(lm.device) for t in routed]
-            total = protected + max(int(ids.shape[-1]) for ids in episode_ids)
-            fed = total
-    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
-    trained = find_indexmem(lm, dirs) if method(cache_cfg.method).trained else None
-    cache_cfg = features.resolve(cache_cfg, trained, notes)
-    strategy, budgets, alpha = ("full", None, None) if full else resolve_layer_budgets(
-        dataclasses.replace(cache_cfg, budget=kept), lm, dirs, protected, notes
-    )
-    budgets = features.budgets(cache_cfg, budgets, total)
-    heads = HeadBudgets(cache_cfg.head_budgets)
+        kept = dataclasses.replace(cache, budget=features.episode_budget(cache))
+        strategy, budgets, alpha = resolve_layer_budgets(kept, lm, planner.profile_dirs, protected, planner.notes)
+    return _Budgets(cache, strategy, features.budgets(cache, budgets, total), alpha, HeadBudgets(cache.head_budgets),
+                    trained)
+
+
+def _prefill(config: IngestConfig, chosen: _Budgets, fed: _Episodes, text: _History, planner: _Planner
+             ) -> tuple[str, int]:  # fmt: skip
+    """`block` or `full` (an append continues block by block) and the estimated peak bytes, checked against the
+    memory there is unless forced."""
+    lm = planner.lm
     shape = preflight.ModelShape.of(lm.model)
-    available = max_memory if max_memory is not None else preflight.available_bytes(lm.device)
+    available = planner.max_memory if planner.max_memory is not None else preflight.available_bytes(lm.device)
     # A cache under budget holds what an ingest of the new turns alone would; full KV holds the stored ones too.
-    held = total if budgets is None else fed
+    held = fed.total if chosen.budgets is None else fed.fed
 
     def estimate(select_from_full: bool) -> int:
-        return estimate_bytes(config, lm, layout, held, budgets, heads, protected, select_from_full=select_from_full)
+        return estimate_bytes(config, lm, text.layout, held, chosen.budgets, chosen.heads, text.protected,
+                              select_from_full=select_from_full)  # fmt: skip
 
-    if continuing:  # a stored cache continues block by block
-        prefill = "block"
-    else:
-        prefill = _prefill_mode(cache_cfg, strategy, total, lm.context_window, estimate(True), shape, available)
+    prefill = "block" if planner.continuing else prefill_mode(chosen.cache, chosen.strategy, fed.total,
+                                                               lm.context_window, estimate(True), shape, available)
     peak_bytes = estimate(prefill == "full")
-    if not force:
+    if not planner.force:
         preflight.check_fits(peak_bytes, resident=shape.weight_bytes, available=available, device=lm.device)
-    positions = cache_cfg.positions
-    if not continuing:
+    return prefill, peak_bytes
+
+
+def _positions(cache: CacheConfig, total: int, planner: _Planner) -> str:
+    """The positions the caches keep: a fresh ingest's as asked (`auto`: compact beyond the model's window), checked
+    against the model; an append keeps the stored caches' until the history outgrows the window, as `auto` would."""
+    lm = planner.lm
+    positions = cache.positions
+    if planner.continuing is None:
         families.check_context(lm.model.config, total + ANSWER_ROOM, lm.spec, what=f"the history ({total} tokens with "
                                f"the system prompt) and {ANSWER_ROOM} for an answer")  # fmt: skip
-        positions = _positions_mode(cache_cfg.positions, total, lm.context_window)
+        positions = _positions_mode(cache.positions, total, lm.context_window)
         families.check_positions(lm.model.config, positions, lm.spec)
     elif positions == "original" and _positions_mode("auto", total, lm.context_window) == "compact":
-        # an append keeps the stored caches' positions until the history outgrows the window, as `auto` would
         families.check_positions(lm.model.config, "compact", lm.spec)
         positions = "compact"
-        notes.append(f"the history ({total} tokens with the system prompt) now exceeds the model's window "
-                     f"({lm.context_window}): the caches continue at compact positions")
-    if full and positions == "compact" and not cache_cfg.offload.enabled:  # nothing evicted: nothing compacts
+        planner.notes.append(f"the history ({total} tokens with the system prompt) now exceeds the model's window "
+                             f"({lm.context_window}): the caches continue at compact positions")  # fmt: skip
+    if method(cache.method).scorer is None and positions == "compact" and not cache.offload.enabled:
         raise UserError(f"--method full keeps every entry at its own position, and the history ({total} tokens with "
                         f"the system prompt) exceeds the model's window ({lm.context_window}); use a method with a "
                         "budget (the default does), or --offload icecache")  # fmt: skip
-    resolved = dataclasses.replace(
-        config,
-        cache=dataclasses.replace(
-            cache_cfg, positions=positions, layer_budgets=cache_cfg.layer_budgets if full else strategy, alpha=alpha,
-            prefill=cache_cfg.prefill if continuing else prefill,
-        ),
-    )
-    if episode_ids:  # routed: each episode's own turns, from the system prompt on (an append: after its stored ones)
-        first = continuing.turns if continuing else 0
-        starts = [protected + h for h in continuing.episode_tokens] if continuing and continuing.episode_tokens else (
-            [protected + earlier] * len(episodes))  # fmt: skip
-        spans = _routed_spans(turns, held_turns, routed, starts, first=first)
-    else:
-        first = continuing.turns if continuing else 0  # an append's turns follow the stored ones
-        spans = tokenized.spans(turns, protected + earlier, indices=range(first, first + len(turns)))
-    del tokenized
-    recall_index = None
-    if split:  # the chunks each question's turns are recalled from: an append's new turns only
-        index = RagIndex.build(turns, lm, encoder, split.chunk_tokens, resolved.cache.recall.dated)
-        recall_index = recall.offset(index, continuing.turns) if continuing else index
-    return IngestPlan(
-        name=name,
-        config=resolved,
-        source=continuing.source if continuing else str(Path(history).resolve()) if from_file else source,
-        turns=(continuing.turns if continuing else 0) + len(turns),
-        layout=layout,
-        prefix_ids=prefix_ids,
-        context_ids=context_ids,
-        history_tokens=history_tokens,
-        budgets=budgets,
-        heads=heads,
-        prefill=prefill,
-        episodes=episodes,
-        episode_segments=members,
-        estimated_peak_bytes=peak_bytes,
-        notes=notes,
-        trained=trained,
-        appended=tuple(appended),
-        reads={path: dict(options) for path, options in (reads or {}).items() if options},
-        turn_spans=tuple(spans),
-        episode_ids=episode_ids,
-        recall=recall_index,
-    )
+    return positions
 
 
-def resolve_layer_budgets(
-    cache: CacheConfig, lm: LoadedModel, profile_dirs: list[Path], protected: int, notes: list[str]
-) -> tuple[str, list[int] | CakeBudgets, float | None]:
-    """The strategy actually used, its per-layer budgets (each above the `protected` system prompt) and,
-    for sensitivity, the alpha used. `auto` = sensitivity when a profile of these weights exists (shipped,
-    or made by `kvchat profile-layers`), else uniform. `cake` budgets are computed during prefill, from
-    each block's attention."""
-    strategy = cache.layer_budgets
-    if strategy == "cake":
-        cake = cache.cake
-        return strategy, CakeBudgets(
-            cache.budget, cake.queries, cake.tau1, cake.tau2, cake.floor_fraction, cake.cascade
-        ), None
-    profile = find_profile(lm, profile_dirs) if strategy in ("auto", "sensitivity") else None
-    if strategy == "auto":
-        strategy = "sensitivity" if profile else "uniform"
-        if profile is None:
-            notes.append(f"no layer profile for {lm.spec}: uniform budgets (run `kvchat profile-layers` to make one)")
-    elif strategy == "sensitivity" and profile is None:
-        raise UserError(f"{given('layer_budgets', 'sensitivity')} needs a profile of {lm.spec}: run `kvchat "
-                        "profile-layers` first")
-    alpha = cache.alpha if cache.alpha is not None else (profile.alpha if profile else 1.0)
-    budgets = layer_budgets(
-        strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha,
-        protected=protected,
-    )
-    return strategy, budgets, alpha if strategy == "sensitivity" else None
+def _turn_spans(text: _History, fed: _Episodes) -> tuple:
+    """Each turn's token range (kvchat.answer.sources), from after the system prompt and the stored turns; routed:
+    one tuple per episode, of its own turns."""
+    if fed.episode_ids:
+        return tuple(_routed_spans(text.turns, fed.held_turns, fed.routed, fed.starts, first=text.first))
+    indices = range(text.first, text.first + len(text.turns))
+    return tuple(text.tokenized.spans(text.turns, text.protected + text.earlier, indices=indices))
 
 
-def _longest_head(
-    budgets: list[int] | CakeBudgets, heads: HeadBudgets, shape: preflight.ModelShape, protected: int
-) -> int:
-    """The most entries one KV head of one layer may keep: the largest layer budget (cake: every other
-    layer at its floor), and with adaptive heads that layer's whole share less the other heads' floors."""
-    if isinstance(budgets, CakeBudgets):
-        largest = shape.layers * budgets.budget - (shape.layers - 1) * budgets.floor(protected)
-    else:
-        largest = max(budgets)
-    if heads.mode == "uniform":
-        return largest
-    return largest * shape.kv_heads - (shape.kv_heads - 1) * head_floor(largest, protected, heads.floor_fraction)
-
-
-def estimate_bytes(
-    config: IngestConfig,
-    lm: LoadedModel,
-    layout: ChatLayout,
-    context_tokens: int,
-    budgets: list[int] | CakeBudgets | None,
-    heads: HeadBudgets,
-    protected: int,
-    *,
-    select_from_full: bool = False,
-) -> int:
-    """The pre-flight estimate (kvchat.ingest.preflight) of building `config`'s caches over `context_tokens`."""
-    shape = preflight.ModelShape.of(lm.model)
-    return preflight.estimate_ingest_bytes(
-        shape,
-        budget=config.cache.budget,
-        block_size=config.cache.block_size,
-        prompt_tokens=config.episodes.patched_prompt_tokens + lm.encode(layout.question("")).shape[-1],
-        context_tokens=context_tokens,
-        full=budgets is None,
-        longest_head=None if budgets is None else _longest_head(budgets, heads, shape, protected),
-        select_from_full=select_from_full,
-    )
-
-
-def _prefill_mode(
-    cache: CacheConfig,
-    strategy: str,
-    history_tokens: int,
-    window: int,
-    full_bytes: int,
-    shape: preflight.ModelShape,
-    available: int | None,
-) -> str:
-    """`block` or `full` (see `CacheConfig.prefill`). `auto` picks `full` when it can run (a method that
-    scores after the block, fixed layer budgets, a history inside the model's window) and the estimate of
-    holding the whole history fits `available`; an explicit `full` that cannot run is refused."""
-    entry = method(cache.method)
-    if entry.scorer is None or cache.prefill == "block":
-        return "block"  # full KV evicts nothing: both ways build the same cache
-    if entry.in_forward:
-        why_not = f"--method {entry.name} scores inside each block's forward"
-    elif entry.routed:
-        why_not = f"--method {entry.name} prefills each episode's own turns, not the whole history"
-    elif strategy == "cake":
-        why_not = "cake layer budgets come from each block's attention"
-    elif window and history_tokens + ANSWER_ROOM > window:
-        why_not = f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window})"
-    else:
-        why_not = None
-    if cache.prefill == "full":
-        if why_not:
-            raise UserError(f"{given('prefill', 'full')} cannot run: {why_not}; use {given('prefill', 'block')} or "
-                            "auto")
-        return "full"
-    fits = available is None or full_bytes - shape.weight_bytes <= available
-    return "full" if why_not is None and fits else "block"
+def _recall_index(text: _History, cache: CacheConfig, planner: _Planner) -> RagIndex | None:
+    """--method recall: the chunks each question's turns are recalled from (an append's: its new turns only)."""
+    split = recall.split_for(cache)
+    if split is None:
+        return None
+    index = RagIndex.build(text.turns, planner.lm, planner.encoder, split.chunk_tokens, cache.recall.dated)
+    return recall.offset(index, planner.continuing.turns) if planner.continuing else index
 
 
 def _segment_turns(segments: Sequence[int], w: int, turns: int) -> list[int]:

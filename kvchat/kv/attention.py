@@ -133,7 +133,8 @@ class AttentionRecorder:
 
 
 def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean mask [q, kv]: all cached entries visible, new tokens causal among themselves."""
+    """Boolean mask [q, kv]: all cached entries visible, new tokens causal among themselves (None for one token,
+    which sees everything). The one mask attention builds: per layer, and per KV head of a ragged layer."""
     if q_len == 1:
         return None
     past = kv_len - q_len
@@ -142,15 +143,48 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor |
     return torch.cat([cached, new], dim=1)
 
 
+# The shared pieces: GQA groups as rows, logits, their softmax or log-sum-exp, the weighted values.
+
+
+def attention_logits(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None = None
+                     ) -> torch.Tensor:  # fmt: skip
+    """Attention logits `[kv_heads, group, q, n]` in float32 of `query [1, q_heads, q, D]` over `key [1, kv, n, D]`,
+    scaled, then softcapped (Gemma2: softcap * tanh(logits / softcap)). Each KV head's group of query heads is one
+    matrix against its keys (every key read once); the product is computed in the operands' dtype, so callers
+    wanting exact scores pass float32 ones."""
+    _, q_heads, q_len, dim = query.shape
+    kv_heads, n = key.shape[1], key.shape[2]
+    rows = query[0].reshape(kv_heads, q_heads // kv_heads * q_len, dim)          # [kv_heads, group * q, D]
+    logits = torch.matmul(rows, key[0].transpose(1, 2)).float().mul_(scale).view(kv_heads, -1, q_len, n)
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
+def _masked(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    return logits if mask is None else logits.masked_fill(~mask, float("-inf"))
+
+
 def grouped_attention_weights(
     query: torch.Tensor, key: torch.Tensor, scaling: float, mask: torch.Tensor | None, softcap: float | None = None
 ) -> torch.Tensor:
-    """Softmax attention weights for batch 1, shaped [kv_heads, group, q, kv] (GQA groups explicit).
-    `softcap` (Gemma2's attention logit softcapping): logits become softcap * tanh(logits / softcap)."""
-    logits = attention_logits(query, key, scaling, softcap)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return logits.softmax(dim=-1)
+    """Softmax attention weights `[kv_heads, group, q, kv]` for batch 1 (GQA groups explicit), from float32 logits
+    of float32 operands: the weights recorders and scorers read."""
+    return _masked(attention_logits(query.float(), key.float(), scaling, softcap), mask).softmax(dim=-1)
+
+
+def weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`weights [kv_heads, group, q, n]` applied to `value [1, kv_heads, n, D]`: `[1, q_heads, q, D]`."""
+    kv_heads, group, q_len, n = weights.shape
+    out = torch.matmul(weights.to(value.dtype).reshape(kv_heads, group * q_len, n), value[0])
+    return out.view(1, kv_heads * group, q_len, -1)
+
+
+def softmax_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, mask: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """softmax(mask(softcap(Q K^T scale))) V by hand, `[1, q_heads, q, D]`, softmax in float32: what SDPA cannot do
+    (a softcap), and one decode token on the CPU where its grouped matmuls beat SDPA (`_sdpa_decodes_faster`)."""
+    return weighted_values(_masked(attention_logits(query, key, scale, softcap), mask).softmax(dim=-1), value)
 
 
 def attend(
@@ -161,24 +195,23 @@ def attend(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention output `[1, q_heads, q, D]` of `query` over `key`/`value` `[1, kv_heads, n, D]` (GQA): one
-    decode token through flashinfer where it runs (kvchat.kv.backends), else `decode_attention` or SDPA,
-    whichever is faster there (`_sdpa_decodes_faster`); more tokens through torch's SDPA; with a logit softcap,
-    which SDPA cannot apply, softmax(softcap(QK^T)) V by hand."""
+    """Attention output `[1, q_heads, q, D]` of `query` over `key`/`value` `[1, kv_heads, n, D]` (GQA), the kernel
+    chosen here: one decode token through flashinfer where it runs (kvchat.kv.backends); under a logit softcap,
+    which SDPA cannot apply, `softmax_attention` from float32 operands; one token on the CPU where the grouped
+    matmuls are faster, `softmax_attention`; else torch's SDPA."""
     fast = backends.flashinfer_decode(query, key, value, scale, softcap) if mask is None else None
     if fast is not None:
         return fast
-    if mask is None and query.shape[2] == 1 and not softcap and not _sdpa_decodes_faster(key):
-        return decode_attention(query, key, value, scale)
-    if not softcap:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
-    weights = grouped_attention_weights(query, key, scale, mask, softcap)
-    return _weighted_values(weights, value)
+    if softcap:
+        return softmax_attention(query.float(), key.float(), value, scale, mask, softcap)
+    if mask is None and query.shape[2] == 1 and not _sdpa_decodes_faster(key):
+        return softmax_attention(query, key, value, scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
-# Entries per head up to which torch's SDPA CPU kernel beats `decode_attention` for one float32 query when torch
-# runs more than one intra-op thread; beyond it, and on one thread, the grouped matmuls win
-# (benchmarks/decode_attention.py).
+# Entries per head up to which torch's SDPA CPU kernel beats the grouped matmuls (`softmax_attention`) for one
+# float32 query when torch runs more than one intra-op thread; beyond it, and on one thread, the grouped matmuls
+# win (benchmarks/decode_attention.py).
 SDPA_DECODE_ENTRIES = 2048
 
 
@@ -189,26 +222,72 @@ def _sdpa_decodes_faster(key: torch.Tensor) -> bool:
             and torch.get_num_threads() > 1)
 
 
-def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of one new token, `query [1, q_heads, 1, D]` over `key/value [1, kv_heads, n, D]`, as
-    `[1, q_heads, 1, D]`: each GQA group's queries as one matrix against its KV head, so every key and value
-    is read once (on one thread faster than SDPA's CPU kernel beyond a few hundred entries:
-    benchmarks/results/decode_attention.md). Softmax in float32."""
-    kv_heads, dim = key.shape[1], query.shape[-1]
-    q = query.reshape(kv_heads, -1, dim)                                   # [kv_heads, group, D]
-    logits = torch.matmul(q, key[0].transpose(1, 2)).float()                # [kv_heads, group, n]
-    weights = logits.mul_(scale).softmax(dim=-1).to(value.dtype)
-    return torch.matmul(weights, value[0]).reshape(1, -1, 1, dim)
+@dataclass(frozen=True)
+class _Attended:
+    """One dense attention call's results: the output `[1, heads, q, D]`, the recorder's weights
+    `[kv_heads, group, rows, n]` (None without a recorder) and the log-sum-exp `[1, heads, q, 1]` a mass readout
+    reads (None unless asked)."""
+
+    out: torch.Tensor
+    weights: torch.Tensor | None
+    log_mass: torch.Tensor | None
 
 
-def _weighted_values(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """`weights [kv_heads, group, q, n]` applied to `value [1, kv_heads, n, D]`: `[1, q_heads, q, D]`."""
-    kv_heads, group, q_len = weights.shape[:3]
-    return torch.matmul(weights.to(value.dtype), value[0].unsqueeze(1)).reshape(1, kv_heads * group, q_len, -1)
+def _dense(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float | None, rows: int, log_mass: bool,
+) -> _Attended:
+    """Attention over one tensor of entries (a uniform layer, or one KV head of a ragged one) with what the
+    recorder (`rows`: its last queries, 0 for none) and the memory (`log_mass`) ask for. A recorder's weights of
+    every query give the output by one matmul, no second softmax (a probe pass)."""
+    q_len = query.shape[2]
+    weights = None
+    if rows:
+        last = None if mask is None else mask[q_len - rows :]
+        weights = grouped_attention_weights(query[:, :, q_len - rows :], key, scale, last, softcap)
+    if weights is not None and rows == q_len:
+        out = weighted_values(weights, value)
+    else:
+        out = attend(query, key, value, mask, scale, softcap)
+    mass = None
+    if log_mass:  # one extra q.K^T over the entries: each query's log-sum-exp over those it attends to
+        logits = _masked(attention_logits(query.float(), key.float(), scale, softcap), mask)
+        mass = logits.logsumexp(-1, keepdim=True).flatten(0, 1)[None]
+    return _Attended(out, weights, mass)
+
+
+def _ragged(
+    query: torch.Tensor, key: HeadList, value: HeadList, scale: float, softcap: float | None, rows: int,
+    log_mass: bool,
+) -> _Attended:
+    """A ragged layer: per KV head, its group of query heads over that head's own `n_h` entries only (the causal
+    rule of `causal_mask` per head), then the heads' results side by side.
+
+    A recorder's weights are laid out as a uniform layer's `[kv_heads, group, rows, kv]` (cached columns first,
+    then the forward's own tokens') with zero columns filling the shorter heads' cached part up to the longest,
+    so any recorder reads `weights[..., :past]` the same way. Those transient scores are padded (a few floats per
+    entry, during prefill only); keys and values never are."""
+    kv_heads, q_len = len(key), query.shape[2]
+    group = query.shape[1] // kv_heads
+    parts = [
+        _dense(query[:, h * group : (h + 1) * group], key[h], value[h], causal_mask(q_len, key[h].shape[2],
+               query.device), scale, softcap, rows, log_mass)
+        for h in range(kv_heads)
+    ]  # fmt: skip
+    weights = None
+    if rows:
+        own = [p.weights.shape[-1] - q_len for p in parts]
+        past = max(own)
+        weights = parts[0].weights.new_zeros(kv_heads, group, rows, past + q_len)
+        for h, (p, n) in enumerate(zip(parts, own, strict=True)):
+            weights[h, ..., :n] = p.weights[0, ..., :n]
+            weights[h, ..., past:] = p.weights[0, ..., n:]
+    mass = torch.cat([p.log_mass for p in parts], dim=1) if log_mass else None
+    return _Attended(torch.cat([p.out for p in parts], dim=1), weights, mass)
 
 
 def kvchat_attention(
-    module: torch.nn.Module,
+    module: torch.nn.Module | None,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -220,98 +299,42 @@ def kvchat_attention(
     kvchat_memory: MemoryReadout | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """SDPA with a per-layer causal mask; optionally records attention for scoring, and adds a latent
-    memory's readout (IndexMem eq. 4: o = o_attn + g(q) m(q); or the mass readout, which also reads
-    attention's log-sum-exp, kvchat.kv.latent) when one is passed. A `softcap` keyword
+    """Attention `[1, q, q_heads, D]` with a per-layer causal mask over whatever the layer's cache returned: one
+    tensor (a uniform layer, or a paged one whose heads ended equal), a `HeadList` (ragged: per head), or
+    `PagedKeys` (retrieved entries joined in, or one decode token through the pool's paged decode). Records the
+    weights for a recorder, and adds a latent memory's readout (IndexMem eq. 4: o = o_attn + g(q) m(q); or the mass
+    readout, which also reads attention's log-sum-exp, kvchat.kv.latent) when one is passed. A `softcap` keyword
     (Gemma2's attention logit softcapping, passed by the model's attention module) is applied."""
     softcap = kwargs.get("softcap")
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer = getattr(module, "layer_idx", None)
     if isinstance(key, PagedKeys):
         retrieved = key.pool.retrieved(query, scaling)
         paged = key.pool.paged
         if paged is not None and query.shape[2] == 1 and attention_mask is None and kvchat_recorder is None and (
                 kvchat_memory is None):  # a latent memory reads the joined entries (mass: their log-sum-exp)
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
             return paged(query, key, value, retrieved, scale, softcap), None
         key, value = with_retrieved(key, value, retrieved, query.shape[2])
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if isinstance(key, HeadList):
-        out, _ = _ragged_attention(
-            module, query, key, value, attention_mask, scaling, kvchat_recorder, kvchat_hidden, softcap
-        )
-        return _with_memory(out, module, query, kvchat_memory, key, scale, None, softcap), None
-    q_len, kv_len = query.shape[2], key.shape[2]
-    mask = causal_mask(q_len, kv_len, query.device) if attention_mask is None else _as_bool(attention_mask)
-    if kvchat_recorder is not None:
-        rows = min(kvchat_recorder.query_rows or q_len, q_len)
-        weights = grouped_attention_weights(
-            query[:, :, q_len - rows :], key, scale, None if mask is None else mask[q_len - rows :], softcap
-        )
-    if kvchat_recorder is not None and weights.shape[-2] == q_len:
-        # The weights of every query are at hand (a probe pass): the output is one matmul away, no second softmax.
-        out = _weighted_values(weights, value)
-    else:
-        out = attend(query, key, value, mask, scale, softcap)
-    if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
-        kvchat_recorder.record(_view(module.layer_idx, weights, kv_len - q_len, query, kvchat_hidden, scale,
-                                          softcap))
-    return _with_memory(out.transpose(1, 2).contiguous(), module, query, kvchat_memory, key, scale, mask, softcap), None
-
-
-def _with_memory(
-    out: torch.Tensor,
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    memory: MemoryReadout | None,
-    key: torch.Tensor | HeadList,
-    scale: float,
-    mask: torch.Tensor | None,
-    softcap: float | None,
-) -> torch.Tensor:
-    """`out [1, q, q_heads, head_dim]` plus the memory's readout, when there is a memory; a mass readout also
-    gets attention's output and log-sum-exp over the layer's `key`s (`mask`: the uniform path's)."""
-    if memory is None:
-        return out
-    layer = module.layer_idx
-    if not memory.needs_log_mass(layer):
-        return out + memory(layer, query).transpose(1, 2).to(out.dtype)
-    log_mass = attention_log_mass(query, key, scale, mask, softcap)
-    return out + memory(layer, query, out.transpose(1, 2), log_mass).transpose(1, 2).to(out.dtype)
-
-
-def attention_log_mass(
-    query: torch.Tensor, key: torch.Tensor | HeadList, scale: float, mask: torch.Tensor | None,
-    softcap: float | None = None,
-) -> torch.Tensor:
-    """log sum_k exp(logit(q, k)) over the keys each query attends to, `[1, q_heads, q, 1]` float32: the
-    entries resident (plus retrieved) and the forward's own tokens, causally (`mask [q, kv]` for a uniform
-    layer, the causal rule per head for a ragged one). One extra q.K^T over the resident entries."""
     q_len = query.shape[2]
+    rows = 0 if kvchat_recorder is None else min(kvchat_recorder.query_rows or q_len, q_len)
+    log_mass = kvchat_memory is not None and kvchat_memory.needs_log_mass(layer)
     if isinstance(key, HeadList):
-        kv_heads = len(key)
-        group = query.shape[1] // kv_heads
-        parts = []
-        for h in range(kv_heads):
-            logits = attention_logits(query[:, h * group : (h + 1) * group], key[h], scale, softcap)
-            head_mask = causal_mask(q_len, key[h].shape[2], query.device)
-            if head_mask is not None:
-                logits = logits.masked_fill(~head_mask, float("-inf"))
-            parts.append(logits.logsumexp(-1, keepdim=True).flatten(0, 1))
-        return torch.cat(parts)[None]
-    logits = attention_logits(query, key, scale, softcap)
-    if mask is not None:
-        logits = logits.masked_fill(~mask, float("-inf"))
-    return logits.logsumexp(-1, keepdim=True).flatten(0, 1)[None]
-
-
-def attention_logits(query: torch.Tensor, key: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """Attention logits `[kv_heads, group, q, n]` (float32) of `query [1, q_heads, q, D]` over `key [1, kv, n, D]`."""
-    _, q_heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    q = query[0].reshape(kv_heads, q_heads // kv_heads, q_len, dim).float()
-    logits = torch.matmul(q, key[0].float().transpose(-1, -2).unsqueeze(1)) * scale
-    return torch.tanh(logits / softcap) * softcap if softcap else logits
+        if attention_mask is not None:
+            raise ValueError("a prepared attention mask does not apply to a layer with per-head lengths")
+        attended = _ragged(query, key, value, scale, softcap, rows, log_mass)
+    else:
+        mask = causal_mask(q_len, key.shape[2], query.device) if attention_mask is None else _as_bool(attention_mask)
+        attended = _dense(query, key, value, mask, scale, softcap, rows, log_mass)
+    out = attended.out
+    if kvchat_memory is not None:
+        readout = kvchat_memory(layer, query, out, attended.log_mass) if log_mass else kvchat_memory(layer, query)
+        out = out + readout.to(out.dtype)
+    if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
+        past = attended.weights.shape[-1] - q_len
+        kvchat_recorder.record(_view(layer, attended.weights, past, query, kvchat_hidden, scale, softcap))
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _view(
@@ -322,51 +345,6 @@ def _view(
     rows = weights.shape[-2]
     layer_hidden = hidden.pop(layer_idx, None) if hidden is not None else None
     return LayerView(layer_idx, weights, past, query[:, :, query.shape[2] - rows :], layer_hidden, scale, softcap)
-
-
-def _ragged_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: HeadList,
-    value: HeadList,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None,
-    recorder: Recorder | None,
-    hidden: dict[int, torch.Tensor] | None,
-    softcap: float | None = None,
-) -> tuple[torch.Tensor, None]:
-    """Attention of a ragged layer: per KV head h, its group of query heads attends over that head's own
-    `n_h` entries only. Same causal rule as the uniform path: cached entries visible, new tokens causal.
-
-    With a recorder, the per-head weights are laid out as the uniform path's `[kv_heads, group, q, kv]`
-    (cached columns first, then the new tokens' columns) with zero columns filling the shorter heads'
-    cached part up to the longest, so any recorder reads `weights[..., :past]` the same way. Those
-    transient scores are padded (a few floats per entry, during prefill only); keys and values never are.
-    """
-    if attention_mask is not None:
-        raise ValueError("a prepared attention mask does not apply to a layer with per-head lengths")
-    kv_heads, q_len = len(key), query.shape[2]
-    group = query.shape[1] // kv_heads
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    rows = q_len if recorder is None else min(recorder.query_rows or q_len, q_len)
-    outs, weights = [], []
-    for h in range(kv_heads):
-        q = query[:, h * group : (h + 1) * group]
-        mask = causal_mask(q_len, key[h].shape[2], query.device)
-        if recorder is not None:
-            last = None if mask is None else mask[q_len - rows :]
-            # [group, rows, n_h]
-            weights.append(grouped_attention_weights(q[:, :, q_len - rows :], key[h], scale, last, softcap)[0])
-        outs.append(attend(q, key[h], value[h], mask, scale, softcap))
-    if recorder is not None:
-        past = max(w.shape[-1] for w in weights) - q_len
-        padded = weights[0].new_zeros(kv_heads, group, rows, past + q_len)
-        for h, w in enumerate(weights):
-            own = w.shape[-1] - q_len
-            padded[h, ..., :own] = w[..., :own]
-            padded[h, ..., past:] = w[..., own:]
-        recorder.record(_view(module.layer_idx, padded, past, query, hidden, scale, softcap))
-    return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
 
 
 def with_retrieved(

@@ -1,8 +1,9 @@
 """Running tokens through the model on top of an EpisodeCache, at the cache's logical positions.
 
-`feeding` is what every forward on an EpisodeCache does around the model's layers, whichever model computes them
-(transformers' through `forward`, kvchat's own through `kvchat.model.native_llama.NativeLlama.forward`): the context
-check, the positions, the keywords kvchat's attention takes, and the cache's advance after.
+`forward` is the one entry: it feeds any model taking transformers' forward call (kvchat's own Llama,
+`kvchat.model.native_llama`, or transformers' model of another family). `feeding` is what it does around the
+model's layers: the context check, the positions, the keywords kvchat's attention takes, and the cache's advance
+after.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def forward(
     recorder: Recorder | None = None,
     last_logits_only: bool = True,
 ) -> torch.Tensor:
-    """Feed `ids` [1, n] through transformers' `model`; returns logits (of the last token only, by default) and
-    advances the cache.
+    """Feed `ids` [1, n] through `model` (transformers' forward call); returns logits (of the last token only, by
+    default) and advances the cache.
 
     Position ids are passed explicitly: after eviction the physical cache is shorter than the logical
     position, and transformers would otherwise infer positions from the physical length. A `recorder`

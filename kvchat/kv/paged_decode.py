@@ -1,6 +1,6 @@
 """Decode attention of a paged layer (IceCache) as one batched paged-decode call over a slot buffer.
 
-Today's ragged path (kvchat.kv.attention's `with_retrieved` + `_ragged_attention`) concatenates, at every
+Today's ragged path (kvchat.kv.attention's `with_retrieved`, then attention per KV head) concatenates, at every
 decode step and for every KV head, the head's resident entries, its retrieved ones and the new token, then
 runs one attention call per head. This module lays the same entries out as a paged KV cache once and keeps
 it up to date instead, so a decode step writes only the new token and runs one call for the whole layer.
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvchat.kv import backends
+from kvchat.kv.attention import softmax_attention
 
 if TYPE_CHECKING:
     from kvchat.kv.attention import Retrieved
@@ -55,19 +56,17 @@ def paged_decode_reference(
     query: torch.Tensor, table: PageTable, scale: float, softcap: float | None = None
 ) -> torch.Tensor:
     """Attention of `query [heads, group, D]` (request h: the query heads of KV head h) over each request's
-    pages of `table`, `[heads, group, D]`: what flashinfer's paged decode computes, in torch (logits in
-    float32, `softcap * tanh(logits / softcap)` under a softcap, softmax, weighted values)."""
+    pages of `table`, `[heads, group, D]`: what flashinfer's paged decode computes, in torch (kvchat's
+    `softmax_attention` per request: logits in float32, softcapped, softmax, weighted values)."""
     heads, group, dim = query.shape
     out = query.new_empty(heads, group, dim)
     bounds = table.indptr.tolist()
     for h in range(heads):
         rows = table.indices[bounds[h] : bounds[h + 1]].long()
-        keys = table.keys.index_select(0, rows).view(-1, dim)
-        values = table.values.index_select(0, rows).view(-1, dim)
-        logits = torch.matmul(query[h], keys.T).float().mul_(scale)  # [group, n]
-        if softcap:
-            logits = torch.tanh(logits / softcap) * softcap
-        out[h] = torch.matmul(logits.softmax(dim=-1).to(values.dtype), values)
+        keys = table.keys.index_select(0, rows).view(1, 1, -1, dim)
+        values = table.values.index_select(0, rows).view(1, 1, -1, dim)
+        attended = softmax_attention(query[h].reshape(1, group, 1, dim), keys, values, scale, softcap=softcap)
+        out[h] = attended.view(group, dim)
     return out
 
 

@@ -1,5 +1,6 @@
 """The decode step replayed as one CUDA graph: on a GPU, a small model's step costs its kernel launches (about 25
-a layer, kvchat.model.decode_step), not its arithmetic, and a graph launches all of them at once.
+a layer, kvchat.model.decode_step), not its arithmetic, and a graph launches all of them at once. Built on the step
+(`CudaGraphStep` wraps a `DecodeStep`, which knows nothing of graphs); `LoadedModel.decode_step` picks it on a GPU.
 
 A graph replays the same kernels on the same memory, so the step it records
 - takes the token, its position and each layer's write index from tensors on the GPU, filled before each replay;
@@ -15,18 +16,19 @@ answers (serve's LRU) is freed.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from kvchat.kv import backends
 from kvchat.kv.attention import attend
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.layers import UniformLayer
+from kvchat.model.decode_step import DecodeStep
 
-if TYPE_CHECKING:
-    from kvchat.model.decode_step import DecodeStep
+_log = logging.getLogger(__name__)
 
 
 def graphable(cache: EpisodeCache) -> bool:
@@ -41,7 +43,7 @@ def _buffers_key(cache: EpisodeCache) -> tuple:
 
 
 class StaticStep:
-    """`DecodeStep.forward` over fixed tensors: the buffers of `cache`'s layers, the token `ids [1]`, and
+    """`DecodeStep.run` over fixed tensors: the buffers of `cache`'s layers, the token `ids [1]`, and
     `where [layers + 1]` (each layer's write index, then the token's position)."""
 
     def __init__(self, step: DecodeStep, cache: EpisodeCache) -> None:
@@ -66,7 +68,7 @@ class StaticStep:
 
     def run(self) -> torch.Tensor:
         """The step on the loaded inputs: logits `[1, 1, vocab]`; the token's entries written, not yet live."""
-        return self.step.forward(self.ids, self.where[-1:].view(1, 1), self._attend)
+        return self.step.run(self.ids, self.where[-1:].view(1, 1), self._attend)
 
     def _attend(self, index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 scale: float) -> torch.Tensor:
@@ -76,7 +78,7 @@ class StaticStep:
         values.index_copy_(2, slot, value.to(values.dtype))
         positions.index_copy_(1, slot, self.where[-1:].expand(positions.shape[0], 1))
         live = (self._slots[: keys.shape[2]] <= slot).view(1, 1, 1, -1)
-        return attend(query, keys, values, live, scale)
+        return attend(query, keys, values, live, scale).transpose(1, 2)
 
     @staticmethod
     def advance(cache: EpisodeCache) -> None:
@@ -87,24 +89,56 @@ class StaticStep:
 
 
 class CudaGraphStep:
-    """`step` (a `DecodeStep`) on a GPU, recorded once per set of buffers as a CUDA graph and replayed per token."""
+    """`step` (a `DecodeStep`) on a GPU, recorded once per set of buffers as a CUDA graph and replayed per token; the
+    eager step where a graph cannot run (`cuda_graphs` off, flashinfer's attention, a cache without room) or could
+    not be recorded (then graphs are off from there on)."""
 
     def __init__(self, step: DecodeStep) -> None:
         self.step = step
+        # A dynamic RoPE (NTK "dynamic") recomputes its frequencies from the position on the host: not in a graph.
+        rotary = step.model.model.rotary_emb
+        self.cuda_graphs = "dynamic" not in str(getattr(rotary, "rope_type", "default"))
         self._cache: Callable[[], EpisodeCache | None] = lambda: None  # the cache recorded for, weakly
         self._static: StaticStep | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
 
+    def applies(self, cache: EpisodeCache, ids: torch.Tensor) -> bool:
+        return self.step.applies(cache, ids)
+
+    @torch.inference_mode()
     def __call__(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
-        """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`, which
-        `graphable` accepts."""
+        """Logits `[1, 1, vocab]` of the token after `ids [1, 1]`; the token is appended to `cache`."""
+        if self.cuda_graphs and ids.is_cuda and graphable(cache) and (
+                backends.decode_backend(ids.device, self.step.model.dtype) == "torch"):  # flashinfer's: un-graphed
+            self.step.check_context(cache)
+            logits = self._replayed(cache, ids)
+            if logits is not None:
+                return logits
+        return self.step(cache, ids)
+
+    def _replayed(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor | None:
+        """The step as a CUDA graph's replay; None, with graphs off from then on, where recording or replaying one
+        fails (a kernel a graph cannot hold): the eager step then feeds the token, which the failed graph has not
+        made live in the cache."""
+        try:
+            logits = self._run_graph(cache, ids)
+        except RuntimeError as exc:
+            _log.warning("kvchat: answering without CUDA graphs: %s", exc)
+            self.cuda_graphs = False
+            self._static = self._graph = self._logits = None
+            self._cache = lambda: None
+            return None
+        StaticStep.advance(cache)
+        return logits
+
+    def _run_graph(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
+        """Replay the graph recorded for `cache`'s buffers (recording it first where there is none)."""
         if self._cache() is not cache or self._static.key != _buffers_key(cache):
             self._record(cache, ids)
         else:
             self._static.load(cache, ids)
             self._graph.replay()
-        StaticStep.advance(cache)
         return self._logits.clone()  # the next replay overwrites the graph's own
 
     def _record(self, cache: EpisodeCache, ids: torch.Tensor) -> None:

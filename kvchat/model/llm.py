@@ -13,7 +13,6 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -27,14 +26,11 @@ from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward as model_forward
 from kvchat.model import held_weights, native_llama
+from kvchat.model.cuda_graph_step import CudaGraphStep
 from kvchat.model.decode_step import DecodeStep
 from kvchat.model.device import CPU_FLOAT32, Placement, usable_cores
 from kvchat.model.echo import EchoGuard, HeldAnswer
 from kvchat.model.files import ConversionProgress, resolve
-from kvchat.model.native_llama import NativeLlama
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
@@ -89,73 +85,57 @@ class ModelIdentity:
 
 @dataclass
 class LoadedModel:
-    """A model ready for kvchat: tokenizer, identity, and the model that answers.
+    """A model ready for kvchat: tokenizer, identity, and `model`, the one model everything runs on.
 
-    Where kvchat builds the model itself (`native`, model.native_llama: answering then imports none of transformers'
-    model code), it answers, and transformers' model (`model`) is built on first use, around the same modules;
-    elsewhere transformers' model is loaded at once (`transformers_model`) and answers."""
+    `model` is kvchat's own Llama (model.native_llama: built from the model's file, or around transformers' Llama
+    modules where transformers loads it) for every Llama-architecture model, and transformers' model, with kvchat's
+    attention attached, only for the architectures the native one does not build (Qwen, Mistral, Gemma). Both take
+    transformers' forward call and name their modules as transformers does, so ingest, scorers, profiling,
+    training and answers use either alike; answering with the native one imports none of transformers' model
+    code."""
 
     spec: str
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str
-    native: NativeLlama | None = None
-    transformers_model: PreTrainedModel | None = field(default=None, repr=False)
+    model: nn.Module = field(repr=False)
     weights: str = "float"  # how the Linear weights are held: float, int8 or int4 (`hold_weights`)
-    _decode_step: DecodeStep | bool | None = field(default=None, init=False, repr=False, compare=False)
+    _decode_step: DecodeStep | CudaGraphStep | bool | None = field(default=None, init=False, repr=False,
+                                                                    compare=False)
     _weight_ids: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.native is None and self.transformers_model is None:
-            raise ValueError("a LoadedModel needs transformers' model or kvchat's native one")
-
-    @property
-    def model(self) -> PreTrainedModel:
-        """transformers' model with kvchat's attention attached: for what uses the model object itself (ingest's
-        prefill, scorers, profiling, training); built on first use where the native model answers, holding its
-        modules."""
-        if self.transformers_model is None:
-            self.transformers_model = native_llama.as_transformers(self.native)
-            self.transformers_model.set_attn_implementation(attention.register())
-        return self.transformers_model
 
     @property
     def weight_ids(self) -> tuple[str, ...]:
         """The fingerprints a layer profile or IndexMem weights file made for this model may carry (`weights_ids`),
         of the weights as loaded: an int8 or int4 model (`hold_weights`) finds the files of its float weights."""
         if self._weight_ids is None:
-            self._weight_ids = weights_ids(self.answering)
+            self._weight_ids = weights_ids(self.model)
         return self._weight_ids
 
     def hold_weights(self, weights: str, models_dir: Path | None = None, source: Path | None = None) -> None:
         """Hold the Linear weights as `weights` (auto, int8 or int4: `held_weights.hold`, which reads them from
         `models_dir` when they were kept there for the float weights file `source`), fingerprints taken first."""
         fingerprint = self.weight_ids[0]  # taken (and kept) from the float weights, before they change
-        self.weights = held_weights.hold(self.answering, weights, fingerprint, models_dir, source)
-
-    @property
-    def answering(self) -> nn.Module:
-        """The model answers run on: the native one where there is one, else transformers'."""
-        return self.native if self.native is not None else self.model
+        self.weights = held_weights.hold(self.model, weights, fingerprint, models_dir, source)
 
     @property
     def config(self):
         """The model's config (the attributes transformers' config names)."""
-        return self.answering.config
+        return self.model.config
 
     def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: attention.Recorder | None = None
                 ) -> torch.Tensor:  # fmt: skip
-        """Logits `[1, 1, vocab]` of the token after `ids`, fed on top of `cache` (kv.forward.forward): through the
-        native model where there is one (it computes the same for every cache and recorder), else transformers'."""
-        if self.native is not None:
-            return self.native(cache, ids, recorder=recorder)
+        """Logits `[1, 1, vocab]` of the token after `ids`, fed on top of `cache` (kv.forward.forward)."""
         return model_forward(self.model, cache, ids, recorder=recorder)
 
     @property
-    def decode_step(self) -> DecodeStep | None:
-        """The few-call decode step for this model (kvchat.model.decode_step), built at the second answer token; None
-        where the model's forward must run."""
+    def decode_step(self) -> DecodeStep | CudaGraphStep | None:
+        """The decode step for this model (kvchat.model.decode_step; on a GPU replayed as CUDA graphs,
+        kvchat.model.cuda_graph_step), built at the second answer token; None where the model's forward must run."""
         if self._decode_step is None:
-            self._decode_step = DecodeStep.for_model(self.answering) or False
+            step = DecodeStep.for_model(self.model)
+            if step is not None and self.device.type == "cuda":
+                step = CudaGraphStep(step)
+            self._decode_step = step or False
         return self._decode_step or None
 
     @property
@@ -165,11 +145,11 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.answering.device
+        return self.model.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.answering.dtype
+        return self.model.dtype
 
     @property
     def attention_backend(self) -> str:
@@ -198,7 +178,7 @@ class LoadedModel:
         im_end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         if isinstance(im_end, int) and im_end != self.tokenizer.unk_token_id:
             ids.add(im_end)
-        gen_eos = getattr(self.answering.generation_config, "eos_token_id", None)
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
         return {i for i in ids if i is not None}
 
@@ -285,27 +265,28 @@ def load_model(
         raise UserError(f"--weights {weights} runs on the CPU (its kernel is torch's CPU one), not on "
                         f"{placement.device.type}: add --device cpu, or use --weights float")
     name, source = resolve(spec, models_dir, conversion)
-    native = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
+    built = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
     with _load_errors(spec, source):
-        tokenizer = _load_tokenizer(source, native is not None, trust_remote_code)
-        if native is None:
+        tokenizer = _load_tokenizer(source, built is not None, trust_remote_code)
+        if built is None:
             from transformers import AutoModelForCausalLM
 
-            model = AutoModelForCausalLM.from_pretrained(  # weights_only: a legacy .bin is never fully unpickled
+            loaded = AutoModelForCausalLM.from_pretrained(  # weights_only: a legacy .bin is never fully unpickled
                 source, dtype=placement.dtype, local_files_only=True, trust_remote_code=trust_remote_code,
                 weights_only=True,
             )
-    if native is not None:
-        lm = LoadedModel(spec, tokenizer, model_fingerprint(name, native), native=native)
+    if built is not None:
+        model = built
     else:
-        families.check_supported(model, spec)
-        model.set_attn_implementation(attention.register())
-        model.to(placement.device).eval()
-        lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), transformers_model=model)
+        families.check_supported(loaded, spec)
+        loaded.set_attn_implementation(attention.register())
+        loaded.to(placement.device).eval()
+        model = native_llama.from_transformers(loaded) or loaded  # a Llama runs natively all the same
+    lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), model)
     if weights == "auto" and placement.device.type != "cpu":  # the int8 and int4 kernels are the CPU's
         weights = "float"
     if weights != "float":  # kvchat's own model is read from one file: its quantized form is kept beside it
-        kept = (models_dir, Path(source) / native_llama.WEIGHTS) if native is not None else ()
+        kept = (models_dir, Path(source) / native_llama.WEIGHTS) if built is not None else ()
         lm.hold_weights(weights, *kept)
     _log.debug("%s on %s, decode attention: %s, %s weights", spec, placement.describe(), lm.attention_backend,
                lm.weights)

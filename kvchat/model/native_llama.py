@@ -1,26 +1,29 @@
-"""A Llama-architecture causal LM built with torch alone from its model directory: the model that answers.
+"""A Llama-architecture causal LM built with torch alone: the model every Llama runs on in kvchat.
 
 Importing transformers' model code (`transformers.modeling_utils`, which brings torch.distributed.tensor with
 sympy, torch._dynamo and SciPy) takes longer than loading the model and answering a question from a stored cache,
 and a one-shot `kvchat ask` paid it on every start. `load` builds the model from `config.json` and the
 memory-mapped `model.safetensors` as plain torch modules named as transformers' `LlamaForCausalLM` names its own
 (the same state-dict keys, the norms' `variance_epsilon`, `model.rotary_emb`, `lm_head`, a `config` with the same
-attribute names), so kvchat's decode step, weights fingerprint and int8 weights take it as they take transformers'
-model, and `NativeLlama.forward` feeds tokens on top of an `EpisodeCache` as `kv.forward.forward` does through
-transformers' model, in the same operations: each layer's attention calls kvchat's attention function as
-transformers' `LlamaAttention` calls it, with the keywords `kv.forward.feeding` builds for both, so every cache
-layout, recorder and latent memory answers here.
+attribute names), so the weights fingerprint, int8/int4 weights, scorers, features and training take it as they
+take transformers' model. Its forward takes transformers' call (`NativeLlama.forward`, so `kv.forward.forward`
+feeds it as it feeds transformers' model: ingest's prefill, probes, answers) and each layer's attention calls
+kvchat's attention function as transformers' `LlamaAttention` calls it, so every cache layout, recorder and latent
+memory runs here; one token on a plain cache takes the same layers through the decode step
+(kvchat.model.decode_step), which differs only in how a layer stores and attends. Layers compute their products
+in few calls (kvchat.model.products).
 
-Built only where that holds: the plain Llama architecture (SiLU MLP, no biases, default RoPE), its weights in one
-safetensors file holding exactly its tensors; `load` returns None otherwise, and the model loads through
-transformers. Where transformers' model is needed after all (ingest, profiling, training), `as_transformers`
-puts these very modules into transformers' `LlamaForCausalLM`: one set of weights.
+Built from the file only where that holds: the plain Llama architecture (SiLU MLP, no biases, default RoPE), its
+weights in one safetensors file holding exactly its tensors; `load` returns None otherwise, and the model loads
+through transformers, after which `from_transformers` puts transformers' Llama modules (its RoPE module included,
+whatever scaling it computes) into a `NativeLlama` all the same. Other architectures stay transformers' model.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,10 +33,8 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from kvchat.checked_files import FileMismatch, read_bounded
-from kvchat.kv.attention import Recorder, kvchat_attention
-from kvchat.kv.cache import EpisodeCache
-from kvchat.kv.forward import feeding
-from kvchat.kv.rope import rotate_half
+from kvchat.kv.attention import kvchat_attention
+from kvchat.model.products import Products, Projection, product, rms_norm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -125,7 +126,7 @@ def _positive(value) -> int:
 
 class RMSNorm(nn.Module):
     """Llama's RMSNorm, computed as transformers' `LlamaRMSNorm` computes it (in float32, the weight applied in the
-    input's dtype)."""
+    input's dtype; `products.rms_norm`)."""
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -133,10 +134,7 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self)
 
 
 class RotaryEmbedding(nn.Module):
@@ -160,13 +158,19 @@ class RotaryEmbedding(nn.Module):
                 (angles.sin() * self.attention_scaling).to(x.dtype))
 
 
+# (layer, query [1, heads, n, D], key and value [1, kv_heads, n, D], scale) -> the layer's attention
+# [1, n, heads, D], the tokens' keys and values stored as the cache layout stores them
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
 class Attention(nn.Module):
     """A layer's query, key, value and output projections, its attention's shape, and its attention."""
 
     def __init__(self, config: NativeConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx, self.head_dim = layer_idx, config.head_dim
-        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_key_value_groups = self.heads // self.kv_heads
         self.scaling = config.head_dim**-0.5
         hidden, q_rows = config.hidden_size, config.num_attention_heads * config.head_dim
         kv_rows = config.num_key_value_heads * config.head_dim
@@ -174,22 +178,43 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_rows, bias=False)
         self.v_proj = nn.Linear(hidden, kv_rows, bias=False)
         self.o_proj = nn.Linear(q_rows, hidden, bias=False)
+        self._products = Products(lambda q, k, v, o: (Projection([q, k, v]), product(o)))
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: EpisodeCache,
-                **extra) -> torch.Tensor:
-        """The layer's attention output `[1, n, hidden]` for its input `hidden_states [1, n, hidden]`, the tokens'
-        keys and values added to `cache`: what transformers' `LlamaAttention` computes with kvchat's attention
-        function (the same call, with the mask kvchat's mask function gives it, None, and `extra`, the keywords
-        `kv.forward.feeding` builds)."""
-        n = hidden_states.shape[1]
-        heads = (1, n, -1, self.head_dim)
-        query = self.q_proj(hidden_states).view(heads).transpose(1, 2)              # [1, heads, n, D]
-        key = self.k_proj(hidden_states).view(heads).transpose(1, 2)
-        value = self.v_proj(hidden_states).view(heads).transpose(1, 2)
-        query, key = query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
-        keys, values = cache.update(key, value, self.layer_idx)
-        out, _ = kvchat_attention(self, query, keys, values, None, scaling=self.scaling, **extra)  # [1, n, heads, D]
-        return self.o_proj(out.reshape(1, n, -1))
+    def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor | None = None, past_key_values=None, **kwargs
+                ) -> tuple[torch.Tensor, None]:  # fmt: skip
+        """transformers' `LlamaAttention` call, with kvchat's attention function: `hidden_states [1, n, hidden]`
+        and the RoPE `position_embeddings` (cos, sin) `[1, n, D]` -> `([1, n, hidden], None)`, the tokens' keys and
+        values added to `past_key_values` (any cache with transformers' `update`; None: attention over the tokens
+        alone), `kwargs` the keywords kvchat's attention takes (`kv.forward.feeding`'s). What a forward on any cache
+        calls (through the module, so hooks on it see its inputs), and what calls an attention module itself
+        (training's teacher)."""
+
+        def cached(layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, layer)
+            return kvchat_attention(self, query, key, value, attention_mask, scaling=scale, **kwargs)[0]
+
+        cos, sin = position_embeddings
+        out = self.attend_with(hidden_states[0], cos[0], sin[0], cached)
+        return out.to(hidden_states.dtype)[None], None
+
+    def attend_with(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The layer's attention output `[n, hidden]` for its input `x [n, hidden]` (after the norm) at the positions
+        of `cos`, `sin` `[n, D]`: the query, key and value rows in one product, RoPE on query and key heads at once
+        (a roll, the sign carried by the sine), `attend` (the cache layout's: storing the keys and values and
+        attending over what the layer holds), the output projection. Whatever the cache, the one computation."""
+        qkv, o_proj = self._products.of(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        n, dim, half = x.shape[0], self.head_dim, self.head_dim // 2
+        rotated = self.heads + self.kv_heads
+        projected = qkv(x).to(x.dtype)                                              # [n, (heads + 2 kv) D]
+        qk = projected[:, : rotated * dim].view(n, rotated, dim)
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half(x) * sin == roll(x, half) * signed
+        qk = qk * cos[:, None] + qk.roll(half, -1) * signed[:, None]               # in the cos's dtype, the model's
+        query = qk[:, : self.heads].transpose(0, 1)[None]                           # [1, heads, n, D]
+        key = qk[:, self.heads :].transpose(0, 1)[None]                             # [1, kv_heads, n, D]
+        value = projected[:, rotated * dim :].view(n, self.kv_heads, dim).transpose(0, 1)[None]
+        return o_proj(attend(self.layer_idx, query, key, value, self.scaling).reshape(n, self.heads * dim))
 
 
 class MLP(nn.Module):
@@ -198,9 +223,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self._products = Products(lambda gate, up, down: (Projection([gate, up]), product(down)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """`[n, hidden]` -> `[n, hidden]`: SiLU(gate) * up, down; the gate and up rows in one product."""
+        gate_up, down = self._products.of(self.gate_proj, self.up_proj, self.down_proj)
+        gate, up = gate_up(x).to(x.dtype).chunk(2, dim=-1)
+        return down(F.silu(gate) * up)
+
+
+# (the layer's attention module, its input x [n, hidden] after the norm, cos, sin [n, D]) -> its output [n, hidden]
+LayerAttention = Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class DecoderLayer(nn.Module):
@@ -210,6 +243,14 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: LayerAttention
+                ) -> torch.Tensor:  # fmt: skip
+        """`hidden [n, hidden]` through the layer, its attention through `attention` (norms as `products.rms_norm`
+        computes them, from the modules' weights: transformers' own norm modules, in a model `from_transformers`
+        builds, serve alike)."""
+        hidden = hidden + attention(self.self_attn, rms_norm(hidden, self.input_layernorm), cos, sin)
+        return hidden + self.mlp(rms_norm(hidden, self.post_attention_layernorm))
 
 
 class LlamaModel(nn.Module):
@@ -225,8 +266,19 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
+@dataclass(frozen=True)
+class NativeOutput:
+    """What the forward returns, as transformers' models name it."""
+
+    logits: torch.Tensor
+
+
 class NativeLlama(nn.Module):
-    """transformers' `LlamaForCausalLM` in plain torch modules: `model`, `lm_head`, `config`, `generation_config`."""
+    """transformers' `LlamaForCausalLM` in plain torch modules: `model`, `lm_head`, `config`, `generation_config`.
+
+    `forward` takes transformers' call, so whatever feeds transformers' model (kv.forward.forward: ingest's prefill,
+    scorers, answers; layer profiling; training) feeds it; `run` is the computation under it and under the decode
+    step (kvchat.model.decode_step), which differ only in how a layer stores and attends (`LayerAttention`)."""
 
     def __init__(self, config: NativeConfig, generation: GenerationDefaults) -> None:
         super().__init__()
@@ -242,18 +294,38 @@ class NativeLlama(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.norm.weight.dtype
 
-    @torch.inference_mode()
-    def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: Recorder | None = None) -> torch.Tensor:
-        """Logits `[1, 1, vocab]` of the token after `ids [1, n]`, fed on top of `cache` at its positions (the cache
-        advances): `kv.forward.forward`'s result for any cache and `recorder`, in the same operations."""
-        with feeding(self, cache, ids, recorder) as (positions, extra):
-            hidden = self.model.embed_tokens(ids)                                    # [1, n, H]
-            cos, sin = self.model.rotary_emb(hidden, positions)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)                            # [1, 1, n, D]: every head
-            for layer in self.model.layers:
-                hidden = hidden + layer.self_attn(layer.input_layernorm(hidden), cos, sin, cache, **extra)
-                hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-        return self.lm_head(self.model.norm(hidden)[:, -1:])
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, past_key_values=None,
+                attention_mask: torch.Tensor | None = None, use_cache: bool = True, logits_to_keep: int = 0,
+                **kwargs) -> NativeOutput:  # fmt: skip
+        """transformers' call for batch 1: logits `[1, k, vocab]` of the last `logits_to_keep` tokens of
+        `input_ids [1, n]` (0: all), at `position_ids [1, n]` (default 0..n-1), on `past_key_values` (an
+        `EpisodeCache` or any cache with transformers' `update`; with `use_cache=False`, none), a prepared 4D
+        `attention_mask` replacing the causal one; other keywords go to kvchat's attention (the recorder, the
+        memory's readout, the hidden states' dict: `kv.forward.feeding`). Each layer's attention runs through its
+        module, as in transformers' model."""
+        if input_ids.shape[0] != 1:
+            raise ValueError("kvchat's native Llama runs one sequence at a time (batch size 1)")
+        n = input_ids.shape[-1]
+        if position_ids is None:
+            position_ids = torch.arange(n, device=input_ids.device)[None]
+        cache = past_key_values if use_cache else None
+
+        def attention(module: Attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            return module(hidden_states=x[None], position_embeddings=(cos[None], sin[None]),
+                          attention_mask=attention_mask, past_key_values=cache, **kwargs)[0][0]
+
+        return NativeOutput(self.run(input_ids[0], position_ids, attention, logits_to_keep))
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention, logits_to_keep: int = 1
+            ) -> torch.Tensor:  # fmt: skip
+        """The model's computation: logits `[1, k, vocab]` of the last `logits_to_keep` (0: all) of tokens `ids [n]`
+        at `positions [1, n]`, each layer's attention through `attention`."""
+        hidden = F.embedding(ids, self.model.embed_tokens.weight)                  # [n, H]: no batch axis
+        cos, sin = self.model.rotary_emb(hidden, positions)                          # [1, n, D]
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos[0], sin[0], attention)
+        kept = hidden[-logits_to_keep:] if logits_to_keep else hidden
+        return self.lm_head(rms_norm(kept, self.model.norm)).to(hidden.dtype)[None]
 
 
 def load(directory: Path, dtype: torch.dtype, device: torch.device) -> NativeLlama | None:
@@ -323,22 +395,31 @@ def _generation_config(directory: Path, config: NativeConfig) -> GenerationDefau
     return GenerationDefaults(config.eos_token_id)
 
 
-def as_transformers(model: NativeLlama) -> PreTrainedModel:
-    """transformers' `LlamaForCausalLM` of the same directory, holding `model`'s own modules (its linear layers,
-    int8 ones included, embedding, norms and rotary embedding) in its own modules' places: one set of weights, for
-    what needs transformers' model (kvchat's attention function, recorders, hooks on its attention modules)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    directory = Path(model.config.name_or_path)
-    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+def from_transformers(model: PreTrainedModel) -> NativeLlama | None:
+    """transformers' Llama `model` as a `NativeLlama` holding its very modules (linear layers, embedding, norms, and
+    its rotary embedding, so whatever RoPE scaling it computes), its config and generation config: a Llama `load`
+    does not build (a hub name, RoPE scaling, weights in several files) then runs kvchat's forward and decode step
+    all the same. None for another architecture, or a Llama computing what these layers do not (biases, another
+    activation, tensor-parallel slices, partial rotary)."""
+    config = model.config
+    if (type(model).__name__ != "LlamaForCausalLM" or getattr(config, "model_type", None) != "llama"
+            or getattr(config, "hidden_act", None) != "silu" or getattr(config, "attention_bias", False)
+            or getattr(config, "mlp_bias", False) or (getattr(config, "pretraining_tp", 1) or 1) != 1
+            or (getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0 or model.training):
+        return None
+    heads = config.num_attention_heads
+    sizes = {f.name: getattr(config, f.name, None) for f in fields(NativeConfig)} | {
+        "name_or_path": str(config.name_or_path), "rope_theta": 10000.0,  # the RoPE module is transformers' own
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "num_key_value_heads": config.num_key_value_heads or heads,
+    }  # fmt: skip
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+        native = NativeLlama(NativeConfig(**sizes), GenerationDefaults(None))
     for name, module in model.named_modules():
-        if name and next(module.children(), None) is None:  # a leaf: it holds weights (or the RoPE frequencies)
-            skeleton.set_submodule(name, module)
-    left = [name for name, t in [*skeleton.named_parameters(), *skeleton.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"transformers' {type(skeleton).__name__} has tensors kvchat's model lacks: {left[:3]}")
-    if (directory / "generation_config.json").is_file():
-        skeleton.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
-    return skeleton.eval()
+        holds = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        if name and next(module.children(), None) is None and holds:  # a leaf holding weights or RoPE frequencies
+            native.set_submodule(name, module)
+    if any(t.is_meta for t in [*native.parameters(), *native.buffers()]):
+        return None
+    native.config, native.generation_config = config, model.generation_config
+    return native.eval()
