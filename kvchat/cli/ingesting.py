@@ -31,7 +31,7 @@ from kvchat.cli.progress import (
 from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, say, table
 from kvchat.cli.setting_options import OFFLOAD_PANEL, with_setting_options
 from kvchat.config import WEIGHTS, BatchConfig, DeviceConfig, IngestConfig
-from kvchat.errors import UserError
+from kvchat.errors import UserError, message
 from kvchat.history.loading import FORMAT_NAMES
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
@@ -94,7 +94,7 @@ def ingest(
         try:
             name = validate_name(history.stem)
         except UserError as exc:
-            raise UserError(f"{exc}; name it with --name") from None
+            raise UserError(f"{message(exc)}; name it with --name") from None
     else:
         name = validate_name(name)
     turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
