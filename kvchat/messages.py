@@ -81,17 +81,20 @@ class Spelling:
     differently."""
 
     def setting(self, key: str, value: Any) -> str:
-        if value is NOTHING:
-            return key
-        shown = bare(value)
-        return f"{key}={shown if shown.split() == [shown] else json.dumps(value, ensure_ascii=False)}"
+        return key if value is NOTHING else f"{key}={_word(value)}"
 
     def option(self, key: str, value: Any) -> str:
         return self.setting(key, value)
 
     def command(self, command: Command) -> str:
-        return " ".join([command.name, *command.args,
+        return " ".join([command.name, *map(_word, command.args),
                          *(self.option(key, value) for key, value in command.options.items())])  # fmt: skip
+
+
+def _word(value: Any) -> str:
+    """`value` as one word of a plain message: bare, or in JSON where it holds a space."""
+    shown = bare(value)
+    return shown if shown.split() == [shown] else json.dumps(value, ensure_ascii=False)
 
 
 PLAIN = Spelling()

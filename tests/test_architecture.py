@@ -179,9 +179,7 @@ NOT_YET_CONVERTED = {
     "history/formats/common.py", "ingest/append.py", "ingest/batch.py", "ingest/batch_worker.py",
     "ingest/cache_budgets.py", "ingest/layer_profiles.py", "ingest/plan.py", "ingest/preflight.py",
     "kv/families.py", "model/device.py", "model/files.py", "model/llm.py", "serve/app.py", "serve/client.py",
-    "serve/engine.py", "serve/replicas.py", "serve/server.py", "settings.py", "store/__init__.py",
-    "store/doctor.py", "store/errors.py", "store/files.py", "store/leftovers.py", "store/loading.py",
-    "store/pending.py", "store/recovery.py", "training/chunks.py", "training/pipeline.py",
+    "serve/engine.py", "serve/replicas.py", "serve/server.py", "training/chunks.py", "training/pipeline.py",
 }
 _OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 _PIP = re.compile(r"pip install(?: +[-\w.\[\]'\"=<>]+)+")  # pip's options are pip's words, not kvchat's
@@ -258,23 +256,22 @@ def f(budget, name):
                      "line 9: 'kvchat  profile-layers' in 'run kvchat  profile-layers for '"]), found
 
 
-def _referenced(path: Path) -> list[tuple[str, str]]:
-    """The (kind, key) of every reference a module makes with a constant key: calls of kvchat.messages' `setting`,
+def _referenced(source: str) -> list[tuple[str, str]]:
+    """The (kind, key) of every reference `source` makes with a constant key: calls of kvchat.messages' `setting`,
     `option` and `command` (its options' keys too), of kvchat.settings_table's `given` and `named`, and references
     written out in its strings."""
     from kvchat.messages import referenced
 
-    tree = ast.parse(path.read_text())
-    makers: dict[str, str] = {}
-    modules = set()
+    tree = ast.parse(source)
+    makers: dict[str, str] = {}  # a local name -> the kind of reference calling it makes
+    modules = set()  # local names of kvchat.messages itself
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module in ("kvchat.messages", "kvchat.settings_table"):
-            for alias in node.names:
-                kind = {"setting": "setting", "option": "option", "command": "command", "given": "setting",
-                        "named": "setting"}.get(alias.name) if node.module == "kvchat.messages" or alias.name in (
-                    "given", "named") else None  # fmt: skip
-                if kind:
-                    makers[alias.asname or alias.name] = kind
+        if isinstance(node, ast.ImportFrom) and node.module == "kvchat.messages":
+            makers |= {alias.asname or alias.name: alias.name for alias in node.names
+                       if alias.name in ("setting", "option", "command")}  # fmt: skip
+        elif isinstance(node, ast.ImportFrom) and node.module == "kvchat.settings_table":
+            makers |= {alias.asname or alias.name: "setting" for alias in node.names
+                       if alias.name in ("given", "named")}  # fmt: skip
         elif isinstance(node, ast.ImportFrom) and node.module == "kvchat":
             modules |= {alias.asname or alias.name for alias in node.names if alias.name == "messages"}
     found = []
@@ -282,32 +279,47 @@ def _referenced(path: Path) -> list[tuple[str, str]]:
         if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
             continue
         func = node.func
-        name = func.id if isinstance(func, ast.Name) else (
-            func.attr if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
-            and func.value.id in modules else None)  # fmt: skip
-        kind = makers.get(name) if isinstance(func, ast.Name) else name if name in ("setting", "option",
-                                                                                  "command") else None
+        if isinstance(func, ast.Name):
+            kind = makers.get(func.id)
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in modules:
+            kind = func.attr if func.attr in ("setting", "option", "command") else None
+        else:
+            kind = None
         if kind:
             found.append((kind, node.args[0].value))
             if kind == "command":
                 found += [("option", k.arg) for k in node.keywords if k.arg]
-    for _line, _column, text in _strings(path.read_text()):
+    for _line, _column, text in _strings(source):
         found += referenced(text)
     return found
+
+
+def _unknown(references: list[tuple[str, str]], commands: set[str], options: set[str]) -> list[tuple[str, str]]:
+    """The references to no setting, option or command the CLI has."""
+    from kvchat.cli.words import option_name
+    from kvchat.settings_table import BY_KEY
+
+    return [(kind, key) for kind, key in references
+            if not (key in BY_KEY if kind == "setting" else key in commands if kind == "command"
+                    else key in BY_KEY or option_name(key) in options)]  # fmt: skip
 
 
 def test_every_reference_names_what_the_cli_has(cli_vocabulary):
     """A reference's key is a saved setting's, an option's long name with underscores (`max_new_tokens`), or a
     command's name: each one the CLI can spell as a setting, option or command it has."""
-    from kvchat.cli.words import option_name
-    from kvchat.settings_table import BY_KEY
-
-    commands, options = cli_vocabulary
-    unknown = []
-    for path in MODULES:
-        for kind, key in _referenced(path):
-            known = (key in BY_KEY if kind == "setting" else key in commands if kind == "command"
-                     else key in BY_KEY or option_name(key) in options)  # fmt: skip
-            if not known:
-                unknown.append(f"{path.relative_to(PACKAGE)}: {kind} {key!r}")
+    unknown = [f"{path.relative_to(PACKAGE)}: {kind} {key!r}" for path in MODULES
+               for kind, key in _unknown(_referenced(path.read_text()), *cli_vocabulary)]  # fmt: skip
     assert unknown == []
+
+
+def test_a_reference_to_what_the_cli_lacks_is_found(cli_vocabulary):
+    planted = """
+from kvchat import messages
+from kvchat.messages import command, option, setting
+from kvchat.settings_table import given
+a = f"{setting('budget')} {option('episode', 2)} {given('block_size', 32)} {command('list')}"
+b = f"{setting('bugdet')} {option('no_such_option')} {messages.option('max_new_tokens')} {command('lsit', name='x')}"
+c = "written out: {option:no_such_flag=1}"
+"""
+    assert sorted(_unknown(_referenced(planted), *cli_vocabulary)) == [
+        ("command", "lsit"), ("option", "no_such_flag"), ("option", "no_such_option"), ("setting", "bugdet")]
