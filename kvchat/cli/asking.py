@@ -24,7 +24,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
-from kvchat.cli.words import error_text
+from kvchat.cli.words import error_text, spell
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 
@@ -389,7 +389,7 @@ def show_sources(sources: list[dict] | None, note: str | None, episode: int | No
     """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
     there are none."""
     if sources is None:
-        say(f"kvchat: {note}", console=err)
+        say(f"kvchat: {spell(note or '')}", console=err)
         return
     say((f"sources (episode {episode}):", "bold"))
     for n, s in enumerate(sources, start=1):
