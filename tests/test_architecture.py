@@ -172,10 +172,6 @@ def test_every_module_says_what_it_does():
 # The vocabulary's own table: its rows spell each setting's option (kvchat.cli spells every other option).
 VOCABULARY = {"kvchat.settings_table"}
 BELOW_CLI = [p for p in MODULES if _layer(_module_name(p)) > 0 and _module_name(p) not in VOCABULARY]
-# Modules whose messages still spell CLI words, being converted one by one (issue 42): this set only shrinks.
-NOT_YET_CONVERTED = {
-    "serve/app.py", "serve/client.py", "serve/engine.py", "serve/replicas.py", "serve/server.py",
-}
 _OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 _PIP = re.compile(r"pip install(?: +[-\w.\[\]'\"=<>]+)+")  # pip's options are pip's words, not kvchat's
 
@@ -227,11 +223,7 @@ def test_no_cli_word_below_the_cli(path: Path, cli_vocabulary):
     """Below cli/, a message names a setting, an option or a command by a kvchat.messages reference, which each
     front end spells (the CLI `--budget 64`, the server `"budget": 64`): never as a command-line flag or a
     `kvchat <command>` phrase, which would reach HTTP clients and Python callers too."""
-    found = _violations(path.read_text(), cli_vocabulary[0])
-    if str(path.relative_to(PACKAGE)) in NOT_YET_CONVERTED:
-        assert found, "converted: remove it from NOT_YET_CONVERTED"
-        return
-    assert found == []
+    assert _violations(path.read_text(), cli_vocabulary[0]) == []
 
 
 def test_the_cli_word_scan_finds_a_planted_one(cli_vocabulary):

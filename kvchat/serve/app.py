@@ -106,7 +106,8 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
                            sources=body.sources, refuse_off_topic=body.refuse_off_topic)
         _check_known(request, chat)
         completion = await _result(_submit(engine.submit_chat, chat), request)
-        return documents.answer(chat.question, completion.answer) | {"answer": completion.text}
+        answer = documents.answer(chat.question, completion.answer) | {"answer": completion.text}
+        return documents.spelled(answer, spell)
 
     @app.get("/kvchat/conversations", dependencies=[key])
     async def conversations(request: Request) -> dict:
@@ -179,12 +180,12 @@ class IngestBody(BaseModel):
 
 
 def job_document(job: Job) -> dict:
-    error = None if job.error is None else {"message": spell(message(job.error)), "type": type(job.error).__name__}
+    error = None if job.error is None else {"message": message(job.error), "type": type(job.error).__name__}
     result = None
     if job.kind == "ingest" and job.result is not None:  # the `kvchat ingest --json` document's fields
         result = {k: v for k, v in documents.ingest(job.result).items() if k != "schema"}
-    return documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress, result=result,
-                              error=error)
+    return documents.spelled(documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress,
+                                                result=result, error=error), spell)
 
 
 # ----- answering
@@ -366,5 +367,5 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        _log.exception("kvchat serve: %s %s failed", request.method, request.url.path)
+        _log.exception("kvchat server: %s %s failed", request.method, request.url.path)
         return await api_error(request, _api_error(exc))
