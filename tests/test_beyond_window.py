@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model, tiny_tokenizer
+from conftest import raises_said, random_ids, tiny_model, tiny_tokenizer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvchat.answer.session import Session
@@ -238,7 +238,7 @@ def test_full_kv_beyond_the_window_is_refused_unless_it_offloads(histories, shor
     from kvchat.ingest.plan import plan_ingest
 
     store = Store(tmp_path)
-    with pytest.raises(UserError, match="--method full keeps every entry at its own position"):
+    with raises_said(UserError, "--method full keeps every entry at its own position"):
         plan_ingest(histories["whole"], name="f", config=_config(method="full"), store=store, lm=short_lm,
                     encoder=encoder)  # fmt: skip
     paged = plan_ingest(histories["whole"], name="f", config=_config(method="full", offload=OFFLOAD), store=store,

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import run_main
-from conftest import random_ids, tiny_model, with_kvchat_attention
+from conftest import raises_said, random_ids, tiny_model, with_kvchat_attention
 from safetensors import safe_open
 
 from kvchat.config import DeviceConfig
@@ -120,7 +120,7 @@ def test_quantized_weights_elsewhere_than_on_the_cpu_are_refused_naming_what_to_
     from kvchat.model.device import Placement
     from kvchat.model.llm import load_model
 
-    with pytest.raises(UserError, match=r"^--weights int4 runs on the CPU .*, not on meta: add --device cpu, or use "
+    with raises_said(UserError, r"^--weights int4 runs on the CPU .*, not on meta: add --device cpu, or use "
                                         r"--weights float$"):
         load_model(str(tiny_model_dir), tmp_path, placement=Placement(torch.device("meta"), torch.float32),
                    weights="int4")

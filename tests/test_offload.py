@@ -13,6 +13,7 @@ from conftest import random_ids as _ids
 from torch.nn.utils.rnn import pad_sequence
 
 from kvchat.answer.session import Session
+from kvchat.cli.words import spell
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.ingest.pipeline import ingest
@@ -265,7 +266,7 @@ def test_offload_settings_round_trip_and_rebuild(tmp_path):
         mode="icecache", retrieve=96, recent=16, candidates=8, paging=PagingConfig(page_size=8))))  # fmt: skip
     settings = to_settings(config, source="h.json")
     assert from_settings(settings).cache.offload == config.cache.offload
-    command = rebuild_command("c", "default", settings)
+    command = spell(rebuild_command("c", "default", settings))
     assert "--offload icecache --retrieve 96" in command
     assert "--setting offload_recent=16" in command and "--setting page_size=8" in command
     assert from_settings({}).cache.offload.mode == "none"  # stores from before --offload

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_main
+from conftest import raises_said
 from test_store import FP, _dead_pid, _ingest
 
 from kvchat import store as store_module
@@ -367,7 +368,7 @@ def test_a_fifo_in_place_of_an_episode_file_is_refused_not_read(tmp_path):
     episode = store.get("beta").episodes[1]
     _fifo_in_place_of(episode.path)
     with _released_readers(episode.path, tmp_path):
-        with pytest.raises(CacheIntegrityError, match="is not a regular file but a FIFO.*rebuild with `kvchat ingest"):
+        with raises_said(CacheIntegrityError, "is not a regular file but a FIFO.*rebuild with `kvchat ingest"):
             store.load_episode(episode, FP)
         problems = store.check()
         assert [(p.kind, p.conversation, p.episode) for p in problems] == [("not-a-file", "beta", 1)]
