@@ -32,7 +32,7 @@ def read_asks(db: sqlite_utils.Database, db_path: Path, limit: int, conversation
     if limit <= 0:
         return []
     where, args = ("conversation = ?", [conversation]) if conversation is not None else (None, None)
-    rows = db["asks"].rows_where(where, args, order_by="id desc", limit=int(limit))
+    rows = db.table("asks").rows_where(where, args, order_by="id desc", limit=int(limit))
     try:
         return [{**r, "timings": json.loads(r["timings"]) if r["timings"] else {}} for r in rows]
     except ValueError:
