@@ -323,10 +323,12 @@ class _SetRunner:
             evidence = torch.cat(spans_of) if spans_of else None
             recorder = _LastQueryAttention() if reference is None and evidence is not None else None
             answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder)
+            if first.logits is None:
+                raise RuntimeError(f"question {question.qid} was not answered ({answer.finish_reason})")
             logprobs = first.logits.float().log_softmax(-1)
             if reference is None:
                 ours.answers[question.qid], ours.logprobs[question.qid] = answer.text, logprobs
-                if recorder is not None:
+                if recorder is not None and evidence is not None:
                     weights = recorder.on_positions(positions[answer.episode], evidence)
                     if weights is not None:
                         ours.evidence_attention[question.qid] = weights
@@ -541,6 +543,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     for key, rs in answers.items():
         paired = [r for r in rs if (r["set"], r["qid"]) in full_f1]
         reference = _mean(full_f1[(r["set"], r["qid"])] for r in paired)
+        paired_f1 = _mean(r["f1"] for r in paired)
         decode_s = sum(r["timings_ms"]["decode"] for r in rs) / 1000
         row = {
             "variant": key,
@@ -561,13 +564,14 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             "evidence_attention_recalled": _mean(
                 r["evidence_attention_recalled"] for r in rs if r.get("evidence_attention_recalled") is not None
             ),
-            "relative_f1": _mean(r["f1"] for r in paired) / reference if paired and reference else None,
+            "relative_f1": paired_f1 / reference if paired_f1 is not None and reference else None,
             "f1_by_category": {
                 CATEGORIES.get(c, str(c)): _mean(r["f1"] for r in rs if r["category"] == c)
                 for c in sorted({r["category"] for r in rs})
             },
             "peak_layer_entries": max(
-                (i.get("peak_layer_entries", i.get("peak_cache_tokens")) for i in ingests.get(key, [])), default=None
+                (peak for i in ingests.get(key, [])
+                 if (peak := i.get("peak_layer_entries", i.get("peak_cache_tokens"))) is not None), default=None
             ),  # results files written before 0.2 call it peak_cache_tokens
             "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
             "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,

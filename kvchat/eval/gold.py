@@ -177,7 +177,7 @@ def evaluate_gold(
                            echo_guard=config.echo_guard)
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
         own = store is None
-        store = Store(Path(scratch)) if own else store
+        store = Store(Path(scratch)) if store is None else store
         for qa_set in qa_sets:
             questions = sample_questions(qa_set.questions, config.questions)
             ours = gold_records(results.records)
