@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -47,7 +48,7 @@ from kvchat.eval.qa import (
     token_f1,
 )
 from kvchat.history.loading import Turn, format_turns
-from kvchat.ingest.pipeline import IngestProgress, ingest, validate
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, validate
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
 from kvchat.model.encoder import SentenceEncoder
@@ -164,8 +165,19 @@ def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: Eval
     return sets
 
 
+class EvalHooks(Protocol):
+    """What an evaluation tells a progress display (kvchat.cli.progress's, `EvalProgress`): also each ingest's."""
+
+    @property
+    def ingest(self) -> IngestHooks: ...
+
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
+
+    def question(self, done: int, total: int) -> None: ...
+
+
 class EvalProgress:
-    """Hooks for a progress display; the default does nothing."""
+    """The `EvalHooks` that do nothing: the default."""
 
     ingest: IngestProgress = IngestProgress()
 
@@ -209,7 +221,7 @@ def evaluate(
     base: IngestConfig = IngestConfig(),
     results: ResultsFile | None = None,
     profile_dirs: Sequence[Path] = (),
-    progress: EvalProgress | None = None,
+    progress: EvalHooks | None = None,
     answering: LoadedModel | None = None,
 ) -> list[dict]:
     """Run every variant on every set (full KV first, as the reference); returns all records, those
@@ -272,7 +284,7 @@ class _SetRunner:
     profile_dirs: Sequence[Path]
 
     def run(
-        self, variant: Variant, progress: EvalProgress, position: tuple[int, int], reference: _Reference | None = None
+        self, variant: Variant, progress: EvalHooks, position: tuple[int, int], reference: _Reference | None = None
     ) -> _Reference:
         progress.variant(self.qa_set.name, variant.key, *position)
         name = f"{self.qa_set.name}.{position[0]}"

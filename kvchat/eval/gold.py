@@ -31,7 +31,7 @@ from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EpisodeConfig, Ev
 from kvchat.errors import UserError
 from kvchat.eval.qa import CATEGORIES, QASet, contains_gold, sample_questions, score_answer
 from kvchat.history.loading import format_turns
-from kvchat.ingest.pipeline import IngestProgress, ingest, plan_ingest
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, plan_ingest
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.settings import to_settings
@@ -137,7 +137,8 @@ class Results(Protocol):
 
 
 class Progress(Protocol):
-    ingest: IngestProgress
+    @property
+    def ingest(self) -> IngestHooks: ...
 
     def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
 

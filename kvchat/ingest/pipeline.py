@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from kvchat.features.feature import StoredFile
 
 
-class IngestProgress:
-    """Hooks for a progress display; the default does nothing."""
+class IngestHooks(Protocol):
+    """What an ingest tells a progress display (kvchat.cli.progress's, `IngestProgress`, a server job's)."""
 
     def planning(self, step: str, done: int, total: int) -> None:
         """A step of planning, before the first block (ingest.plan: reading, tokenizing, embedding, clustering)."""
@@ -66,6 +66,22 @@ class IngestProgress:
 
     def recall_entries(self, done: int, total: int) -> None:
         """Chunks whose entries are computed (or copied) into the recall entries file (`--recall-entries stored`)."""
+
+
+class IngestProgress:
+    """The `IngestHooks` that do nothing: the default, and a base for displays that want a few of them."""
+
+    def planning(self, step: str, done: int, total: int) -> None: ...
+
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None: ...
+
+    def history(self, done: int, total: int) -> None: ...
+
+    def episode(self, index: int, total: int) -> None: ...
+
+    def block(self, done: int, total: int) -> None: ...
+
+    def recall_entries(self, done: int, total: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -205,7 +221,7 @@ def build_episodes(
     lm: LoadedModel,
     *,
     scratch: Callable[[int], Path],
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     resume: Callable[[Episode], tuple[EpisodeCache, StoredFile | None]] | None = None,
 ) -> Iterator[BuiltEpisode]:
     """The episode loop that `ingest`, an append (ingest.append) and a batch worker (ingest.batch) all run:
@@ -296,7 +312,7 @@ def _write_bytes(path: Path, data: bytes) -> tuple[int, str]:
 def recall_entries_writer(
     plan: IngestPlan,
     lm: LoadedModel,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     previous: recall_entries.StoredEntries | None = None,
 ) -> Callable[[Path], tuple[int, str]] | None:
     """`--recall-entries stored`: what writes every recall chunk's entries (kvchat.answer.recall_entries) at a path and
@@ -315,7 +331,7 @@ def write_recall_entries(
     pending: PendingConversation,
     plan: IngestPlan,
     lm: LoadedModel,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     previous: recall_entries.StoredEntries | None = None,
 ) -> FileRecord | None:
     """The conversation's recall entries file (`recall_entries_writer`) written in `pending`; None without one."""
@@ -389,7 +405,7 @@ def ingest(
     *,
     store: Store,
     lm: LoadedModel,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     **plan_options: Any,
 ) -> IngestReport:
     """Build and store the episode caches of one history (a file, or turns already loaded from one).
