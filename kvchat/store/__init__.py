@@ -25,7 +25,7 @@ from kvchat.errors import CacheIntegrityError as CacheIntegrityError  # raised b
 from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
-from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
+from kvchat.store.asklog import MAX_LISTED, AskEntry, LoggedAsk, ask_row, read_asks
 from kvchat.store.default import forget_default, read_default, write_default
 from kvchat.store.errors import BUSY_TIMEOUT_MS, FREES_SPACE, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
@@ -494,7 +494,7 @@ class Store:
         return doctor.fix(self, problems)
 
     @_index_errors
-    def log_ask(self, row: dict) -> None:
+    def log_ask(self, row: AskEntry) -> None:
         """Record one question and its answer (`asklog`); `timings` (a dict) is stored as JSON. A read-only
         store refuses (UserError): callers check `read_only` first."""
         record = ask_row(row)
@@ -502,7 +502,7 @@ class Store:
             db.table("asks").insert(record)
 
     @_index_errors
-    def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
+    def asks(self, limit: int = 20, conversation: str | None = None) -> list[LoggedAsk]:
         """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
         if not 0 <= limit <= MAX_LISTED:  # SQLite's integers are 64-bit
             raise UserError(f"-n must be within 1..{MAX_LISTED} (got {limit})")
