@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from kvchat.errors import UserError
@@ -85,7 +85,7 @@ def cell(row: dict, key: str, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def write(path: Path, rows: Sequence[dict], *, title: str, sets: Sequence[str], notes: Sequence[str] = (),
+def write(path: Path, rows: Sequence[dict], *, title: str, sets: Collection[str], notes: Sequence[str] = (),
           synthetic: bool = False, settings: dict[str, str] | None = None) -> None:
     """The markdown report at `path` and its plot beside it (the same name, .png), titled `title` (the front end's
     words: the command and the model), on `sets`."""
