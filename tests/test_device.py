@@ -49,7 +49,7 @@ def test_auto_is_cuda_bfloat16_with_a_gpu_else_cpu_float32():
     (DeviceConfig("tpu"), "unknown --device 'tpu'"),
 ])
 def test_what_this_machine_cannot_do_is_refused(config, fragment):
-    with pytest.raises(UserError, match=fragment) as info:
+    with raises_said(UserError, fragment) as info:
         resolve(config, cuda_available=False)
     assert "\n" not in str(info.value)
 
@@ -363,7 +363,7 @@ def test_a_failed_cuda_initialisation_is_no_python_warning_and_is_named_when_cud
     with warnings.catch_warnings(record=True) as escaped:
         warnings.simplefilter("always")
         assert resolve(DeviceConfig()).describe() == "cpu float32"
-        with pytest.raises(UserError, match=r"no CUDA GPU here \(torch .*: CUDA initialization: Unexpected error from "
-                                             r"cudaGetDeviceCount\(\)\); use --device cpu or auto$"):
+        with raises_said(UserError, r"no CUDA GPU here \(torch .*: CUDA initialization: Unexpected error from "
+                                    r"cudaGetDeviceCount\(\)\); use --device cpu or auto$"):
             resolve(DeviceConfig("cuda"))
     assert escaped == []

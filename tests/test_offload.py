@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import raises_said
 from conftest import random_ids as _ids
 from torch.nn.utils.rnn import pad_sequence
 
@@ -289,7 +290,7 @@ def test_bad_offload_settings_are_user_errors(tmp_path, history, tiny_lm, encode
     if message is None:
         _ingest(Store(tmp_path), history, tiny_lm, encoder, config)  # one-entry pages are fine
         return
-    with pytest.raises(UserError, match=message):
+    with raises_said(UserError, message):
         _ingest(Store(tmp_path), history, tiny_lm, encoder, config)
 
 

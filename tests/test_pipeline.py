@@ -163,7 +163,7 @@ def test_cake_layer_budgets_ingest_and_answer(tmp_path, history, tiny_lm, encode
 )
 def test_bad_settings_are_user_errors_and_write_nothing(tmp_path, history, tiny_lm, encoder, config, message):
     store = Store(tmp_path)
-    with pytest.raises(UserError, match=message):
+    with raises_said(UserError, message):
         _ingest(store, history, tiny_lm, encoder, config=config)
     assert store.conversations() == []
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import typer.main
 from cli_helpers import run_main
+from conftest import raises_said
 
 from kvchat.cli import app
 from kvchat.cli.setting_options import PARAMETERS, config_from
@@ -100,7 +101,7 @@ def test_a_setting_of_the_wrong_kind_or_name_is_refused_by_name():
                        ('budget="many"', "--setting budget: expected int"),
                        ("budget=true", "--setting budget: expected int"),
                        ("alpha=high", "--setting alpha: expected float")]:  # fmt: skip
-        with pytest.raises(UserError, match=says):
+        with raises_said(UserError, says):
             with_settings(IngestConfig(), [pair])
     assert with_settings(IngestConfig(), ["alpha=2", "alpha=null"]).cache.alpha is None
     assert with_settings(IngestConfig(), ["tau1=2"]).cache.cake.tau1 == 2.0

@@ -21,7 +21,7 @@ from cli_helpers import run_main
 from conftest import centroid, raises_said
 
 from kvchat import store as store_module
-from kvchat.cli.words import spell
+from kvchat.cli.words import error_text, spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.store import (
     MAX_HEADER_BYTES,
@@ -308,7 +308,7 @@ def test_flipped_byte_is_refused(store: Store) -> None:
     ep.path.write_bytes(bytes(data))
     with pytest.raises(CacheIntegrityError, match="rebuild") as info:
         store.load_episode(ep, FP)
-    msg = str(info.value)
+    msg = error_text(info.value)
     assert "checksum" in msg and "'chat'" in msg and "episode 0" in msg and "--name chat " in msg
     assert msg.endswith("--replace`")  # the stored settings' rebuild command
     assert "\n" not in msg
@@ -555,7 +555,7 @@ def test_disk_full_while_writing_aborts_with_one_line(store: Store, monkeypatch,
             pending.write_episode(
                 i, _tensors(i), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
             )
-    assert str(info.value) == (
+    assert error_text(info.value) == (
         f"no space left on device while writing caches to {store.caches_dir}: free space or lower --budget"
     )
     assert [c.name for c in store.conversations()] == ["before"]
@@ -618,7 +618,7 @@ def test_check_and_fix_every_kind_of_damage(store: Store) -> None:
     assert {(p.kind, p.path) for p in problems if p.conversation is None} == {
         ("orphan", orphan), ("stray", stray), ("stray", extra), ("stale-temp", stale),
     }  # fmt: skip
-    assert all("\n" not in p.message and "--fix" in p.message for p in problems)
+    assert all("\n" not in p.message and "--fix" in spell(p.message) for p in problems)
 
     done = doctor.fix(problems)
     removed = [line for line in done if line.startswith("removed conversation")]

@@ -22,6 +22,7 @@ from conftest import raises_said
 from test_store import FP, _dead_pid, _ingest
 
 from kvchat import store as store_module
+from kvchat.cli.words import spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.history.synthetic import planted_conversation
 from kvchat.store import DamagedDatabase, Store, diagnose, repair
@@ -164,7 +165,7 @@ def test_a_conversation_without_rows_or_manifest_is_kept_aside_with_its_rebuild_
     lost = problems[1]
     assert lost.conversation == "alpha" and lost.path == alpha_dir
     assert "no row of it survives, and it has no manifest" in lost.message
-    command = lost.message.split("re-ingest it with `")[1].rstrip("`")
+    command = spell(lost.message).split("re-ingest it with `")[1].rstrip("`")
     assert shlex.split(command)[:5] == ["kvchat", "ingest", "HISTORY", "--name", "alpha"]
     assert "--budget 64" in command and "--method epicache" in command  # the settings its row still had
 

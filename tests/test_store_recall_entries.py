@@ -20,6 +20,7 @@ from cli_helpers import run_main
 from conftest import centroid
 from test_store import FP, SETTINGS, STATS, _ingest, _tensors, _tmp_dirs
 
+from kvchat.cli.words import spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv.tensorfile import FileRows, SafetensorsWriter
 from kvchat.store import ConversationChanged, Store, diagnose, repair
@@ -174,7 +175,8 @@ def test_a_damaged_recall_entries_file_is_refused_reported_and_removed_whole(sto
     problems = store.check()
     assert [(p.kind, p.conversation, p.episode, p.path) for p in problems] == [
         (kind, "chat", None, record.recall_entries.path)]  # fmt: skip
-    assert "recall entries file" in problems[0].message and "--fix removes the conversation" in problems[0].message
+    said = spell(problems[0].message)
+    assert "recall entries file" in said and "--fix removes the conversation" in said
     done = store.fix(problems)
     assert len(done) == 1 and done[0].startswith("removed conversation 'chat'")
     assert [c.name for c in store.conversations()] == ["other"] and store.get("other") == other
