@@ -14,6 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvchat.answer.session import Session
 from kvchat.answer.sources import quote
+from kvchat.cli.words import spell
 from kvchat.config import (
     AskConfig,
     CacheConfig,
@@ -291,7 +292,7 @@ def test_a_compacted_cache_stored_without_its_origins_says_why_it_has_no_sources
     answer = Session(store, store.get("old"), short_lm, encoder, AskConfig(max_new_tokens=2)).ask(
         "Which gate does the flight leave from?", sources=True, log=False)
     assert answer.sources is None and "re-rotated to compact positions before kvchat kept" in answer.sources_note
-    assert "kvchat ingest" in answer.sources_note and "--replace" in answer.sources_note
+    assert "kvchat ingest" in spell(answer.sources_note) and "--replace" in spell(answer.sources_note)
     append(histories["start"], name="old", store=store, lm=short_lm, encoder=encoder)
     for episode in store.get("old").episodes:
         assert codec.decode(*store.load_episode(episode, short_lm.fingerprint))[1].next_origin is None

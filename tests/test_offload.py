@@ -310,8 +310,8 @@ def test_a_damaged_or_missing_pages_file_is_refused_with_the_rebuild_command(
         path.write_bytes(bytes(data[: len(data) // 2]))
     else:
         path.unlink()
-    with pytest.raises(CacheIntegrityError, match=r"pages file of conversation 'conv' episode 0 .*rebuild with "
-                                                  r"`kvchat ingest .* --offload icecache"):  # fmt: skip
+    with raises_said(CacheIntegrityError, r"pages file of conversation 'conv' episode 0 .*rebuild with "
+                                          r"`kvchat ingest .* --offload icecache"):  # fmt: skip
         Session(store, record, tiny_lm, encoder).ask("anything?", episode=0)
     problems = store.check()
     assert [(p.conversation, p.episode, p.path) for p in problems] == [("conv", 0, path)]
@@ -342,8 +342,8 @@ def test_a_pages_file_truncated_while_a_session_reads_it_ends_the_answer_with_a_
 
     def truncated_between_questions(home: Path) -> None:
         os.truncate(path, header_end)  # every entry's bytes are gone; the header read at open is not
-        with pytest.raises(CacheIntegrityError, match=r"^pages file of conversation 'conv' episode 0 was truncated "
-                                                      r"while this session was reading it; rebuild with `kvchat "):
+        with raises_said(CacheIntegrityError, r"^pages file of conversation 'conv' episode 0 was truncated "
+                                              r"while this session was reading it; rebuild with `kvchat "):
             session.ask("Where did Alice go?", episode=0, log=False)
         with pytest.raises(CacheIntegrityError, match=r"pages file of conversation 'conv' episode 0 .*rebuild with"):
             session.ask("And then?", episode=0, log=False)

@@ -233,7 +233,7 @@ def test_stored_entries_need_a_method_that_recalls(short_lm, encoder, tmp_path):
     within = plan_ingest(QA.turns[:40], name="x", config=config("stored"), store=Store(tmp_path), lm=short_lm,
                          encoder=encoder)  # fmt: skip
     assert within.config.cache.method == "epicache"
-    assert any("--recall-entries stored is unused" in note for note in within.notes)
+    assert any("--recall-entries stored is unused" in spell(note) for note in within.notes)
 
 
 def test_the_command_line_stores_the_entries_shows_their_bytes_and_answers_from_them(short_model_dir, tmp_path):

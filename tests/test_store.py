@@ -623,7 +623,7 @@ def test_check_and_fix_every_kind_of_damage(store: Store) -> None:
     done = doctor.fix(problems)
     removed = [line for line in done if line.startswith("removed conversation")]
     assert len(removed) == 4 and "re-ingest it with `kvchat ingest HISTORY --name flipped --method epicache" in (
-        " ".join(removed)
+        spell(" ".join(removed))
     )
     assert doctor.check() == []
     assert sorted(c.name for c in doctor.conversations()) == ["donor", "healthy"]
