@@ -1,5 +1,6 @@
 """Dependencies point one way (ARCHITECTURE.md): no module imports a module of a layer above its own, and no
-modules import each other in a circle, inside a package (`kv/`, `features/`, `store/`) too."""
+modules import each other in a circle, inside a package (`kv/`, `features/`, `store/`) too. And no CLI word below
+the CLI: messages there name settings, options and commands by kvchat.messages' references, never as flags."""
 
 from __future__ import annotations
 
