@@ -6,8 +6,8 @@ kvchat's messages reach a terminal (`--budget 64`, `kvchat list`), HTTP clients 
 `setting("budget", 64)`, `option("episode")` and `command("ingest", "HISTORY", name="chat", replace=True)` return a
 reference as text (`{setting:budget=64}`: kind, key, and the value in JSON), which goes into a message like any
 other text. A front end passes the text through `spell(text, its_spelling)`; `str()` of a kvchat error is `plain`.
-Keys are neutral names: a saved setting's key (kvchat.settings_table), an option's parameter name (`episode`,
-`max_new_tokens`), a command's name (`profile-layers`); tests/test_architecture.py checks each is one the CLI has.
+Keys are neutral names: a saved setting's key (kvchat.settings_table), an option's long name with underscores
+(`episode`, `max_new_tokens` for `--max-new-tokens`), a command's name (`profile-layers`); tests/test_architecture.py checks each is one the CLI has.
 
 Text that only looks like a reference (a history may hold anything) is spelt like one, or left as it is when it does
 not parse: a message is never lost to it.
@@ -44,8 +44,8 @@ def setting(key: str, value: Any = NOTHING) -> str:
 
 
 def option(key: str, value: Any = NOTHING) -> str:
-    """An option that is not a saved setting, by its parameter name (`episode`, `max_new_tokens`; True for a flag
-    that is on, `option("append")` the same)."""
+    """An option that is not a saved setting, by its long name with underscores (`episode`, `max_new_tokens`), given
+    `value` if one is passed (True: a flag that is on, as `option("append")` names it)."""
     return f"{{option:{key}}}" if value is NOTHING else f"{{option:{key}={_json(value)}}}"
 
 
