@@ -7,7 +7,8 @@ kvchat's messages reach a terminal (`--budget 64`, `kvchat list`), HTTP clients 
 reference as text (`{setting:budget=64}`: kind, key, and the value in JSON), which goes into a message like any
 other text. A front end passes the text through `spell(text, its_spelling)`; `str()` of a kvchat error is `plain`.
 Keys are neutral names: a saved setting's key (kvchat.settings_table), an option's long name with underscores
-(`episode`, `max_new_tokens` for `--max-new-tokens`), a command's name (`profile-layers`); tests/test_architecture.py checks each is one the CLI has.
+(`episode`, `max_new_tokens` for `--max-new-tokens`), a command's name (`profile-layers`);
+tests/test_architecture.py checks each is one the CLI has.
 
 Text that only looks like a reference (a history may hold anything) is spelt like one, or left as it is when it does
 not parse: a message is never lost to it.
