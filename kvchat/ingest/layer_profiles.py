@@ -185,7 +185,7 @@ def find_indexmem(lm: LoadedModel, extra_dirs: Sequence[Path] = ()):
     from kvchat.kv.trained import SUFFIX, TrainedIndexMem, read_metadata, read_shape
 
     weights = lm.weight_ids
-    shape = IndexMemShape.of(lm.model.config).to_dict()
+    shape = IndexMemShape.of(lm.config).to_dict()
     candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob(f"*{SUFFIX}"))] + shipped_indexers()
     others = []
     for path in candidates:

@@ -101,7 +101,7 @@ def train(
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     notes: list[str] = []
-    shape = IndexMemShape.of(lm.model.config, indexmem)
+    shape = IndexMemShape.of(lm.config, indexmem)
     weights = lm.weight_ids[0]
     stages = ["indexer", "memory"] if config.stage == "both" else [config.stage]
     previous = None
@@ -165,7 +165,7 @@ def train(
 def _check_window(lm: LoadedModel, config: TrainConfig) -> None:
     """kvchat's attention lets every token see the whole chunk (kvchat.kv.families), so the teacher of a
     sliding-window layer is the model's only while a chunk fits in its window."""
-    window = families.sliding_window(lm.model.config)
+    window = families.sliding_window(lm.config)
     if window is not None and config.chunk_tokens > window:
         raise UserError(f"{lm.spec} has sliding-window attention layers of {window} tokens: train on chunks of at "
                         f"most {window} ({option('chunk_tokens')}), not {config.chunk_tokens}")
