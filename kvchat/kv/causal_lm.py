@@ -9,10 +9,11 @@ and attributes as `Tensor | Module`; these accessors give them their types once,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from torch import nn
-from torch.utils.hooks import RemovableHandle
+if TYPE_CHECKING:  # torch is not imported by what only reads settings (the features' registry, the CLI's start)
+    from torch import nn
+    from torch.utils.hooks import RemovableHandle
 
 
 class ModelConfig(Protocol):
