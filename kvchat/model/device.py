@@ -9,10 +9,8 @@ accuracy, so an answer would be both slower and different from float32's; bfloat
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -78,17 +76,3 @@ def cuda_status() -> tuple[bool, str | None]:
         _log.debug("torch: %s", why)
     return available, why
 
-
-def usable_cores() -> int:
-    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota when one is
-    set (a container's `os.cpu_count()` is the host's)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # absent, or "max": no quota
-        pass
-    return cores

@@ -28,9 +28,10 @@ from kvchat.kv.causal_lm import ModelConfig, config_of
 from kvchat.kv.forward import forward as model_forward
 from kvchat.messages import option
 from kvchat.model import held_weights, native_llama
+from kvchat.model.cores import usable_cores
 from kvchat.model.cuda_graph_step import CudaGraphStep
 from kvchat.model.decode_step import DecodeStep
-from kvchat.model.device import CPU_FLOAT32, Placement, usable_cores
+from kvchat.model.device import CPU_FLOAT32, Placement
 from kvchat.model.echo import EchoGuard, HeldAnswer
 from kvchat.model.files import ConversionProgress, resolve
 

@@ -213,7 +213,7 @@ def replica_engine(home: Path, config: ServeConfig, replicas: int) -> Iterator[R
         from ray.serve.config import RequestRouterConfig
     except ImportError:
         raise UserError(f"{option('replicas')} needs Ray Serve: {INSTALL_HINT}") from None
-    from kvchat.model.device import usable_cores
+    from kvchat.model.cores import usable_cores
 
     threads = config.threads or max(1, usable_cores() // replicas)
     config = dataclasses.replace(config, threads=threads, preload=True)
