@@ -28,7 +28,8 @@ from kvchat.store.files import HOLD_AT
 from kvchat.store.resumable import JOURNAL_NAME, claim, create, resumable_path
 
 EPISODES = 4
-SMALL = ("--budget", "64", "--setting", "block_size=32", "--episodes", str(EPISODES))
+# block prefill: the tiny model's window holds the history, where `auto` would select from one full prefill
+SMALL = ("--budget", "64", "--setting", "block_size=32", "--setting", "prefill=block", "--episodes", str(EPISODES))
 
 
 def _config(tiny_model_dir: Path, **cache) -> IngestConfig:
