@@ -28,7 +28,8 @@ from kvchat.history.loading import Turn
 from kvchat.ingest import units
 from kvchat.ingest.batch import Workers, as_user_error, import_ray, ray_session, workers_for
 from kvchat.ingest.batch_worker import EpisodeBuilt, HistoryJob, UnitDone, UnitsPlanned
-from kvchat.ingest.pipeline import IngestProgress, IngestReport, blocks_to_prefill, commit_ingest, validate
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, IngestReport, blocks_to_prefill, commit_ingest, validate
+from kvchat.messages import option
 from kvchat.model.device import usable_cores
 from kvchat.store import PendingConversation, Store
 
@@ -48,7 +49,7 @@ def ingest_spread(
     force: bool = False,
     max_memory: int | None = None,
     trust_remote_code: bool = False,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     resumable: bool = False,
     resume: bool | None = None,
 ) -> IngestReport:
@@ -59,10 +60,10 @@ def ingest_spread(
     started = time.perf_counter()
     validate(config)
     if batch.threads < 1 or (batch.workers is not None and batch.workers < 1) or batch.attempts < 1:
-        raise UserError("--workers and --threads must be >= 1")
+        raise UserError(f"{option('workers')} and {option('threads')} must be >= 1")
     store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
-        raise UserError(f"conversation '{name}' exists; use --replace")
+        raise UserError(f"conversation '{name}' exists; use {option('replace')}")
     progress = progress or IngestProgress()
     ray = import_ray()
     if batch.address is None and not ray.is_initialized():
@@ -76,8 +77,8 @@ def ingest_spread(
             progress.planning("planning on a worker", 0, 1)
             planned: UnitsPlanned = _get(ray, workers.handles[0].plan_units.remote(job))
             plan = planned.plan
-            kept = {"resumable": units.identity(plan, planned.model), "resume": resume} if resumable else {}
-            pending = store.begin(name, replace=replace, **kept)
+            identity = units.identity(plan, planned.model) if resumable else None
+            pending = store.begin(name, replace=replace, resumable=identity, resume=resume if resumable else None)
             try:
                 with pending, pending.disk_full_guard(), units.UnitWriter(pending, plan, planned.layout) as writer:
                     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
@@ -120,7 +121,7 @@ class _Spread:
     """Hands the units out to idle workers and writes what they send, one step at a time."""
 
     def __init__(self, ray: Any, workers: Workers, batch: BatchConfig, plan: Any, pending: PendingConversation,
-                 writer: units.UnitWriter, progress: IngestProgress) -> None:  # fmt: skip
+                 writer: units.UnitWriter, progress: IngestHooks) -> None:  # fmt: skip
         self.ray, self.workers, self.batch, self.plan = ray, workers, batch, plan
         self.pending, self.writer, self.progress = pending, writer, progress
         self.every = units.checkpoint_every(plan)  # also when not resumable: a dead worker loses no more than this

@@ -37,6 +37,7 @@ from kvchat.ingest.pipeline import (
     recall_entries_writer,
 )
 from kvchat.ingest.units import Checkpoint, ChunkUnit, Progressed, Unit, recall_layout
+from kvchat.messages import option
 from kvchat.model.device import resolve
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel, ModelIdentity, load_model, use_threads
@@ -261,7 +262,8 @@ class HistoryWorker:
                 yield Skipped()
                 return
             if not job.replace:
-                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use --replace")
+                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use "
+                                f"{option('replace')}")
         if not job.force:
             self._check_fits(plan, available)
         yield Planned(len(plan.episodes))

@@ -150,7 +150,8 @@ def stores_recall_entries(plan: IngestPlan) -> bool:
 
 def totals(plan: IngestPlan) -> dict[str, int]:
     """The ingest's units: its episodes, and its recall chunks where it stores their entries."""
-    return {"episodes": len(plan.episodes), "chunks": len(plan.recall.chunks) if stores_recall_entries(plan) else 0}
+    chunks = len(plan.recall.chunks) if plan.recall is not None and stores_recall_entries(plan) else 0
+    return {"episodes": len(plan.episodes), "chunks": chunks}
 
 
 def episode_blocks(plan: IngestPlan, index: int) -> int:
@@ -168,11 +169,11 @@ def checkpoint_every(plan: IngestPlan) -> int:
 
 def recall_layout(plan: IngestPlan, lm: LoadedModel) -> tuple[recall_entries.Layout, list[torch.Tensor]] | None:
     """The recall entries file's layout and each chunk's token ids, where the ingest stores one."""
-    if not stores_recall_entries(plan):
+    if plan.recall is None or not stores_recall_entries(plan):
         return None
-    recalling = plan.config.cache.recall
-    ids = recall_entries.chunk_ids(lm, plan.recall.chunks)
-    layout = recall_entries.Layout.of(lm, plan.recall.chunks, plan.prefix_ids, bits=recalling.stored_bits,
+    recalling, chunks = plan.config.cache.recall, plan.recall.chunks
+    ids = recall_entries.chunk_ids(lm, chunks)
+    layout = recall_entries.Layout.of(lm, chunks, plan.prefix_ids, bits=recalling.stored_bits,
                                       group=recalling.stored_group, ids=ids)  # fmt: skip
     return layout, ids
 
@@ -256,7 +257,7 @@ class UnitWriter:
         if found is None:
             return None
         tensors, metadata, note = found
-        return Checkpoint(index, int(note["blocks"]), tensors, metadata, tuple(note["peaks"]))  # type: ignore[arg-type]
+        return Checkpoint(index, int(note["blocks"]), tensors, metadata, tuple(note["peaks"]))
 
     def checkpoint(self, checkpoint: Checkpoint) -> None:
         """Keep an episode's checkpoint (a resumable ingest's; else nothing)."""
