@@ -3,12 +3,12 @@ command's default, and not), spread over 1 and 2 Ray workers of one thread each 
 with SIGKILL at half its blocks then resumed: what resumability costs, what it loses, and how an ingest scales with
 workers on this machine.
 
-    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ingest_ray.py [--topics 10] [--turns 100] \\
+    OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/ingest_ray.py [--topics 6] [--turns 50] \\
         [--out benchmarks/results/ingest_ray.md]
 
-The history is a generated planted-fact conversation (kvchat.history.synthetic) at the defaults (beyond the
-embedded model's window: `--method auto` is recall, routed episode caches). Every run ingests it into a fresh
-store with the embedded model (`--weights auto`: int4 on a CPU); a run's seconds go from its call to its commit,
+The history is a generated planted-fact conversation (kvchat.history.synthetic) at the defaults (`--method auto`:
+within the embedded model's window epicache, beyond it recall's routed episode caches). Every run ingests it into a
+fresh store with the embedded model (`--weights auto`: int4 on a CPU); a run's seconds go from its call to its commit,
 planning included, the Ray workers' start (processes, imports, model) reported apart. Each run's files are compared
 with the first local run's (sha256 of every file): the same bytes, or the table says not. The kill: a child process
 runs the resumable ingest, writing how many blocks it has computed after each one; at half the planned blocks this
@@ -97,7 +97,7 @@ def local(turns, root: Path, label: str, threads: int, resumable: bool, models: 
     log(f"  {label}: {seconds:.1f} s, {progress.computed} blocks")
     return {"label": label, "threads": threads, "workers": 0, "resumable": resumable, "seconds": seconds,
             "start_s": 0.0, "tokens": report.history_tokens, "blocks": progress.planned_blocks,
-            "episodes": report.episodes, "home": home}  # fmt: skip
+            "episodes": report.episodes, "method": report.method, "home": home}  # fmt: skip
 
 
 def spread(turns, root: Path, workers: int, models: Path) -> dict:
@@ -176,7 +176,7 @@ def render(runs: list[dict], kill: dict, same: dict[str, bool], load, topics: in
     lines = [
         f"Machine: {os.cpu_count()} CPUs, {load}; SmolLM2-135M-Instruct (embedded default, `--weights auto`: int4 on "
         f"a CPU); one generated planted-fact history of {tokens} tokens ({topics} topics x {turns} turns, "
-        f"kvchat.history.synthetic) at the defaults (`--method auto`: recall, {base['episodes']} routed episodes, "
+        f"kvchat.history.synthetic) at the defaults (`--method auto`: {base['method']}, {base['episodes']} episodes, "
         f"{base['blocks']} blocks); {dt.date.today().isoformat()}. Command: `OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 "
         f".venv/bin/python benchmarks/ingest_ray.py --topics {topics} --turns {turns}`.",
         "",
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None) -> None:
         child(*map(Path, sys.argv[2:6]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--topics", type=int, default=10, help="topics of the generated history (default 10)")
-    parser.add_argument("--turns", type=int, default=100, help="turns per topic (default 100)")
+    parser.add_argument("--topics", type=int, default=6, help="topics of the generated history, 1 to 6 (default 6)")
+    parser.add_argument("--turns", type=int, default=50, help="turns per topic (default 50)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="markdown output")
     args = checked(parser, argv)
     from kvchat.ingest.batch import import_ray
