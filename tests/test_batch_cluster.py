@@ -123,14 +123,16 @@ _CHILD = "KVCHAT_CLUSTER_TEST_CHILD"  # set in the fresh pytest process that run
 
 
 @pytest.mark.skipif(bool(os.environ.get(_CHILD)), reason="the child process runs the test itself")
-def test_the_cluster_test_runs_in_a_fresh_process():
-    """Ray keeps a process-wide connection (and reads its token when first imported): another test that started a
-    local Ray in this worker would make the driver connect there. So the test runs in its own pytest process."""
+@pytest.mark.parametrize("test", ["test_killing_the_second_node_mid_batch_loses_no_history",
+                                  "test_killing_the_second_node_mid_episode_keeps_the_files_of_a_local_ingest"])
+def test_the_cluster_test_runs_in_a_fresh_process(test):
+    """Ray keeps a process-wide connection (and reads its cluster's token when first imported): another test that
+    started a local Ray in this worker, or another cluster's test before it, would make the driver connect there or
+    with the wrong token. So each cluster test runs in a pytest process of its own, on a cluster of its own."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           f"{__file__}::test_killing_the_second_node_mid_batch_loses_no_history",
-                           f"{__file__}::test_killing_the_second_node_mid_episode_keeps_the_files_of_a_local_ingest"],
-                          env={**os.environ, _CHILD: "1"}, capture_output=True, text=True, timeout=1500)  # fmt: skip
-    assert done.returncode == 0 and " 2 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+                           f"{__file__}::{test}"], env={**os.environ, _CHILD: "1"}, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0 and " 1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
 @pytest.mark.skipif(not os.environ.get(_CHILD), reason="runs in a fresh process, started by the test above")
