@@ -174,9 +174,19 @@ class IngestConfig:
     instruction: str = EPISODE_INSTRUCTION
 
 
+# A resumable ingest (kvchat.ingest.units) checkpoints an episode's prefill every 1/CHECKPOINTS of all its blocks, so a
+# kill loses at most that share of them, but never more often than every CHECKPOINT_MIN_BLOCKS blocks: a checkpoint
+# (an episode cache encoded, hashed, written and fsync'd: about 0.1 s for the embedded model's at the defaults) then
+# costs under 1% of the 8 blocks before it on a CPU (about 1-2 s each at the default block of 512 tokens).
+CHECKPOINTS = 200
+CHECKPOINT_MIN_BLOCKS = 8
+RAY_CHUNK_SPLIT = 4  # `ingest --ray`: the recall chunks left are cut into this many ranges per worker
+
+
 @dataclass(frozen=True)
 class BatchConfig:
-    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.ingest.batch)."""
+    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.ingest.batch); `kvchat ingest
+    --ray`: one history's units of work spread over them (kvchat.ingest.batch_units)."""
 
     workers: int | None = None  # None: the CPUs Ray has (a local Ray: this machine's usable cores) / threads
     threads: int = 1            # torch threads per worker; workers x threads never exceed the CPUs

@@ -152,37 +152,101 @@ def _last(layer: CacheLayer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys[:, :, -n:], values[:, :, -n:]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where each chunk's rows lie in a recall entries file of given chunks: its tensors' shapes and metadata, and
+    the index tensors but `starts` (known once the chunks are computed, `index`). Small: a few numbers per chunk."""
+
+    rows: list[int]
+    tails: list[int]
+    tokens: list[int]
+    group: int
+    bits: int
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    metadata: dict[str, str]
+
+    @classmethod
+    def of(cls, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Tensor, *, bits: int, group: int,
+           ids: Sequence[torch.Tensor] | None = None) -> Layout:  # fmt: skip
+        """The layout of `chunks` after `prefix` (their `ids`, `chunk_ids`, if already known)."""
+        config = lm.config
+        heads = config.num_key_value_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        tokens = [int(t.shape[-1]) for t in (ids if ids is not None else chunk_ids(lm, chunks))]
+        rows, tails = [0], [0]
+        for n in tokens:
+            rows.append(rows[-1] + n // group * group)
+            tails.append(tails[-1] + n % group)
+        total, packed, vdim = rows[-1], dim // 2 if bits == 4 else dim, dim // value_group(group, dim)
+        scale = SCALE_DTYPES[bits]
+        index = zip(_INDEX, (rows, tails, tokens, tokens), strict=True)
+        shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {name: (torch.int64, (len(v),)) for name, v in index}
+        part_shapes = {"k": (torch.uint8, (total, heads, packed)), "v": (torch.uint8, (total, heads, packed)),
+                       "ks": (scale, (total // group, heads, dim)), "km": (scale, (total // group, heads, dim)),
+                       "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim)),
+                       "kt": (_TAIL_DTYPE, (tails[-1], heads, dim)),
+                       "vt": (_TAIL_DTYPE, (tails[-1], heads, dim))}  # fmt: skip
+        for layer in range(lm.num_layers):
+            shapes |= {f"{part}.{layer}": shape for part, shape in part_shapes.items()}
+        metadata = {"fingerprint": lm.fingerprint, "recall_entries_format": FORMAT, "bits": str(bits),
+                    "group": str(group), "digest": digest(chunks, prefix)}  # fmt: skip
+        return cls(rows, tails, tokens, group, bits, shapes, metadata)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.tokens)
+
+    def index(self, writer: RowWriter, starts: Sequence[int]) -> None:
+        """Write the index tensors, once every chunk is written (`starts`: each one's first position)."""
+        for name, values in zip(_INDEX, (self.rows, self.tails, self.tokens, starts), strict=True):
+            writer.write(name, 0, torch.tensor(list(values), dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """One chunk's rows of a recall entries file, computed (`chunk_rows`) and not yet written: what a Ray worker
+    sends its driver, which writes them (`write`) into the file it keeps (kvchat.ingest.batch_units)."""
+
+    chunk: int
+    start: int  # the position its first entry was computed at
+    rows: dict[str, tuple[int, torch.Tensor]]  # tensor name -> (its first row, the rows)
+
+    def write(self, writer: RowWriter) -> None:
+        for name, (first, rows) in self.rows.items():
+            writer.write(name, first, rows)
+
+
+def chunk_rows(lm: LoadedModel, layout: Layout, ids: Sequence[torch.Tensor], prefix: torch.Tensor, first: int = 0,
+               end: int | None = None) -> Iterator[ChunkRows]:  # fmt: skip
+    """Chunks `first` to `end` (default: the last) computed after `prefix` and the chunk before each, as rows of
+    the file `layout` describes. Each chunk's rows are the same whichever chunk a call starts from."""
+    end = len(ids) if end is None else end
+    rows, tails, group = layout.rows, layout.tails, layout.group
+    for chunk, (start, layers) in enumerate(computed(lm, ids[:end], prefix, first=first), start=first):
+        out: dict[str, tuple[int, torch.Tensor]] = {}
+        whole = rows[chunk + 1] - rows[chunk]
+        for layer, (keys, values) in enumerate(layers):
+            codes = QuantizedEntries.quantize(keys[0, :, :whole].float(), values[0, :, :whole].float(), group,
+                                              layout.bits)  # fmt: skip
+            for part, tensor in zip(_PARTS, codes.tensors(), strict=True):
+                at = rows[chunk] // group if part in _GROUPED else rows[chunk]
+                out[f"{part}.{layer}"] = (at, tensor.transpose(0, 1).cpu())
+            for part, tensor in zip(_TAILS, (keys, values), strict=True):
+                out[f"{part}.{layer}"] = (tails[chunk], tensor[0, :, whole:].transpose(0, 1).to(_TAIL_DTYPE).cpu())
+        yield ChunkRows(chunk, start, out)
+
+
 def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Tensor, *, bits: int, group: int,
           previous: StoredEntries | None = None, on_chunk: Callable[[int, int], None] | None = None
           ) -> tuple[int, str]:  # fmt: skip
     """Write the recall entries file of `chunks` at `path`, fsynced; returns (bytes, sha256). Memory: one chunk's
     entries at a time. `previous`: the file of an earlier version whose chunks begin `chunks` (an append), whose
     rows are copied instead of computed again. `on_chunk(done, total)` after each chunk."""
-    config = lm.config
-    heads = config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     ids = chunk_ids(lm, chunks)
-    tokens = [int(t.shape[-1]) for t in ids]
-    rows, tails = [0], [0]
-    for n in tokens:
-        rows.append(rows[-1] + n // group * group)
-        tails.append(tails[-1] + n % group)
-    kept = previous.chunks if previous is not None and _continues(previous, chunks, prefix, tokens, bits, group) else 0
-    total, packed, vdim = rows[-1], dim // 2 if bits == 4 else dim, dim // value_group(group, dim)
-    scale = SCALE_DTYPES[bits]
-    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-        name: (torch.int64, (len(values),)) for name, values in zip(_INDEX, (rows, tails, tokens, tokens), strict=True)
-    }
-    part_shapes = {"k": (torch.uint8, (total, heads, packed)), "v": (torch.uint8, (total, heads, packed)),
-                   "ks": (scale, (total // group, heads, dim)), "km": (scale, (total // group, heads, dim)),
-                   "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim)),
-                   "kt": (_TAIL_DTYPE, (tails[-1], heads, dim)),
-                   "vt": (_TAIL_DTYPE, (tails[-1], heads, dim))}  # fmt: skip
-    for layer in range(lm.num_layers):
-        shapes |= {f"{part}.{layer}": shape for part, shape in part_shapes.items()}
-    metadata = {"fingerprint": lm.fingerprint, "recall_entries_format": FORMAT, "bits": str(bits),
-                "group": str(group), "digest": digest(chunks, prefix)}  # fmt: skip
-    writer = RowWriter(path, shapes, metadata)
+    layout = Layout.of(lm, chunks, prefix, bits=bits, group=group, ids=ids)
+    kept = (previous.chunks if previous is not None and _continues(previous, chunks, prefix, layout.tokens, bits, group)
+            else 0)  # fmt: skip
+    writer = RowWriter(path, layout.shapes, layout.metadata)
     try:
         starts: list[int] = []
         if previous is not None and kept:
@@ -191,22 +255,12 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                 _copy_rows(writer, previous, chunk, lm.num_layers)
                 if on_chunk is not None:
                     on_chunk(chunk + 1, len(chunks))
-        for chunk, (start, layers) in enumerate(computed(lm, ids, prefix, first=kept), start=kept):
-            starts.append(start)
-            whole = rows[chunk + 1] - rows[chunk]
-            for layer, (keys, values) in enumerate(layers):
-                codes = QuantizedEntries.quantize(keys[0, :, :whole].float(), values[0, :, :whole].float(), group,
-                                                  bits)  # fmt: skip
-                for part, tensor in zip(_PARTS, codes.tensors(), strict=True):
-                    first = rows[chunk] // group if part in _GROUPED else rows[chunk]
-                    writer.write(f"{part}.{layer}", first, tensor.transpose(0, 1).cpu())
-                for part, tensor in zip(_TAILS, (keys, values), strict=True):
-                    rest = tensor[0, :, whole:].transpose(0, 1).to(_TAIL_DTYPE).cpu()
-                    writer.write(f"{part}.{layer}", tails[chunk], rest)
+        for computed_rows in chunk_rows(lm, layout, ids, prefix, first=kept):
+            computed_rows.write(writer)
+            starts.append(computed_rows.start)
             if on_chunk is not None:
-                on_chunk(chunk + 1, len(chunks))
-        for name, column in zip(_INDEX, (rows, tails, tokens, starts), strict=True):
-            writer.write(name, 0, torch.tensor(column, dtype=torch.int64))
+                on_chunk(computed_rows.chunk + 1, len(chunks))
+        layout.index(writer, starts)
         return writer.finish()
     except BaseException:
         writer.discard()

@@ -28,7 +28,7 @@ from kvchat.cli.progress import (
     RichIngestProgress,
     progress_bars,
 )
-from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, say, table
+from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, said_notes, say, table
 from kvchat.cli.setting_options import OFFLOAD_PANEL, with_setting_options
 from kvchat.cli.words import spell
 from kvchat.config import WEIGHTS, BatchConfig, DeviceConfig, IngestConfig
@@ -36,11 +36,12 @@ from kvchat.errors import UserError, message
 from kvchat.history.loading import FORMAT_NAMES
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
-_INPUT, _STORE = "History", "Storing"
+_INPUT, _STORE, _RAY = "History", "Storing", "Ray workers"
 INGEST_EXAMPLES = """Examples:
   kvchat ingest chat.json                       # stored as "chat"
   kvchat ingest conversations.json --pick "Trip to Japan" --name japan
-  kvchat ingest more.json --append --name chat  # continue a stored conversation"""
+  kvchat ingest more.json --append --name chat  # continue a stored conversation
+  kvchat ingest year.json --ray --workers 8     # its episodes on 8 Ray workers"""
 
 
 @with_setting_options
@@ -69,6 +70,17 @@ def ingest(
     reingest: Annotated[bool, typer.Option(rich_help_panel=_STORE,
         help="With --append: ingest the stored histories and this one again from the start. Episodes are "
         "clustered anew.")] = False,
+    resume: Annotated[bool | None, typer.Option("--resume/--no-resume", rich_help_panel=_STORE,
+        help="Continue an ingest of this name stopped before it finished, from its last finished part: where it has "
+        "the same history and settings (the default), always (exit 2 without one), or never (start over).")] = None,
+    ray: Annotated[bool, typer.Option("--ray", rich_help_panel=_RAY,
+        help="Build the episodes (and stored recall entries) on Ray workers; this process writes the store "
+        "(docs/batch.md).")] = False,
+    workers: Annotated[int | None, typer.Option(rich_help_panel=_RAY,
+        help="With --ray: workers (default: the CPUs Ray has / --threads).")] = BatchConfig.workers,
+    address: Annotated[str | None, typer.Option(rich_help_panel=_RAY,
+        help="With --ray: join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local "
+        "Ray.")] = BatchConfig.address,
     trust_remote_code: TrustOpt = False,
     force: ForceOpt = False,
     threads: ThreadsOpt = None,
@@ -84,11 +96,13 @@ def ingest(
     from kvchat.ingest.pipeline import validate
     from kvchat.settings import read_options
     from kvchat.store import validate_name
+    from kvchat.store.resumable import unfinished
 
     model = config.model
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
+    _check_spread(append, resume, ray, workers, address)
     if append and name is None:
         raise UserError("--append needs --name, the conversation to continue")
     if name is None:
@@ -105,11 +119,26 @@ def ingest(
     if append or reingest:
         _check_append(append, reingest, replace, config, model, store.get(name) if append else None)
     store.check_writable()
+    if resume and not unfinished(store.caches_dir, name):
+        raise UserError(f"--resume: no unfinished ingest of {name!r} to continue")
+    if ray:
+        from kvchat.ingest.batch_units import ingest_spread
+
+        with said_notes(), progress_bars() as bars:
+            progress = RichIngestProgress(bars) if err.is_terminal else LineIngestProgress()
+            report = ingest_spread(
+                turns, name=name, store=store, config=config, source=str(history.resolve()), reads=read or None,
+                batch=BatchConfig(workers=workers, threads=threads or 1, address=address,
+                                  device=DeviceConfig(device, dtype), weights=weights),
+                replace=replace, force=force, max_memory=None if max_memory is None else max_memory * 2**20,
+                trust_remote_code=trust_remote_code, progress=progress, resumable=True, resume=resume,
+            )  # fmt: skip
+        return _say_ingested(report, append, reingest, as_json, started, None)
     spec = store.get(name).model if append else model
     lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype), weights)
     encoder = load_encoder()
     loading = time.monotonic() - started
-    with progress_bars() as bars:
+    with said_notes(), progress_bars() as bars:
         progress = RichIngestProgress(bars) if err.is_terminal else LineIngestProgress()
         if append:
             from kvchat.ingest import append as appending
@@ -123,8 +152,14 @@ def ingest(
                 turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
                 progress=progress, source=str(history.resolve()), force=force,
                 max_memory=None if max_memory is None else max_memory * 2**20,
-                reads={str(history.resolve()): read} if read else None,
+                reads={str(history.resolve()): read} if read else None, resumable=True, resume=resume,
             )
+    _say_ingested(report, append, reingest, as_json, started, loading)
+
+
+def _say_ingested(report, append: bool, reingest: bool, as_json: bool, started: float, loading: float | None) -> None:
+    """The ingest's notes, then its summary line or its JSON document. `loading`: the seconds reading the history
+    and loading the model took (None: on Ray workers)."""
     for note in report.notes:
         say(f"kvchat: note: {spell(note)}", console=err)
     if as_json:
@@ -140,8 +175,19 @@ def ingest(
             f"{report.weights} weights), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
             f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}{_recall_entries_text(report)}, "
-            f"{time.monotonic() - started:.1f}s ({loading:.1f}s reading and loading the model)",
+            f"{time.monotonic() - started:.1f}s"
+            + (f" ({loading:.1f}s reading and loading the model)" if loading is not None else " (on Ray workers)"),
         )
+
+
+def _check_spread(append: bool, resume: bool | None, ray: bool, workers: int | None, address: str | None) -> None:
+    """How --resume and --ray combine with the other options (before anything is read)."""
+    if append and resume is not None:
+        raise UserError("--resume and --no-resume go with a plain ingest: an --append is not resumable")
+    if append and ray:
+        raise UserError("--ray spreads a plain ingest: an --append runs in this process")
+    if not ray and (workers is not None or address is not None):
+        raise UserError(f"{'--workers' if workers is not None else '--address'} goes with --ray")
 
 
 def _budget_text(report) -> str:

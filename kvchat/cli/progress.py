@@ -128,12 +128,30 @@ class LineIngestProgress:
     def recall_entries(self, done: int, total: int) -> None:
         self._tenths("recall entries: chunks", done, total)
 
+    def resuming(self, done: str, blocks: int) -> None:
+        self.blocks.resumed(blocks)
+        err.print(f"kvchat: resuming: {done}", markup=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        err.print(f"kvchat: note: {spell(text)}", markup=False, soft_wrap=True)
+
+    def checkpoint(self, index: int, blocks: int, total: int) -> None:
+        pass
+
+    def running(self, part: str, worker) -> None:
+        pass
+
 
 class BlockTally:
     """Blocks done of the ingest's planned total, from per-pass counts (each episode's prefill counts from 1)."""
 
     def __init__(self, total: int = 0) -> None:
         self.total, self.done, self._pass = total, 0, 0
+        self.kept = 0  # blocks a resumed ingest had done before: counted done, not in its pace
+
+    def resumed(self, blocks: int) -> None:
+        self.done += blocks
+        self.kept += blocks
 
     def new_pass(self) -> None:
         self._pass = 0
@@ -147,10 +165,11 @@ class BlockTally:
 
     def eta(self, started: float) -> str:
         """", ETA N s" once a block is done (the pace so far over the blocks left), else ""."""
-        if not self.done or not self.total:
+        ran = self.done - self.kept
+        if ran <= 0 or not self.total:
             return ""
         left = max(0, self.total - self.done)
-        return f", ETA {(time.monotonic() - started) / self.done * left:.0f} s"
+        return f", ETA {(time.monotonic() - started) / ran * left:.0f} s"
 
 
 class RichIngestProgress:
@@ -187,6 +206,20 @@ class RichIngestProgress:
 
     def recall_entries(self, done: int, total: int) -> None:
         self.progress.update(self.blocks, completed=done, total=total, description="recall entries (chunks)")
+
+    def resuming(self, done: str, blocks: int) -> None:
+        self.tally.resumed(blocks)
+        self.progress.update(self.overall, completed=blocks)
+        self.progress.console.print(f"kvchat: resuming: {done}", markup=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(f"kvchat: note: {spell(text)}", markup=False, soft_wrap=True)
+
+    def checkpoint(self, index: int, blocks: int, total: int) -> None:
+        pass
+
+    def running(self, part: str, worker) -> None:
+        pass
 
 
 class LineBatchProgress:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -32,6 +33,18 @@ def say(*parts: str | tuple[str, str], console: Console | None = None) -> None:
         value, style = part if isinstance(part, tuple) else (part, "")
         text.append(clean(value), style=style)
     (console or out).print(text, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def said_notes() -> Iterator[None]:
+    """Ctrl-C inside: what the library noted on it (an ingest's work kept for its next run) said on stderr before it
+    goes on (typer turns it into an exit status, dropping the exception)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        for note in getattr(exc, "__notes__", None) or ():
+            say(f"kvchat: note: {note}", console=err)
+        raise
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,

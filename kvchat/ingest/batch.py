@@ -217,7 +217,7 @@ def ingest_batch(
         workers_for(batch, usable_cores())  # before a local Ray is started for nothing
     started = time.perf_counter()
     with ray_session(ray, batch.address):
-        workers = _Workers(ray, batch, len(sources))
+        workers = Workers(ray, batch, len(sources))
         try:
             progress.start(len(sources), workers.count)
             workers.start(config.model, store, trust_remote_code)
@@ -281,14 +281,16 @@ def ray_session(ray: Any, address: str | None, cpus: int | None = None) -> Itera
             shutil.rmtree(session_dir, ignore_errors=True)
 
 
-class _Workers:
+class Workers:
     """The batch's Ray actors: created with one CPU per torch thread, loaded once, killed at the end."""
 
-    def __init__(self, ray: Any, batch: BatchConfig, histories: int) -> None:
+    def __init__(self, ray: Any, batch: BatchConfig, histories: int | None = None) -> None:
+        """Up to one worker per history (`histories`; None: as many as `batch` asks for)."""
         self.ray = ray
         self.threads = batch.threads
         self.start_timeout_s = batch.start_timeout_s
-        self.count = max(1, min(workers_for(batch, int(ray.cluster_resources().get("CPU", 0))), histories))
+        wanted = workers_for(batch, int(ray.cluster_resources().get("CPU", 0)))
+        self.count = max(1, min(wanted, histories) if histories is not None else wanted)
         # A local Ray's workers inherit this process's environment; a cluster's get WORKER_ENV set (which costs
         # each worker a fresh process, a few seconds once per batch).
         env = {} if batch.address is None else {"runtime_env": {"env_vars": WORKER_ENV}}
@@ -312,7 +314,7 @@ class _Workers:
             raise UserError(f"the workers did not start within {self.start_timeout_s:.0f} s: Ray could not start "
                             "their processes (too little memory, or CPUs taken by other jobs?)") from None
         except self.ray.exceptions.RayTaskError as exc:
-            raise _as_user_error(exc) from None
+            raise as_user_error(exc) from None
         except self.ray.exceptions.RayError as exc:
             raise UserError(f"a worker died while loading the model ({first_line(exc)})") from None
         fingerprints = sorted({info.fingerprint for info in infos})
@@ -358,7 +360,7 @@ class _Running:
 class _Driver:
     """Hands histories to idle workers and turns what they send into store writes, one step at a time."""
 
-    def __init__(self, ray: Any, store: Store, config: IngestConfig, batch: BatchConfig, workers: _Workers,
+    def __init__(self, ray: Any, store: Store, config: IngestConfig, batch: BatchConfig, workers: Workers,
                  progress: BatchProgress, *, replace: bool, force: bool, max_memory: int | None) -> None:
         self.ray, self.store, self.config, self.batch, self.workers = ray, store, config, batch, workers
         self.progress = progress
@@ -432,7 +434,7 @@ class _Driver:
         try:
             step = self.ray.get(call)
         except errors.RayTaskError as exc:  # the ingest raised: the history's own failure
-            self._fail(running, message(_as_user_error(exc)))
+            self._fail(running, message(as_user_error(exc)))
             return None
         except errors.RayError as exc:  # the worker died, or its node, or what it sent was lost
             self._abort(running)
@@ -499,7 +501,7 @@ class _Driver:
         self.progress.finished(result)
 
 
-def _as_user_error(exc: BaseException) -> UserError:
+def as_user_error(exc: BaseException) -> UserError:
     """A worker's exception as one line: its own message for a user mistake, else named as internal."""
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, UserError):

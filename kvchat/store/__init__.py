@@ -42,6 +42,7 @@ from kvchat.store.leftovers import (
     move_aside_orphans,
     real_subdirs,
     remove_dead_temp_dirs,
+    remove_idle_unworked,
     stale_orphans,
 )
 from kvchat.store.loading import check_fingerprint as _check_fingerprint  # noqa: F401 (tests import it here)
@@ -64,6 +65,8 @@ from kvchat.store.records import (
     record_of,
 )
 from kvchat.store.reindex import Version, newer_than_listed, unlisted_versions
+from kvchat.store.resumable import Identity
+from kvchat.store.resuming import begin_resumable
 from kvchat.store.schema import connect, migrate, pending
 
 if TYPE_CHECKING:
@@ -218,6 +221,7 @@ class Store:
         if not self.caches_dir.is_dir():
             return
         remove_dead_temp_dirs(self.caches_dir)
+        remove_idle_unworked(self.caches_dir)
         listed = self._listed()
         self._restore_retired(listed)
         unlisted = newer_than_listed(unlisted_versions(self.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
@@ -277,12 +281,21 @@ class Store:
     # ----- conversations
 
     @_index_errors
-    def begin(self, name: str, replace: bool = False, *, expect: str | None = None) -> PendingConversation:
+    def begin(
+        self, name: str, replace: bool = False, *, expect: str | None = None, resumable: Identity | None = None,
+        resume: bool | None = None,
+    ) -> PendingConversation:  # fmt: skip
         """Start writing a conversation; nothing is visible until `commit`.
 
         `expect`: the version (`ConversationRecord.ingest_id`) the new one continues (an append). Writers of
         one conversation serialise on it: the commit is refused (`ConversationChanged`, exit 2) when another
         process has replaced or removed that version since, so neither write is lost without a word.
+
+        `resumable`: what the ingest is (kvchat.store.resumable): its completed units outlive it, and an unfinished
+        ingest of `name` with the same identity is continued (`PendingConversation.resumed`); one with another is
+        discarded. `resume` True requires one to continue (UserError where there is none), False discards it
+        whatever it is; None continues one that matches. What was found is `PendingConversation.found`, a line to
+        tell the user.
         """
         validate_name(name)
         self.check_writable()
@@ -291,7 +304,9 @@ class Store:
             raise UserError(f"conversation {_show(name)} exists; use {option('replace')}")
         if expect is not None and (row is None or row["ingest_id"] != expect):
             raise ConversationChanged(_show(name))
-        return PendingConversation(self, name, replace, write_file=_write_file, expect=expect)
+        if resumable is None:
+            return PendingConversation(self, name, replace, write_file=_write_file, expect=expect)
+        return begin_resumable(self, name, replace, resumable, resume, write_file=_write_file)
 
     @_index_errors
     def conversations(self) -> list[ConversationRecord]:

@@ -26,8 +26,9 @@ from pathlib import Path
 from kvchat.checked_files import read_safetensors_header
 from kvchat.messages import option
 from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
-from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from
+from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from, show
 from kvchat.store.manifest import manifest_of
+from kvchat.store.resumable import RESUME_PREFIX, claim, idle, resumable_dirs, resumable_name, summary
 
 ORPHAN_GRACE_S = 60.0
 FIX = option("fix")  # what repairs a problem: a message's reference (kvchat.messages) to `doctor --fix`
@@ -42,7 +43,7 @@ class Problem:
     """
 
     kind: str  # missing | not-a-file | size | checksum | outside | unreadable | orphan | stray | stale-temp
-    #          | stale-held | special-file (a FIFO or device in profiles/)
+    #          | stale-held | special-file (a FIFO or device in profiles/) | unfinished (a resumable ingest's dir)
     conversation: str | None
     episode: int | None
     path: Path
@@ -64,6 +65,22 @@ def remove_dead_temp_dirs(directory: Path) -> None:
     """
     for entry in dead_temp_dirs(directory):
         shutil.rmtree(entry, ignore_errors=True)
+
+
+def remove_idle_unworked(caches_dir: Path) -> None:
+    """Remove the resumable ingests' dirs (kvchat.store.resumable) that no live process holds and that completed no
+    unit: nothing there to continue. One that did is kept for its ingest to continue (`doctor --fix` deletes it), less
+    the scratch dirs of the episode a kill cut short (IceCache's spilled evictions: never continued, maybe large)."""
+    for path in resumable_dirs(caches_dir):
+        held = claim(path)
+        if held is None:
+            continue
+        if not summary(path)[1]:
+            held.discard(caches_dir)
+            continue
+        for scratch in path.glob("scratch-*"):
+            shutil.rmtree(scratch, ignore_errors=True)
+        held.release()
 
 
 def dead_temp_dirs(directory: Path) -> list[Path]:
@@ -209,6 +226,13 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
         found.append(Problem(kind, None, None, path, f"{what}: {path}; {FIX} deletes it"))
 
     for entry in _entries(caches_dir):
+        if entry.name.startswith(RESUME_PREFIX) and _is_dir(entry):
+            if idle(entry):  # a live ingest's is its own
+                done, worked = summary(entry)
+                name = show(resumable_name(entry) or "")
+                leftover("unfinished", entry, f"unfinished ingest of {name} ({done}), which the same ingest run again "
+                         "continues" if worked else f"dir of an unfinished ingest of {name} with nothing done")
+            continue
         pid = temp_writer_pid(entry)
         if pid is not None and _is_dir(entry):
             if not _pid_alive(pid):
@@ -260,6 +284,22 @@ def delete_leftovers(caches_dir: Path, doomed: Iterable[Problem]) -> tuple[list[
     moved: list[Path] = []
     for leftover in doomed:
         path = leftover.path
+        if leftover.kind == "unfinished":  # unless an ingest has taken it up since
+            held = claim(path)
+            if held is None:
+                done.append(f"left {path} alone: an ingest is continuing it")
+                continue
+            target = new_temp_path(caches_dir)
+            try:
+                rename(path, target)
+            except OSError as e:
+                done.append(f"could not delete {path}: {e.strerror or e}")
+                continue
+            finally:
+                held.release()
+            moved.append(target)
+            done.append(f"deleted {leftover.kind} {path}")
+            continue
         if leftover.kind == "stale-temp":  # its writer is dead: nothing else can take it, no need to move it
             moved.append(path)
             done.append(f"deleted {leftover.kind} {path}")
