@@ -44,7 +44,7 @@ from kvchat.ingest.pipeline import (
     write_recall_entries_bytes,
 )
 from kvchat.messages import option
-from kvchat.model.device import usable_cores
+from kvchat.model.cores import usable_cores
 from kvchat.settings import read_options
 from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store, validate_name
 

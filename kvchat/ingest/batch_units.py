@@ -30,7 +30,7 @@ from kvchat.ingest.batch import Workers, as_user_error, import_ray, ray_session,
 from kvchat.ingest.batch_worker import EpisodeBuilt, HistoryJob, UnitDone, UnitsPlanned
 from kvchat.ingest.pipeline import IngestHooks, IngestProgress, IngestReport, blocks_to_prefill, commit_ingest, validate
 from kvchat.messages import option
-from kvchat.model.device import usable_cores
+from kvchat.model.cores import usable_cores
 from kvchat.store import PendingConversation, Store
 
 WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again

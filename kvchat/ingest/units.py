@@ -130,8 +130,8 @@ def identity(plan: IngestPlan, model: ModelIdentity) -> Identity:
         add(plan.recall.embeddings.astype("float32").tobytes())
     if plan.trained is not None:
         trained = plan.trained
-        add(json.dumps(trained.metadata(), sort_keys=True))  # type: ignore[attr-defined]
-        for name, tensor in sorted(trained.tensors(torch.float32).items()):  # type: ignore[attr-defined]
+        add(json.dumps(trained.metadata(), sort_keys=True))
+        for name, tensor in sorted(trained.tensors(torch.float32).items()):
             add(name)
             add(tensor.numpy().tobytes())
     return Identity(digest.hexdigest(), totals(plan))
