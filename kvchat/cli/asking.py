@@ -24,6 +24,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
+from kvchat.cli.words import error_text, spell
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 
@@ -137,7 +138,7 @@ def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
             failed += 1
             if not as_json:
                 _write_line(NO_ANSWER)
-            say(f"kvchat: error: line {number}: {exc}", console=err)
+            say(f"kvchat: error: line {number}: {error_text(exc)}", console=err)
     if failed:
         raise UserError(f"{failed} of {asked} questions failed (each reported above)")
 
@@ -456,7 +457,7 @@ def show_sources(sources: list[dict] | None, note: str | None, episode: int | No
     there are none. `line`: the answer is line `line` of a batch's output, so they go to stderr, named by it."""
     where = "" if line is None else f"line {line}: "
     if sources is None:
-        say(f"kvchat: {where}{note}", console=err)
+        say(f"kvchat: {where}{spell(note or '')}", console=err)
         return
     console = err if line is not None else out
     say((f"{where}sources (episode {episode}):", "bold"), console=console)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.errors import UserError
+from kvchat.messages import option
 from kvchat.store.layout import name_from_file, validate_name
 
 
@@ -33,12 +34,12 @@ def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = (), *, for
     for manifest in manifests:
         found += read_manifest(manifest)
     if not found:
-        raise UserError("no histories: give history files or --manifest FILE")
+        raise UserError(f"no histories: give history files or {option('manifest', 'FILE')}")
     paths: dict[str, Path] = {}
     for source in found:
         if source.name in paths:
             raise UserError(f"two histories would be conversation {source.name!r} ({paths[source.name]} and "
-                            f"{source.path}); name them in a --manifest")  # fmt: skip
+                            f"{source.path}); name them in a {option('manifest')}")  # fmt: skip
         paths[source.name] = source.path
     for source in found:
         if not source.path.exists():

@@ -20,13 +20,13 @@ def validate(config: IngestConfig) -> None:
     settings_table.check(config)
     if cache.block_size > cache.budget * 8 and cache.method != "full":
         raise UserError(
-            f"{given('block_size', cache.block_size)} is more than 8x --budget {cache.budget}: "
+            f"{given('block_size', cache.block_size)} is more than 8x {given('budget', cache.budget)}: "
             "peak memory would be dominated by the block"
         )
     if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
         raise UserError(
-            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; --method "
-            f"{cache.method} has none (use it with {', '.join(across_heads_methods())})"
+            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; "
+            f"{given('method', cache.method)} has none (use it with {', '.join(across_heads_methods())})"
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
         raise UserError(f"{named('alpha')} must be in (0, 10] (got {cache.alpha})")

@@ -67,7 +67,8 @@ def parse_telegram(data: dict, source: str, pick: Pick = None) -> list[Turn]:
 def _first_date(messages: list) -> str:
     """When a chat began: its first message's date ("" for none: first)."""
     first = next((m for m in messages if isinstance(m, dict)), {})
-    return first.get("date") if isinstance(first.get("date"), str) else ""
+    date = first.get("date")
+    return date if isinstance(date, str) else ""
 
 
 def _chat(messages: list, source: str, where: str) -> list[Turn]:
