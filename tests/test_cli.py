@@ -606,7 +606,7 @@ def test_a_batch_ask_reports_a_bad_line_by_number_and_goes_on(monkeypatch, capsy
         def __init__(self):
             self.asked = []
 
-        def answer(self, question, episode, *, as_json):
+        def answer(self, question, episode, *, as_json=False, line=None):
             if "bad" in question:
                 raise UserError("the question is too long")
             self.asked.append(question.strip())

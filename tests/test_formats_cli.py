@@ -77,7 +77,8 @@ def test_append_of_a_re_export_skips_the_turns_already_stored(tmp_path, tiny_mod
     earlier = tmp_path / "WhatsApp Chat - Cabin trip.txt"  # the export of two weeks ago: it ended with Sam's turn
     earlier.write_text(export[: export.index("[25/05/2023")])
     made = run_main(tmp_path, "ingest", str(earlier), "--name", "cabin", "--model", str(tiny_model_dir), *TINY)
-    assert made.returncode == 0, made.stderr and json.loads(made.stdout)["turns"] == 2
+    assert made.returncode == 0, made.stderr
+    assert json.loads(made.stdout)["turns"] == 2
     later = tmp_path / "WhatsApp Chat - Cabin trip (1).txt"
     later.write_text(export)
     appended = run_main(tmp_path, "ingest", str(later), "--name", "cabin", "--append", "--json")

@@ -83,7 +83,8 @@ def test_the_ingest_report_and_show_say_how_the_budget_is_shared(stored):
     store, report = stored
     assert (report.budget, report.recalled_entries) == (96, 48) and max(report.budgets) <= 48
     kept = round(sum(report.budgets) / len(report.budgets))
-    assert _budget_text(report) == f"budget {kept} + 48 recalled per question"
+    assert _budget_text(report) == (f"budget 96 asked, {kept} kept on average per layer and KV head "
+                                    "+ 48 recalled per question")
     shown = documents.show(store.get("long"))
     assert (shown["budget"], shown["recalled_entries"]) == (96, 48)
     line = _summary(shown, False)[1]
