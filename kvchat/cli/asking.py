@@ -32,7 +32,8 @@ from kvchat.errors import UserError
 def ask(
     question: Annotated[str | None, typer.Argument(
         metavar="QUESTION",
-        help="The question. Omit it to read one question per line from stdin, or on a terminal for a REPL.")] = None,
+        help="The question. Omit it to read one question per line from stdin (an answer per line, docs/scripting.md), "
+        "or on a terminal for a REPL.")] = None,
     conversation: Annotated[str | None, typer.Option(
         help="Conversation name (default: the one `kvchat use` chose, else the latest).",
         autocompletion=complete_conversation)] = None,
@@ -80,6 +81,8 @@ def ask(
     own = [option for option, set_ in given.items() if set_]  # what only this process honours
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
+    if own and not local:
+        _say_answering_here(own)
     asker: _RemoteAsker | _Asker | None = (
         _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) else None
     )
@@ -90,7 +93,7 @@ def ask(
                 console=err)
         config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic)
         asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
-                       device=DeviceConfig(device, dtype))
+                       device=DeviceConfig(device, dtype), episode=episode)
     asker.sources = sources
     if question is not None:
         asker.answer(question, episode, as_json=as_json)
@@ -101,6 +104,7 @@ def ask(
             asker.check_episode(episode)
         say((asker.name, "bold"), f": {counted(asker.episode_count(), 'episode')}. /help for help; exit, quit or "
             "Ctrl-D ends.", console=err)
+        asker.stoppable = True  # a first Ctrl-C stops the answer and keeps the session
         repl = Repl(prompt_reader(asker.history_file), asker, lambda m: say(m, console=err))
         repl.episode = episode
         repl.run()
@@ -110,21 +114,44 @@ def ask(
         raise typer.Exit(3)
 
 
+NO_ANSWER = "[no answer]"  # a batch's output line for a question not answered (the reason: stderr, `line N:`)
+
+
 def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
-    """One question per line; a question refused (too long, say) is reported with its line number and the others
-    go on; exit status 2 at the end when any was refused."""
+    """One question per line. As text, line N of the output answers line N of the input: each answer on one line
+    (`escaped_line`), a blank line for a blank one, NO_ANSWER for a question refused (too long, say; its line number
+    and reason on stderr) while the others go on; exit status 2 at the end when any was refused. As JSON, one
+    object per question (blank lines asked nothing)."""
     failed = asked = 0
     for number, line in enumerate(lines, start=1):
         if not line.strip():
+            if not as_json:
+                _write_line("")
             continue
         asked += 1
         try:
-            asker.answer(line, episode, as_json=as_json)
+            if as_json:
+                asker.answer(line, episode, as_json=True)
+            else:
+                asker.answer(line, episode, line=number)
         except UserError as exc:
             failed += 1
+            if not as_json:
+                _write_line(NO_ANSWER)
             say(f"kvchat: error: line {number}: {error_text(exc)}", console=err)
     if failed:
         raise UserError(f"{failed} of {asked} questions failed (each reported above)")
+
+
+def escaped_line(text: str) -> str:
+    """An answer as one line of a batch's output: its backslashes doubled, its newlines written `\\n`, so
+    that a script can read it back (as a C or Python string literal's escapes)."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _write_line(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 class _Asker:
@@ -132,11 +159,14 @@ class _Asker:
 
     sources = False  # --sources (the REPL's /sources)
     refused = 0      # questions refused as off-topic (--refuse-off-topic)
+    stoppable = False  # the REPL: a first Ctrl-C stops the answer (elsewhere it interrupts kvchat, exit 130)
 
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
-                 device: DeviceConfig = DeviceConfig()) -> None:
+                 device: DeviceConfig = DeviceConfig(), episode: int | None = None) -> None:
         self.store, self.config, self.log = store, config, log
         record = store.get(conversation) if conversation else store.default()  # an unknown name: before torch loads
+        if episode is not None:  # so is an episode it does not have
+            _check_episode(episode, record.name, len(record.episodes))
         from kvchat.answer.session import Session
 
         self.threads, self.device = threads, device
@@ -179,8 +209,9 @@ class _Asker:
         self.session.config = self.config
 
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
-               as_json: bool = False) -> str:
-        """Stream the answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it."""
+               as_json: bool = False, line: int | None = None) -> str:
+        """Stream the answer to stdout (cleaned of escape sequences); in the REPL, Ctrl-C stops it. `line`: the
+        question is line `line` of a batch, answered on one line (`_print_streamed`)."""
         question = question.strip()
         if as_json:
             result = self.session.ask(question, episode=episode, log=self.log, earlier=earlier, **self._receipts())
@@ -196,31 +227,34 @@ class _Asker:
             return {"finish_reason": result.finish_reason, "conversation": result.conversation,
                     "episode": result.episode, "similarity": result.similarity, "reused_cache": result.reused_cache}
 
-        _print_streamed(run, self.config.max_new_tokens)
+        _print_streamed(run, self.config.max_new_tokens, line=line, stoppable=self.stoppable)
         result = answered[-1]
-        self._off_topic(result)
+        self._off_topic(result, line)
         if self.sources and result.finish_reason != "refused":
             show_sources(None if result.sources is None else [s.to_dict() for s in result.sources],
-                         result.sources_note, result.episode)
+                         result.sources_note, result.episode, line=line)
         return result.text
 
     def _receipts(self) -> dict:
         return {"sources": True} if self.sources else {}
 
-    def _off_topic(self, result) -> None:
+    def _off_topic(self, result, line: int | None = None) -> None:
         """The line that says no episode matched well, and the count of refusals."""
         if result.off_topic:
-            self.refused += say_off_topic(result.finish_reason, result.similarity, self.config.off_topic_similarity)
+            self.refused += say_off_topic(result.finish_reason, result.similarity, self.config.off_topic_similarity,
+                                          line)
 
 
-def say_off_topic(finish_reason: str, similarity: float, limit: float | None) -> int:
-    """The line under an answer to a question no episode matches well (`limit`: the threshold, where known);
-    1 when the question was refused, else 0."""
+def say_off_topic(finish_reason: str, similarity: float, limit: float | None, line: int | None = None) -> int:
+    """The line under an answer to a question no episode matches well (`limit`: the threshold, where known; `line`:
+    the question's line in a batch); 1 when the question was refused, else 0."""
     under = f"similarity {similarity:.2f}" + (f" < {limit:.2f}" if limit is not None else ", under the threshold")
+    where = "" if line is None else f"line {line}: "
     if finish_reason == "refused":
-        say(f"kvchat: not answered: no episode matches this question ({under}; --refuse-off-topic)", console=err)
+        say(f"kvchat: {where}not answered: no episode matches this question ({under}; --refuse-off-topic)",
+            console=err)
         return 1
-    say(f"kvchat: note: no episode matches this question well ({under}): the answer may not come from the "
+    say(f"kvchat: {where}note: no episode matches this question well ({under}): the answer may not come from the "
         "conversation", console=err)
     return 0
 
@@ -230,6 +264,7 @@ class _RemoteAsker:
 
     sources = False  # --sources, the REPL's /sources
     refused = 0      # questions the server refused as off-topic (--refuse-off-topic)
+    stoppable = False  # the REPL: a first Ctrl-C stops the answer
 
     def __init__(self, client, conversation: str | None, max_new_tokens: int, refuse_off_topic: bool = False) -> None:
         from kvchat.serve.client import default_of
@@ -275,7 +310,7 @@ class _RemoteAsker:
         self.max_new_tokens = value
 
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
-               as_json: bool = False) -> str:
+               as_json: bool = False, line: int | None = None) -> str:
         question = question.strip()
         options = {"episode": episode, "max_tokens": self.max_new_tokens, "sources": self.sources,
                    "refuse_off_topic": self.refuse_off_topic}
@@ -291,16 +326,17 @@ class _RemoteAsker:
                                             **options))
             return answered[-1]
 
-        _print_streamed(run, self.max_new_tokens)
+        _print_streamed(run, self.max_new_tokens, line=line, stoppable=self.stoppable)
         document = answered[-1]
-        self._off_topic(document)
+        self._off_topic(document, line)
         if self.sources and document.get("finish_reason") != "refused" and "sources" in document:
-            show_sources(document["sources"], document.get("sources_note"), document.get("episode"))
+            show_sources(document["sources"], document.get("sources_note"), document.get("episode"), line=line)
         return document.get("answer", "")
 
-    def _off_topic(self, document: dict) -> None:
+    def _off_topic(self, document: dict, line: int | None = None) -> None:
         if document.get("off_topic"):
-            self.refused += say_off_topic(document.get("finish_reason", ""), document.get("similarity", 0.0), None)
+            self.refused += say_off_topic(document.get("finish_reason", ""), document.get("similarity", 0.0), None,
+                                          line)
 
 
 def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int,
@@ -322,32 +358,56 @@ def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int
         return None
 
 
+def _say_answering_here(own: list[str]) -> None:
+    """One line when a server runs on this home but an option only this process honours keeps the question here."""
+    from kvchat.config import default_home
+    from kvchat.serve.announcement import announced_url
+
+    url = announced_url(default_home())
+    if url is not None:
+        say(f"kvchat: note: answering in this process, not through the server at {url} ({', '.join(own)} "
+            f"{'is' if len(own) == 1 else 'are'} honoured only here)", console=err)
+
+
 def _check_episode(episode: int, name: str, count: int) -> None:
     if not 0 <= episode < count:
         raise UserError(f"--episode {episode} does not exist (conversation '{name}' has episodes 0..{count - 1})")
 
 
-def _print_streamed(run, max_new_tokens: int) -> str | None:
-    """Stream an answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it. `run(write,
-    stopping)` answers, giving text to `write` and asking `stopping()` between tokens; it returns the answer's
-    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text (None when
-    it was refused)."""
+def _print_streamed(run, max_new_tokens: int, *, line: int | None = None, stoppable: bool = False) -> str | None:
+    """Stream an answer to stdout (cleaned of escape sequences). `run(write, stopping)` answers, giving text to
+    `write` and asking `stopping()` between tokens; it returns the answer's finish_reason, episode, similarity,
+    answer and (where known) reused_cache. Returns the answer's text (None when it was refused).
+
+    `line`: the question is line `line` of a batch, whose output holds one line per question: the answer is written
+    whole, on one line (`escaped_line`), or NO_ANSWER when it was refused; what is said beside it names the line.
+    `stoppable` (the REPL): a first Ctrl-C on a terminal stops the answer and the session goes on; elsewhere Ctrl-C
+    interrupts kvchat (exit 130)."""
     cleaner = StreamCleaner()
+    pieces: list[str] = []
 
     def write(text: str) -> None:
+        if line is not None:
+            pieces.append(cleaner.feed(text))
+            return
         sys.stdout.write(cleaner.feed(text))
         sys.stdout.flush()
 
-    with _ctrl_c_stops() as stopping:
+    with _ctrl_c_stops(stoppable) as stopping:
         result = run(write, stopping)
     if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
+        if line is not None:
+            _write_line(NO_ANSWER)
         return None
-    sys.stdout.write(cleaner.flush() + "\n")
-    sys.stdout.flush()
+    if line is not None:
+        _write_line(escaped_line("".join(pieces) + cleaner.flush()))
+    else:
+        _write_line(cleaner.flush())
+    where = "" if line is None else f"line {line}: "
     if result["finish_reason"] == "length":
-        say(f"[answer cut at --max-new-tokens {max_new_tokens}]", console=err)
+        say(f"{where}[answer cut at --max-new-tokens {max_new_tokens}]", console=err)
     elif result["finish_reason"] == "stopped":
-        say("[stopped]", console=err)
+        say(f"{where}[stopped]", console=err)
     if sys.stdin is not None and sys.stdin.isatty() and err.is_terminal and result.get("episode") is not None:
         err.print(Text(clean(footer(result), one_line=True), style="dim"))
     return result.get("answer", "")
@@ -362,13 +422,16 @@ def footer(result: dict) -> str:
 
 
 class _ctrl_c_stops:
-    """While an answer streams on a terminal, a first Ctrl-C asks it to stop (the answer ends after the
-    current token and the session stays); a second one interrupts at once."""
+    """While an answer of the REPL (`stoppable`) streams on a terminal, a first Ctrl-C asks it to stop (the answer
+    ends after the current token and the session stays); a second one interrupts at once."""
+
+    def __init__(self, stoppable: bool = True) -> None:
+        self.stoppable = stoppable
 
     def __enter__(self):
         self.requested = False
         self.previous = None
-        if sys.stdin is not None and sys.stdin.isatty() and _main_thread():
+        if self.stoppable and sys.stdin is not None and sys.stdin.isatty() and _main_thread():
             self.previous = signal.signal(signal.SIGINT, self._handle)
         return lambda: self.requested
 
@@ -388,17 +451,21 @@ def _main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def show_sources(sources: list[dict] | None, note: str | None, episode: int | None) -> None:
+def show_sources(sources: list[dict] | None, note: str | None, episode: int | None, *,
+                 line: int | None = None) -> None:
     """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
-    there are none."""
+    there are none. `line`: the answer is line `line` of a batch's output, so they go to stderr, named by it."""
+    where = "" if line is None else f"line {line}: "
     if sources is None:
-        say(f"kvchat: {spell(note or '')}", console=err)
+        say(f"kvchat: {where}{spell(note or '')}", console=err)
         return
-    say((f"sources (episode {episode}):", "bold"))
+    console = err if line is not None else out
+    say((f"{where}sources (episode {episode}):", "bold"), console=console)
     for n, s in enumerate(sources, start=1):
         who = ", ".join(part for part in (s["speaker"], s["time"]) if part)
         held = f"{s['kept_tokens']}/{s['tokens']} tokens kept"
         if s.get("recalled"):  # a server before recalled turns were sources leaves it out
             held = "recalled, " + (held if s["kept_tokens"] else f"{s['tokens']} tokens, not in the cache")
-        say(f"  {n}. turn {s['turn']} {who}: \u201c{s['quote']}\u201d ",
-            (f"{s['attention_share']:.0%} of attention, {held}", "dim"))
+        turn = f"turn {s['turn']}" + (f" ({s['turn_id']})" if s.get("turn_id") else "")  # "Trip to Japan, turn 3"
+        say(f"  {n}. {turn} {who}: \u201c{s['quote']}\u201d ",
+            (f"{s['attention_share']:.0%} of attention, {held}", "dim"), console=console)

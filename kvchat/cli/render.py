@@ -43,7 +43,7 @@ def said_notes() -> Iterator[None]:
         yield
     except KeyboardInterrupt as exc:
         for note in getattr(exc, "__notes__", None) or ():
-            say(f"kvchat: note: {note}", console=err)
+            say(f"kvchat: note: {spell(note)}", console=err)
         raise
 
 
@@ -84,7 +84,7 @@ def head_budgets_text(mode: str, entries: list[int]) -> str:
 
 def episode_lines(record) -> list[str]:
     """One line per episode of a stored conversation: its number, topic label and size (user text cleaned)."""
-    from kvchat.history.episodes import topic_labels
+    from kvchat.history.topics import topic_labels
 
     labels = topic_labels([e.medoid_text for e in record.episodes])
     return [f"  {e.index}  {clean(label, one_line=True) or '(no topic words)'}  ({e.bytes / 2**20:.1f} MiB)"

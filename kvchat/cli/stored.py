@@ -26,6 +26,11 @@ def list_conversations(as_json: JsonOpt = False) -> None:
     if as_json:
         emit_json(documents.conversations(records, default))
         return
+    if not records:
+        say("kvchat: no conversations yet; `kvchat ingest HISTORY` stores one (docs/formats.md: the files it reads)",
+            console=err)
+        if out.is_terminal:
+            return
     rows = []
     for r in records:
         s = documents.conversation(r)
@@ -161,9 +166,24 @@ def logs(
     if as_json:
         emit_json(documents.asks(rows))
         return
+    if not rows:
+        say(f"kvchat: {_no_questions(store, conversation)}", console=err)
+        if out.is_terminal:
+            return
     table(("time", "conversation", "episode", "question", "answer"),
           [(r["created_at"][:19], r["conversation"], r["episode"], r["question"], r["answer"]) for r in rows],
           right=("episode",))
+
+
+def _no_questions(store, conversation: str | None) -> str:
+    """What an empty log says: which command fills it."""
+    if conversation is not None:
+        return (f"no questions asked of {conversation} yet (or all with --no-log); "
+                f"`kvchat ask --conversation {conversation} QUESTION` asks one")
+    if not store.conversations():
+        return ("no questions asked yet, and no conversations: `kvchat ingest HISTORY` stores one, then "
+                "`kvchat ask QUESTION`")
+    return "no questions asked yet (or all with --no-log); `kvchat ask QUESTION` asks one"
 
 
 def doctor(

@@ -33,6 +33,7 @@ from kvchat.errors import UserError, message
 from kvchat.history import spans as turn_spans
 from kvchat.history.episodes import Episode
 from kvchat.history.loading import Turn, load_history
+from kvchat.history.reexport import already_stored
 from kvchat.history.spans import TurnSpan
 from kvchat.ingest.pipeline import (
     IngestProgress,
@@ -91,6 +92,7 @@ def append(
     # much history it holds
     stored_metadata = [store.load_episode(e, lm.fingerprint)[1] for e in record.episodes[: None if routed else 1]]
     extents = [_stored_extent(metadata) for metadata in stored_metadata]
+    history, skipped = _new_turns(history, read, [s for spans, _ in extents for s in spans])
     continuing = Continuation(
         turns=int(record.stats.get("turns", 0)), history_tokens=int(record.stats.get("history_tokens", 0)),
         source=record.settings.get("source"),
@@ -103,7 +105,10 @@ def append(
         profile_dirs=profile_dirs, appended=appended, continuing=continuing, reads=reads,
         on_step=None if progress is None else progress.planning,
     )  # fmt: skip
-    if source_now and source_now in earlier:
+    if skipped:
+        plan.notes.append(f"{skipped} of the file's turns were in '{name}' already (a re-export?): appended the "
+                          f"{plan.turns - continuing.turns} after them")
+    elif source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
                           f"(`{_REINGEST}` of the files you mean rebuilds it without "
                           "them)")
@@ -137,7 +142,8 @@ def append(
                 records.append(write_episode(pending, plan, built, lm))
                 stats.append(built.stats())
             recall_file = write_recall_entries(pending, plan, lm, progress, _stored_entries(store, record, lm))
-        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
+        report = commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
+    return dataclasses.replace(report, skipped_turns=skipped)
 
 
 def reingest(
@@ -170,6 +176,28 @@ def reingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
         progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
     )
+
+
+def _new_turns(history: str | os.PathLike | Sequence[Turn], read: dict[str, str] | None,
+               stored: Sequence[TurnSpan]) -> tuple[list[Turn], int]:
+    """The turns of `history` the conversation does not hold yet, and how many it does (a re-export begins with
+    them: kvchat.history.reexport); `stored`: its turns' spans, routed episodes' merged back into history order.
+    Refused when every turn is stored already."""
+    turns = list(history) if not isinstance(history, (str, os.PathLike)) else load_history(
+        history, min_turns=1, **(read or {}))  # fmt: skip
+    ordered = sorted({s.index: s for s in stored}.values(), key=lambda s: s.index)
+    skipped = already_stored(turns, ordered)
+    if skipped == len(turns):
+        raise NothingNew(skipped)
+    return turns[skipped:], skipped
+
+
+class NothingNew(UserError):
+    """An append whose every turn the conversation holds already: nothing is written."""
+
+    def __init__(self, turns: int) -> None:
+        super().__init__(f"nothing to append: the conversation holds all {turns} of the file's turns already")
+        self.turns = turns
 
 
 def _stored_entries(store: Store, record: ConversationRecord, lm: LoadedModel) -> StoredEntries | None:

@@ -8,7 +8,6 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/inge
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -24,6 +23,9 @@ from typing import Any
 from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError, first_line, message
 from kvchat.history.loading import load_history
+from kvchat.ingest.batch_sources import HistorySource as HistorySource  # part of this module's API
+from kvchat.ingest.batch_sources import histories as histories
+from kvchat.ingest.batch_sources import read_manifest as read_manifest
 from kvchat.ingest.batch_worker import (
     Finished,
     HistoryJob,
@@ -46,7 +48,7 @@ from kvchat.ingest.pipeline import (
 from kvchat.messages import option
 from kvchat.model.cores import usable_cores
 from kvchat.settings import read_options
-from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store, validate_name
+from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
 WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again
@@ -69,66 +71,6 @@ def import_ray() -> Any:
     except ImportError:
         raise UserError(f"batch ingest needs Ray: {INSTALL_HINT}") from None
     return ray
-
-
-# --------------------------------------------------------------------------- what to ingest
-
-
-@dataclass(frozen=True)
-class HistorySource:
-    """One history of a batch and the conversation it becomes."""
-
-    name: str
-    path: Path
-    format: str | None = None  # forced (`--format`), else detected
-    pick: str | None = None    # the conversation of a file holding several (`--pick`)
-
-
-def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = (), *, format: str | None = None,
-              pick: str | None = None) -> list[HistorySource]:
-    """The batch's histories: each file named after its stem, then each manifest's pairs, every one read with
-    `format` and `pick` when given. Names are checked and must be unique, before anything runs."""
-    found: list[HistorySource] = []
-    for path in files:
-        try:
-            found.append(HistorySource(validate_name(path.stem), path))
-        except UserError as exc:
-            raise UserError(f"{message(exc)} (from {path}); name it in a {option('manifest')}") from None
-    for manifest in manifests:
-        found += read_manifest(manifest)
-    if not found:
-        raise UserError(f"no histories: give history files or {option('manifest', 'FILE')}")
-    paths: dict[str, Path] = {}
-    for source in found:
-        if source.name in paths:
-            raise UserError(f"two histories would be conversation {source.name!r} ({paths[source.name]} and "
-                            f"{source.path}); name them in a {option('manifest')}")  # fmt: skip
-        paths[source.name] = source.path
-    return [dataclasses.replace(source, format=format, pick=pick) for source in found]
-
-
-def read_manifest(path: Path) -> list[HistorySource]:
-    """`NAME PATH` per line (separated by whitespace; the path may contain spaces, and a relative one is
-    relative to the manifest's directory); blank lines and lines starting with `#` are skipped."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read manifest {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    found = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(None, 1)
-        if len(parts) != 2:
-            raise UserError(f"{path}:{number}: expected NAME PATH, got {line[:60]!r}")
-        name, file = parts
-        try:
-            validate_name(name)
-        except UserError as exc:
-            raise UserError(f"{path}:{number}: {exc}") from None
-        found.append(HistorySource(name, path.parent / Path(file).expanduser()))
-    return found
 
 
 # --------------------------------------------------------------------------- the driver's side

@@ -56,6 +56,10 @@ class IngestHooks(Protocol):
     def planning(self, step: str, done: int, total: int) -> None:
         """A step of planning, before the first block (ingest.plan: reading, tokenizing, embedding, clustering)."""
 
+    def method(self, name: str, history_tokens: int, window: int) -> None:
+        """The method the caches are built with (`auto` resolved: kvchat.ingest.plan), said before the first block,
+        with what decided `auto`: the history's tokens (the system prompt's included) and the model's window."""
+
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         """The work ahead, before any of it: `blocks` steps (block forwards; `blocks_to_prefill`) in all,
         over `episodes` episodes and `tokens` history tokens, so a display can give an overall ETA."""
@@ -89,6 +93,8 @@ class IngestProgress:
     """The `IngestHooks` that do nothing: the default, and a base for displays that want a few of them."""
 
     def planning(self, step: str, done: int, total: int) -> None: ...
+
+    def method(self, name: str, history_tokens: int, window: int) -> None: ...
 
     def planned(self, blocks: int, episodes: int, tokens: int) -> None: ...
 
@@ -141,6 +147,7 @@ class IngestReport:
                                 # --method recall the question's recalled chunks (`recalled_entries`) on top
     recalled_entries: int = 0   # --method recall: entries per layer and KV head recalled at each question
     recall_entries_bytes: int = 0  # --recall-entries stored: the recall entries file's size on disk
+    skipped_turns: int = 0      # an append of a re-export: its first turns, which the conversation held already
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -279,6 +286,7 @@ def build_episodes(
     the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
     gives an append's stored cache and its side file."""
     progress = progress or IngestProgress()
+    progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens, lm.context_window)
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
     for episode in plan.episodes:
@@ -465,7 +473,7 @@ def ingest(
     """Build and store the episode caches of one history (a file, or turns already loaded from one).
     Nothing is visible in the store until all is written.
 
-    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
+    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: made from the file's name), `config`,
     `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
     passed) and `reads` (how it was read: `--format`, `--pick`), `force` past the memory estimate (an ingest
     whose estimate exceeds the available memory is refused by default), `profile_dirs` where layer profiles are

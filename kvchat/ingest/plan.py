@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvchat import features, settings_table
+from kvchat import features
 from kvchat.answer import recall
 from kvchat.answer.rag import RagIndex
 from kvchat.config import (
@@ -36,6 +36,7 @@ from kvchat.history.tokens import TokenizedTurns, tokenize_turns
 from kvchat.ingest import preflight
 from kvchat.ingest.cache_budgets import estimate_bytes, prefill_mode, resolve_layer_budgets
 from kvchat.ingest.layer_profiles import find_indexmem
+from kvchat.ingest.validation import validate as validate
 from kvchat.kv import families
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets
@@ -43,8 +44,6 @@ from kvchat.kv.methods import (
     AUTO_METHOD,
     AUTO_METHODS,
     ScorerInputs,
-    across_heads_methods,
-    candidates,
     method,
 )
 from kvchat.kv.scoring import Scorer
@@ -52,40 +51,10 @@ from kvchat.messages import option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel
 from kvchat.settings_table import given, named
-from kvchat.store import Store, validate_name
+from kvchat.store import Store, name_from_file, validate_name
 
 if TYPE_CHECKING:
     from kvchat.kv.trained import TrainedIndexMem
-
-
-def validate(config: IngestConfig) -> None:
-    """Reject setting values that cannot work, before anything is loaded or written: each against its row in
-    kvchat.settings_table (choices, bounds), then the combinations and ranges a row does not say."""
-    cache = config.cache
-    settings_table.check(config)
-    if cache.block_size > cache.budget * 8 and cache.method != "full":
-        raise UserError(
-            f"{given('block_size', cache.block_size)} is more than 8x {given('budget', cache.budget)}: "
-            "peak memory would be dominated by the block"
-        )
-    if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
-        raise UserError(
-            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; "
-            f"{given('method', cache.method)} has none (use it with {', '.join(across_heads_methods())})"
-        )
-    if cache.alpha is not None and not 0 < cache.alpha <= 10:
-        raise UserError(f"{named('alpha')} must be in (0, 10] (got {cache.alpha})")
-    for key in ("pool_kernel", "indexer_pool_kernel", "cake_pool_kernel"):
-        kernel = settings_table.setting(key).get(config)
-        if kernel < 1 or kernel % 2 == 0:
-            raise UserError(f"{named(key)} must be an odd number >= 1 (got {kernel})")
-    cake = cache.cake
-    for key, tau in (("tau1", cake.tau1), ("tau2", cake.tau2)):
-        if not 0 < tau <= 10:  # also refuses nan and inf
-            raise UserError(f"{named(key)} must be in (0, 10] (got {tau})")
-    if not cake.gamma < float("inf"):
-        raise UserError(f"{named('cake_gamma')} must be finite (got {cake.gamma})")
-    features.validate(cache)
 
 
 @dataclass(frozen=True)
@@ -229,12 +198,14 @@ class _Planner:
 
 def _new_name(history: str | os.PathLike | Sequence[Turn], name: str | None, store: Store | None,
               replace: bool) -> str:  # fmt: skip
-    """The conversation's name (a file's stem when not given), checked, and free in `store` unless replacing."""
-    if isinstance(history, (str, os.PathLike)):
-        name = name or Path(history).stem
-    elif not name:
+    """The conversation's name (made from the file's name when not given), checked, and free in `store` unless
+    replacing."""
+    if name:
+        name = validate_name(name)
+    elif isinstance(history, (str, os.PathLike)):
+        name = name_from_file(history)
+    else:
         raise ValueError("name is required when ingesting turns rather than a file")
-    name = validate_name(name)
     if store is not None:  # a batch worker's driver checks its own store
         store.check_writable()
         if not replace and name in {c.name for c in store.conversations()}:
@@ -495,9 +466,7 @@ def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes:
             notes.append(f"{given('recall_entries', cache.recall.entries)} is unused: the history fits the model's "
                          f"window, so {given('method', 'auto')} is {within}, which recalls nothing")
         return dataclasses.replace(cache, method=within)
-    notes.append(f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window}): "
-                 f"{given('method', beyond)}")
-    return dataclasses.replace(cache, method=beyond)
+    return dataclasses.replace(cache, method=beyond)  # an ingest's progress hears of it (IngestHooks.method)
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:

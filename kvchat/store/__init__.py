@@ -33,7 +33,7 @@ from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of t
 from kvchat.store.files import check_safetensors_header as check_safetensors_header
 from kvchat.store.files import crash_point, discard, is_disk_full, try_rmdir, wal_index_fits, without_links
 from kvchat.store.files import write_file as _write_file  # looked up here when an ingest begins: tests replace it
-from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, read_only_reason, validate_name
+from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, name_from_file, read_only_reason, validate_name
 from kvchat.store.layout import show as _show
 from kvchat.store.leftovers import (
     ORPHAN_GRACE_S,
@@ -78,7 +78,8 @@ __all__ = [
     "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationChanged", "ConversationRecord",
     "DamagedDatabase", "EpisodeRecord", "FileRecord", "PagesRecord", "PendingConversation", "Problem", "Store",
     "check_safetensors_header",
-    "database_error", "diagnose", "is_legacy_fingerprint", "read_only_reason", "repair", "validate_name",
+    "database_error", "diagnose", "is_legacy_fingerprint", "name_from_file", "read_only_reason", "repair",
+    "validate_name",
 ]  # fmt: skip
 
 
