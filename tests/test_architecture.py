@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.settings_table",),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.errors", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
+    ("kvchat.errors", "kvchat.checked_files", "kvchat.packed_text", "kvchat.untrusted_text", "kvchat.__init__"),
 ]
 
 
