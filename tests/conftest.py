@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -225,3 +226,15 @@ def read_only(tmp_path: Path) -> Iterator:
         subprocess.run(["umount", "--lazy", str(view)], check=True)
     for p in chmodded:
         p.chmod(p.stat().st_mode | 0o200)
+
+
+@contextlib.contextmanager
+def raises_said(kind: type[BaseException], match: str):
+    """`pytest.raises(kind, match=match)`, matching the message as the CLI says it (its references to settings,
+    options and commands spelled: `--budget 64`, `kvchat list`), not as `str()` shows it."""
+    from kvchat.cli.words import error_text
+
+    with pytest.raises(kind) as info:
+        yield info
+    said = error_text(info.value)
+    assert re.search(match, said), f"{match!r} not in {said!r}"

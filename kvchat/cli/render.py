@@ -11,17 +11,19 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.cli.terminal import cell, clean
+from kvchat.cli.words import spell
+from kvchat.documents import spelled
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
 def emit_json(document: dict) -> None:
-    """One JSON document on one line (JSON Lines when a command prints several). Text from a history reaches a
-    terminal through it too, so every character that is not printable (C1 controls, bidi overrides, line and
-    paragraph separators; json escapes C0 itself) is written as its `\\u` escape: the same JSON value, nothing a
-    terminal acts on."""
-    sys.stdout.write(_printable_json(json.dumps(document, ensure_ascii=False)) + "\n")
+    """One JSON document on one line (JSON Lines when a command prints several), its messages in the CLI's words.
+    Text from a history reaches a terminal through it too, so every character that is not printable (C1 controls,
+    bidi overrides, line and paragraph separators; json escapes C0 itself) is written as its `\\u` escape: the same
+    JSON value, nothing a terminal acts on."""
+    sys.stdout.write(_printable_json(json.dumps(spelled(document, spell), ensure_ascii=False)) + "\n")
     sys.stdout.flush()
 
 

@@ -34,8 +34,17 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from kvchat import documents
 from kvchat.config import IngestConfig, ServeConfig, default_home
-from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.serve.engine import ChatRequest, Closed, Engine, IngestRequest, NotFound, QueueFull, find_conversation
+from kvchat.errors import CacheIntegrityError, UserError, message
+from kvchat.serve.engine import (
+    ChatRequest,
+    Closed,
+    Engine,
+    IngestRequest,
+    NotFound,
+    QueueFull,
+    ServingEngine,
+    find_conversation,
+)
 from kvchat.serve.guards import BodyLimit, RequestLog, allowed_hosts
 from kvchat.serve.jobs import Job
 from kvchat.serve.protocol import (
@@ -51,13 +60,14 @@ from kvchat.serve.protocol import (
     response,
     usage,
 )
+from kvchat.serve.spelling import spell
 from kvchat.untrusted_text import valid_text
 
 _log = logging.getLogger(__name__)
 
 
 def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
-               engine: Engine | None = None) -> FastAPI:
+               engine: ServingEngine | None = None) -> FastAPI:
     """The ASGI app over `home`'s store (default: $KVCHAT_HOME); its lifespan starts and closes `engine`
     (default: a new one with `config`). Run it with any ASGI server; `kvchat.serve.server.serve` runs uvicorn."""
     home = Path(home) if home is not None else default_home()
@@ -130,7 +140,8 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
         _log.debug("question %r", chat.question)
         _check_known(request, chat)
         completion = await _result(_submit(engine.submit_chat, chat), request)
-        return documents.answer(chat.question, completion.answer) | {"answer": completion.text}
+        answer = documents.answer(chat.question, completion.answer) | {"answer": completion.text}
+        return documents.spelled(answer, spell)
 
     @app.get("/kvchat/conversations", dependencies=[key])
     async def conversations(request: Request) -> dict:
@@ -225,7 +236,7 @@ class IngestBody(BaseModel):
     def settings(self, model: str) -> IngestConfig:
         """`IngestConfig`'s defaults with the server's `model` and what the body sets."""
         base = IngestConfig()
-        cache = {k: v for k, v in (("budget", self.budget), ("method", self.method)) if v is not None}
+        cache: dict[str, Any] = {k: v for k, v in (("budget", self.budget), ("method", self.method)) if v is not None}
         episodes = {"episodes": self.episodes} if self.episodes is not None else {}
         return dataclasses.replace(
             base, model=model, cache=dataclasses.replace(base.cache, **cache),
@@ -252,12 +263,12 @@ def history_path(directory: str | None, given: str) -> Path:
 
 
 def job_document(job: Job, redact: Callable[[str], str] = str) -> dict:
-    error = None if job.error is None else {"message": redact(str(job.error)), "type": type(job.error).__name__}
+    error = None if job.error is None else {"message": redact(message(job.error)), "type": type(job.error).__name__}
     result = None
     if job.kind == "ingest" and job.result is not None:  # the `kvchat ingest --json` document's fields
         result = {k: v for k, v in documents.ingest(job.result).items() if k != "schema"}
-    return documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress, result=result,
-                              error=error)
+    return documents.spelled(documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress,
+                                                result=result, error=error), spell)
 
 
 # ----- answering
@@ -268,9 +279,9 @@ def _submit(submit: Callable[..., Job], request: ChatRequest | IngestRequest) ->
     try:
         return submit(request, asyncio.get_running_loop())
     except QueueFull as exc:
-        raise ApiError(429, str(exc), code="queue_full") from None
+        raise ApiError(429, spell(message(exc)), code="queue_full") from None
     except Closed as exc:
-        raise ApiError(503, str(exc), code="shutting_down") from None
+        raise ApiError(503, spell(message(exc)), code="shutting_down") from None
 
 
 def _check_known(request: Request, chat: ChatRequest) -> None:
@@ -347,16 +358,17 @@ def _sse(document: dict) -> str:
 def _api_error(exc: BaseException, redact: Callable[[str], str] = str) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
+    said = redact(spell(message(exc)))
     if isinstance(exc, NotFound):
-        return ApiError(404, redact(str(exc)), param="model", code="model_not_found")
+        return ApiError(404, said, param="model", code="model_not_found")
     if isinstance(exc, Closed):
-        return ApiError(503, str(exc), code="shutting_down")
-    if isinstance(exc, QueueFull):  # a replica's queue (`--replicas`): the app's own is refused at submit
-        return ApiError(429, str(exc), code="queue_full")
+        return ApiError(503, said, code="shutting_down")
+    if isinstance(exc, QueueFull):  # a replica's queue (a replicated server's): the app's own is refused at submit
+        return ApiError(429, said, code="queue_full")
     if isinstance(exc, CacheIntegrityError):  # the server's store is damaged: not the client's to fix
-        return ApiError(500, redact(str(exc)), code="cache_integrity")
+        return ApiError(500, said, code="cache_integrity")
     if isinstance(exc, UserError):
-        return ApiError(400, redact(str(exc)))
+        return ApiError(400, said)
     return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details")
 
 
@@ -371,11 +383,11 @@ def _redactor(home: Path, config: ServeConfig) -> Callable[[str], str]:
         paths.append((config.model, "the server's model"))
     paths.sort(key=lambda pair: -len(pair[0]))  # a path inside another first
 
-    def redact(message: str) -> str:
+    def redact(text: str) -> str:
         for path, name in paths:
             if path and path != ".":
-                message = message.replace(path, name)
-        return message
+                text = text.replace(path, name)
+        return text
 
     return redact
 
@@ -450,5 +462,5 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        _log.exception("kvchat serve: %s %s failed", request.method, request.url.path)
+        _log.exception("kvchat server: %s %s failed", request.method, request.url.path)
         return await api_error(request, _api_error(exc))

@@ -13,11 +13,12 @@ import contextlib
 import http.client
 import json
 import urllib.parse
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from kvchat.config import ClientConfig
 from kvchat.errors import KvchatError, UserError
+from kvchat.messages import command
 
 
 class Unreachable(UserError):
@@ -53,7 +54,7 @@ class Client:
         if conversation is None:
             listed = self.conversations()
             if not listed:
-                raise UserError("no conversations on the server yet")
+                raise UserError(f"no conversations yet; run `{command('ingest', 'HISTORY')}` first")
             conversation = default_of(listed)
         options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic)) if on}
         model = conversation if episode is None else f"{conversation}/{episode}"
@@ -75,7 +76,9 @@ class Client:
         """A streamed answer's pieces, finish reason, `kvchat` fields and usage; `ServerFailed` when the stream ends
         before its `[DONE]` (None from `_events`)."""
         text: list[str] = []
-        finish, kvchat, usage = "stop", {}, {}
+        finish = "stop"
+        kvchat: dict[str, Any] = {}
+        usage: dict[str, Any] = {}
         for event in events:
             if event is None:
                 return text, finish, kvchat, usage
@@ -98,7 +101,7 @@ class Client:
         """The response to one request: connected within `connect_timeout_s`, every read within `read_timeout_s`."""
         parts = self._parts
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = kind(parts.hostname, parts.port, timeout=self.config.connect_timeout_s)
+        connection = kind(parts.hostname or "", parts.port, timeout=self.config.connect_timeout_s)
         headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
@@ -148,7 +151,7 @@ class Client:
         finally:
             response.close()
 
-    def _events(self, path: str, body: dict) -> Iterator[dict[str, Any] | None]:
+    def _events(self, path: str, body: dict) -> Generator[dict[str, Any] | None]:
         """The server-sent events of a streamed response, as documents (comments skipped), then None for its
         `[DONE]`; a stream that ends without it just ends."""
         response = self._open("POST", path, body)
@@ -191,7 +194,7 @@ def _reason(exc: BaseException) -> str:
 def _event_error(event: dict) -> KvchatError:
     """An error event of a stream, as `_error` says its status would: a shutdown is `ServerFailed`, a request the
     server refuses the user's to fix, the rest an internal failure."""
-    error = event.get("error") if isinstance(event.get("error"), dict) else {}
+    error = event["error"] if isinstance(event.get("error"), dict) else {}
     if error.get("code") == "shutting_down":
         return _error(503, event)
     return _error(400 if error.get("type") in _CLIENT_ERRORS else 500, event)
@@ -203,7 +206,7 @@ _CLIENT_ERRORS = ("invalid_request_error", "authentication_error", "not_found_er
 def _error(status: int, document: dict) -> KvchatError:
     """The server's error as kvchat's: the client's mistakes (4xx) are the user's to fix; a server shutting down
     (503) or failing (5xx) is `ServerFailed`."""
-    error = document.get("error") if isinstance(document.get("error"), dict) else {}
+    error = document["error"] if isinstance(document.get("error"), dict) else {}
     message = error.get("message") or f"HTTP {status}"
     if 400 <= status < 500:
         return UserError(f"server: {message}")

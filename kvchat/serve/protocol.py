@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvchat import documents
 from kvchat.serve.engine import ChatRequest, Completion
+from kvchat.serve.spelling import spell
 from kvchat.untrusted_text import valid_text
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
@@ -130,7 +131,7 @@ def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: the `kvchat ask --json` document's fields but the question and the answer's
     text (which episode answered, how similar the question was to it, `off_topic` below the server's threshold,
     why the answer ended in kvchat's words (`finish_reason`: `refused` too), token counts, timings, the turns
-    `--method recall` recalled, and when the request asked for them the answer's `sources`), so a streamed answer
+    recall recalled, and when the request asked for them the answer's `sources`), so a streamed answer
     carries the whole document (kvchat.serve.client builds it)."""
     answer = completion.answer
     fields = {key: value for key, value in documents.answer("", answer).items()
@@ -141,6 +142,8 @@ def kvchat_fields(completion: Completion) -> dict[str, Any]:
         fields.pop("sources_note", None)
     if completion.replica is not None:
         fields["replica"] = completion.replica
+    if fields.get("sources_note") is not None:
+        fields["sources_note"] = spell(fields["sources_note"])
     return fields
 
 
