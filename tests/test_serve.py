@@ -388,14 +388,14 @@ def _ingest_error(server, body: dict) -> str:
     return job["error"]["message"]
 
 
-def test_an_ingest_refused_names_request_fields_not_command_line_flags(server, tiny_lm):
+def test_an_ingest_refused_names_request_fields_not_command_line_flags(server):
     """The mistakes `kvchat ingest` refuses with `--budget 20` and `--replace` (tests/test_hardening.py,
     tests/test_store.py): over HTTP the message names the request's fields, and what no request can set
     (block_size) by its key, never a flag."""
     messages, _ = planted_conversation(seed=13, topics=2, turns_per_topic=4)
-    small = _ingest_error(server, {"name": "small", "history": messages, "model": tiny_lm.spec, "budget": 20})
+    small = _ingest_error(server, {"name": "small", "history": messages, "budget": 20})
     assert 'block_size=512 is more than 8x "budget": 20' in small and "--" not in small, small
-    taken = _ingest_error(server, {"name": "chat", "history": messages, "model": tiny_lm.spec, "budget": 64})
+    taken = _ingest_error(server, {"name": "chat", "history": messages, "budget": 64})
     assert "conversation 'chat' exists; use \"replace\"" in taken and "--" not in taken, taken
 
 
