@@ -279,11 +279,16 @@ class ProfileSettings:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """`kvchat serve` (kvchat.serve): one process keeping the model, the encoder and recent episode caches warm."""
+    """`kvchat serve` (kvchat.serve): one process keeping the model, the encoder and recent episode caches warm.
+    What a client may and may not do with these settings: docs/serve.md, "Threat model"."""
 
     host: str = "127.0.0.1"     # loopback only unless asked: the API reads every stored conversation
     port: int = 8000
-    api_key: str | None = None  # when set, every request but /kvchat/health needs `Authorization: Bearer KEY`
+    api_key: str | None = None  # when set, every request but a bare /kvchat/health needs `Authorization: Bearer KEY`
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted beside loopback's and the bound address (DNS
+                                         # rebinding: any other name is refused); "*" accepts any
+    model: str = "default"      # what POST /kvchat/ingest builds new conversations with (an append: the conversation's)
+    history_dir: str | None = None  # POST /kvchat/ingest may read history files from this directory only (None: none)
     max_memory: int = 2**30     # bytes of episode caches kept resident (least recently used dropped first)
     queue_size: int = 8         # answers waiting behind the running one; one more is refused with 429
     max_body_bytes: int = 2**20  # larger request bodies are refused with 413
@@ -294,5 +299,16 @@ class ServeConfig:
     weights: str = WEIGHTS      # answers' and ingest's Linear weights, as `kvchat ask --weights`
     preload: bool = True        # load the stored conversations' models and the encoder at start, not at the first ask
     log: bool = True            # record answers in `kvchat logs`
-    shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this are cut
+    shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this end with an error event
+    keepalive_s: float = 5.0    # a stream waiting for its next event sends a comment this often, so a client can
+                                # tell a slow answer from a stopped server (ClientConfig.read_timeout_s)
     replicas: int | None = None  # None: one worker thread in the app's process; N: N Ray Serve replicas
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """`kvchat ask` through a server (kvchat.serve.client): how long it waits before it calls the server dead."""
+
+    connect_timeout_s: float = 5.0  # to open the connection (a host that drops packets)
+    read_timeout_s: float = 30.0    # the longest silence accepted in a reply; a live server's stream is never silent
+                                    # longer than ServeConfig.keepalive_s

@@ -36,6 +36,7 @@ from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel, generate
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store
+from kvchat.untrusted_text import valid_text
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class Session:
         and before it, so the answer sees them in the conversation (given this way they are not counted as sources;
         the turns `--method recall` recalls are). An off-topic question is not answered when the config refuses them
         (`finish_reason` "refused")."""
-        question = question.strip()
+        question = valid_text(question).strip()  # a lone surrogate (bytes not UTF-8 in an argument) fails nowhere
+        earlier = [(valid_text(asked), valid_text(answered)) for asked, answered in earlier]
         if not question:
             raise UserError("the question is empty")
         self._check_length(question)

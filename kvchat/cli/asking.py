@@ -27,6 +27,7 @@ from kvchat.cli.terminal import StreamCleaner, clean
 from kvchat.cli.words import error_text, spell
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
+from kvchat.untrusted_text import valid_text
 
 
 def ask(
@@ -67,6 +68,9 @@ def ask(
     through a running `kvchat serve`.
 
     Every question and answer is recorded in the store (`kvchat logs` shows them) unless --no-log."""
+    question = None if question is None else valid_text(question)  # bytes that are not UTF-8: U+FFFD
+    if question is None and hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # so are stdin's, line by line, rather than an internal error
     if question is not None and not question.strip():
         raise UserError("the question is empty")
     if max_new_tokens < 1:

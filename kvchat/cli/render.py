@@ -20,9 +20,26 @@ err = Console(stderr=True, highlight=False)
 
 
 def emit_json(document: dict) -> None:
-    """One JSON document on one line (JSON Lines when a command prints several), its messages in the CLI's words."""
-    sys.stdout.write(json.dumps(spelled(document, spell), ensure_ascii=False) + "\n")
+    """One JSON document on one line (JSON Lines when a command prints several), its messages in the CLI's words.
+    Text from a history reaches a terminal through it too, so every character that is not printable (C1 controls,
+    bidi overrides, line and paragraph separators; json escapes C0 itself) is written as its `\\u` escape: the same
+    JSON value, nothing a terminal acts on."""
+    sys.stdout.write(_printable_json(json.dumps(spelled(document, spell), ensure_ascii=False)) + "\n")
     sys.stdout.flush()
+
+
+def _printable_json(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _json_escape(c) for c in text)
+
+
+def _json_escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # beyond the first plane: a surrogate pair, as JSON writes one
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def say(*parts: str | tuple[str, str], console: Console | None = None) -> None:

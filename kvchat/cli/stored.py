@@ -197,12 +197,22 @@ def doctor(
     Exit status: 0 when the store is healthy (with --fix: once repaired), 1 when problems remain.
     """
     from kvchat.model.encoder import embedding_dimension
-    from kvchat.store import diagnose, repair
+    from kvchat.serve.announcement import ANNOUNCEMENT, remove_stale_announcement, stale_announcement
+    from kvchat.store import Problem, diagnose, repair
 
     home, dimension = default_home(), embedding_dimension()  # from the encoder's config: no model, no torch
-    found = diagnose(home, embedding_dimension=dimension)
+
+    def problems() -> list[Problem]:
+        stale = stale_announcement(home)  # a `kvchat serve` killed before it could remove its serve.json
+        return diagnose(home, embedding_dimension=dimension) + ([] if stale is None else [Problem(
+            "stale-announcement", None, None, home / ANNOUNCEMENT,
+            f"{home / ANNOUNCEMENT} {stale}: `kvchat ask` would try it first; --fix removes it")])
+
+    found = problems()
     fixed = repair(home, found, embedding_dimension=dimension) if fix and found else []
-    remaining = diagnose(home, embedding_dimension=dimension) if fix and found else found
+    if fix and any(p.kind == "stale-announcement" for p in found) and remove_stale_announcement(home):
+        fixed.append(f"removed {home / ANNOUNCEMENT} (no server runs)")
+    remaining = problems() if fix and found else found
     if as_json:
         emit_json(documents.document(healthy=not remaining, problems=[p.to_dict() for p in found], fixed=fixed))
     else:

@@ -7,6 +7,7 @@ Claude exports, fine-tune JSONL) need `pick`: a 1-based number, a title, or "all
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -18,6 +19,7 @@ from kvchat.history.formats.claude import looks_claude, parse_claude
 from kvchat.history.formats.common import (
     FORMATS,
     MAX_FILE_BYTES,
+    MAX_TURN_CHARS,
     MAX_TURNS,
     Pick,
     Turn,
@@ -37,9 +39,10 @@ from kvchat.history.formats.openai import parse_messages, parse_wrapper
 from kvchat.history.formats.slack import is_channel_folder, looks_slack, parse_slack, read_channel, users_beside
 from kvchat.history.formats.telegram import looks_telegram, parse_telegram
 from kvchat.history.formats.transcript import looks_transcript, parse_transcript
+from kvchat.untrusted_text import valid_text
 
-__all__ = ["FORMATS", "FORMAT_NAMES", "MAX_FILE_BYTES", "MAX_TURNS", "Pick", "Turn", "format_turns",
-           "load_history", "parse_history"]
+__all__ = ["FORMATS", "FORMAT_NAMES", "MAX_FILE_BYTES", "MAX_TURN_CHARS", "MAX_TURNS", "Pick", "Turn",
+           "checked_turns", "format_turns", "load_history", "parse_history"]
 
 # --format NAME: what each name reads. Detection finds the same names; the first four are JSON documents.
 FORMAT_NAMES = {
@@ -67,21 +70,22 @@ _SEVERAL = ("chatgpt", "claude", "telegram", "finetune", "locomo")
 
 
 def load_history(path: str | os.PathLike[str], *, format: str | None = None, pick: Pick = None,
-                 min_turns: int = 2) -> list[Turn]:
-    """Read and validate a history file; every problem with the file is a UserError naming it.
+                 min_turns: int = 2, name: str | None = None) -> list[Turn]:
+    """Read and validate a history file; every problem with the file is a UserError naming it (as `name` says, when
+    given: the server names a file as its client did, never by its path on the server).
 
     `min_turns`: a history to ingest needs 2 turns; new turns appended to a stored one may be a single turn.
 
     `format` forces one of FORMAT_NAMES instead of detecting it; `pick` chooses among several conversations.
     """
-    source = os.fspath(path)
+    source = os.fspath(path) if name is None else name
     if format is not None and format not in FORMAT_NAMES:
         raise one_line(source, f"unknown format {quote(str(format), 20)} (expected one of "
                        f"{', '.join(FORMAT_NAMES)})")
-    if format in (None, "slack") and _channel_folder(Path(source)):  # a Slack export's channel
+    if format in (None, "slack") and _channel_folder(Path(path)):  # a Slack export's channel
         _check_pick("slack", pick, source)
-        return _at_least(min_turns, read_channel(Path(source), source, lambda p: _read_text(p, str(p))), source)
-    text = _read_text(Path(source), source)
+        return _at_least(min_turns, read_channel(Path(path), source, lambda p: _read_text(p, str(p))), source)
+    text = _read_text(Path(path), source)
     if format in _TEXT_FORMATS:
         return _at_least(min_turns, _parse_text(format, text, source, pick), source)
     try:
@@ -205,7 +209,25 @@ def _at_least(count: int, turns: list[Turn], source: str) -> list[Turn]:
     if len(turns) < count:
         what = "a chat history" if count > 1 else "new turns"
         raise refuse(source, f"needs at least {count} turn{'s' * (count > 1)} to be {what}, found {len(turns)}")
-    return turns
+    return checked_turns(turns, source)
+
+
+def checked_turns(turns: list[Turn], source: str) -> list[Turn]:
+    """`turns` as everything downstream may take them, before any is tokenized: none longer than `MAX_TURN_CHARS`
+    (a turn is tokenized whole, and a tokenizer holds hundreds of bytes a character: one 20 MB line took 5 GB), and
+    every lone surrogate (`"\\ud800"` in JSON) replaced (`untrusted_text.valid_text`)."""
+    for index, turn in enumerate(turns):
+        size = len(turn.text) + len(turn.role) + len(turn.time or "") + len(turn.conversation_title or "")
+        if size > MAX_TURN_CHARS:
+            raise one_line(source, f"turn {index + 1} is {size:,} characters, over the limit of {MAX_TURN_CHARS:,} "
+                           "characters a turn (split it)")
+    return [_valid(turn) for turn in turns]
+
+
+def _valid(turn: Turn) -> Turn:
+    fields = {name: valid_text(value) for name in ("role", "text", "time", "turn_id", "conversation_title")
+              if isinstance(value := getattr(turn, name), str) and valid_text(value) is not value}
+    return dataclasses.replace(turn, **fields) if fields else turn
 
 
 def _item_kind(item: object) -> str:

@@ -28,6 +28,7 @@ from kvchat.history.loading import Turn
 from kvchat.ingest.pipeline import IngestProgress
 from kvchat.serve.jobs import RUNNING, Job
 from kvchat.serve.stops import TextGate
+from kvchat.store.files import hold_point
 
 if TYPE_CHECKING:
     from kvchat.store import Store
@@ -45,6 +46,9 @@ class QueueFull(KvchatError):
 
 class Closed(KvchatError):
     """The engine is shutting down."""
+
+
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class ServingEngine(Protocol):
 
     def close(self, timeout: float | None = None) -> None: ...
 
+    def stop_jobs(self) -> None: ...
+
     def submit_chat(self, request: ChatRequest, loop=None) -> Job: ...
 
     def submit_ingest(self, request: IngestRequest, loop=None) -> Job: ...
@@ -130,12 +136,23 @@ class Engine:
     # ----- lifecycle
 
     def start(self) -> None:
+        # Not a daemon: the interpreter never exits under a job running torch (which would abort the process);
+        # a job stops at its next token or block once cancelled (`close`).
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="kvchat-serve-worker", daemon=True)
+            self._thread = threading.Thread(target=self._work, name="kvchat-serve-worker")
             self._thread.start()
 
     def close(self, timeout: float | None = None) -> None:
-        """Refuse new work, cancel what is queued and running, and wait for the worker to stop."""
+        """Refuse new work, fail what is queued and what runs ("the server is shutting down": a stream then ends
+        with an error event, an ingest removes its temp dir), and wait for the worker to stop."""
+        self.stop_jobs()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def stop_jobs(self) -> None:
+        """Refuse new work and fail every job, queued or running, with `Closed`; returns at once (the running
+        job stops at its next token or ingest block)."""
         with self._lock:
             self._closing = True
         while True:
@@ -145,13 +162,11 @@ class Engine:
                 break
             if job is not None:
                 job.cancel()
-                job.fail(Closed("the server is shutting down"))
+                job.fail(Closed(SHUTTING_DOWN))
         running = self._running
-        if running is not None:
+        if running is not None and not running.cancelled:
+            _log.warning("%s stops: %s", running.id, SHUTTING_DOWN)
             running.cancel()
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout)
 
     @property
     def ready(self) -> bool:
@@ -235,10 +250,12 @@ class Engine:
             self._running, job.state = job, RUNNING
             try:
                 result = job.work(job)
+                if job.cancelled and self._closing:  # cut short by the shutdown: its client must not take it whole
+                    raise Closed(SHUTTING_DOWN)
                 self._finished[job.kind] += 1  # before the client hears of it
                 job.succeed(result)
             except Exception as exc:  # the job's failure is its client's to see; the worker goes on
-                if not isinstance(exc, UserError):
+                if not isinstance(exc, UserError | Closed):
                     _log.exception("kvchat server: %s failed", job.id)
                 job.fail(exc)
             finally:
@@ -364,11 +381,11 @@ class Engine:
 
         request: IngestRequest = job.request
         progress = _JobProgress(job)
-        if request.append:
+        if request.append:  # with the model the conversation was built with
             record = self._record(request.name)
             report = append(request.turns, name=request.name, store=self._store_(), lm=self._model(record.model),
                             encoder=self._encoder_(), progress=progress, source="<kvchat server>")
-        else:
+        else:  # with the model the server's operator chose (`ServeConfig.model`), never one a client names
             report = ingest(request.turns, store=self._store_(), lm=self._model(request.config.model),
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
                             replace=request.replace, source="<kvchat server>")
@@ -387,16 +404,31 @@ def find_conversation(store, name: str):
 
 
 class _JobProgress(IngestProgress):
-    """An ingest's progress, readable from GET /kvchat/jobs/{id} while it runs."""
+    """An ingest's progress, readable from GET /kvchat/jobs/{id} while it runs; a cancelled job (the server shuts
+    down) stops at its next step, unwinding, so its pending conversation's temp dir is removed."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
 
+    def planning(self, step: str, done: int, total: int) -> None:
+        self._go_on()
+
     def history(self, done: int, total: int) -> None:
+        self._go_on()
         self.job.progress.update(stage="history", done=done, total=total)
 
     def episode(self, index: int, total: int) -> None:
+        self._go_on()
         self.job.progress.update(stage="episode", episode=index + 1, episodes=total, done=0, total=0)
 
     def block(self, done: int, total: int) -> None:
+        self._go_on()
         self.job.progress.update(done=done, total=total)
+        hold_point("serve-ingest-block")  # a test hook (tests/test_serve_hardening.py): nothing in a real run
+
+    def recall_entries(self, done: int, total: int) -> None:
+        self._go_on()
+
+    def _go_on(self) -> None:
+        if self.job.cancelled:
+            raise Closed(SHUTTING_DOWN)

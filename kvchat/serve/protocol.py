@@ -15,10 +15,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvchat import documents
 from kvchat.serve.engine import ChatRequest, Completion
 from kvchat.serve.spelling import spell
+from kvchat.untrusted_text import valid_text
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
+# What a plain OpenAI client shows for a question refused as off-topic (`kvchat.refuse_off_topic`): the message's
+# content and OpenAI's `refusal` field say it, so no client takes an empty answer for one.
+REFUSAL = "Not answered: no part of this conversation matches the question well enough."
 
 
 class ApiError(Exception):
@@ -49,10 +54,10 @@ class Message(BaseModel):
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return valid_text(self.content or "")
         if any(part.type != "text" for part in self.content):
             raise ApiError(400, "only text content is supported", param="messages")
-        return "".join(part.text or "" for part in self.content)
+        return valid_text("".join(part.text or "" for part in self.content))
 
 
 class StreamOptions(BaseModel):
@@ -112,7 +117,7 @@ def parse_model(model: str) -> tuple[str, int | None]:
     name, _, episode = model.partition("/")
     if not episode:
         return name, None
-    if not episode.isdigit():
+    if not (episode.isascii() and episode.isdigit()) or len(episode) > 9:  # int() takes "²" and "١" too
         raise ApiError(404, f"unknown model {model!r}: expected a conversation name, or NAME/EPISODE",
                        param="model", code="model_not_found")
     return name, int(episode)
@@ -123,18 +128,22 @@ def completion_id() -> str:
 
 
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
-    """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
-    below the server's threshold), why the answer ended in kvchat's words (`finish_reason`: `refused` too),
-    timings, the turns recall recalled, and when the request asked for them the answer's `sources`."""
+    """What the OpenAI API cannot say: the `kvchat ask --json` document's fields but the question and the answer's
+    text (which episode answered, how similar the question was to it, `off_topic` below the server's threshold,
+    why the answer ended in kvchat's words (`finish_reason`: `refused` too), token counts, timings, the turns
+    recall recalled, and when the request asked for them the answer's `sources`), so a streamed answer
+    carries the whole document (kvchat.serve.client builds it)."""
     answer = completion.answer
-    fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
-              "off_topic": answer.off_topic, "finish_reason": completion.finish_reason,
-              "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms, "recalled": answer.recalled}
+    fields = {key: value for key, value in documents.answer("", answer).items()
+              if key not in ("schema", "question", "answer")}
+    fields["finish_reason"] = completion.finish_reason
+    if answer.sources is None and answer.sources_note is None:  # not asked for
+        fields.pop("sources", None)
+        fields.pop("sources_note", None)
     if completion.replica is not None:
         fields["replica"] = completion.replica
-    if answer.sources is not None or answer.sources_note is not None:
-        fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
-        fields["sources_note"] = None if answer.sources_note is None else spell(answer.sources_note)
+    if fields.get("sources_note") is not None:
+        fields["sources_note"] = spell(fields["sources_note"])
     return fields
 
 
@@ -145,10 +154,17 @@ def usage(completion: Completion) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": answer, "total_tokens": prompt + answer}
 
 
+def refusal(completion: Completion) -> str | None:
+    """The sentence a refused answer is shown as (OpenAI's `refusal`), or None when the question was answered."""
+    return REFUSAL if completion.finish_reason == "refused" else None
+
+
 def response(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
+    refused = refusal(completion)
+    message = {"role": "assistant", "content": refused or completion.text, "refusal": refused}
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+        "choices": [{"index": 0, "message": message,
                      "finish_reason": FINISH_REASONS[completion.finish_reason], "logprobs": None}],
         "usage": usage(completion),
         "kvchat": kvchat_fields(completion),

@@ -102,16 +102,17 @@ class Store:
         is refused, saying the disk is full, before SQLite creates anything."""
         self._home = Path(home).expanduser().absolute()
         self.read_only_reason = read_only_reason(self._home)
+        self._exclusive = False
         if self.read_only_reason is None:
             try:
                 self.caches_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UserError(f"cannot create kvchat home {self._home}: {e.strerror or e}") from None
-        elif not self.db_path.exists():
-            raise UserError(f"cannot create {self.db_path}: {self._home} is read-only ({self.read_only_reason})")
+        elif not self.db_path.exists() and not self.db_path.is_symlink():
+            self._db = self._index_in_memory()
+            return
         if self.db_path.exists() and not self.db_path.is_file():
             raise DamagedDatabase(self.db_path, "it is a directory or special file, not a database file")
-        self._exclusive = False
         if not self.read_only and not wal_index_fits(self.db_path):
             if not frees_space:
                 raise UserError(f"disk full: no room to open {self.db_path} (SQLite needs 32 KiB beside it); free "
@@ -139,6 +140,15 @@ class Store:
         except BaseException:
             db.close()
             raise
+        return db
+
+    def _index_in_memory(self) -> sqlite_utils.Database:
+        """A read-only home without kvchat.db: its conversations listed from their manifests (`reindex`), in a
+        database in this process's memory, since none can be written there; the files are the truth."""
+        db = sqlite_utils.Database(memory=True)
+        migrate(db, self.db_path)
+        for version in newer_than_listed(unlisted_versions(self.caches_dir, {}, grace_s=0.0), {}):
+            insert_document(db, version.document)
         return db
 
     @property
@@ -303,6 +313,8 @@ class Store:
         row = self._row(name)
         if not replace and row is not None:
             raise UserError(f"conversation {_show(name)} exists; use {option('replace')}")
+        if row is None:
+            self.check_case_twin(name)
         if expect is not None and (row is None or row["ingest_id"] != expect):
             raise ConversationChanged(_show(name))
         if resumable is None:
@@ -418,6 +430,17 @@ class Store:
 
     def _row(self, name: str) -> dict[str, Any] | None:
         return next(iter(self._db.table("conversations").rows_where("name = ?", [name])), None)
+
+    def check_case_twin(self, name: str) -> None:
+        """Refuse a new conversation `name` when one stored differs from it in case only: on a case-insensitive
+        file system (macOS's, Windows') the two would share `caches/<name>/`. A pair stored before kvchat checked
+        keeps working, each by its exact name."""
+        twin = next(iter(self._db.execute("select name from conversations where name = ? collate nocase "
+                                          "and name != ? limit 1", [name, name]).fetchall()), None)
+        if twin is not None:
+            raise UserError(f"conversation {_show(twin[0])} exists, and {_show(name)} differs from it in case only: "
+                            "names are told apart without case (a case-insensitive file system would hold both in one "
+                            "directory); choose another name")
 
     def _episode_rows(self, name: str) -> list[dict[str, Any]]:
         return list(self._db.table("episodes").rows_where("conversation = ?", [name], order_by="idx"))
@@ -567,9 +590,10 @@ def repair(home: Path, problems: Iterable[Problem], *, embedding_dimension: int 
     store = Store(home, clean_stale=False, frees_space=True)
     try:
         done += store.fix(store.check(embedding_dimension=embedding_dimension) if done else problems)
-        if embedding_dimension is not None and any(p.kind == "unlisted" for p in problems):
+        if any(p.kind == "unlisted" for p in problems):  # listed again from their manifests: their files (and
+            # centroids) checked now, so one run leaves the store healthy
             done += store.fix([p for p in store.check(embedding_dimension=embedding_dimension)
-                               if p.kind == "centroids"])  # fmt: skip
+                               if p.conversation is not None])  # fmt: skip
         return done
     finally:
         store.close()
@@ -593,8 +617,9 @@ def _rebuild(home: Path) -> list[str]:
     reason = read_only_reason(home)
     if reason is not None:
         raise UserError(f"{home} is read-only ({reason}): its damaged database cannot be rebuilt there")
-    store, damage = _open_for_doctor(home)
-    if store is not None:  # repaired since it was diagnosed
-        store.close()
-        return []
-    return recovery.rebuild(home, damage)
+    with recovery.one_rebuild_at_a_time(home):  # a second `doctor --fix` waits, then finds it rebuilt
+        store, damage = _open_for_doctor(home)
+        if store is not None:  # repaired since it was diagnosed
+            store.close()
+            return []
+        return recovery.rebuild(home, damage)

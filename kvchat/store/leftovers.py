@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import re
 import shutil
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from kvchat.checked_files import read_safetensors_header
 from kvchat.messages import option
-from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
+from kvchat.store.files import new_temp_path, rename, temp_writer, try_rmdir, writer_alive
 from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from, show
 from kvchat.store.manifest import manifest_of
 from kvchat.store.resumable import RESUME_PREFIX, claim, idle, resumable_dirs, resumable_name, summary
@@ -57,8 +56,8 @@ class Problem:
 
 
 def remove_dead_temp_dirs(directory: Path) -> None:
-    """Remove `directory/.tmp-<pid>-*` (caches/ or models/) when no process `pid` exists; a live pid's temp
-    dir is never touched.
+    """Remove `directory/.tmp-<pid>-*` (caches/ or models/) when no process `pid` exists, or one that started at
+    another time than the name says (the pid reused); a live writer's temp dir is never touched.
 
     Pids are per host (and per PID namespace), so a home must not be shared across machines or
     containers mid-ingest.
@@ -84,11 +83,11 @@ def remove_idle_unworked(caches_dir: Path) -> None:
 
 
 def dead_temp_dirs(directory: Path) -> list[Path]:
-    """`directory/.tmp-<pid>-*` dirs whose writer `pid` no longer exists."""
+    """`directory/.tmp-<pid>-*` dirs whose writer no longer exists (`files.writer_alive`)."""
     found = []
     for entry in sorted(real_subdirs(directory)):
-        pid = temp_writer_pid(entry)
-        if pid is not None and not _pid_alive(pid):
+        writer = temp_writer(entry)
+        if writer is not None and not writer_alive(*writer):
             found.append(entry)
     return found
 
@@ -233,9 +232,9 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
                 leftover("unfinished", entry, f"unfinished ingest of {name} ({done}), which the same ingest run again "
                          "continues" if worked else f"dir of an unfinished ingest of {name} with nothing done")
             continue
-        pid = temp_writer_pid(entry)
-        if pid is not None and _is_dir(entry):
-            if not _pid_alive(pid):
+        writer = temp_writer(entry)
+        if writer is not None and _is_dir(entry):
+            if not writer_alive(*writer):
                 leftover("stale-temp", entry, "temp dir of an ingest that died")
             continue
         if not _is_dir(entry) or entry.name.startswith("."):
@@ -336,16 +335,3 @@ def real_subdirs(directory: Path) -> list[Path]:
 
 def _is_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
-
-
-def _pid_alive(pid: int) -> bool:
-    """True unless `pid` certainly does not exist. Windows: always True (os.kill would kill it)."""
-    if os.name == "nt" or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists but belongs to someone else
-        return True
-    return True

@@ -405,6 +405,8 @@ class PendingConversation:
                 row = store._row(self.name)
                 if row is not None and not self.replace:
                     raise UserError(f"conversation {show(self.name)} exists; use {option('replace')}")
+                if row is None:  # again under the lock: another process may have committed its twin meanwhile
+                    store.check_case_twin(self.name)
                 old_ingest = row["ingest_id"] if row is not None else None
                 if self.expect is not None and old_ingest != self.expect:  # compare-and-swap: no lost update
                     raise ConversationChanged(show(self.name))

@@ -19,6 +19,7 @@ from kvchat.messages import option
 # (a disk image, a log dump) from eating all memory before we can say what is wrong.
 MAX_TURNS = 1_000_000
 MAX_FILE_BYTES = 512 * 1024 * 1024
+MAX_TURN_CHARS = 1 << 18  # one turn (its speaker, text, time, title): about 65K tokens, 8x the embedded model's window
 MAX_NESTING = 64  # lists/objects inside each other; the deepest export kvchat reads nests about 8
 
 FORMATS = (
