@@ -71,6 +71,7 @@ from kvchat.kv.config import (
     RecallConfig as RecallConfig,
 )
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
+from kvchat.messages import option
 
 # how the model's Linear weights are held (model.int8_weights, model.int4_weights) while answering and while
 # ingest builds caches; auto: int4 on a CPU where the decoder's weights already are 4-bit groups (the embedded
@@ -220,10 +221,9 @@ class Sampling:
             value = getattr(self, name)
             if not low <= value <= high or (name == "top_p" and value == 0.0):
                 within = "(0, 1]" if name == "top_p" else f"{low:g}..{high:g}"
-                said = "top-p" if name == "top_p" else name.replace("_", " ")
-                raise UserError(f"{said} must be within {within} (got {value:g})")
+                raise UserError(f"{option(name)} must be within {within} (got {value:g})")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise UserError(f"seed must be within 0..2^63-1 (got {self.seed})")
+            raise UserError(f"{option('seed')} must be within 0..2^63-1 (got {self.seed})")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.text import Text
@@ -25,6 +25,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
+from kvchat.cli.words import error_text, spell
 from kvchat.config import AskConfig, DeviceConfig, Sampling
 from kvchat.errors import UserError
 
@@ -89,7 +90,7 @@ def ask(
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
     if follow_up and question is None:
         raise UserError("--continue follows up one question: give it as an argument")
-    sampling = _sampling(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
     answering = _Answering(max_new_tokens, sampling, system or None)
     given = {"--retrieve": retrieve is not None, "--weights": weights != AskConfig.weights,
              "--threads": threads is not None, "--device": device != DeviceConfig.device,
@@ -100,8 +101,9 @@ def ask(
     earlier: tuple[tuple[str, str], ...] = ()
     if follow_up:
         conversation, earlier = _last_exchange(conversation)
-    asker = _remote_asker(server, conversation, answering, api_key, refuse_off_topic) if not (local or own) \
-        else None
+    asker: _RemoteAsker | _Asker | None = (
+        _remote_asker(server, conversation, answering, api_key, refuse_off_topic) if not (local or own) else None
+    )
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
@@ -142,19 +144,9 @@ def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
             asker.answer(line, episode, as_json=as_json)
         except UserError as exc:
             failed += 1
-            say(f"kvchat: error: line {number}: {exc}", console=err)
+            say(f"kvchat: error: line {number}: {error_text(exc)}", console=err)
     if failed:
         raise UserError(f"{failed} of {asked} questions failed (each reported above)")
-
-
-def _sampling(**given) -> Sampling:
-    """The sampling options as `Sampling` (a value out of range: one line naming its option, exit 2)."""
-    for name, value in given.items():
-        try:
-            Sampling(**{name: value})
-        except UserError as exc:
-            raise UserError(f"--{name.replace('_', '-')}: {exc}") from None
-    return Sampling(**given)
 
 
 def _last_exchange(conversation: str | None) -> tuple[str, tuple[tuple[str, str]]]:
@@ -272,10 +264,11 @@ def _flat(config) -> dict[str, object]:
     return fields | {f"sampling.{name}": value for name, value in dataclasses.asdict(config.sampling).items()}
 
 
-def _configured(config, field: str, value: object):
+def _configured(config: Any, field: str, value: object) -> Any:
     """`config` with `field` (a /set name's field: `sampling.NAME` for sampling's) set to `value`."""
     if field.startswith("sampling."):
-        return dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, **{field[9:]: value}))
+        changes: dict[str, Any] = {field.removeprefix("sampling."): value}
+        return dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, **changes))
     return dataclasses.replace(config, **{field: value})
 
 
@@ -404,10 +397,11 @@ def _check_episode(episode: int, name: str, count: int) -> None:
         raise UserError(f"--episode {episode} does not exist (conversation '{name}' has episodes 0..{count - 1})")
 
 
-def _print_streamed(run, max_new_tokens: int) -> str:
+def _print_streamed(run, max_new_tokens: int) -> str | None:
     """Stream an answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it. `run(write,
     stopping)` answers, giving text to `write` and asking `stopping()` between tokens; it returns the answer's
-    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text."""
+    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text (None when
+    it was refused)."""
     cleaner = StreamCleaner()
 
     def write(text: str) -> None:
@@ -417,7 +411,7 @@ def _print_streamed(run, max_new_tokens: int) -> str:
     with _ctrl_c_stops() as stopping:
         result = run(write, stopping)
     if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
-        return
+        return None
     sys.stdout.write(cleaner.flush() + "\n")
     sys.stdout.flush()
     if result["finish_reason"] == "length":
@@ -468,7 +462,7 @@ def show_sources(sources: list[dict] | None, note: str | None, episode: int | No
     """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
     there are none."""
     if sources is None:
-        say(f"kvchat: {note}", console=err)
+        say(f"kvchat: {spell(note or '')}", console=err)
         return
     say((f"sources (episode {episode}):", "bold"))
     for n, s in enumerate(sources, start=1):
