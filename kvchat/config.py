@@ -223,7 +223,7 @@ class Sampling:
                 within = "(0, 1]" if name == "top_p" else f"{low:g}..{high:g}"
                 raise UserError(f"{option(name)} must be within {within} (got {value:g})")
         if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise UserError(f"{option('seed')} must be within 0..2^63-1 (got {self.seed})")
+            raise UserError(f"the sampling seed must be within 0..2^63-1 (got {self.seed})")  # `seed` names ingest's
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,10 @@ def ask(home, *args, stdin=None) -> dict:
 
 
 @pytest.mark.parametrize(("args", "said"), [
-    (("--temperature", "3"), "--temperature: temperature must be within 0..2 (got 3)"),
-    (("--top-p", "0"), "--top-p: top-p must be within (0, 1] (got 0)"),
-    (("--repetition-penalty", "0.5"), "--repetition-penalty: repetition penalty must be within 1..2 (got 0.5)"),
-    (("--seed", "-1"), "--seed: seed must be within 0..2^63-1 (got -1)"),
+    (("--temperature", "3"), "--temperature must be within 0..2 (got 3)"),
+    (("--top-p", "0"), "--top-p must be within (0, 1] (got 0)"),
+    (("--repetition-penalty", "0.5"), "--repetition-penalty must be within 1..2 (got 0.5)"),
+    (("--seed", "-1"), "the sampling seed must be within 0..2^63-1 (got -1)"),
 ])
 def test_a_sampling_option_out_of_range_is_one_line_before_any_model_loads(tmp_path, args, said):
     result = run_main(tmp_path, "ask", "Which gate?", *args)

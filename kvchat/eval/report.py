@@ -72,8 +72,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
                         else f"whole sessions up to the model's window minus {ANSWER_ROOM} tokens for the answer",
         "questions": ("all" if config.questions is None else f"at most {config.questions}") + " per conversation, "
                      f"LoCoMo categories {', '.join(map(str, config.categories))}, only those whose evidence is kept",
-        "answers": f"as `kvchat ask` gives them: at most {config.max_new_tokens} tokens, the question as "
-                   f"{config.question_template!r}, {_sampling(config.answering().sampling)}"
+        "answers": f"as every question is answered (answer.decoding): at most {config.max_new_tokens} tokens, the "
+                   f"question as {config.question_template!r}, {_sampling(config.answering().sampling)}"
                    + (", no answer repeating the question's first words (model.echo)" if config.echo_guard else "")
                    + f"; {weights} weights (the caches built and the answers decoded with them, as an ingest and a "
                    "question hold them)",
