@@ -28,6 +28,7 @@ import argparse
 import datetime as dt
 import os
 import platform
+import shlex
 import sys
 import tempfile
 from collections import defaultdict
@@ -164,7 +165,7 @@ def main() -> None:
     def cut(text: str, tokens: int) -> str:
         return lm.decode(lm.encode(text)[0, :tokens].tolist()).strip()
 
-    command = "python benchmarks/answer_defaults.py " + " ".join(sys.argv[1:])
+    command = shlex.join(["python", "benchmarks/answer_defaults.py", *sys.argv[1:]])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, run {args.load} (load average "
             f"{os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
     text = report(results.records, [c[0] for c in [*candidates, *planted_only]], caps, cut,
