@@ -230,7 +230,8 @@ def _parsed(value: str, kind: object) -> object:
             return float(value)
         except ValueError:
             return _INVALID
-    return int(value) if value.isdigit() and int(value) >= kind else _INVALID
+    least = kind if isinstance(kind, int) else 0
+    return int(value) if value.isdigit() and int(value) >= least else _INVALID
 
 
 def _shown(value: object) -> str:

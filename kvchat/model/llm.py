@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -369,7 +369,7 @@ def generate(
     first_recorder: attention.Recorder | None = None,
     echo: EchoGuard | None = None,
     sampler: Sampler | None = None,
-) -> Iterator[int]:
+) -> Generator[int, None, None]:
     """Decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback): greedy, or each token
     as `sampler` chooses it from the scores and the answer so far (kvchat.model.sampling).
     `on_first_logits` receives the logits [vocab] the first answer token is chosen from; `first_recorder`
