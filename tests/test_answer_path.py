@@ -81,11 +81,13 @@ def test_sampling_settings_out_of_range_are_refused_in_one_line():
 
 def test_greedy_takes_the_best_and_the_penalty_demotes_what_the_answer_holds():
     scores = torch.tensor([0.0, 3.0, 2.8, -1.0])
-    assert Sampler().choose(scores, [1]) == 1  # no penalty: the argmax, repeated or not
+    off = Sampling(repetition_penalty=1.0)
+    assert Sampler(off).choose(scores, [1]) == 1  # no penalty: the argmax, repeated or not
+    assert Sampler().choose(scores, [1]) == 2  # the default penalty (1.1): 3.0 / 1.1 < 2.8
     assert Sampler(Sampling(repetition_penalty=1.2)).choose(scores, []) == 1
     assert Sampler(Sampling(repetition_penalty=1.2)).choose(scores, [1]) == 2  # 3.0 / 1.2 < 2.8
-    assert Sampler(Sampling(frequency_penalty=0.5)).choose(scores, [1]) == 2
-    assert Sampler(Sampling(presence_penalty=0.1)).choose(scores, [1]) == 1
+    assert Sampler(Sampling(repetition_penalty=1.0, frequency_penalty=0.5)).choose(scores, [1]) == 2
+    assert Sampler(Sampling(repetition_penalty=1.0, presence_penalty=0.1)).choose(scores, [1]) == 1
 
 
 def test_a_seed_repeats_a_draw_and_top_p_keeps_to_the_likeliest():
