@@ -23,13 +23,13 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from kvchat.answer.session import Session  # noqa: E402
-from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, ServeConfig  # noqa: E402
+from kvchat.answer.stops import TextGate  # noqa: E402
+from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, Sampling, ServeConfig  # noqa: E402
 from kvchat.history.synthetic import planted_conversation  # noqa: E402
 from kvchat.ingest.pipeline import ingest  # noqa: E402
 from kvchat.serve.announcement import ANNOUNCEMENT, write_announcement  # noqa: E402
 from kvchat.serve.engine import Engine  # noqa: E402
 from kvchat.serve.server import build_server  # noqa: E402
-from kvchat.serve.stops import TextGate  # noqa: E402
 from kvchat.store import Store  # noqa: E402
 
 KEY = "test-key"
@@ -203,12 +203,71 @@ def test_earlier_messages_are_the_exchange_followed_up(server, home, tiny_lm, en
     expected = reference(home, tiny_lm, encoder, "chat", QUESTIONS[3], 10, earlier=earlier)
     alone = reference(home, tiny_lm, encoder, "chat", QUESTIONS[3], 10)
     result = server.client.chat.completions.create(model="chat", max_tokens=10, messages=[
-        {"role": "system", "content": "ignored: the conversation's own system prompt is in its cache"},
         {"role": "user", "content": earlier[0][0]}, {"role": "assistant", "content": earlier[0][1]},
         {"role": "user", "content": [{"type": "text", "text": QUESTIONS[3]}]},
     ])
     assert result.choices[0].message.content == expected.text
     assert result.usage.prompt_tokens == expected.prompt_tokens > alone.prompt_tokens
+    assert result.model_extra["kvchat"]["episode"] == expected.episode  # routed with the exchange, as the library
+
+
+def test_system_messages_are_the_clients_instructions(server, home, tiny_lm, encoder):
+    instructions = "Answer in one word ."
+    store = Store(home)
+    try:
+        config = AskConfig(max_new_tokens=10, system=instructions)
+        expected = Session(store, store.get("chat"), tiny_lm, encoder, config).ask(QUESTIONS[3], log=False)
+    finally:
+        store.close()
+    alone = reference(home, tiny_lm, encoder, "chat", QUESTIONS[3], 10)
+    result = server.client.chat.completions.create(model="chat", max_tokens=10, messages=[
+        {"role": "system", "content": instructions}, {"role": "user", "content": QUESTIONS[3]}])
+    assert result.choices[0].message.content == expected.text
+    assert result.usage.prompt_tokens == expected.prompt_tokens > alone.prompt_tokens
+
+
+def test_sampling_fields_are_honoured_and_a_seed_repeats_an_answer(server, home, tiny_lm, encoder):
+    store = Store(home)
+    try:
+        def expected(seed: int) -> str:
+            config = AskConfig(max_new_tokens=10, sampling=Sampling(temperature=1.2, top_p=0.95, seed=seed,
+                                                                    repetition_penalty=1.3))  # fmt: skip
+            return Session(store, store.get("chat"), tiny_lm, encoder, config).ask(QUESTIONS[1], log=False).text
+
+        answers = {}
+        for seed in (1, 2, 3):
+            result = server.chat("chat", QUESTIONS[1], max_tokens=10, temperature=1.2, top_p=0.95, seed=seed,
+                                 extra_body={"repetition_penalty": 1.3})  # fmt: skip
+            answers[seed] = result.choices[0].message.content
+            assert answers[seed] == expected(seed)
+        again = server.chat("chat", QUESTIONS[1], max_tokens=10, temperature=1.2, top_p=0.95, seed=2,
+                            extra_body={"repetition_penalty": 1.3}, stream=True)  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in again if c.choices) == answers[2]
+        assert len(set(answers.values())) > 1
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"n": 2}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"temperature": 3.0}, "temperature"),
+    ({"seed": -5}, "seed"),
+])
+def test_what_kvchat_cannot_honour_is_a_400_with_a_reason(server, fields, param):
+    with pytest.raises(openai.BadRequestError) as raised:
+        server.chat("chat", QUESTIONS[0], max_tokens=4, **fields)
+    error = raised.value.body
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert "\n" not in error["message"] and len(error["message"]) < 120
+
+
+def test_defaults_clients_send_are_accepted(server):
+    result = server.chat("chat", QUESTIONS[0], max_tokens=3, response_format={"type": "text"}, logprobs=False,
+                         n=1, frequency_penalty=0.0, presence_penalty=0.0, user="someone")  # fmt: skip
+    assert result.choices[0].message.content is not None
 
 
 def test_stop_strings_cut_the_answer_alike_streamed_or_not(server, home, tiny_lm, encoder):

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import signal
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import typer
@@ -25,7 +26,7 @@ from kvchat.cli.options import (
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
 from kvchat.cli.words import error_text, spell
-from kvchat.config import AskConfig, DeviceConfig
+from kvchat.config import AskConfig, DeviceConfig, Sampling
 from kvchat.errors import UserError
 from kvchat.untrusted_text import valid_text
 
@@ -57,6 +58,19 @@ def ask(
         "attention), with speaker, time, a quote, their share and how much of each the cache keeps.")] = False,
     refuse_off_topic: Annotated[bool, typer.Option("--refuse-off-topic", help="Do not answer a question no episode "
         "matches well (a line on stderr; exit 3 when any question was refused).")] = False,
+    follow_up: Annotated[bool, typer.Option("--continue", "-c", help="Follow up the last question asked about the "
+        "conversation (its question and answer from `kvchat logs`; without --conversation, the conversation it "
+        "was about).")] = False,
+    system: Annotated[str | None, typer.Option(help="Your own instructions for the answer (\"Answer in French.\"), "
+        "given before the question.")] = None,
+    temperature: Annotated[float, typer.Option(help="0 answers greedily (the same answer every time); above 0 "
+        "samples, more varied as it grows (at most 2).")] = Sampling.temperature,
+    top_p: Annotated[float, typer.Option(help="When sampling, draw from the likeliest tokens holding this share of "
+        "the probability.")] = Sampling.top_p,
+    seed: Annotated[int | None, typer.Option(help="When sampling, the seed: the same seed gives the same answer "
+        "(default: a new one each answer).")] = None,
+    repetition_penalty: Annotated[float, typer.Option(help="Divides the scores of tokens the answer already holds "
+        "(1: off), so answers do not loop.")] = Sampling.repetition_penalty,
     server: Annotated[str | None, typer.Option(
         envvar="KVCHAT_SERVER", help="Ask the `kvchat serve` at this URL. Default: the server running on this "
         "$KVCHAT_HOME, if any, unless --local or an option only this process honours is given (--retrieve, "
@@ -79,6 +93,10 @@ def ask(
         raise UserError("no question: give one as an argument, or one per line on stdin")
     if retrieve is not None and retrieve < 0:
         raise UserError(f"--retrieve must be >= 0 (got {retrieve})")
+    if follow_up and question is None:
+        raise UserError("--continue follows up one question: give it as an argument")
+    sampling = Sampling(temperature=temperature, top_p=top_p, seed=seed, repetition_penalty=repetition_penalty)
+    answering = _Answering(max_new_tokens, sampling, system or None)
     given = {"--retrieve": retrieve is not None, "--weights": weights != AskConfig.weights,
              "--threads": threads is not None, "--device": device != DeviceConfig.device,
              "--dtype": dtype != DeviceConfig.dtype, "--no-log": no_log}
@@ -87,20 +105,24 @@ def ask(
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
     if own and not local:
         _say_answering_here(own)
+    earlier: tuple[tuple[str, str], ...] = ()
+    if follow_up:
+        conversation, earlier = _last_exchange(conversation)
     asker: _RemoteAsker | _Asker | None = (
-        _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) else None
+        _remote_asker(server, conversation, answering, api_key, refuse_off_topic) if not (local or own) else None
     )
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
             say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
                 console=err)
-        config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic)
+        config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic,
+                           sampling=sampling, system=answering.system)  # fmt: skip
         asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
                        device=DeviceConfig(device, dtype), episode=episode)
     asker.sources = sources
     if question is not None:
-        asker.answer(question, episode, as_json=as_json)
+        asker.answer(question, episode, earlier, as_json=as_json)
     elif sys.stdin.isatty() and out.is_terminal and not as_json:
         from kvchat.cli.repl import Repl, prompt_reader
 
@@ -158,6 +180,30 @@ def _write_line(text: str) -> None:
     sys.stdout.flush()
 
 
+def _last_exchange(conversation: str | None) -> tuple[str, tuple[tuple[str, str]]]:
+    """For --continue: the conversation the last question logged was about (or `conversation`'s last one), and
+    that question and its answer."""
+    store = open_store()
+    try:
+        last = store.asks(1, conversation)
+    finally:
+        store.close()
+    if not last or not last[0]["answer"]:
+        about = f" about conversation '{conversation}'" if conversation else ""
+        raise UserError(f"--continue: no answered question{about} in `kvchat logs` to follow up (questions asked with "
+                        "--no-log are not kept)")
+    return last[0]["conversation"], ((last[0]["question"], last[0]["answer"]),)
+
+
+@dataclass(frozen=True)
+class _Answering:
+    """What a remote asker sends with each question: the answer's length, sampling and instructions."""
+
+    max_new_tokens: int
+    sampling: Sampling = Sampling()
+    system: str | None = None
+
+
 class _Asker:
     """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
 
@@ -205,11 +251,10 @@ class _Asker:
         return episode_lines(self.session.conversation)
 
     def settings(self) -> dict[str, object]:
-        return dataclasses.asdict(self.session.config)
+        return _flat(self.session.config)
 
-    def configure(self, field: str, value: int) -> None:
-        changes: dict[str, Any] = {field: value}  # one of AskConfig's whole-number fields (the REPL's /set)
-        self.config = dataclasses.replace(self.config, **changes)
+    def configure(self, field: str, value: object) -> None:
+        self.config = _configured(self.config, field, value)
         self.session.config = self.config
 
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
@@ -249,6 +294,20 @@ class _Asker:
                                           line)
 
 
+def _flat(config) -> dict[str, object]:
+    """`config`'s fields as the REPL's /set names them: sampling's as `sampling.NAME`."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "sampling"}
+    return fields | {f"sampling.{name}": value for name, value in dataclasses.asdict(config.sampling).items()}
+
+
+def _configured(config: Any, field: str, value: object) -> Any:
+    """`config` with `field` (a /set name's field: `sampling.NAME` for sampling's) set to `value`."""
+    if field.startswith("sampling."):
+        changes: dict[str, Any] = {field.removeprefix("sampling."): value}
+        return dataclasses.replace(config, sampling=dataclasses.replace(config.sampling, **changes))
+    return dataclasses.replace(config, **{field: value})
+
+
 def say_off_topic(finish_reason: str, similarity: float, limit: float | None, line: int | None = None) -> int:
     """The line under an answer to a question no episode matches well (`limit`: the threshold, where known; `line`:
     the question's line in a batch); 1 when the question was refused, else 0."""
@@ -270,10 +329,10 @@ class _RemoteAsker:
     refused = 0      # questions the server refused as off-topic (--refuse-off-topic)
     stoppable = False  # the REPL: a first Ctrl-C stops the answer
 
-    def __init__(self, client, conversation: str | None, max_new_tokens: int, refuse_off_topic: bool = False) -> None:
+    def __init__(self, client, conversation: str | None, answering: _Answering, refuse_off_topic: bool = False) -> None:
         from kvchat.serve.client import default_of
 
-        self.client, self.max_new_tokens, self.refuse_off_topic = client, max_new_tokens, refuse_off_topic
+        self.client, self.answering, self.refuse_off_topic = client, answering, refuse_off_topic
         listed = client.conversations()
         self._episodes = {c["name"]: c["episode_count"] for c in listed}
         if not self._episodes:
@@ -306,18 +365,24 @@ class _RemoteAsker:
         return [f"{self.name}: {counted(self.episode_count(), 'episode')} (their topics: kvchat show {self.name})"]
 
     def settings(self) -> dict[str, object]:
-        return {"max_new_tokens": self.max_new_tokens, "retrieve": "(the server's)"}
+        return _flat(self.answering) | {"retrieve": "(the server's)"}
 
-    def configure(self, field: str, value: int) -> None:
-        if field != "max_new_tokens":
+    def configure(self, field: str, value: object) -> None:
+        if field not in _flat(self.answering):
             raise UserError(f"the server answers with its own {field.replace('_', '-')}; /set it with --local")
-        self.max_new_tokens = value
+        self.answering = _configured(self.answering, field, value)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.answering.max_new_tokens
 
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
                as_json: bool = False, line: int | None = None) -> str:
         question = question.strip()
-        options = {"episode": episode, "max_tokens": self.max_new_tokens, "sources": self.sources,
-                   "refuse_off_topic": self.refuse_off_topic}
+        a = self.answering
+        options = {"episode": episode, "max_tokens": a.max_new_tokens, "sources": self.sources,
+                   "refuse_off_topic": self.refuse_off_topic, "earlier": earlier, "system": a.system,
+                   "sampling": _sampling_fields(a.sampling)}
         if as_json:
             document = self.client.ask(self.name, question, **options)
             emit_json(document)
@@ -326,8 +391,7 @@ class _RemoteAsker:
         answered = []
 
         def run(write, stopping) -> dict:
-            answered.append(self.client.ask(self.name, question, on_text=write, stop=stopping, earlier=earlier,
-                                            **options))
+            answered.append(self.client.ask(self.name, question, on_text=write, stop=stopping, **options))
             return answered[-1]
 
         _print_streamed(run, self.max_new_tokens, line=line, stoppable=self.stoppable)
@@ -343,7 +407,13 @@ class _RemoteAsker:
                                           line)
 
 
-def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int,
+def _sampling_fields(sampling: Sampling) -> dict[str, object]:
+    """The request fields that ask a server for `sampling` (those that differ from its defaults)."""
+    return {name: value for name, value in dataclasses.asdict(sampling).items()
+            if value != getattr(Sampling, name)}  # fmt: skip
+
+
+def _remote_asker(url: str | None, conversation: str | None, answering: _Answering,
                   api_key: str | None, refuse_off_topic: bool = False) -> _RemoteAsker | None:
     """An asker through the server at `url`, else through the one announced in $KVCHAT_HOME (None when none
     runs, or it does not answer: then this process answers)."""
@@ -352,12 +422,12 @@ def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int
     from kvchat.serve.client import Client, Unreachable
 
     if url is not None:
-        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
+        return _RemoteAsker(Client(url, api_key=api_key), conversation, answering, refuse_off_topic)
     found = announced_url(default_home())
     if found is None:
         return None
     try:
-        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
+        return _RemoteAsker(Client(found, api_key=api_key), conversation, answering, refuse_off_topic)
     except Unreachable:
         return None
 

@@ -44,11 +44,13 @@ class Client:
     def ask(self, conversation: str | None, question: str, *, episode: int | None = None, max_tokens: int = 64,
             on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None,
             earlier: Sequence[tuple[str, str]] = (), sources: bool = False,
-            refuse_off_topic: bool = False) -> dict[str, Any]:
+            refuse_off_topic: bool = False, system: str | None = None,
+            sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams, and `stop`,
         asked after each piece, ends it (the connection closes, which stops the server's decoding; the
         document's `finish_reason` is then "stopped"). `conversation` None: the server's default (`kvchat use`),
-        else the newest. `earlier` (question, answer) pairs are the exchange the question follows up. `sources`
+        else the newest. `earlier` (question, answer) pairs are the exchange the question follows up; `system`, the
+        user's instructions; `sampling`, the chat request's sampling fields (`temperature`, `seed`, ...). `sources`
         asks for the turns the answer drew on; `refuse_off_topic`, for no answer when no episode matches well
         (`finish_reason` "refused"). Always streamed, so the read limit holds however long the answer takes."""
         if conversation is None:
@@ -60,8 +62,9 @@ class Client:
         model = conversation if episode is None else f"{conversation}/{episode}"
         messages = [{"role": role, "content": text} for pair in earlier
                     for role, text in zip(("user", "assistant"), pair, strict=True)]
-        body = {"model": model, "messages": [*messages, {"role": "user", "content": question}],
-                "max_tokens": max_tokens,
+        instructions = [{"role": "system", "content": system}] if system else []
+        body = {"model": model, "messages": [*instructions, *messages, {"role": "user", "content": question}],
+                "max_tokens": max_tokens, **(sampling or {}),
                 "stream": True, "stream_options": {"include_usage": True}, **({"kvchat": options} if options else {})}
         with contextlib.closing(self._events("/v1/chat/completions", body)) as events:  # a break hangs up at once
             text, finish, kvchat, usage = self._read(events, on_text or (lambda piece: None), stop)

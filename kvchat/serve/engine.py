@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvchat.answer.session import Answer, Session
-from kvchat.config import AskConfig, IngestConfig, ServeConfig
+from kvchat.answer.session import Answer, Session, routing_query
+from kvchat.config import AskConfig, IngestConfig, Sampling, ServeConfig
 from kvchat.errors import KvchatError, UserError
 from kvchat.history.loading import Turn
 from kvchat.ingest.pipeline import IngestProgress
 from kvchat.serve.jobs import RUNNING, Job
-from kvchat.serve.stops import TextGate
 from kvchat.store.files import hold_point
 
 if TYPE_CHECKING:
@@ -63,6 +62,8 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     sources: bool = False        # record the answer's attention per turn (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
+    sampling: Sampling = Sampling()  # how each token is chosen (AskConfig.sampling)
+    system: str | None = None    # the client's system messages: instructions before the question (AskConfig.system)
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,7 @@ class Engine:
             if not request.question.strip():
                 raise UserError("the question is empty")
             centroids = np.asarray([e.centroid for e in record.episodes], dtype=np.float32)
-            index = int(np.argmax(centroids @ encoder.embed([request.question])[0]))
+            index = int(np.argmax(centroids @ routing_query(encoder, request.question, request.earlier)))
         elif not 0 <= request.episode < len(record.episodes):
             raise NotFound(f"conversation '{record.name}' has no episode {request.episode} "
                            f"(it has 0..{len(record.episodes) - 1})")
@@ -315,33 +316,29 @@ class Engine:
         self._check_earlier(request, lm)
         session = self._session(record, index, lm, encoder)
         session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens,
-                                             refuse_off_topic=request.refuse_off_topic)
-        gate = TextGate(request.stop)
+                                             refuse_off_topic=request.refuse_off_topic, sampling=request.sampling,
+                                             system=request.system)  # fmt: skip
 
         def on_text(piece: str) -> None:
-            released = gate.feed(piece)
-            if released:
-                job.emit("text", released)
+            job.emit("text", piece)
 
         def stop() -> bool:
             job.progress["tokens"] = job.progress.get("tokens", 0) + 1
             if self.step_hook is not None:
                 self.step_hook(job)
-            return job.cancelled or gate.stopped
+            return job.cancelled
 
         try:
             answer = session.ask(request.question, episode=index, on_text=on_text, stop=stop, earlier=request.earlier,
-                                 log=self.config.log and not self._store_().read_only, sources=request.sources)
+                                 log=self.config.log and not self._store_().read_only, sources=request.sources,
+                                 stops=request.stop)
         except UserError:
             if request.conversation not in {r.name for r in self._store_().conversations()}:
                 raise NotFound(f"conversation '{request.conversation}' was removed while it was being answered")\
                     from None
             raise
-        tail = gate.finish()
-        if tail:
-            job.emit("text", tail)
-        finish = "cancelled" if job.cancelled else "stop" if gate.stopped else answer.finish_reason
-        return Completion(gate.text, finish, answer)
+        finish = "cancelled" if job.cancelled else answer.finish_reason
+        return Completion(answer.text, finish, answer)
 
     @staticmethod
     def _check_earlier(request: ChatRequest, lm) -> None:

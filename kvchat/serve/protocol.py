@@ -3,8 +3,11 @@
 A model id names a stored conversation (`NAME`) or one of its episodes (`NAME/EPISODE`, skipping routing;
 conversation names never contain '/'). The last message is the question and must be the user's; earlier
 user/assistant pairs are the exchange it follows up, decoded on top of the episode cache before it (and rolled
-back after). System messages are ignored: the conversation's own system prompt sits in its cache. Decoding is
-greedy, so sampling settings (`temperature`, `top_p`, `seed`, ...) are accepted and have no effect.
+back after), and routed with the question. System (and developer) messages are the client's instructions: one
+system turn after the conversation's own system prompt (which sits in the cache), before the exchange. Sampling is
+OpenAI's (`temperature`, `top_p`, `seed`, `frequency_penalty`, `presence_penalty`) and vLLM's `repetition_penalty`
+(kvchat.model.sampling; greedy with kvchat's repetition penalty when none is given). What kvchat cannot do (tools,
+structured output, log probabilities, several choices) is refused with 400 and a one-line reason, never ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvchat import documents
+from kvchat.config import Sampling
+from kvchat.errors import UserError
 from kvchat.serve.engine import ChatRequest, Completion
 from kvchat.serve.spelling import spell
 from kvchat.untrusted_text import valid_text
@@ -83,14 +88,24 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra field (CTRL's penalty, 1: off)
     kvchat: KvchatOptions = KvchatOptions()
 
     def to_chat(self, default_tokens: int, limit: int) -> ChatRequest:
-        """The engine's request: conversation and episode from the model id, question and follow-up context
-        from the messages."""
-        if self.n != 1:
-            raise ApiError(400, "n must be 1 (answers are greedy: every choice would be the same)", param="n")
+        """The engine's request: conversation and episode from the model id, question, instructions and follow-up
+        context from the messages, sampling from the request's fields."""
+        self._refuse_unsupported()
         conversation, episode = parse_model(self.model)
+        if any(m.role in ("tool", "function") for m in self.messages):
+            raise ApiError(400, "tool and function messages are not supported: kvchat calls no tools",
+                           param="messages")
+        system = "\n\n".join(t for m in self.messages if m.role in ("system", "developer") for t in [m.text().strip()]
+                             if t) or None  # fmt: skip
         turns = [m for m in self.messages if m.role not in ("system", "developer")]
         if not turns or turns[-1].role != "user":
             raise ApiError(400, "the last message must be the user's question", param="messages")
@@ -109,7 +124,44 @@ class ChatCompletionRequest(BaseModel):
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
-                           refuse_off_topic=self.kvchat.refuse_off_topic)
+                           refuse_off_topic=self.kvchat.refuse_off_topic, sampling=self._sampling(), system=system)
+
+    def _sampling(self) -> Sampling:
+        """The request's sampling, kvchat's defaults where it names none (a temperature of 0: greedy)."""
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "seed", "frequency_penalty",
+                                                        "presence_penalty", "repetition_penalty")}  # fmt: skip
+        given = {name: value for name, value in given.items() if value is not None}
+        for name, value in given.items():  # each alone first, so the error names its field
+            try:
+                Sampling(**{name: value})
+            except UserError as exc:
+                raise ApiError(400, str(exc), param=name) from None
+        return Sampling(**given)
+
+    def _refuse_unsupported(self) -> None:
+        """A 400 naming the first field asked for that kvchat cannot honour (a default value passes: clients send
+        some of them always)."""
+        extra = self.model_extra or {}
+        for name, asked, why in (
+            ("n", self.n != 1, "n must be 1: kvchat gives one answer per request"),
+            ("tools", bool(extra.get("tools")), "tools are not supported: kvchat answers in text and calls no tools"),
+            ("functions", bool(extra.get("functions")), "functions are not supported: kvchat calls no tools"),
+            ("tool_choice", extra.get("tool_choice") not in (None, "none"), "tool_choice is not supported: kvchat "
+             "calls no tools"),
+            ("function_call", extra.get("function_call") not in (None, "none"), "function_call is not supported: "
+             "kvchat calls no tools"),
+            ("response_format", (extra.get("response_format") or {"type": "text"}) != {"type": "text"},
+             "response_format is not supported: answers are plain text (no JSON mode or schema)"),
+            ("logprobs", bool(extra.get("logprobs")), "logprobs are not supported"),
+            ("top_logprobs", bool(extra.get("top_logprobs")), "top_logprobs are not supported"),
+            ("logit_bias", bool(extra.get("logit_bias")), "logit_bias is not supported"),
+            ("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"),
+            ("audio", extra.get("audio") is not None, "audio output is not supported"),
+            ("prediction", extra.get("prediction") is not None, "predicted outputs are not supported"),
+            ("web_search_options", extra.get("web_search_options") is not None, "web search is not supported"),
+        ):
+            if asked:
+                raise ApiError(400, why, param=name)
 
 
 def parse_model(model: str) -> tuple[str, int | None]:
@@ -131,7 +183,8 @@ def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: the `kvchat ask --json` document's fields but the question and the answer's
     text (which episode answered, how similar the question was to it, `off_topic` below the server's threshold,
     why the answer ended in kvchat's words (`finish_reason`: `refused` too), token counts, timings, the turns
-    recall recalled, and when the request asked for them the answer's `sources`), so a streamed answer
+    recall recalled, whether the answer was cut where the model went on writing the history, and when the
+    request asked for them the answer's `sources`), so a streamed answer
     carries the whole document (kvchat.serve.client builds it)."""
     answer = completion.answer
     fields = {key: value for key, value in documents.answer("", answer).items()
