@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from kvchat import features
-from kvchat.answer import recall, recall_entries
+from kvchat.answer import grounding, recall, recall_entries
+from kvchat.answer.grounding import Grounding
 from kvchat.answer.rag import Chunk, RagIndex
 from kvchat.answer.recall_entries import StoredEntries
 from kvchat.answer.sources import Source, SourceRecorder, rank
@@ -52,10 +53,12 @@ class Answer:
     finish_reason: str = "stop"
     attention_backend: str = "torch"  # the decode attention kernel that answered: torch | flashinfer
     weights: str = "float"  # how the answering model's Linear weights were held: float | int8 | int4 (--weights)
-    off_topic: bool = False  # routing similarity under AskConfig.off_topic_similarity
+    off_topic: bool = False  # nothing found for the question: no episode nor turn matches it (grounding.off_topic)
     sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
     sources_note: str | None = None  # asked for and unavailable: why
     recalled: list[list[int]] | None = None  # --method recall: the [first, end) turns recalled for the question
+    # the answer checked against the turns it drew on (kvchat.answer.grounding); None when refused before decoding
+    grounding: Grounding | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -84,6 +87,7 @@ class Session:
         self._origins: list[list[torch.Tensor]] | None = None  # its entries' original positions, where compacted
         self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
         self._stored: StoredEntries | None = None  # its recall entries file (--recall-entries stored), opened once
+        self._episode_turns: tuple[int, list[grounding.Turn]] | None = None  # the resident episode's turns, as read
 
     def ask(
         self,
@@ -123,10 +127,6 @@ class Session:
         clock = time.perf_counter()
         index, similarity = self._route(query, episode)
         timings["route"] = _ms_since(clock)
-        off_topic = similarity < self.config.off_topic_similarity
-        if off_topic and self.config.refuse_off_topic:
-            return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, False, timings,
-                          "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
 
         clock = time.perf_counter()
         reused = self._resident is not None and self._resident[0] == index
@@ -153,6 +153,14 @@ class Session:
             else:
                 prefilled = recall.recalled_text(picked)
             recalled_turns = self._recalled_spans(picked, stored, placing) if sources else []
+        drawn = [grounding.Turn(i, mark.speaker, text, mark.time)
+                 for i, mark, text in recall.recalled_turns(picked)] if chunks is not None else []  # fmt: skip
+        episode_turns = self._turns_of(index)
+        off_topic = grounding.off_topic(similarity, grounding.coverage(question, [*drawn, *episode_turns]),
+                                        bool(earlier), self.config.grounding, self.config.off_topic_similarity)
+        if off_topic and self.config.refuse_off_topic:
+            return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, reused, timings,
+                          "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
         if prefilled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
         placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
@@ -164,6 +172,7 @@ class Session:
         kept = recorder.kept_tokens() if recorder is not None else None
         mark = cache.checkpoint()
         stream = Detokenizer(self.lm.decode)
+        shows = on_text if not self.config.grounded else None  # a grounded answer is shown once it is checked
         finish = "stop"
         shown = ""
         with self._shrunk_pages_refused(index):
@@ -177,15 +186,15 @@ class Session:
                         finish = "stopped"
                         break
                     delta = stream.push(token)
-                    if on_text is not None and delta:
-                        on_text(delta)
+                    if shows is not None and delta:
+                        shows(delta)
                         shown += delta
                 tokens = stream.tokens
                 if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
                     finish = "length"
                 full_text = self.lm.decode(tokens)
-                if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
-                    on_text(full_text[len(shown):])
+                if shows is not None and full_text.startswith(shown) and len(full_text) > len(shown):
+                    shows(full_text[len(shown):])
                 if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
                     self._record_answer(cache, recorder, mark.extended(placed + prompt_ids.shape[-1] - 1),
                                         prompt_ids, tokens[:-1] if finish == "length" else tokens)  # fmt: skip
@@ -193,6 +202,14 @@ class Session:
                 cache.rollback(mark)
         text = full_text.strip()
         timings["decode"] = _ms_since(clock)
+        ranked = None if recorder is None or kept is None else rank(
+            recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
+            recorder.recalled, answer=text, question=question)
+        checked = self._grounding(question, text, ranked, recorder, drawn, episode_turns)
+        if self.config.grounded and checked.status == grounding.UNSUPPORTED:
+            text, finish = "", "unsupported"  # withheld: what it said is in `checked`
+        elif self.config.grounded and on_text is not None and text:
+            on_text(full_text)
 
         answer = Answer(
             text=text,
@@ -207,11 +224,10 @@ class Session:
             attention_backend=self.lm.attention_backend,
             weights=self.lm.weights,
             off_topic=off_topic,
-            sources=None if recorder is None or kept is None else rank(
-                recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
-                recorder.recalled),
+            sources=ranked,
             sources_note=note,
             recalled=chunks,
+            grounding=checked,
         )
         if log:
             self.store.log_ask(
@@ -225,6 +241,26 @@ class Session:
                 }
             )
         return answer
+
+    def _turns_of(self, index: int) -> list[grounding.Turn]:
+        """The turns episode `index` (the resident one) holds, as its file records them (none for a file written
+        before kvchat recorded turn spans), read once per resident episode."""
+        if self._episode_turns is None or self._episode_turns[0] != index:
+            spans = from_metadata(self._turns) or []
+            self._episode_turns = (index, [grounding.Turn(s.index, s.speaker, s.text, s.time) for s in spans])
+        return self._episode_turns[1]
+
+    def _grounding(self, question: str, text: str, ranked: Sequence[Source] | None, recorder: SourceRecorder | None,
+                   recalled: Sequence[grounding.Turn], episode_turns: Sequence[grounding.Turn]) -> Grounding:
+        """`text` checked against the turns it drew on: its sources (where recorded), the turns recalled for it, and
+        its episode's turns matching the question best."""
+        first: list[grounding.Turn] = []
+        if ranked and recorder is not None:
+            spans = {s.index: s for s in recorder.spans}
+            first = [grounding.Turn(s.turn, s.speaker, spans[s.turn].text, s.time) for s in ranked]
+        first += [t for t in recalled if t.index not in {f.index for f in first}]
+        drawn = grounding.drawn_on(question, episode_turns, first, self.config.grounding.drawn_on)
+        return grounding.check(text, question, drawn, self.config.grounding)
 
     def _routing_centroids(self, conversation: ConversationRecord) -> np.ndarray:
         """The episodes' centroids, refused unless each is one of the encoder's embeddings: their digest only
@@ -386,6 +422,7 @@ class Session:
                 raise self._unreadable(index, "cache", str(e)) from None
         self._resident = (index, cache)
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
+        self._episode_turns = None  # read from this file when first asked
         # full KV evicts nothing, so nothing was re-rotated, whatever its positions setting says
         self._compacted, self._origins = meta.positions == "compact" and meta.method != "full", origins
         return cache

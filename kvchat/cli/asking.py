@@ -55,6 +55,9 @@ def ask(
         "attention), with speaker, time, a quote, their share and how much of each the cache keeps.")] = False,
     refuse_off_topic: Annotated[bool, typer.Option("--refuse-off-topic", help="Do not answer a question no episode "
         "matches well (a line on stderr; exit 3 when any question was refused).")] = False,
+    grounded: Annotated[bool, typer.Option("--grounded", help="Withhold an answer whose numbers, names or words are "
+        "not found in the turns it drew on (a line on stderr names them; exit 3 when any answer was withheld). "
+        "Without it such an answer is shown with that line under it.")] = False,
     server: Annotated[str | None, typer.Option(
         envvar="KVCHAT_SERVER", help="Ask the `kvchat serve` at this URL. Default: the server running on this "
         "$KVCHAT_HOME, if any, unless --local or an option only this process honours is given (--retrieve, "
@@ -81,14 +84,16 @@ def ask(
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
     asker: _RemoteAsker | _Asker | None = (
-        _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) else None
+        _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic, grounded)
+        if not (local or own) else None
     )
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
             say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
                 console=err)
-        config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic)
+        config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic,
+                           grounded=grounded)
         asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
                        device=DeviceConfig(device, dtype))
     asker.sources = sources
@@ -131,7 +136,7 @@ class _Asker:
     """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
 
     sources = False  # --sources (the REPL's /sources)
-    refused = 0      # questions refused as off-topic (--refuse-off-topic)
+    refused = 0      # questions refused as off-topic (--refuse-off-topic) or answers withheld (--grounded)
 
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
                  device: DeviceConfig = DeviceConfig()) -> None:
@@ -185,6 +190,7 @@ class _Asker:
         if as_json:
             result = self.session.ask(question, episode=episode, log=self.log, earlier=earlier, **self._receipts())
             self._off_topic(result)
+            self.refused += result.finish_reason == "unsupported"
             emit_json(documents.answer(question, result))
             return result.text
         answered = []
@@ -199,6 +205,8 @@ class _Asker:
         _print_streamed(run, self.config.max_new_tokens)
         result = answered[-1]
         self._off_topic(result)
+        self.refused += say_grounding(None if result.grounding is None else result.grounding.to_dict(),
+                                      result.finish_reason)
         if self.sources and result.finish_reason != "refused":
             show_sources(None if result.sources is None else [s.to_dict() for s in result.sources],
                          result.sources_note, result.episode)
@@ -211,6 +219,24 @@ class _Asker:
         """The line that says no episode matched well, and the count of refusals."""
         if result.off_topic:
             self.refused += say_off_topic(result.finish_reason, result.similarity, self.config.off_topic_similarity)
+
+
+def say_grounding(grounding: dict | None, finish_reason: str) -> int:
+    """The lines under an answer not found in the turns it drew on: its terms found nowhere there, and the span of a
+    top turn that answers instead, where there is one; 1 when the answer was withheld (--grounded), else 0."""
+    if not grounding or grounding.get("status") != "unsupported":
+        return 0
+    missing = ", ".join(grounding.get("unsupported") or ()) or "its words"
+    withheld = finish_reason == "unsupported"
+    if withheld:
+        say(f"kvchat: not answered: the answer was not found in the conversation ({missing}; --grounded)", console=err)
+    else:
+        say(f"kvchat: note: not found in the conversation: {missing}", console=err)
+    better = grounding.get("better")
+    if better:
+        say(f"  turn {better['turn']} ({better['speaker']}) says: \u201c{clean(better['quote'], one_line=True)}\u201d",
+            console=err)
+    return int(withheld)
 
 
 def say_off_topic(finish_reason: str, similarity: float, limit: float | None) -> int:
@@ -229,12 +255,14 @@ class _RemoteAsker:
     """`ask` through a running `kvchat serve` (kvchat.serve.client): the same output, and the REPL's Actions."""
 
     sources = False  # --sources, the REPL's /sources
-    refused = 0      # questions the server refused as off-topic (--refuse-off-topic)
+    refused = 0      # questions the server refused as off-topic (--refuse-off-topic) or withheld (--grounded)
 
-    def __init__(self, client, conversation: str | None, max_new_tokens: int, refuse_off_topic: bool = False) -> None:
+    def __init__(self, client, conversation: str | None, max_new_tokens: int, refuse_off_topic: bool = False,
+                 grounded: bool = False) -> None:
         from kvchat.serve.client import default_of
 
         self.client, self.max_new_tokens, self.refuse_off_topic = client, max_new_tokens, refuse_off_topic
+        self.grounded = grounded
         listed = client.conversations()
         self._episodes = {c["name"]: c["episode_count"] for c in listed}
         if not self._episodes:
@@ -278,11 +306,12 @@ class _RemoteAsker:
                as_json: bool = False) -> str:
         question = question.strip()
         options = {"episode": episode, "max_tokens": self.max_new_tokens, "sources": self.sources,
-                   "refuse_off_topic": self.refuse_off_topic}
+                   "refuse_off_topic": self.refuse_off_topic, "grounded": self.grounded}
         if as_json:
             document = self.client.ask(self.name, question, **options)
             emit_json(document)
             self._off_topic(document)
+            self.refused += document.get("finish_reason") == "unsupported"
             return document.get("answer", "")
         answered = []
 
@@ -294,6 +323,7 @@ class _RemoteAsker:
         _print_streamed(run, self.max_new_tokens)
         document = answered[-1]
         self._off_topic(document)
+        self.refused += say_grounding(document.get("grounding"), document.get("finish_reason", ""))
         if self.sources and document.get("finish_reason") != "refused" and "sources" in document:
             show_sources(document["sources"], document.get("sources_note"), document.get("episode"))
         return document.get("answer", "")
@@ -304,7 +334,7 @@ class _RemoteAsker:
 
 
 def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int,
-                  api_key: str | None, refuse_off_topic: bool = False) -> _RemoteAsker | None:
+                  api_key: str | None, refuse_off_topic: bool = False, grounded: bool = False) -> _RemoteAsker | None:
     """An asker through the server at `url`, else through the one announced in $KVCHAT_HOME (None when none
     runs, or it does not answer: then this process answers)."""
     from kvchat.config import default_home
@@ -312,12 +342,13 @@ def _remote_asker(url: str | None, conversation: str | None, max_new_tokens: int
     from kvchat.serve.client import Client, Unreachable
 
     if url is not None:
-        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
+        return _RemoteAsker(Client(url, api_key=api_key), conversation, max_new_tokens, refuse_off_topic, grounded)
     found = announced_url(default_home())
     if found is None:
         return None
     try:
-        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens, refuse_off_topic)
+        return _RemoteAsker(Client(found, api_key=api_key), conversation, max_new_tokens, refuse_off_topic,
+                            grounded)
     except Unreachable:
         return None
 
@@ -340,7 +371,7 @@ def _print_streamed(run, max_new_tokens: int) -> str | None:
 
     with _ctrl_c_stops() as stopping:
         result = run(write, stopping)
-    if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
+    if result["finish_reason"] in ("refused", "unsupported"):  # nothing was said: no empty answer line
         return None
     sys.stdout.write(cleaner.flush() + "\n")
     sys.stdout.flush()

@@ -112,7 +112,7 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
     async def ask(body: AskBody, request: Request) -> dict:
         chat = ChatRequest(body.conversation, body.question.strip(), body.episode,
                            max_tokens=min(body.max_tokens or config.max_tokens, config.max_tokens_limit),
-                           sources=body.sources, refuse_off_topic=body.refuse_off_topic)
+                           sources=body.sources, refuse_off_topic=body.refuse_off_topic, grounded=body.grounded)
         _check_known(request, chat)
         completion = await _result(_submit(engine.submit_chat, chat), request)
         answer = documents.answer(chat.question, completion.answer) | {"answer": completion.text}
@@ -162,6 +162,7 @@ class AskBody(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     sources: bool = False           # the answer's sources (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well
+    grounded: bool = False          # no answer when it is not found in the turns it drew on
 
 
 class IngestBody(BaseModel):

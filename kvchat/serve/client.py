@@ -29,19 +29,21 @@ class Client:
     def ask(self, conversation: str | None, question: str, *, episode: int | None = None, max_tokens: int = 64,
             on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None,
             earlier: Sequence[tuple[str, str]] = (), sources: bool = False,
-            refuse_off_topic: bool = False) -> dict[str, Any]:
+            refuse_off_topic: bool = False, grounded: bool = False) -> dict[str, Any]:
         """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams, and `stop`,
         asked after each piece, ends it (the connection closes, which stops the server's decoding; the
         document's `finish_reason` is then "stopped"). `conversation` None: the server's default (`kvchat use`),
         else the newest. `earlier` (question, answer) pairs are the exchange the question follows up (streamed
         answers only). `sources` asks for the turns the answer drew on; `refuse_off_topic`, for no answer when no
-        episode matches well (`finish_reason` "refused")."""
+        episode matches well (`finish_reason` "refused"); `grounded`, for no answer when it is not found in the
+        turns it drew on (`finish_reason` "unsupported")."""
         if conversation is None:
             listed = self.conversations()
             if not listed:
                 raise UserError(f"no conversations yet; run `{command('ingest', 'HISTORY')}` first")
             conversation = default_of(listed)
-        options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic)) if on}
+        options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic),
+                                             ("grounded", grounded)) if on}
         body: dict[str, Any]
         if on_text is None:
             body = {"conversation": conversation, "question": question, "episode": episode, "max_tokens": max_tokens,

@@ -59,6 +59,7 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     sources: bool = False        # record the answer's attention per turn (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
+    grounded: bool = False       # no answer when it is not found in the turns it drew on (AskConfig.grounded)
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ class Engine:
         self._check_earlier(request, lm)
         session = self._session(record, index, lm, encoder)
         session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens,
-                                             refuse_off_topic=request.refuse_off_topic)
+                                             refuse_off_topic=request.refuse_off_topic, grounded=request.grounded)
         gate = TextGate(request.stop)
 
         def on_text(piece: str) -> None:

@@ -18,7 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from kvchat.serve.engine import ChatRequest, Completion
 from kvchat.serve.spelling import spell
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop",
+                  "unsupported": "content_filter"}  # withheld as not found in the conversation (`grounded`)
 
 
 class ApiError(Exception):
@@ -66,6 +67,7 @@ class KvchatOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sources: bool = False  # the answer's sources in the response's `kvchat` (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer (`finish_reason` "refused" in `kvchat`) when no episode matches well
+    grounded: bool = False  # no answer (`finish_reason` "unsupported") when it is not found in the turns it drew on
 
 
 class ChatCompletionRequest(BaseModel):
@@ -104,7 +106,7 @@ class ChatCompletionRequest(BaseModel):
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
-                           refuse_off_topic=self.kvchat.refuse_off_topic)
+                           refuse_off_topic=self.kvchat.refuse_off_topic, grounded=self.kvchat.grounded)
 
 
 def parse_model(model: str) -> tuple[str, int | None]:
@@ -125,11 +127,13 @@ def completion_id() -> str:
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
     below the server's threshold), why the answer ended in kvchat's words (`finish_reason`: `refused` too),
-    timings, the turns recall recalled, and when the request asked for them the answer's `sources`."""
+    timings, the turns recall recalled, the answer checked against them (`grounding`), and when the request asked
+    for them the answer's `sources`."""
     answer = completion.answer
     fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
               "off_topic": answer.off_topic, "finish_reason": completion.finish_reason,
-              "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms, "recalled": answer.recalled}
+              "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms, "recalled": answer.recalled,
+              "grounding": None if answer.grounding is None else answer.grounding.to_dict()}
     if completion.replica is not None:
         fields["replica"] = completion.replica
     if answer.sources is not None or answer.sources_note is not None:
