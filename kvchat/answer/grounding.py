@@ -224,6 +224,7 @@ def _keys(text: str) -> set[str]:
     return {t.key for t in _terms(text)}
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pure function of the word: an episode's turns are checked per question
 def _key(word: str) -> str:
     """A word as it is compared: lower case, a number's digits alone (4,821 = 4821; "four" = 4; 3rd = 3), a month's
     number, else its Porter stem without a possessive."""
