@@ -39,9 +39,15 @@ def test_an_answer_found_in_its_turns_is_supported_whatever_its_case_stems_and_n
     assert check("It's Tobermory, the sheepdog.", "What is the dog called?", [BOOTS]).status == SUPPORTED
     assert check("Partners hiking near the lakes", "Where?", [BOOTS]).status == SUPPORTED  # stems
     assert check("Four.", "How many?", [Turn(1, "A", "We planted 4 rows.")]).status == SUPPORTED  # number words
-    # nothing to check: the answer only repeats the question's words, or it drew on no turn
-    assert check("The door code.", "What is the door code?", [DOOR]).status == UNCHECKED
+    # nothing to check: a yes/no question's answer repeating its words, or an answer that drew on no turn
+    assert check("Yes, the door code changed.", "Did the door code change?", [DOOR]).status == UNCHECKED
     assert check("4821", "What is the door code?", []).status == UNCHECKED
+
+
+def test_an_answer_only_repeating_a_question_that_asks_for_something_is_flagged():
+    echoed = check('The door code is "the door code".', "What is the door code?", [FILLER, DOOR])
+    assert echoed.status == UNSUPPORTED and echoed.unsupported == []
+    assert echoed.better is not None and "4821" in echoed.better.quote
 
 
 def test_a_number_not_in_the_sources_is_flagged_with_the_quote_that_answers_better():
@@ -158,7 +164,7 @@ def test_cli_says_what_was_not_found_and_grounded_exits_3(tmp_path, tiny_model_d
     assert f"note: not found in the conversation: {', '.join(flagged['grounding']['unsupported'])}" in noted.stderr
     refused = run_main(home, "ask", flagged["question"], "--max-new-tokens", "12", "--no-log", "--grounded")
     assert refused.returncode == 3 and refused.stdout == ""
-    assert "not answered: the answer was not found in the conversation" in refused.stderr
+    assert "not answered: not found in the conversation" in refused.stderr
     as_json = run_main(home, "ask", flagged["question"], "--max-new-tokens", "12", "--no-log", "--grounded", "--json")
     withheld = json.loads(as_json.stdout)
     assert as_json.returncode == 3 and withheld["finish_reason"] == "unsupported" and withheld["answer"] == ""

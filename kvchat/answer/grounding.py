@@ -5,8 +5,9 @@ turn says 4821). After decoding, `check` looks for the answer's terms (its numbe
 case and simple stems normalised; stop words and the question's own words left out) in the turns it drew on: its
 sources, the turns recalled for it and the turns of its episode that match the question best (`drawn_on`). A term
 found nowhere there is unsupported; an answer with an unsupported number, name or date, or mostly unsupported words,
-is flagged, and where a top turn holds a span of the same kind (a number where the answer has another one, a name),
-that span is quoted as the better answer.
+is flagged, and so is one that only repeats a question asking for something ("Tom's project is 'The Project'.");
+where a top turn holds a span of the same kind (a number where the answer has another one, a name), that span is
+quoted as the better answer.
 
 `off_topic` is the off-topic signal read off what retrieval found: a question is off-topic when no turn it could draw
 on holds its words and no episode matches it either, and never when it follows up an earlier exchange. `quote_span`
@@ -48,6 +49,7 @@ _ORDINAL = re.compile(r"^(\d+)(?:st|nd|rd|th)$")
 # A word: letters, digits, and the marks inside numbers, codes and dates (4,821; 3.5; B-17; 2023-05-01; 10:30).
 _TERM = re.compile(r"[^\W_](?:[\w'’]|[.,:/-](?=[^\W_]))*")
 _SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+|$)")
+_ASKING = re.compile(r"\b(?:what|which|who|whom|whose|when|where|how)\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class Grounding:
     there was nothing to check: no claim in the answer, or no turn it drew on)."""
 
     status: str
-    unsupported: list[str] = field(default_factory=list)  # the answer's terms found in none of the turns
+    unsupported: list[str] = field(default_factory=list)  # the answer's terms found in none of the turns (none: it
+                                                           # only repeats a question that asks for something)
     checked: int = 0                                       # the answer's terms looked for
     better: Quote | None = None                            # a top turn's span of the same kind, where there is one
 
@@ -96,8 +99,12 @@ def check(answer: str, question: str, turns: Sequence[Turn], config: GroundingCo
     """`answer` checked against `turns` (the turns it drew on, the most relevant first: `drawn_on`)."""
     asked = {t.key for t in _terms(question)}
     claims = _unique(t for t in _terms(answer) if t.key not in asked)
-    if not claims or not turns:
+    if not turns:
         return Grounding(UNCHECKED, checked=len(claims))
+    if not claims:  # it only repeats the question: no answer to a question asking for something, else nothing to check
+        if not _asks_for_something(question):
+            return Grounding(UNCHECKED)
+        return Grounding(UNSUPPORTED, better=_better([], asked, set(), turns[: config.quote_turns], config.quote_chars))
     found = set().union(*(_keys(t.text) for t in turns))
     missing = [t for t in claims if t.key not in found]
     strict = [t for t in missing if t.kind != "word"]
@@ -108,6 +115,11 @@ def check(answer: str, question: str, turns: Sequence[Turn], config: GroundingCo
         return Grounding(SUPPORTED, checked=len(claims))
     return Grounding(UNSUPPORTED, [t.shown for t in missing], len(claims),
                      _better(missing, asked, {t.key for t in claims}, turns[: config.quote_turns], config.quote_chars))
+
+
+def _asks_for_something(question: str) -> bool:
+    """A question asking for a thing (what, which, who, when, where, how many...), not for a yes or a no."""
+    return bool(_ASKING.search(question))
 
 
 def drawn_on(question: str, candidates: Sequence[Turn], first: Sequence[Turn], count: int) -> list[Turn]:

@@ -226,12 +226,13 @@ def say_grounding(grounding: dict | None, finish_reason: str) -> int:
     top turn that answers instead, where there is one; 1 when the answer was withheld (--grounded), else 0."""
     if not grounding or grounding.get("status") != "unsupported":
         return 0
-    missing = ", ".join(grounding.get("unsupported") or ()) or "its words"
+    missing = ", ".join(grounding.get("unsupported") or ())
     withheld = finish_reason == "unsupported"
+    said = f"not found in the conversation: {missing}" if missing else "the answer only repeats the question"
     if withheld:
-        say(f"kvchat: not answered: the answer was not found in the conversation ({missing}; --grounded)", console=err)
+        say(f"kvchat: not answered: {said} (--grounded)", console=err)
     else:
-        say(f"kvchat: note: not found in the conversation: {missing}", console=err)
+        say(f"kvchat: note: {said}", console=err)
     better = grounding.get("better")
     if better:
         say(f"  turn {better['turn']} ({better['speaker']}) says: \u201c{clean(better['quote'], one_line=True)}\u201d",
