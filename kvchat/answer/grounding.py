@@ -239,7 +239,7 @@ def _keys(text: str) -> set[str]:
 @functools.lru_cache(maxsize=1 << 16)  # a pure function of the word: an episode's turns are checked per question
 def _key(word: str) -> str:
     """A word as it is compared: lower case, a number's digits alone (4,821 = 4821; "four" = 4; 3rd = 3), a month's
-    number, else its Porter stem without a possessive."""
+    number, else its simple stem without a possessive."""
     low = word.lower().replace("’", "'").strip(".,:/-'")
     low = low[:-2] if low.endswith("'s") else low
     if low in _NUMBER_WORDS:
@@ -253,7 +253,7 @@ def _key(word: str) -> str:
         return low.replace(",", "")
     if any(c.isdigit() for c in low):
         return low
-    return _stemmer().stem(low)
+    return _stem(low)
 
 
 def _unique(terms: Iterable[_Term]) -> list[_Term]:
@@ -269,8 +269,14 @@ def _month_names() -> frozenset[str]:
     return frozenset(names + [n[:3] for n in names if n != "may"] + ["sept"])
 
 
-@functools.cache
-def _stemmer():
-    from nltk.stem import PorterStemmer  # imported when an answer is first checked: the answer path's cost only
+_SUFFIXES = (("ies", "y"), ("ied", "y"), ("ing", ""), ("ed", ""), ("es", ""), ("ly", ""), ("s", ""))
 
-    return PorterStemmer()
+
+def _stem(word: str) -> str:
+    """A simple stem: one inflection off (plural, past, -ing, -ly), then a final e (lake = lakes, leave = leaves).
+    Not nltk's Porter stemmer: importing nltk imports scikit-learn, which a question must not pay for."""
+    for suffix, replacement in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not (suffix == "s" and word.endswith("ss")):
+            word = word[: -len(suffix)] + replacement
+            break
+    return word[:-1] if word.endswith("e") and len(word) > 3 else word
