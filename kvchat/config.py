@@ -240,6 +240,20 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class GroundingConfig:
+    """The check of an answer against the turns it drew on (kvchat.answer.grounding); thresholds chosen on generated
+    planted-fact histories (benchmarks/results/grounding.md), never on LoCoMo."""
+
+    drawn_on: int = 3                  # the episode's turns matching the question best, checked beside the sources
+    max_unsupported_words: float = 0.5  # an answer is flagged when more of its content words than this are not found
+    quote_turns: int = 3               # the turns searched for a better quote, the most relevant first
+    quote_chars: int = 120             # a better quote, cut at word boundaries
+    # A question is off-topic when, beside a weak routing similarity, no turn it could draw on holds this share of
+    # its words (the best one: a recalled turn, or one of its episode's).
+    off_topic_coverage: float = 0.34
+
+
+@dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
     # An answer that repeats the question's opening words is decoded again from before them (kvchat.model.echo).
@@ -259,6 +273,8 @@ class AskConfig:
     # by position more than by content (benchmarks/results/receipts.md compares it with every layer, 0.0).
     source_layers_from: float = 0.5
     quote_chars: int = 100      # a source's quote, cut at a word boundary
+    grounding: GroundingConfig = GroundingConfig()
+    grounded: bool = False      # an answer not found in the turns it drew on is withheld (finish_reason "unsupported")
 
 
 REFERENCES = ("auto", "full", "gold")  # EvalConfig.against

@@ -652,6 +652,26 @@ def test_kvchat_ask_through_the_server_gives_sources_and_refuses_off_topic(serve
     assert lines.returncode == 3 and json.loads(lines.stdout)["finish_reason"] == "refused"
 
 
+def test_the_server_checks_each_answer_and_withholds_the_unsupported_on_request(server, home, tiny_lm, encoder):
+    """Through the `openai` package: every response's `kvchat` carries the answer's grounding (as a `Session` alone
+    gives it); with `kvchat.grounded` an unsupported answer is withheld, which a plain client sees as an empty
+    answer with finish_reason `content_filter`."""
+    answers = {q: reference(home, tiny_lm, encoder, "chat", q, 12) for q in QUESTIONS}
+    question, expected = next((q, a) for q, a in answers.items() if a.grounding.status == "unsupported")
+    messages = [{"role": "user", "content": question}]
+    plain = server.client.chat.completions.create(model="chat", messages=messages, max_tokens=12)
+    assert plain.choices[0].message.content == expected.text
+    assert plain.model_extra["kvchat"]["grounding"] == expected.grounding.to_dict()
+    withheld = server.client.chat.completions.create(model="chat", messages=messages, max_tokens=12,
+                                                     extra_body={"kvchat": {"grounded": True}})
+    assert withheld.choices[0].message.content == "" and withheld.choices[0].finish_reason == "content_filter"
+    assert withheld.model_extra["kvchat"]["finish_reason"] == "unsupported"
+    asked = server.http("POST", "/kvchat/ask", json={"conversation": "chat", "question": question, "max_tokens": 12,
+                                                     "grounded": True}).json()
+    assert asked["finish_reason"] == "unsupported" and asked["answer"] == ""
+    assert asked["grounding"]["unsupported"] == expected.grounding.unsupported
+
+
 def test_kvchat_serve_runs_until_sigterm(tmp_path, tiny_lm, encoder):
     """The command as users run it: a process that announces itself, answers, and on SIGTERM stops cleanly."""
     import signal

@@ -12,10 +12,11 @@ from cli_helpers import run_main
 
 from kvchat import documents
 from kvchat.answer.session import Session
-from kvchat.answer.sources import SourceRecorder, quote, rank
+from kvchat.answer.sources import SourceRecorder, rank
 from kvchat.cli.words import spell
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.history.loading import Turn
+from kvchat.history.loading import excerpt as quote
 from kvchat.history.spans import TurnSpan
 from kvchat.history.synthetic import OFF_TOPIC_QUESTIONS, planted_conversation, recalled
 from kvchat.history.tokens import turn_spans

@@ -88,18 +88,29 @@ def recalled_spans(tokenizer, chunks: Sequence[Chunk], lead: str = "\n") -> list
     turns' places (an index written before kvchat kept them)."""
     if not chunks or any(len(c.marks) != c.end - c.first for c in chunks):
         return []
-    starts, turns, cursor = [], [], len(lead)
+    starts, cursor = [], len(lead)
     for chunk in chunks:
-        for i, mark in enumerate(chunk.marks):
-            starts.append(cursor + mark.line)
-            end = chunk.marks[i + 1].line - 1 if i + 1 < len(chunk.marks) else len(chunk.text)
-            turns.append((chunk.first + i, mark, chunk.text[mark.text : end].strip()))
+        starts += [cursor + mark.line for mark in chunk.marks]
         cursor += len(chunk.text) + 1
+    turns = recalled_turns(chunks)
     ranges = token_ranges(tokenizer, lead + "\n".join(c.text for c in chunks), starts)
     if ranges is None:
         return []
     return [TurnSpan(first, end, index, mark.speaker, text[:STORED_CHARS], mark.time, mark.turn_id)
             for (index, mark, text), (first, end) in zip(turns, ranges, strict=True)]  # fmt: skip
+
+
+def recalled_turns(chunks: Sequence[Chunk]) -> list[tuple[int, TurnMark, str]]:
+    """Each turn of `chunks`: its index in the history, its mark and its text (empty for chunks stored without their
+    turns' places: an index written before kvchat kept them)."""
+    turns = []
+    for chunk in chunks:
+        if len(chunk.marks) != chunk.end - chunk.first:
+            continue
+        for i, mark in enumerate(chunk.marks):
+            end = chunk.marks[i + 1].line - 1 if i + 1 < len(chunk.marks) else len(chunk.text)
+            turns.append((chunk.first + i, mark, chunk.text[mark.text : end].strip()))
+    return turns
 
 
 def turn_ranges(chunks: Sequence[Chunk]) -> list[list[int]]:

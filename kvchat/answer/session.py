@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from kvchat import features
-from kvchat.answer import recall, recall_entries
+from kvchat.answer import grounding, recall, recall_entries
 from kvchat.answer.decoding import decode_answer, question_prompt
+from kvchat.answer.grounding import Grounding
 from kvchat.answer.rag import Chunk, RagIndex
 from kvchat.answer.recall_entries import StoredEntries
 from kvchat.answer.sources import Source, SourceRecorder, rank
@@ -53,11 +54,13 @@ class Answer:
     finish_reason: str = "stop"
     attention_backend: str = "torch"  # the decode attention kernel that answered: torch | flashinfer
     weights: str = "float"  # how the answering model's Linear weights were held: float | int8 | int4 (--weights)
-    off_topic: bool = False  # routing similarity under AskConfig.off_topic_similarity
+    off_topic: bool = False  # nothing found for the question: no episode nor turn matches it (grounding.off_topic)
     sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
     sources_note: str | None = None  # asked for and unavailable: why
     recalled: list[list[int]] | None = None  # --method recall: the [first, end) turns recalled for the question
     transcript_cut: bool = False  # the answer ends where the model went on writing the history (kvchat.answer.stops)
+    # the answer checked against the turns it drew on (kvchat.answer.grounding); None when refused before decoding
+    grounding: Grounding | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -87,6 +90,7 @@ class Session:
         self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
         self._stored: StoredEntries | None = None  # its recall entries file (--recall-entries stored), opened once
         self._speaker_names: frozenset[str] | None = None  # the resident episode's speakers, read when first asked
+        self._episode_turns: tuple[int, list[grounding.Turn]] | None = None  # the resident episode's turns, as read
 
     def ask(
         self,
@@ -130,11 +134,6 @@ class Session:
         clock = time.perf_counter()
         index, similarity = self._route(query, episode)
         timings["route"] = _ms_since(clock)
-        # a follow-up is about what it follows: its own words name little of it, so it is never off topic
-        off_topic = not earlier and similarity < self.config.off_topic_similarity
-        if off_topic and self.config.refuse_off_topic:
-            return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, False, timings,
-                          "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
 
         clock = time.perf_counter()
         reused = self._resident is not None and self._resident[0] == index
@@ -159,6 +158,14 @@ class Session:
             else:
                 prefilled = recall.recalled_text(picked)
             recalled_turns = self._recalled_spans(picked, stored, placing) if sources else []
+        drawn = [grounding.Turn(i, mark.speaker, text, mark.time)
+                 for i, mark, text in recall.recalled_turns(picked)] if chunks is not None else []  # fmt: skip
+        episode_turns = self._turns_of(index)
+        off_topic = grounding.off_topic(similarity, grounding.coverage(question, [*drawn, *episode_turns]),
+                                        bool(earlier), self.config.grounding, self.config.off_topic_similarity)
+        if off_topic and self.config.refuse_off_topic:
+            return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, reused, timings,
+                          "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
         if prefilled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
         placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
@@ -172,21 +179,29 @@ class Session:
         with self._shrunk_pages_refused(index):
             try:
                 self._place(cache, stored, placing)
-                decoded = decode_answer(
+                decoded = decode_answer(  # a grounded answer is shown once it is checked
                     self.lm, cache, prompt_ids, self.config, question=question, speakers=self._speakers(),
-                    stops=stops, on_text=on_text, stop=stop, on_first_logits=on_first_logits,
-                    first_recorder=first_recorder,
+                    stops=stops, on_text=None if self.config.grounded else on_text, stop=stop,
+                    on_first_logits=on_first_logits, first_recorder=first_recorder,
                 )
-                tokens, finish = decoded.tokens, decoded.finish_reason
+                tokens, finish, text = decoded.tokens, decoded.finish_reason, decoded.text
                 if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
                     self._record_answer(cache, recorder, mark.extended(placed + prompt_ids.shape[-1] - 1),
                                         prompt_ids, tokens if decoded.closed else tokens[:-1])  # fmt: skip
             finally:
                 cache.rollback(mark)
         timings["decode"] = _ms_since(clock)
+        ranked = None if recorder is None or kept is None else rank(
+            recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
+            recorder.recalled, answer=text, question=question)
+        checked = self._grounding(question, text, ranked, recorder, drawn, episode_turns)
+        if self.config.grounded and checked.status == grounding.UNSUPPORTED:
+            text, finish = "", "unsupported"  # withheld: what it said is in `checked`
+        elif self.config.grounded and on_text is not None and text:
+            on_text(text)
 
         answer = Answer(
-            text=decoded.text,
+            text=text,
             conversation=self.conversation.name,
             episode=index,
             similarity=round(similarity, 4),
@@ -198,12 +213,11 @@ class Session:
             attention_backend=self.lm.attention_backend,
             weights=self.lm.weights,
             off_topic=off_topic,
-            sources=None if recorder is None or kept is None else rank(
-                recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
-                recorder.recalled),
+            sources=ranked,
             sources_note=note,
             recalled=chunks,
             transcript_cut=decoded.transcript_cut,
+            grounding=checked,
         )
         if log:
             self.store.log_ask(
@@ -217,6 +231,26 @@ class Session:
                 }
             )
         return answer
+
+    def _turns_of(self, index: int) -> list[grounding.Turn]:
+        """The turns episode `index` (the resident one) holds, as its file records them (none for a file written
+        before kvchat recorded turn spans), read once per resident episode."""
+        if self._episode_turns is None or self._episode_turns[0] != index:
+            spans = from_metadata(self._turns) or []
+            self._episode_turns = (index, [grounding.Turn(s.index, s.speaker, s.text, s.time) for s in spans])
+        return self._episode_turns[1]
+
+    def _grounding(self, question: str, text: str, ranked: Sequence[Source] | None, recorder: SourceRecorder | None,
+                   recalled: Sequence[grounding.Turn], episode_turns: Sequence[grounding.Turn]) -> Grounding:
+        """`text` checked against the turns it drew on: its sources (where recorded), the turns recalled for it, and
+        its episode's turns matching the question best."""
+        first: list[grounding.Turn] = []
+        if ranked and recorder is not None:
+            spans = {s.index: s for s in recorder.spans}
+            first = [grounding.Turn(s.turn, s.speaker, spans[s.turn].text, s.time) for s in ranked]
+        first += [t for t in recalled if t.index not in {f.index for f in first}]
+        drawn = grounding.drawn_on(question, episode_turns, first, self.config.grounding.drawn_on)
+        return grounding.check(text, question, drawn, self.config.grounding)
 
     def _routing_centroids(self, conversation: ConversationRecord) -> np.ndarray:
         """The episodes' centroids, refused unless each is one of the encoder's embeddings: their digest only
@@ -388,6 +422,7 @@ class Session:
         self._resident = (index, cache)
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
         self._speaker_names = None
+        self._episode_turns = None  # read from this file when first asked
         # full KV evicts nothing, so nothing was re-rotated, whatever its positions setting says
         self._compacted, self._origins = meta.positions == "compact" and meta.method != "full", origins
         return cache

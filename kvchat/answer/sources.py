@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvchat.history.loading import excerpt as quote  # a source's quote
+from kvchat.answer.grounding import quote_span
 from kvchat.history.spans import TurnSpan
 from kvchat.kv.attention import LayerView
 from kvchat.kv.cache import EpisodeCache
@@ -124,9 +124,10 @@ class SourceRecorder:
 
 
 def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top: int, quote_chars: int,
-         recalled: Collection[int] = ()) -> list[Source]:  # fmt: skip
+         recalled: Collection[int] = (), *, answer: str = "", question: str = "") -> list[Source]:  # fmt: skip
     """The `top` turns by attention `mass` (per turn, as `SourceRecorder.mass`), shares of the turns' total;
-    `recalled`, the indices of `spans` recalled for the question (`SourceRecorder.recalled`)."""
+    `recalled`, the indices of `spans` recalled for the question (`SourceRecorder.recalled`). Each quote is the part
+    of its turn matching `answer` (else `question`; kvchat.answer.grounding.quote_span)."""
     turns = mass[: len(spans)]
     total = float(turns.sum())
     if total <= 0:
@@ -134,7 +135,8 @@ def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top:
     order = sorted(range(len(spans)), key=lambda i: (-float(turns[i]), i))[:top]
     return [
         Source(turn=spans[i].index, turn_id=spans[i].turn_id, speaker=spans[i].speaker, time=spans[i].time,
-               quote=quote(spans[i].text, quote_chars), attention_share=round(float(turns[i]) / total, 4),
+               quote=quote_span(spans[i].text, answer, question, quote_chars),
+               attention_share=round(float(turns[i]) / total, 4),
                kept_tokens=int(round(float(kept[i]))), tokens=spans[i].end - spans[i].start, recalled=i in recalled)
         for i in order
     ]  # fmt: skip

@@ -71,6 +71,9 @@ def ask(
         "(default: a new one each answer).")] = None,
     repetition_penalty: Annotated[float, typer.Option(help="Divides the scores of tokens the answer already holds "
         "(1: off), so answers do not loop.")] = Sampling.repetition_penalty,
+    grounded: Annotated[bool, typer.Option("--grounded", help="Withhold an answer whose numbers, names or words are "
+        "not found in the turns it drew on (a line on stderr names them; exit 3 when any answer was withheld). "
+        "Without it such an answer is shown with that line under it.")] = False,
     server: Annotated[str | None, typer.Option(
         envvar="KVCHAT_SERVER", help="Ask the `kvchat serve` at this URL. Default: the server running on this "
         "$KVCHAT_HOME, if any, unless --local or an option only this process honours is given (--retrieve, "
@@ -109,7 +112,8 @@ def ask(
     if follow_up:
         conversation, earlier = _last_exchange(conversation)
     asker: _RemoteAsker | _Asker | None = (
-        _remote_asker(server, conversation, answering, api_key, refuse_off_topic) if not (local or own) else None
+        _remote_asker(server, conversation, answering, api_key, refuse_off_topic, grounded)
+        if not (local or own) else None
     )
     if asker is None:
         store = open_store()
@@ -117,7 +121,7 @@ def ask(
             say(f"kvchat: note: {store.home} is read-only ({store.read_only_reason}); questions are not logged",
                 console=err)
         config = AskConfig(max_new_tokens, retrieve=retrieve, weights=weights, refuse_off_topic=refuse_off_topic,
-                           sampling=sampling, system=answering.system)  # fmt: skip
+                           sampling=sampling, system=answering.system, grounded=grounded)  # fmt: skip
         asker = _Asker(store, conversation, config, log=not no_log and not store.read_only, threads=threads,
                        device=DeviceConfig(device, dtype), episode=episode)
     asker.sources = sources
@@ -208,7 +212,7 @@ class _Asker:
     """The session `ask` answers from, and how an answer reaches the terminal (the REPL's Actions)."""
 
     sources = False  # --sources (the REPL's /sources)
-    refused = 0      # questions refused as off-topic (--refuse-off-topic)
+    refused = 0      # questions refused as off-topic (--refuse-off-topic) or answers withheld (--grounded)
     stoppable = False  # the REPL: a first Ctrl-C stops the answer (elsewhere it interrupts kvchat, exit 130)
 
     def __init__(self, store, conversation: str | None, config: AskConfig, *, log: bool, threads: int | None,
@@ -265,6 +269,7 @@ class _Asker:
         if as_json:
             result = self.session.ask(question, episode=episode, log=self.log, earlier=earlier, **self._receipts())
             self._off_topic(result)
+            self.refused += result.finish_reason == "unsupported"
             emit_json(documents.answer(question, result))
             return result.text
         answered = []
@@ -279,6 +284,8 @@ class _Asker:
         _print_streamed(run, self.config.max_new_tokens, line=line, stoppable=self.stoppable)
         result = answered[-1]
         self._off_topic(result, line)
+        self.refused += say_grounding(None if result.grounding is None else result.grounding.to_dict(),
+                                      result.finish_reason, line)
         if self.sources and result.finish_reason != "refused":
             show_sources(None if result.sources is None else [s.to_dict() for s in result.sources],
                          result.sources_note, result.episode, line=line)
@@ -308,6 +315,27 @@ def _configured(config: Any, field: str, value: object) -> Any:
     return dataclasses.replace(config, **{field: value})
 
 
+def say_grounding(grounding: dict | None, finish_reason: str, line: int | None = None) -> int:
+    """The lines under an answer not found in the turns it drew on: its terms found nowhere there, and the span of a
+    top turn that answers instead, where there is one (`line`: the question's line in a batch); 1 when the answer
+    was withheld (--grounded), else 0."""
+    if not grounding or grounding.get("status") != "unsupported":
+        return 0
+    missing = ", ".join(grounding.get("unsupported") or ())
+    withheld = finish_reason == "unsupported"
+    said = f"not found in the conversation: {missing}" if missing else "the answer only repeats the question"
+    where = "" if line is None else f"line {line}: "
+    if withheld:
+        say(f"kvchat: {where}not answered: {said} (--grounded)", console=err)
+    else:
+        say(f"kvchat: {where}note: {said}", console=err)
+    better = grounding.get("better")
+    if better:
+        say(f"  turn {better['turn']} ({better['speaker']}) says: \u201c{clean(better['quote'], one_line=True)}\u201d",
+            console=err)
+    return int(withheld)
+
+
 def say_off_topic(finish_reason: str, similarity: float, limit: float | None, line: int | None = None) -> int:
     """The line under an answer to a question no episode matches well (`limit`: the threshold, where known; `line`:
     the question's line in a batch); 1 when the question was refused, else 0."""
@@ -326,13 +354,15 @@ class _RemoteAsker:
     """`ask` through a running `kvchat serve` (kvchat.serve.client): the same output, and the REPL's Actions."""
 
     sources = False  # --sources, the REPL's /sources
-    refused = 0      # questions the server refused as off-topic (--refuse-off-topic)
+    refused = 0      # questions the server refused as off-topic (--refuse-off-topic) or withheld (--grounded)
     stoppable = False  # the REPL: a first Ctrl-C stops the answer
 
-    def __init__(self, client, conversation: str | None, answering: _Answering, refuse_off_topic: bool = False) -> None:
+    def __init__(self, client, conversation: str | None, answering: _Answering, refuse_off_topic: bool = False,
+                 grounded: bool = False) -> None:
         from kvchat.serve.client import default_of
 
         self.client, self.answering, self.refuse_off_topic = client, answering, refuse_off_topic
+        self.grounded = grounded
         listed = client.conversations()
         self._episodes = {c["name"]: c["episode_count"] for c in listed}
         if not self._episodes:
@@ -381,12 +411,13 @@ class _RemoteAsker:
         question = question.strip()
         a = self.answering
         options = {"episode": episode, "max_tokens": a.max_new_tokens, "sources": self.sources,
-                   "refuse_off_topic": self.refuse_off_topic, "earlier": earlier, "system": a.system,
-                   "sampling": _sampling_fields(a.sampling)}
+                   "refuse_off_topic": self.refuse_off_topic, "grounded": self.grounded, "earlier": earlier,
+                   "system": a.system, "sampling": _sampling_fields(a.sampling)}
         if as_json:
             document = self.client.ask(self.name, question, **options)
             emit_json(document)
             self._off_topic(document)
+            self.refused += document.get("finish_reason") == "unsupported"
             return document.get("answer", "")
         answered = []
 
@@ -397,6 +428,7 @@ class _RemoteAsker:
         _print_streamed(run, self.max_new_tokens, line=line, stoppable=self.stoppable)
         document = answered[-1]
         self._off_topic(document, line)
+        self.refused += say_grounding(document.get("grounding"), document.get("finish_reason", ""), line)
         if self.sources and document.get("finish_reason") != "refused" and "sources" in document:
             show_sources(document["sources"], document.get("sources_note"), document.get("episode"), line=line)
         return document.get("answer", "")
@@ -414,7 +446,8 @@ def _sampling_fields(sampling: Sampling) -> dict[str, object]:
 
 
 def _remote_asker(url: str | None, conversation: str | None, answering: _Answering,
-                  api_key: str | None, refuse_off_topic: bool = False) -> _RemoteAsker | None:
+                  api_key: str | None, refuse_off_topic: bool = False, grounded: bool = False
+                  ) -> _RemoteAsker | None:  # fmt: skip
     """An asker through the server at `url`, else through the one announced in $KVCHAT_HOME (None when none
     runs, or it does not answer: then this process answers)."""
     from kvchat.config import default_home
@@ -422,12 +455,12 @@ def _remote_asker(url: str | None, conversation: str | None, answering: _Answeri
     from kvchat.serve.client import Client, Unreachable
 
     if url is not None:
-        return _RemoteAsker(Client(url, api_key=api_key), conversation, answering, refuse_off_topic)
+        return _RemoteAsker(Client(url, api_key=api_key), conversation, answering, refuse_off_topic, grounded)
     found = announced_url(default_home())
     if found is None:
         return None
     try:
-        return _RemoteAsker(Client(found, api_key=api_key), conversation, answering, refuse_off_topic)
+        return _RemoteAsker(Client(found, api_key=api_key), conversation, answering, refuse_off_topic, grounded)
     except Unreachable:
         return None
 
@@ -469,7 +502,7 @@ def _print_streamed(run, max_new_tokens: int, *, line: int | None = None, stoppa
 
     with _ctrl_c_stops(stoppable) as stopping:
         result = run(write, stopping)
-    if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
+    if result["finish_reason"] in ("refused", "unsupported"):  # nothing was said: no empty answer line
         if line is not None:
             _write_line(NO_ANSWER)
         return None

@@ -136,7 +136,8 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
             raise ApiError(400, f"max_tokens is {tokens}; this server allows at most {config.max_tokens_limit}",
                            param="max_tokens")
         chat = ChatRequest(body.conversation, valid_text(body.question).strip(), body.episode, max_tokens=tokens,
-                           sources=body.sources, refuse_off_topic=body.refuse_off_topic)
+                           sources=body.sources, refuse_off_topic=body.refuse_off_topic,
+                           grounded=body.grounded)
         _log.debug("question %r", chat.question)
         _check_known(request, chat)
         completion = await _result(_submit(engine.submit_chat, chat), request)
@@ -192,6 +193,7 @@ class AskBody(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     sources: bool = False           # the answer's sources (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well
+    grounded: bool = False          # no answer when it is not found in the turns it drew on
 
 
 class IngestBody(BaseModel):

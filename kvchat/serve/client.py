@@ -44,7 +44,7 @@ class Client:
     def ask(self, conversation: str | None, question: str, *, episode: int | None = None, max_tokens: int = 64,
             on_text: Callable[[str], None] | None = None, stop: Callable[[], bool] | None = None,
             earlier: Sequence[tuple[str, str]] = (), sources: bool = False,
-            refuse_off_topic: bool = False, system: str | None = None,
+            refuse_off_topic: bool = False, grounded: bool = False, system: str | None = None,
             sampling: dict[str, Any] | None = None) -> dict[str, Any]:
         """The `kvchat ask --json` document of one answer; `on_text` gets the text as it streams, and `stop`,
         asked after each piece, ends it (the connection closes, which stops the server's decoding; the
@@ -52,13 +52,15 @@ class Client:
         else the newest. `earlier` (question, answer) pairs are the exchange the question follows up; `system`, the
         user's instructions; `sampling`, the chat request's sampling fields (`temperature`, `seed`, ...). `sources`
         asks for the turns the answer drew on; `refuse_off_topic`, for no answer when no episode matches well
-        (`finish_reason` "refused"). Always streamed, so the read limit holds however long the answer takes."""
+        (`finish_reason` "refused"); `grounded`, for no answer when it is not found in the turns it drew on
+        (`finish_reason` "unsupported"). Always streamed, so the read limit holds however long the answer takes."""
         if conversation is None:
             listed = self.conversations()
             if not listed:
                 raise UserError(f"no conversations yet; run `{command('ingest', 'HISTORY')}` first")
             conversation = default_of(listed)
-        options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic)) if on}
+        options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic),
+                                             ("grounded", grounded)) if on}
         model = conversation if episode is None else f"{conversation}/{episode}"
         messages = [{"role": role, "content": text} for pair in earlier
                     for role, text in zip(("user", "assistant"), pair, strict=True)]

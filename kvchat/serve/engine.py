@@ -64,6 +64,7 @@ class ChatRequest:
     refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
     sampling: Sampling = Sampling()  # how each token is chosen (AskConfig.sampling)
     system: str | None = None    # the client's system messages: instructions before the question (AskConfig.system)
+    grounded: bool = False       # no answer when it is not found in the turns it drew on (AskConfig.grounded)
 
 
 @dataclass(frozen=True)
@@ -317,7 +318,7 @@ class Engine:
         session = self._session(record, index, lm, encoder)
         session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens,
                                              refuse_off_topic=request.refuse_off_topic, sampling=request.sampling,
-                                             system=request.system)  # fmt: skip
+                                             system=request.system, grounded=request.grounded)  # fmt: skip
 
         def on_text(piece: str) -> None:
             job.emit("text", piece)

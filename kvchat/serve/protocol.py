@@ -25,7 +25,8 @@ from kvchat.serve.engine import ChatRequest, Completion
 from kvchat.serve.spelling import spell
 from kvchat.untrusted_text import valid_text
 
-FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
+FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop",
+                  "unsupported": "content_filter"}  # withheld as not found in the conversation (`grounded`)
 # What a plain OpenAI client shows for a question refused as off-topic (`kvchat.refuse_off_topic`): the message's
 # content and OpenAI's `refusal` field say it, so no client takes an empty answer for one.
 REFUSAL = "Not answered: no part of this conversation matches the question well enough."
@@ -76,6 +77,7 @@ class KvchatOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     sources: bool = False  # the answer's sources in the response's `kvchat` (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer (`finish_reason` "refused" in `kvchat`) when no episode matches well
+    grounded: bool = False  # no answer (`finish_reason` "unsupported") when it is not found in the turns it drew on
 
 
 class ChatCompletionRequest(BaseModel):
@@ -124,7 +126,8 @@ class ChatCompletionRequest(BaseModel):
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
-                           refuse_off_topic=self.kvchat.refuse_off_topic, sampling=self._sampling(), system=system)
+                           refuse_off_topic=self.kvchat.refuse_off_topic, sampling=self._sampling(), system=system,
+                           grounded=self.kvchat.grounded)
 
     def _sampling(self) -> Sampling:
         """The request's sampling, kvchat's defaults where it names none (a temperature of 0: greedy)."""
@@ -183,9 +186,9 @@ def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: the `kvchat ask --json` document's fields but the question and the answer's
     text (which episode answered, how similar the question was to it, `off_topic` below the server's threshold,
     why the answer ended in kvchat's words (`finish_reason`: `refused` too), token counts, timings, the turns
-    recall recalled, whether the answer was cut where the model went on writing the history, and when the
-    request asked for them the answer's `sources`), so a streamed answer
-    carries the whole document (kvchat.serve.client builds it)."""
+    recall recalled, whether the answer was cut where the model went on writing the history, the answer checked
+    against the turns it drew on (`grounding`), and when the request asked for them the answer's `sources`), so a
+    streamed answer carries the whole document (kvchat.serve.client builds it)."""
     answer = completion.answer
     fields = {key: value for key, value in documents.answer("", answer).items()
               if key not in ("schema", "question", "answer")}
