@@ -75,9 +75,10 @@ def estimate_bytes(
     *,
     select_from_full: bool = False,
 ) -> int:
-    """The pre-flight estimate (kvchat.ingest.preflight) of building `config`'s caches over `context_tokens`."""
+    """The pre-flight estimate (kvchat.ingest.preflight) of building `config`'s caches over `context_tokens`, with the
+    weights the prefill holds dense (`LoadedModel.prefill_weights`)."""
     shape = preflight.ModelShape.of(lm.model)
-    return preflight.estimate_ingest_bytes(
+    return lm.prefill_weight_bytes + preflight.estimate_ingest_bytes(
         shape,
         budget=config.cache.budget,
         block_size=config.cache.block_size,

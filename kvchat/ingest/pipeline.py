@@ -288,12 +288,13 @@ def build_episodes(
     progress = progress or IngestProgress()
     progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens, lm.context_window)
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
-    full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
-    for episode in plan.episodes:
-        progress.episode(episode.index, len(plan.episodes))
-        cache, stored = resume(episode) if resume is not None else (None, None)
-        yield build_episode(plan, episode, lm, on_block=progress.block, full=full, scratch=scratch(episode.index),
-                            resume=cache, stored=stored)  # fmt: skip
+    with lm.prefill_weights():  # many-token products by the fastest kernel for the weights held (LoadedModel)
+        full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
+        for episode in plan.episodes:
+            progress.episode(episode.index, len(plan.episodes))
+            cache, stored = resume(episode) if resume is not None else (None, None)
+            yield build_episode(plan, episode, lm, on_block=progress.block, full=full,
+                                scratch=scratch(episode.index), resume=cache, stored=stored)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -383,8 +384,13 @@ def recall_entries_writer(
         return None
     on_chunk = progress.recall_entries if progress is not None else None
     chunks = plan.recall.chunks
-    return lambda path: recall_entries.write(path, lm, chunks, plan.prefix_ids, bits=recalling.stored_bits,
-                                             group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
+
+    def write(path: Path) -> tuple[int, str]:
+        with lm.prefill_weights():
+            return recall_entries.write(path, lm, chunks, plan.prefix_ids, bits=recalling.stored_bits,
+                                        group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
+
+    return write
 
 
 def write_recall_entries(

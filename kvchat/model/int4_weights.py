@@ -83,6 +83,48 @@ def product(x: torch.Tensor, weight: torch.Tensor, scale_zero: torch.Tensor) -> 
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), weight, GROUP, scale_zero)
 
 
+class CodeLayout:
+    """Where torch's CPU int4 packing puts each 4-bit code, per weight shape, read off the packer itself: positions
+    packed 4 bits at a time say which nibble of which byte holds which code. No layout is assumed (it differs between
+    full blocks of `ROW_BLOCK` rows and a shorter last one, and is torch's to change); a shape's is found once per
+    instance."""
+
+    def __init__(self) -> None:
+        self._sources: dict[tuple[int, int], torch.Tensor] = {}
+
+    def codes(self, weight: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+        """The codes `[out, in]` (uint8, 0..15) packed in `weight` `[out, in / 2]`."""
+        source = self._source(out_features, in_features)
+        nibbles = torch.stack([weight & 15, weight >> 4], dim=-1).flatten()   # each byte's low nibble, then high
+        codes = torch.empty(out_features * in_features, dtype=torch.uint8)
+        codes[source] = nibbles
+        return codes.view(out_features, in_features)
+
+    def _source(self, out_features: int, in_features: int) -> torch.Tensor:
+        """For each nibble of the packing, in `codes`' order, the flat position `[out, in]` of its code."""
+        shape = (out_features, in_features)
+        if shape not in self._sources:
+            position = torch.arange(out_features * in_features, dtype=torch.int64).view(shape)
+            source = torch.zeros(out_features * in_features, dtype=torch.int64)
+            for shift in range(0, max(int(position[-1, -1]), 1).bit_length(), 4):
+                digit = ((position >> shift) & 15).to(torch.int32)
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(digit, 1)
+                source |= torch.stack([packed & 15, packed >> 4], dim=-1).flatten().to(torch.int64) << shift
+            self._sources[shape] = source
+        return self._sources[shape]
+
+
+def bfloat16_weight(weight: torch.Tensor, scale_zero: torch.Tensor, layout: CodeLayout) -> torch.Tensor:
+    """The weight `[out, in]` that packed `weight` and its groups' `scale_zero` stand for, each value computed as the
+    kernel computes it (`(code - 8) * scale + offset` in float32) and rounded to bfloat16: what a bfloat16 matrix
+    product multiplies by in the int4 kernel's place."""
+    groups, out_features = scale_zero.shape[0], scale_zero.shape[1]
+    codes = layout.codes(weight, out_features, groups * GROUP).view(out_features, groups, GROUP)
+    scale, zero = scale_zero.float().transpose(0, 1).unbind(-1)                     # [out, groups] each
+    values = (codes.float() - 8).mul_(scale[..., None]).add_(zero[..., None])
+    return values.view(out_features, -1).to(torch.bfloat16)
+
+
 def fits(linear: nn.Linear) -> bool:
     """Whether the kernel takes `linear`'s shape."""
     return linear.in_features % GROUP == 0 and linear.out_features % ROWS_MULTIPLE == 0

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Collection, Generator, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,6 +149,20 @@ class LoadedModel:
         `models_dir` when they were kept there for the float weights file `source`), fingerprints taken first."""
         fingerprint = self.weight_ids[0]  # taken (and kept) from the float weights, before they change
         self.weights = held_weights.hold(self.model, weights, fingerprint, models_dir, source)
+
+    def prefill_weights(self) -> AbstractContextManager[None]:
+        """Where many tokens run through the model (an ingest's block prefill and scorers): inside, the int8 and int4
+        weights of kvchat's Llama multiply many-row products dense in bfloat16 (`NativeLlama.dense_products`: the
+        values the kernels compute, rounded to bfloat16, by a faster kernel), `prefill_weight_bytes` more memory;
+        float weights and other families as they are."""
+        model = self.model
+        return model.dense_products() if isinstance(model, native_llama.NativeLlama) else nullcontext()
+
+    @property
+    def prefill_weight_bytes(self) -> int:
+        """The memory `prefill_weights` adds while inside."""
+        model = self.model
+        return model.dense_weight_bytes() if isinstance(model, native_llama.NativeLlama) else 0
 
     @property
     def config(self) -> ModelConfig:

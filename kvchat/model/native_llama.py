@@ -22,7 +22,8 @@ whatever scaling it computes) into a `NativeLlama` all the same. Other architect
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,7 +35,8 @@ from torch import nn
 
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.kv.attention import kvchat_attention
-from kvchat.model.products import Products, Projection, product, rms_norm
+from kvchat.model.int4_weights import CodeLayout
+from kvchat.model.products import Products, Projection, dense_bytes, product, rms_norm
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -216,6 +218,11 @@ class Attention(nn.Module):
         value = projected[:, rotated * dim :].view(n, self.kv_heads, dim).transpose(0, 1)[None]
         return o_proj(attend(self.layer_idx, query, key, value, self.scaling).reshape(n, self.heads * dim))
 
+    def products(self) -> Products:
+        """Its products, built (`Products.hold_dense` takes them so)."""
+        self._products.of(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        return self._products
+
 
 class MLP(nn.Module):
     def __init__(self, config: NativeConfig) -> None:
@@ -230,6 +237,11 @@ class MLP(nn.Module):
         gate_up, down = self._products.of(self.gate_proj, self.up_proj, self.down_proj)
         gate, up = gate_up(x).to(x.dtype).chunk(2, dim=-1)
         return down(F.silu(gate) * up)
+
+    def products(self) -> Products:
+        """Its products, built."""
+        self._products.of(self.gate_proj, self.up_proj, self.down_proj)
+        return self._products
 
 
 # (the layer's attention module, its input x [n, hidden] after the norm, cos, sin [n, D]) -> its output [n, hidden]
@@ -315,6 +327,30 @@ class NativeLlama(nn.Module):
                           attention_mask=attention_mask, past_key_values=cache, **kwargs)[0][0]
 
         return NativeOutput(self.run(input_ids[0], position_ids, attention, logits_to_keep))
+
+    @contextmanager
+    def dense_products(self) -> Iterator[None]:
+        """While inside, the layers' int8 and int4 products of many rows (a prefill's block, a scorer's probe) multiply
+        by their weights held dense in bfloat16 (kvchat.model.products: the same values, a faster kernel); the dense
+        copies (`dense_weight_bytes`) are released on leaving. Float weights are untouched; inside an enclosing call,
+        nothing more is held."""
+        held = [layer_part.products() for layer in self.model.layers for layer_part in (layer.self_attn, layer.mlp)]
+        if any(products.holds_dense for products in held) or not self.dense_weight_bytes():
+            yield
+            return
+        layout = CodeLayout()
+        try:
+            for products in held:
+                products.hold_dense(layout)
+            yield
+        finally:
+            for products in held:
+                products.drop_dense()
+
+    def dense_weight_bytes(self) -> int:
+        """The bytes `dense_products` holds while inside."""
+        return sum(dense_bytes(layer_part.products()) for layer in self.model.layers
+                   for layer_part in (layer.self_attn, layer.mlp))  # fmt: skip
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention, logits_to_keep: int = 1
             ) -> torch.Tensor:  # fmt: skip

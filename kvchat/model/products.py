@@ -6,6 +6,12 @@ key and value rows are one product and the gate and up rows another (their weigh
 one tensor each, the modules' own weights rebound to views of it, so memory does not grow and anything reading a
 module's weight reads the same values), a Linear's product is its kernel without the module call, and a norm is
 `torch.rms_norm`.
+
+While a prefill runs many tokens through the layers (ingest: `Products.hold_dense`), int8 and int4 products of
+`DENSE_ROWS` rows or more multiply by their weights held dense in bfloat16 instead, each value the one the kernel
+computes, rounded to bfloat16: on a CPU with bfloat16 instructions torch's bfloat16 matrix product (oneDNN) runs a
+512-token block about 2.5x faster than the int4 kernel, which dequantizes its weights again for every row block
+(benchmarks/ingest_throughput.py). One token (a decode step) reads the fewest bytes through the int4 or int8 kernel.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvchat.model.int4_weights import Int4Linear, stackable
+from kvchat.model.int4_weights import CodeLayout, Int4Linear, bfloat16_weight, stackable
 from kvchat.model.int4_weights import product as int4_product
 from kvchat.model.int8_weights import Int8Linear
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = (nn.Linear, Int8Linear, Int4Linear)
+# Rows of a product from which, while dense weights are held, the bfloat16 product beats the int4 and int8 kernels
+# (benchmarks/ingest_throughput.py's kernel table); a decode step's one row stays with them.
+DENSE_ROWS = 16
 
 
 class Projection:
@@ -36,11 +45,18 @@ class Projection:
         if len({type(m) for m in modules}) != 1 or self.kind not in LINEAR_KINDS or any(
                 getattr(m, "bias", None) is not None for m in modules):
             raise ValueError("a projection stacks Linear layers of one kind without biases")
+        self.in_features, self.out_features = modules[0].in_features, sum(m.out_features for m in modules)
+        self.dense: torch.Tensor | None = None  # `hold_dense`'s weights
         self.parts = None
         if self.kind is Int4Linear and not stackable([m.out_features for m in modules]):
             self.parts = [(m.weight, m.scale_zero) for m in modules]
             return
         names = ("weight", "scale") if self.kind is Int8Linear else ("weight",)
+        if len(modules) == 1:  # nothing to stack
+            self.tensors = [getattr(modules[0], name).detach() for name in names]
+            if self.kind is Int4Linear:
+                self.tensors.append(modules[0].scale_zero)
+            return
         self.tensors = []
         for name in names:
             stacked = torch.cat([getattr(m, name).detach() for m in modules])
@@ -57,7 +73,22 @@ class Projection:
         if self.kind is Int4Linear:  # [groups, out, 2]: stacked along the output rows
             self.tensors.append(torch.cat([m.scale_zero for m in modules], dim=1))
 
+    def hold_dense(self, layout: CodeLayout) -> None:
+        """Hold the int8 or int4 weights dense in bfloat16 too (as `bfloat16_weight`, or an int8 code times its row's
+        scale, rounded): products of `DENSE_ROWS` rows or more multiply by them. Float weights stay as they are."""
+        if self.kind is Int4Linear:
+            parts = self.parts or [tuple(self.tensors)]
+            self.dense = torch.cat([bfloat16_weight(weight, scale_zero, layout) for weight, scale_zero in parts])
+        elif self.kind is Int8Linear:
+            weight, scale = self.tensors
+            self.dense = (weight.float() * scale.float()[:, None]).to(torch.bfloat16)
+
+    def drop_dense(self) -> None:
+        self.dense = None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] >= DENSE_ROWS:
+            return F.linear(x.to(torch.bfloat16), self.dense)  # left in bfloat16, as the kernels leave theirs
         if self.parts is not None:
             return torch.cat([int4_product(x, *part) for part in self.parts], dim=-1)
         if self.kind is Int8Linear:
@@ -69,8 +100,10 @@ class Projection:
 
 def product(module: nn.Module) -> Product:
     """`module`'s product without the module call: F.linear for a Linear, the int8 or int4 kernel for an
-    Int8Linear or Int4Linear (left in bfloat16, as `_int8`; the next operation upcasts it exactly). Takes
-    `[n, in]`."""
+    Int8Linear or Int4Linear (left in bfloat16, as `_int8`; the next operation upcasts it exactly), as a `Projection`
+    of it where it has no bias (so it can hold dense weights). Takes `[n, in]`."""
+    if isinstance(module, (Int8Linear, Int4Linear)) and module.bias is None:
+        return Projection([module])
     if isinstance(module, Int8Linear):
         return lambda x: _int8(x, module.weight, module.scale)
     if isinstance(module, Int4Linear):
@@ -93,19 +126,55 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 class Products:
-    """What `build` makes of some Linear modules (a `Projection`, a `product`), made at first use and again when one
+    """What `build` makes of some Linear modules (`Projection`s, `product`s), made at first use and again when one
     of them is replaced (int8/int4 weights held after loading) or the weights move (a new device or dtype): not kept
-    in the state dict."""
+    in the state dict. Between `hold_dense` and `drop_dense` its projections hold their weights dense in bfloat16
+    (`Projection.hold_dense`), those it builds meanwhile included."""
 
     def __init__(self, build: Callable[..., tuple]) -> None:
         self._build = build
         self._modules: tuple[nn.Module, ...] = ()
         self._where = 0  # the first module's weight's address when built: a move changes it
         self._built: tuple = ()
+        self._dense: CodeLayout | None = None  # held dense: the layout the int4 codes are read with
 
     def of(self, *modules: nn.Module) -> tuple:
         if modules != self._modules or modules[0].weight.data_ptr() != self._where:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever mode the forward runs in
                 self._built = self._build(*modules)
+                if self._dense is not None:
+                    self._hold(self._dense)
             self._modules, self._where = modules, modules[0].weight.data_ptr()  # after any rebinding
         return self._built
+
+    @property
+    def holds_dense(self) -> bool:
+        return self._dense is not None
+
+    def hold_dense(self, layout: CodeLayout) -> None:
+        """Hold the products (built: `of` called before) with their weights dense in bfloat16 too."""
+        self._dense = layout
+        self._hold(layout)
+
+    def drop_dense(self) -> None:
+        """Release the dense weights: every product multiplies by its own kernel again."""
+        self._dense = None
+        for built in self._built:
+            if isinstance(built, Projection):
+                built.drop_dense()
+
+    @property
+    def built(self) -> tuple:
+        return self._built
+
+    def _hold(self, layout: CodeLayout) -> None:
+        with torch.inference_mode(False), torch.no_grad():
+            for built in self._built:
+                if isinstance(built, Projection) and built.dense is None:
+                    built.hold_dense(layout)
+
+
+def dense_bytes(products: Products) -> int:
+    """What `products.hold_dense` holds: two bytes a weight of its int8 and int4 projections."""
+    return sum(2 * p.out_features * p.in_features for p in products.built
+               if isinstance(p, Projection) and p.kind in (Int8Linear, Int4Linear))  # fmt: skip
