@@ -13,6 +13,9 @@ from kvchat.kv.config import (  # the KV core's settings, re-exported: import th
     CACHE_PRECISIONS as CACHE_PRECISIONS,
 )
 from kvchat.kv.config import (
+    CACHE_STORAGES as CACHE_STORAGES,
+)
+from kvchat.kv.config import (
     HEAD_BUDGETS as HEAD_BUDGETS,
 )
 from kvchat.kv.config import (

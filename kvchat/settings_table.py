@@ -20,6 +20,7 @@ from typing import Any
 
 from kvchat.config import (
     CACHE_PRECISIONS,
+    CACHE_STORAGES,
     HEAD_BUDGETS,
     LAYER_BUDGETS,
     OFFLOAD_MODES,
@@ -232,6 +233,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cache_precision", "cache.precision", "Stored precision of the caches: full (the model's dtype), int8 "
             "or int4 (KIVI: keys per channel, values per token; about a third or a fifth of float32's bytes). Not "
             "with --offload.", option="--cache-precision", choices=CACHE_PRECISIONS),
+    Setting("cache_storage", "cache.storage", "How episode files hold keys and values: int8 (KIVI codes read back "
+            "in full precision), float16, bfloat16, or model (the dtype the model built them in: float32 on a CPU). "
+            "Measured in benchmarks/results/storage_precision.md.", choices=CACHE_STORAGES,
+            legacy="model"),  # stores written before it kept the model's dtype
     Setting("retrieve", "cache.offload.retrieve", "With --offload icecache: entries per layer and KV head read from "
             "the pages while answering (R).", option="--retrieve", min=0, features=("icecache",)),
     Setting("page_scorer", "cache.offload.scorer", "icecache: how pages are chosen for a question: entries (the "

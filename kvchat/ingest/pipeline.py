@@ -122,6 +122,7 @@ class BuiltEpisode:
     peak_layer_entries: int
     peak_total_entries: int
     parts: EpisodeParts | None = None  # the cache features' parts (IceCache's spilled evictions, ...)
+    same_as: int | None = None  # the episode whose cache this one's is (`IngestPlan.one_cache`): its file is named
 
     def stats(self) -> EpisodeStats:
         heads = [n for layer in self.cache.layers for n in layer.lengths]
@@ -188,9 +189,10 @@ def blocks_to_prefill(plan: IngestPlan) -> int:
     """Steps the plan's episode loop reports: with `--prefill full` the history's blocks once and one selection
     per episode; else each episode's history (routed: its own turns) in blocks of B."""
     block = plan.config.cache.block_size
+    built = 1 if plan.one_cache else len(plan.episodes)
     if plan.prefill == "full":
-        return -(-int(plan.context_ids.shape[-1]) // block) + len(plan.episodes)
-    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * len(plan.episodes)
+        return -(-int(plan.context_ids.shape[-1]) // block) + built
+    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * built
     return sum(-(-n // block) for n in lengths)
 
 
@@ -205,15 +207,22 @@ def build_episodes(
     """The episode loop that `ingest`, an append (ingest.append) and a batch worker (ingest.batch) all run:
     each episode's cache in turn, one in memory at a time (the caller writes or sends it before asking for
     the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
-    gives an append's stored cache and its side file."""
+    gives an append's stored cache and its side file. Where the episodes' caches would all be the same
+    (`IngestPlan.one_cache`), the first is built and every other episode is given as the same cache (`same_as`)."""
     progress = progress or IngestProgress()
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
+    first: BuiltEpisode | None = None
     for episode in plan.episodes:
         progress.episode(episode.index, len(plan.episodes))
+        if first is not None:
+            yield dataclasses.replace(first, episode=episode, same_as=first.episode.index)
+            continue
         cache, stored = resume(episode) if resume is not None else (None, None)
-        yield build_episode(plan, episode, lm, on_block=progress.block, full=full, scratch=scratch(episode.index),
-                            resume=cache, stored=stored)  # fmt: skip
+        built = build_episode(plan, episode, lm, on_block=progress.block, full=full, scratch=scratch(episode.index),
+                              resume=cache, stored=stored)  # fmt: skip
+        first = built if plan.one_cache else None
+        yield built
 
 
 @dataclass(frozen=True)
@@ -229,11 +238,15 @@ class EncodedEpisode:
     budgets: list[int]
     n_tokens: int
     side_file: bytes | None = None  # its side file (IceCache's pages), when a batch worker sends one
+    same_as: int | None = None  # the episode whose file holds this one's cache (no tensors of its own then)
 
     def write(self, pending: PendingConversation, pages: PagesRecord | None = None) -> EpisodeRecord:
         """Write and fsync the file in `pending` (not visible until commit); `pages`, its pages file's
         record when the episode offloads (written first: the episode's record refers to it), else the
-        record of the `side_file` it carries."""
+        record of the `side_file` it carries. An episode `same_as` another names that one's files."""
+        if self.same_as is not None:
+            return pending.share_episode(self.index, self.same_as, centroid=self.centroid,
+                                         medoid_text=self.medoid_text)  # fmt: skip
         if pages is None and self.side_file is not None:
             data = self.side_file
             pages = pending.write_pages(self.index, lambda path: _write_bytes(path, data))
@@ -247,11 +260,16 @@ def encode_episode(
     plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel, *, side_file_at: Path | None = None
 ) -> EncodedEpisode:
     """Encode one episode's cache (kvchat.kv.codec) with its routing data; with `side_file_at`, its side file
-    too (written there, then read back into the result: a batch worker's, whose driver writes it)."""
+    too (written there, then read back into the result: a batch worker's, whose driver writes it). An episode whose
+    cache is another's (`same_as`) is encoded as a reference to it."""
     cache = built.cache
-    meta = codec.meta_of(
-        cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
-    )
+    if built.same_as is not None:
+        return EncodedEpisode(built.episode.index, {}, {}, centroid=built.episode.centroid.tolist(),
+                              medoid_text=built.episode.medoid_text, budgets=list(cache.sizes),
+                              n_tokens=cache.entries, same_as=built.same_as)  # fmt: skip
+    cache_cfg = plan.config.cache
+    meta = codec.meta_of(cache, fingerprint=lm.fingerprint, method=cache_cfg.method, positions=cache_cfg.positions,
+                         storage=cache_cfg.storage)  # fmt: skip
     tensors, metadata = codec.encode(cache, meta)
     spans = plan.turn_spans  # routed: one per episode, of its own turns
     if plan.episode_ids:
@@ -277,7 +295,10 @@ def write_episode(
     pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
 ) -> EpisodeRecord:
     """Encode one episode's cache into its file in the pending conversation (not visible until commit), its
-    side file first when a feature writes one (IceCache's pages, streamed from its spill files)."""
+    side file first when a feature writes one (IceCache's pages, streamed from its spill files); an episode whose
+    cache is another's names that one's files."""
+    if built.same_as is not None:
+        return encode_episode(plan, built, lm).write(pending)
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None else None
     pages = pending.write_pages(built.episode.index, writer) if writer is not None else None
     return encode_episode(plan, built, lm).write(pending, pages)
@@ -350,7 +371,7 @@ def commit_ingest(
         peak_layer_entries=max(b.peak_layer_entries for b in built),
         peak_total_entries=max(b.peak_total_entries for b in built),
         estimated_peak_bytes=plan.estimated_peak_bytes,
-        cache_bytes=sum(r.bytes for r in records),
+        cache_bytes=sum({r.path: r.bytes for r in records}.values()),  # a file episodes share counted once
         seconds=round(seconds, 2),
         head_budgets=cache_cfg.head_budgets,
         head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
@@ -359,7 +380,7 @@ def commit_ingest(
         notes=plan.notes,
         offload=cache_cfg.offload.mode,
         offloaded_entries=sum(b.offloaded_entries for b in built),
-        pages_bytes=sum(r.pages.bytes for r in records if r.pages is not None),
+        pages_bytes=sum({r.pages.path: r.pages.bytes for r in records if r.pages is not None}.values()),
         cache_precision=cache_cfg.precision,
         device=identity.device,
         dtype=identity.dtype,

@@ -111,6 +111,9 @@ class IngestPlan:
     turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
     episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
     recall: RagIndex | None = None  # --method recall: the chunks questions recall turns from (an append's: new ones)
+    # every layer's budget holds the whole history, so no episode evicts anything and their caches would be equal:
+    # one is built and every episode's record names its file (kvchat.ingest.pipeline)
+    one_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,7 @@ class Continuation:
     place: Callable[[list[str], list[str]], tuple[list[Episode], list[int], list[int]]]
     # per stored episode, the history tokens its cache holds (routed: its own turns'); () when all hold the history
     episode_tokens: tuple[int, ...] = ()
+    same_caches: bool = False  # every stored episode's cache is the same (one file, or files of one checksum)
 
 
 def plan_ingest(
@@ -196,6 +200,7 @@ def plan_ingest(
         turn_spans=spans,
         episode_ids=fed.episode_ids,
         recall=_recall_index(text, resolved.cache, planner),
+        one_cache=_one_cache(chosen, fed, planner),
     )
 
 
@@ -423,6 +428,23 @@ def _positions(cache: CacheConfig, total: int, planner: _Planner) -> str:
                         f"the system prompt) exceeds the model's window ({lm.context_window}); use a method with a "
                         "budget (the default does), or --offload icecache")  # fmt: skip
     return positions
+
+
+def _one_cache(chosen: _Budgets, fed: _Episodes, planner: _Planner) -> bool:
+    """Whether the episodes' caches would all be the same: each is fed the whole history (not routed), every layer's
+    budget holds all of it with the system prompt, so nothing is evicted whatever an episode's patched prompt scores
+    (an append: and the stored caches are the same too)."""
+    budgets = chosen.budgets
+    if len(fed.episodes) < 2 or fed.episode_ids or not isinstance(budgets, list) or not budgets:
+        return False
+    continuing = planner.continuing
+    if continuing is not None and not continuing.same_caches:
+        return False
+    if min(budgets) < fed.total:
+        return False
+    planner.notes.append(f"every layer's budget holds the whole history ({fed.total} tokens with the system prompt): "
+                         f"the {len(fed.episodes)} episodes' caches are the same, stored once")
+    return True
 
 
 def _turn_spans(text: _History, fed: _Episodes) -> tuple:
