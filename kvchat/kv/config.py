@@ -152,10 +152,11 @@ class CacheConfig:
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
     quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser
     quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision
-    # How episode files hold keys and values (kvchat.kv.codec): model (the dtype the model built them in: float32 on a
-    # CPU), float16, bfloat16, or int8 (KIVI codes in groups of STORAGE_GROUP, read back in full precision). Chosen
-    # by first-token KL and answers on the in-window LoCoMo eval (benchmarks/storage_precision.py)
-    storage: str = "model"
+    # How episode files hold keys and values (kvchat.kv.codec): int8 (KIVI codes in groups of STORAGE_GROUP, read back
+    # in full precision), float16, bfloat16, or model (the dtype the model built them in: float32 on a CPU). int8: the
+    # fewest bytes (32% of float32's) whose answers stay at the noise floor on the in-window LoCoMo eval, as float16's
+    # and bfloat16's do (benchmarks/results/storage_precision.md; int4's KL is 2.7x that floor)
+    storage: str = "int8"
 
     @property
     def active_quant_group(self) -> int:
