@@ -31,6 +31,7 @@ import torch
 
 from kvchat.answer.rag import Chunk
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.layers import CacheLayer
 from kvchat.kv.quantize import SCALE_DTYPES, QuantizedEntries, value_group
 from kvchat.kv.rope import rotate_keys
 from kvchat.kv.tensorfile import FileRows, RowWriter
@@ -96,7 +97,7 @@ class StoredEntries:
         """Chunk `chunk`'s keys and values in `layer`, `[1, kv_heads, n, D]`, as computed (keys rotated for
         positions from `starts[chunk]`)."""
         parts = {part: self._rows(part, layer, chunk).to(device) for part in (*_PARTS, *_TAILS)}
-        codes = QuantizedEntries(*(parts[part] for part in _PARTS), dtype, self.bits)
+        codes = QuantizedEntries.of_tensors([parts[part] for part in _PARTS], dtype, self.bits)
         keys = torch.cat([codes.keys(), parts["kt"].to(dtype)], dim=1)
         values = torch.cat([codes.values(), parts["vt"].to(dtype)], dim=1)
         return keys[None], values[None]
@@ -111,7 +112,7 @@ class StoredEntries:
     def _rows(self, part: str, layer: int, chunk: int) -> torch.Tensor:
         """Tensor `part` of `layer`: chunk `chunk`'s rows, `[kv_heads, rows, ...]`."""
         first, end = self.span(part, chunk)
-        return self.tensors[f"{part}.{layer}"][first:end].read().transpose(0, 1).contiguous()
+        return _read(self.tensors[f"{part}.{layer}"], first, end).transpose(0, 1).contiguous()
 
     def place(self, cache: EpisodeCache, chunk: int, lm: LoadedModel) -> int:
         """Chunk `chunk`'s entries appended to `cache` as a prefill of its text there would append them; returns
@@ -139,7 +140,15 @@ def computed(lm: LoadedModel, ids: Sequence[torch.Tensor], prefix: torch.Tensor,
             fed = torch.cat([ids[i - 1], ids[i]], dim=-1) if i > 0 else ids[i]  # one forward of both
             start, n = cache.next_position + fed.shape[-1] - ids[i].shape[-1], ids[i].shape[-1]
             lm.forward(cache, fed)
-            yield start, [(layer.keys[:, :, -n:], layer.values[:, :, -n:]) for layer in cache.layers]
+            yield start, [_last(layer, n) for layer in cache.layers]
+
+
+def _last(layer: CacheLayer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's last `n` keys and values (a cache nothing was evicted from: every layer uniform)."""
+    keys, values = layer.keys, layer.values
+    if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)):
+        raise TypeError("recall entries are computed in a uniform cache")
+    return keys[:, :, -n:], values[:, :, -n:]
 
 
 def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Tensor, *, bits: int, group: int,
@@ -174,11 +183,13 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                 "group": str(group), "digest": digest(chunks, prefix)}  # fmt: skip
     writer = RowWriter(path, shapes, metadata)
     try:
-        starts = list(previous.starts[:kept]) if kept else []
-        for chunk in range(kept):
-            _copy_rows(writer, previous, chunk, lm.num_layers)
-            if on_chunk is not None:
-                on_chunk(chunk + 1, len(chunks))
+        starts: list[int] = []
+        if previous is not None and kept:
+            starts = list(previous.starts[:kept])
+            for chunk in range(kept):
+                _copy_rows(writer, previous, chunk, lm.num_layers)
+                if on_chunk is not None:
+                    on_chunk(chunk + 1, len(chunks))
         for chunk, (start, layers) in enumerate(computed(lm, ids, prefix, first=kept), start=kept):
             starts.append(start)
             whole = rows[chunk + 1] - rows[chunk]
@@ -193,8 +204,8 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                     writer.write(f"{part}.{layer}", tails[chunk], rest)
             if on_chunk is not None:
                 on_chunk(chunk + 1, len(chunks))
-        for name, values in zip(_INDEX, (rows, tails, tokens, starts), strict=True):
-            writer.write(name, 0, torch.tensor(values, dtype=torch.int64))
+        for name, column in zip(_INDEX, (rows, tails, tokens, starts), strict=True):
+            writer.write(name, 0, torch.tensor(column, dtype=torch.int64))
         return writer.finish()
     except BaseException:
         writer.discard()
@@ -212,4 +223,10 @@ def _copy_rows(writer: RowWriter, previous: StoredEntries, chunk: int, layers: i
     for layer in range(layers):
         for part in (*_PARTS, *_TAILS):
             first, end = previous.span(part, chunk)
-            writer.write(f"{part}.{layer}", first, previous.tensors[f"{part}.{layer}"][first:end].read())
+            writer.write(f"{part}.{layer}", first, _read(previous.tensors[f"{part}.{layer}"], first, end))
+
+
+def _read(tensor: FileRows, first: int, end: int) -> torch.Tensor:
+    """Rows `[first, end)` of a stored tensor, read."""
+    rows = tensor[first:end]  # FileRows: nothing read yet
+    return rows.read() if isinstance(rows, FileRows) else rows

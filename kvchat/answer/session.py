@@ -30,6 +30,7 @@ from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.tensorfile import ShrunkFile
+from kvchat.messages import option
 from kvchat.model.echo import guard_for
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel, generate
@@ -143,7 +144,8 @@ class Session:
         placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
         recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
         prefilled = retrieved_text  # text prefilled after the cache: retrieved by the caller, or recalled here
-        if self._recall is not None and not prefilled:  # --method recall: the question's chunks of raw turns
+        # --method recall: the question's chunks of raw turns (a recall index is read where there is a split)
+        if self._recall is not None and self._split is not None and not prefilled:
             picks = recall.picked(self._recall, question, query, self._split)
             picked = [self._recall.chunks[i] for i in picks]
             chunks = recall.turn_ranges(picked)
@@ -151,13 +153,13 @@ class Session:
                 placing = picks
             else:
                 prefilled = recall.recalled_text(picked)
-            recalled_turns = self._recalled_spans(picked, placing) if sources else []
+            recalled_turns = self._recalled_spans(picked, stored, placing) if sources else []
         if prefilled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
         placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,
-            self.lm.spec, what="the conversation with this question and --max-new-tokens",
+            self.lm.spec, what=f"the conversation with this question and {option('max_new_tokens')}",
         )
         recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
         kept = recorder.kept_tokens() if recorder is not None else None
@@ -167,7 +169,7 @@ class Session:
         shown = ""
         with self._shrunk_pages_refused(index):
             try:
-                self._place(cache, placing)
+                self._place(cache, stored, placing)
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
                     first_recorder=first_recorder, echo=guard_for(self.config, question, self.lm.decode),
@@ -206,7 +208,7 @@ class Session:
             attention_backend=self.lm.attention_backend,
             weights=self.lm.weights,
             off_topic=off_topic,
-            sources=None if recorder is None else rank(
+            sources=None if recorder is None or kept is None else rank(
                 recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
                 recorder.recalled),
             sources_note=note,
@@ -247,7 +249,7 @@ class Session:
             return route(query, self._centroids)
         if not 0 <= episode < len(self._centroids):
             raise UserError(
-                f"--episode {episode} does not exist (conversation "
+                f"{option('episode', episode)} does not exist (conversation "
                 f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
             )
         return episode, float(self._centroids[episode] @ query)
@@ -270,26 +272,29 @@ class Session:
             self._stored = stored
         return self._stored
 
-    def _place(self, cache: EpisodeCache, placing: Sequence[int]) -> None:
-        """The stored entries of chunks `placing` appended to `cache` in turn; a file truncated since it was
+    def _place(self, cache: EpisodeCache, stored: StoredEntries | None, placing: Sequence[int]) -> None:
+        """The `stored` entries of chunks `placing` appended to `cache` in turn; a file truncated since it was
         checked ends the answer with a message (the caller rolls the cache back)."""
+        if stored is None:  # nothing to place: the chunks were prefilled as text
+            return
         try:
             for chunk in placing:
-                self._stored.place(cache, chunk, self.lm)
+                stored.place(cache, chunk, self.lm)
         except ShrunkFile:
             self._stored = None  # the next question checks the file again
             raise self._unreadable_entries("was truncated while this session was reading it") from None
 
-    def _recalled_spans(self, picked: Sequence[Chunk], placing: Sequence[int]) -> list[TurnSpan]:
+    def _recalled_spans(self, picked: Sequence[Chunk], stored: StoredEntries | None, placing: Sequence[int]
+                        ) -> list[TurnSpan]:  # fmt: skip
         """Each recalled turn's tokens after the cache: in the text prefilled for `picked`, or (`placing`) in their
-        stored entries, each chunk's counted after those placed before it."""
-        if not placing:
+        `stored` entries, each chunk's counted after those placed before it."""
+        if not placing or stored is None:
             return recall.recalled_spans(self.lm.tokenizer, picked)
         spans, offset = [], 0
         for chunk, i in zip(picked, placing, strict=True):
             spans += [dataclasses.replace(s, start=s.start + offset, end=s.end + offset)
                       for s in recall.recalled_spans(self.lm.tokenizer, [chunk], recall_entries.LEAD)]  # fmt: skip
-            offset += self._stored.tokens[i]
+            offset += stored.tokens[i]
         return spans
 
     def _unreadable_entries(self, problem: str) -> CacheIntegrityError:
@@ -322,7 +327,8 @@ class Session:
         cache.rollback(prompt_held)
         ids = torch.tensor([fed], dtype=prompt_ids.dtype, device=prompt_ids.device)
         recorder.query_rows = 1 + len(fed)
-        self.lm.forward(cache, torch.cat([prompt_ids[:, -1:], ids], dim=-1), recorder=recorder)
+        # Recorder.query_rows (kvchat.kv.attention) is `int | None` and settable, so an int attribute does not match
+        self.lm.forward(cache, torch.cat([prompt_ids[:, -1:], ids], dim=-1), recorder=recorder)  # type: ignore[arg-type]
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its

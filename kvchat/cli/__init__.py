@@ -18,6 +18,7 @@ import typer
 from kvchat.cli import asking, calibration, evaluating, ingesting, serving, stored
 from kvchat.cli.helptext import HelpCommand, HelpGroup
 from kvchat.cli.render import err, say
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 
 app = typer.Typer(
@@ -88,7 +89,7 @@ def main() -> None:
         try:  # what is still buffered fails here, as one line, not in the interpreter's shutdown
             sys.stdout.flush()
         except UserError as exc:
-            say(f"kvchat: error: {exc}", console=err)
+            say(f"kvchat: error: {error_text(exc)}", console=err)
             sys.exit(2)
 
 
@@ -188,20 +189,21 @@ def _run(args: list[str], debug: bool) -> None:
         err.print("kvchat: terminated", markup=False)
         sys.exit(exc.code)
     except UserError as exc:
-        say(f"kvchat: error: {exc}", console=err)
+        say(f"kvchat: error: {error_text(exc)}", console=err)
         sys.exit(2)
     except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
+        # typer types its exceptions' base bare; the usage errors caught here carry ctx and show()
         if getattr(exc, "ctx", False) is None:  # raised by the parser before it had a context
-            exc.ctx = _usage_context(args)
+            exc.ctx = _usage_context(args)  # type: ignore[attr-defined]
         _name_the_setting(exc)
-        exc.show()
+        exc.show()  # type: ignore[attr-defined]
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         status = 130
     except Exception as exc:  # an internal failure: say so, traceback only on request
         if debug:
             raise
-        say(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+        say(f"kvchat: internal error: {type(exc).__name__}: {error_text(exc)} (rerun with --debug for the traceback)",
             console=err)
         sys.exit(1)
     if status == 130:  # typer turns Ctrl-C into Exit(130)
@@ -227,7 +229,8 @@ def _usage_context(args: Sequence[str]):
     root = typer.main.get_command(app)
     context = root.make_context("kvchat", [], resilient_parsing=True)
     name = next((a for a in args if not a.startswith("-")), None)
-    command = root.get_command(context, name) if name else None
+    # typer types the root as a Command; kvchat's, with its many commands, is a group
+    command = root.get_command(context, name) if name else None  # type: ignore[attr-defined]
     if command is None:
         return context
     return command.make_context(name, [], parent=context, resilient_parsing=True)

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import signal
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.text import Text
@@ -24,6 +24,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
+from kvchat.cli.words import error_text, spell
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 
@@ -79,8 +80,9 @@ def ask(
     own = [option for option, set_ in given.items() if set_]  # what only this process honours
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
-    asker = _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) \
-        else None
+    asker: _RemoteAsker | _Asker | None = (
+        _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) else None
+    )
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
@@ -120,7 +122,7 @@ def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
             asker.answer(line, episode, as_json=as_json)
         except UserError as exc:
             failed += 1
-            say(f"kvchat: error: line {number}: {exc}", console=err)
+            say(f"kvchat: error: line {number}: {error_text(exc)}", console=err)
     if failed:
         raise UserError(f"{failed} of {asked} questions failed (each reported above)")
 
@@ -172,7 +174,8 @@ class _Asker:
         return dataclasses.asdict(self.session.config)
 
     def configure(self, field: str, value: int) -> None:
-        self.config = dataclasses.replace(self.config, **{field: value})
+        changes: dict[str, Any] = {field: value}  # one of AskConfig's whole-number fields (the REPL's /set)
+        self.config = dataclasses.replace(self.config, **changes)
         self.session.config = self.config
 
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
@@ -324,10 +327,11 @@ def _check_episode(episode: int, name: str, count: int) -> None:
         raise UserError(f"--episode {episode} does not exist (conversation '{name}' has episodes 0..{count - 1})")
 
 
-def _print_streamed(run, max_new_tokens: int) -> str:
+def _print_streamed(run, max_new_tokens: int) -> str | None:
     """Stream an answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it. `run(write,
     stopping)` answers, giving text to `write` and asking `stopping()` between tokens; it returns the answer's
-    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text."""
+    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text (None when
+    it was refused)."""
     cleaner = StreamCleaner()
 
     def write(text: str) -> None:
@@ -337,7 +341,7 @@ def _print_streamed(run, max_new_tokens: int) -> str:
     with _ctrl_c_stops() as stopping:
         result = run(write, stopping)
     if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
-        return
+        return None
     sys.stdout.write(cleaner.flush() + "\n")
     sys.stdout.flush()
     if result["finish_reason"] == "length":
@@ -388,7 +392,7 @@ def show_sources(sources: list[dict] | None, note: str | None, episode: int | No
     """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
     there are none."""
     if sources is None:
-        say(f"kvchat: {note}", console=err)
+        say(f"kvchat: {spell(note or '')}", console=err)
         return
     say((f"sources (episode {episode}):", "bold"))
     for n, s in enumerate(sources, start=1):

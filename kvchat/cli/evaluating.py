@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +22,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.progress import RichEvalProgress, progress_bars
 from kvchat.cli.render import beside_table, emit_json, err, say, table
+from kvchat.cli.words import spell
 from kvchat.config import (
     CacheConfig,
     DeviceConfig,
@@ -131,7 +133,7 @@ def eval_command(
              if name in names]
     skips += [f"{r['variant']} on {r['set']} skipped: {r['reason']}" for r in against_gold if r["kind"] == "skipped"]
     for line in skips:
-        say(f"kvchat: {line}", console=err)
+        say(f"kvchat: {spell(line)}", console=err)
     if report is not None:
         from kvchat.eval import report as eval_report
 
@@ -140,15 +142,16 @@ def eval_command(
     if report is not None and gold_rows:
         report.parent.mkdir(parents=True, exist_ok=True)
         target = report if not sets else report.with_suffix(".gold.md")
-        against = {**ran, "methods": ", ".join(config.methods), "baselines": f"rag (the top chunks of at most "
-                   f"{config.chunk_tokens} tokens of raw turns) and recent (sink + the last entries) at each budget"}
+        gold_settings = {**ran, "methods": ", ".join(config.methods),
+                         "baselines": f"rag (the top chunks of at most {config.chunk_tokens} tokens of raw turns) and "
+                                      "recent (sink + the last entries) at each budget"}
         target.write_text(gold.gold_markdown(against_gold, title=f"kvchat eval against gold ({lm.spec})",
                                              notes=[s.describe(config.questions) for s in gold_sets],
-                                             settings=against))  # fmt: skip
+                                             settings=gold_settings))  # fmt: skip
     if report is not None and sets:
-        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data, settings=ran,
-                          notes=[s.describe(config.questions) for s in sets] + skips)
-    columns = EVAL_COLUMNS
+        eval_report.write(report, rows, title=f"kvchat eval ({lm.spec})", sets=names, synthetic=not data,
+                          settings=ran, notes=[s.describe(config.questions) for s in sets] + [spell(s) for s in skips])
+    columns: Sequence[tuple[str, str, str]] = EVAL_COLUMNS
     if per_conversation:
         rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
         columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]

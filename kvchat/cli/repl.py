@@ -8,10 +8,12 @@ answer streams stops that answer and keeps the session (the CLI turns it into `s
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Literal, Protocol
 
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 
 HELP = """\
@@ -90,11 +92,11 @@ class Repl:
             except KeyboardInterrupt:
                 self.say("[interrupted]")
             except UserError as exc:
-                self.say(f"error: {exc}")
+                self.say(f"error: {error_text(exc)}")
             else:
                 self.earlier = ((question, text),) if text else ()
 
-    def _question(self, line: str) -> str | object | None:
+    def _question(self, line: str) -> str | Literal[_Exit.EXIT] | None:
         """The question `line` starts (reading more lines for a multi-line one), _EXIT, or None when the
         line was a command or blank."""
         stripped = line.strip()
@@ -168,7 +170,7 @@ class Repl:
             try:
                 count = self.actions.switch(arg)
             except UserError as exc:
-                self.say(f"error: {exc}")
+                self.say(f"error: {error_text(exc)}")
                 return
             self.episode, self.earlier = None, ()
             self.say(f"{arg}: {count} episode{'s' * (count != 1)}")
@@ -194,7 +196,11 @@ class Repl:
         self.say(f"{name} = {int(value)}")
 
 
-_EXIT = object()
+class _Exit(enum.Enum):
+    EXIT = "exit"
+
+
+_EXIT: Final = _Exit.EXIT  # what `_question` returns for exit, quit and the like
 _BARE_COMMANDS = {"help", "clear", "episodes"}
 
 

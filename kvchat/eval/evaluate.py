@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -47,9 +48,10 @@ from kvchat.eval.qa import (
     token_f1,
 )
 from kvchat.history.loading import Turn, format_turns
-from kvchat.ingest.pipeline import IngestProgress, ingest, validate
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, validate
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
+from kvchat.messages import option, setting
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.store import Store
@@ -108,26 +110,26 @@ def plan_variants(
     method and budget of `config` with each offload mode (default: none) and cache precision (default: full)
     over `base`. Everything is checked here, before a model loads: a mistake raises UserError."""
     if not data and synthetic < 1:
-        raise UserError("give LoCoMo files to evaluate, or --synthetic N")
+        raise UserError(f"give LoCoMo files to evaluate, or {option('synthetic', 'N')}")
     for method in config.methods:
         if method not in METHODS:
-            raise UserError(f"unknown method {method!r} in --methods (choose from {', '.join(METHODS)})")
+            raise UserError(f"unknown method {method!r} in {option('methods')} (choose from {', '.join(METHODS)})")
     if not config.budgets:
-        raise UserError("--budgets is empty")
+        raise UserError(f"{option('budgets')} is empty")
     if config.questions is not None and config.questions < 1:
-        raise UserError(f"--questions must be >= 1 (got {config.questions})")
+        raise UserError(f"{option('questions')} must be >= 1 (got {config.questions})")
     if config.max_context is not None and config.max_context < 64:
-        raise UserError(f"--max-context must be >= 64 tokens (got {config.max_context})")
+        raise UserError(f"{option('max_context')} must be >= 64 tokens (got {config.max_context})")
     if config.against not in REFERENCES:
-        raise UserError(f"unknown --against {config.against!r} (choose from {', '.join(REFERENCES)})")
+        raise UserError(f"unknown {option('against')} {config.against!r} (choose from {', '.join(REFERENCES)})")
     if config.chunk_tokens < 1:
-        raise UserError(f"--chunk-tokens must be >= 1 (got {config.chunk_tokens})")
+        raise UserError(f"{option('chunk_tokens')} must be >= 1 (got {config.chunk_tokens})")
     for mode in offloads:
         if mode not in OFFLOAD_MODES:
-            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
+            raise UserError(f"unknown mode {mode!r} in {setting('offload')} (choose from {', '.join(OFFLOAD_MODES)})")
     for precision in precisions:
         if precision not in CACHE_PRECISIONS:
-            raise UserError(f"unknown precision {precision!r} in --cache-precision (choose from "
+            raise UserError(f"unknown precision {precision!r} in {setting('cache_precision')} (choose from "
                             f"{', '.join(CACHE_PRECISIONS)})")  # fmt: skip
     planned = [
         v for mode in offloads or (_OFFLOAD_DEFAULTS.mode,) for precision in precisions or (_CACHE_DEFAULTS.precision,)
@@ -161,12 +163,23 @@ def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: Eval
     if not any(qa_set.questions for qa_set in sets):
         categories = ", ".join(str(c) for c in config.categories)
         raise UserError(f"no question to score: {', '.join(str(p) for p in paths)} holds no question of categories "
-                        f"{categories} with evidence (--categories chooses others)")
+                        f"{categories} with evidence ({option('categories')} chooses others)")
     return sets
 
 
+class EvalHooks(Protocol):
+    """What an evaluation tells a progress display (kvchat.cli.progress's, `EvalProgress`): also each ingest's."""
+
+    @property
+    def ingest(self) -> IngestHooks: ...
+
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
+
+    def question(self, done: int, total: int) -> None: ...
+
+
 class EvalProgress:
-    """Hooks for a progress display; the default does nothing."""
+    """The `EvalHooks` that do nothing: the default."""
 
     ingest: IngestProgress = IngestProgress()
 
@@ -210,7 +223,7 @@ def evaluate(
     base: IngestConfig = IngestConfig(),
     results: ResultsFile | None = None,
     profile_dirs: Sequence[Path] = (),
-    progress: EvalProgress | None = None,
+    progress: EvalHooks | None = None,
     answering: LoadedModel | None = None,
 ) -> list[dict]:
     """Run every variant on every set (full KV first, as the reference); returns all records, those
@@ -274,7 +287,7 @@ class _SetRunner:
     profile_dirs: Sequence[Path]
 
     def run(
-        self, variant: Variant, progress: EvalProgress, position: tuple[int, int], reference: _Reference | None = None
+        self, variant: Variant, progress: EvalHooks, position: tuple[int, int], reference: _Reference | None = None
     ) -> _Reference:
         progress.variant(self.qa_set.name, variant.key, *position)
         name = f"{self.qa_set.name}.{position[0]}"
@@ -296,7 +309,7 @@ class _SetRunner:
             raise MixedResults(
                 f"{self.results.path}: {variant.key} on {self.qa_set.name} was measured with "
                 f"{earlier[variant.key]} prefill and this run builds its caches with {report.prefill} prefill; "
-                f"resume with --setting prefill={earlier[variant.key]} or write to a new --out file"
+                f"resume with {setting('prefill', earlier[variant.key])} or write to a new {option('out')} file"
             )
         if variant.key not in earlier:
             self.results.append(
@@ -325,10 +338,12 @@ class _SetRunner:
             evidence = torch.cat(spans_of) if spans_of else None
             recorder = _LastQueryAttention() if reference is None and evidence is not None else None
             answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder)
+            if first.logits is None:
+                raise RuntimeError(f"question {question.qid} was not answered ({answer.finish_reason})")
             logprobs = first.logits.float().log_softmax(-1)
             if reference is None:
                 ours.answers[question.qid], ours.logprobs[question.qid] = answer.text, logprobs
-                if recorder is not None:
+                if recorder is not None and evidence is not None:
                     weights = recorder.on_positions(positions[answer.episode], evidence)
                     if weights is not None:
                         ours.evidence_attention[question.qid] = weights
@@ -512,9 +527,9 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
         except ValueError:
             if last:
                 break
-            raise UserError(f"{path}: line {i + 1} is not JSON; not a kvchat eval results file") from None
+            raise UserError(f"{path}: line {i + 1} is not JSON; not an eval results file") from None
         if not isinstance(record, dict) or record.get("kind") not in ("ingest", "answer", "skipped"):
-            raise UserError(f"{path}: line {i + 1} is not a kvchat eval record")
+            raise UserError(f"{path}: line {i + 1} is not an eval record")
         if last:  # complete JSON but no newline: the write was cut right before it
             break
         records.append(record)
@@ -543,6 +558,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     for key, rs in answers.items():
         paired = [r for r in rs if (r["set"], r["qid"]) in full_f1]
         reference = _mean(full_f1[(r["set"], r["qid"])] for r in paired)
+        paired_f1 = _mean(r["f1"] for r in paired)
         decode_s = sum(r["timings_ms"]["decode"] for r in rs) / 1000
         row = {
             "variant": key,
@@ -563,13 +579,14 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             "evidence_attention_recalled": _mean(
                 r["evidence_attention_recalled"] for r in rs if r.get("evidence_attention_recalled") is not None
             ),
-            "relative_f1": _mean(r["f1"] for r in paired) / reference if paired and reference else None,
+            "relative_f1": paired_f1 / reference if paired_f1 is not None and reference else None,
             "f1_by_category": {
                 CATEGORIES.get(c, str(c)): _mean(r["f1"] for r in rs if r["category"] == c)
                 for c in sorted({r["category"] for r in rs})
             },
             "peak_layer_entries": max(
-                (i.get("peak_layer_entries", i.get("peak_cache_tokens")) for i in ingests.get(key, [])), default=None
+                (peak for i in ingests.get(key, [])
+                 if (peak := i.get("peak_layer_entries", i.get("peak_cache_tokens"))) is not None), default=None
             ),  # results files written before 0.2 call it peak_cache_tokens
             "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
             "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,

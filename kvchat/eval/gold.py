@@ -31,7 +31,8 @@ from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EpisodeConfig, Ev
 from kvchat.errors import UserError
 from kvchat.eval.qa import CATEGORIES, QASet, contains_gold, sample_questions, score_answer
 from kvchat.history.loading import format_turns
-from kvchat.ingest.pipeline import IngestProgress, ingest, plan_ingest
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, plan_ingest
+from kvchat.messages import option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.settings import to_settings, upgraded
@@ -115,7 +116,8 @@ def by_reference(qa_sets: Sequence[QASet], lm: LoadedModel, against: str,
     too_long = [s.name for s in qa_sets if not fits[s.name]]
     if against == "full" and too_long:
         raise UserError(f"{', '.join(too_long)}: the history does not fit {lm.spec}'s window, so full KV cannot be "
-                        "the reference; use --against gold (or auto), or a smaller --max-context")  # fmt: skip
+                        f"the reference; use {option('against', 'gold')} (or auto), or a smaller "
+                        f"{option('max_context')}")  # fmt: skip
     return [s for s in qa_sets if fits[s.name]], [s for s in qa_sets if not fits[s.name]]
 
 
@@ -137,7 +139,8 @@ class Results(Protocol):
 
 
 class Progress(Protocol):
-    ingest: IngestProgress
+    @property
+    def ingest(self) -> IngestHooks: ...
 
     def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
 
@@ -177,7 +180,7 @@ def evaluate_gold(
                            echo_guard=config.echo_guard)
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
         own = store is None
-        store = Store(Path(scratch)) if own else store
+        store = Store(Path(scratch)) if store is None else store
         for qa_set in qa_sets:
             questions = sample_questions(qa_set.questions, config.questions)
             ours = gold_records(results.records)

@@ -12,16 +12,18 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
-import shlex
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.config import ProfileSettings
-from kvchat.errors import UserError
+from kvchat.errors import UserError, message
+from kvchat.messages import command, option, setting
 from kvchat.model.llm import LoadedModel
 
 PROFILE_VERSION = 1
@@ -91,7 +93,12 @@ def _keys(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor | None) -> list
     cache = DynamicCache()
     extra = {"attention_mask": mask[None, None]} if mask is not None else {}
     lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
-    return [layer.keys[0].float() for layer in cache.layers]
+    keys = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None:
+            raise RuntimeError(f"the model's cache holds no keys in its {type(layer).__name__}")
+        keys.append(layer.keys[0].float())
+    return keys
 
 
 def profile_layers(
@@ -106,7 +113,7 @@ def profile_layers(
             f"({settings.budget + settings.block_size}) for eviction to happen"
         )
     if not 0 < settings.sink < settings.budget:
-        raise UserError(f"--sink must be within 1..budget-1 (got {settings.sink})")
+        raise UserError(f"{option('sink')} must be within 1..budget-1 (got {settings.sink})")
     full = _keys(lm, ids, None)
     blocked = _keys(lm, ids, block_prefill_mask(n, budget=settings.budget, block_size=settings.block_size,
                                                  sink=settings.sink, device=ids.device))
@@ -147,10 +154,11 @@ def save_profile(profile: LayerProfile, home: Path, out: Path | None = None) -> 
 
 def shipped_profiles() -> list[Path]:
     """Profiles that ship with kvchat (the repository's profiles/, installed as the package kvchat.profiles)."""
-    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(".json"))
+    return sorted(Path(str(p)) for p in importlib.resources.files("kvchat.profiles").iterdir()
+                  if p.name.endswith(".json"))  # fmt: skip
 
 
-def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile | None:
+def find_profile(lm: LoadedModel, extra_dirs: Sequence[Path] = ()) -> LayerProfile | None:
     """A profile measured on these exact weights: user-made ones (`extra_dirs`) first, then shipped."""
     weights = lm.weight_ids
     candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob("*.json"))] + shipped_profiles()
@@ -165,10 +173,11 @@ def shipped_indexers() -> list[Path]:
     """Trained IndexMem weights that ship with kvchat, beside the layer profiles (kvchat.kv.trained)."""
     from kvchat.kv.trained import SUFFIX
 
-    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(SUFFIX))
+    return sorted(Path(str(p)) for p in importlib.resources.files("kvchat.profiles").iterdir()
+                  if p.name.endswith(SUFFIX))  # fmt: skip
 
 
-def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
+def find_indexmem(lm: LoadedModel, extra_dirs: Sequence[Path] = ()):
     """The IndexMem weights trained on these exact weights: user-trained ones (`extra_dirs`, i.e.
     `$KVCHAT_HOME/profiles`) first, then shipped. Refuses, naming the command that trains one, when none
     matches the weights and the model's shape."""
@@ -190,16 +199,17 @@ def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
             try:
                 return TrainedIndexMem.load(path)
             except ValueError as exc:
-                raise UserError(f"{exc}; train another with `{train_command(lm.spec)}`") from None
+                raise UserError(f"{message(exc)}; train another with `{train_command(lm.spec)}`") from None
         others.append(f"{path.name} (weights {meta['weights'][:8]})")
     found = f"; found only: {', '.join(others)}" if others else ""
-    raise UserError(f"--method indexmem needs an indexer trained on {lm.spec}'s weights ({weights[0][:8]}){found}; "
+    raise UserError(f"{setting('method', 'indexmem')} needs an indexer trained on {lm.spec}'s weights "
+                    f"({weights[0][:8]}){found}; "
                     f"train one with `{train_command(lm.spec)}`")
 
 
 def train_command(spec: str) -> str:
-    """The command that trains IndexMem weights for the model `spec`."""
-    return "kvchat train-indexer" + ("" if spec == "default" else f" --model {shlex.quote(spec)}")
+    """The command that trains IndexMem weights for the model `spec` (a kvchat.messages reference)."""
+    return command("train-indexer") if spec == "default" else command("train-indexer", model=spec)
 
 
 def calibration_text() -> str:
@@ -216,7 +226,7 @@ def save_plot(profile: LayerProfile, path: Path, budget: int | None = None) -> N
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'kvchat[plot]'") from None
+        raise UserError(f"{option('plot')} needs matplotlib: pip install 'kvchat[plot]'") from None
     from kvchat.kv.budgets import sensitivity_budgets
 
     budget = budget or int(profile.settings.get("budget", ProfileSettings.budget))

@@ -17,9 +17,10 @@ import uvicorn
 
 from kvchat.config import ServeConfig, default_home
 from kvchat.errors import UserError
+from kvchat.messages import option
 from kvchat.serve.announcement import ANNOUNCEMENT, remove_announcement, write_announcement
 from kvchat.serve.app import create_app
-from kvchat.serve.engine import Engine
+from kvchat.serve.engine import ServingEngine
 
 _log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class Server(uvicorn.Server):
         try:
             write_announcement(self.home, self.url)
         except OSError as exc:  # a read-only home still serves; `kvchat ask` just cannot find it by itself
-            _log.warning("kvchat serve: cannot write %s: %s", self.home / ANNOUNCEMENT, exc)
+            _log.warning("kvchat server: cannot write %s: %s", self.home / ANNOUNCEMENT, exc)
         if self.on_ready is not None:
             self.on_ready(self.url)
 
@@ -52,7 +53,7 @@ class Server(uvicorn.Server):
             remove_announcement(self.home, os.getpid())
 
 
-def build_server(config: ServeConfig, *, home: Path | None = None, engine: Engine | None = None,
+def build_server(config: ServeConfig, *, home: Path | None = None, engine: ServingEngine | None = None,
                  log_level: str = "warning", on_ready: Callable[[str], None] | None = None) -> Server:
     """uvicorn serving `create_app(config)` on `config.host`:`config.port` (0: a free port); `on_ready(url)` is
     called once it listens."""
@@ -93,7 +94,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} ({option('host')}, "
+                        f"{option('port')})") from None
     return sock
 
 

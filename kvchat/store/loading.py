@@ -12,16 +12,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvchat.checked_files import read_safetensors_header
 from kvchat.errors import UserError
+from kvchat.messages import setting
 from kvchat.store.files import FileMismatch, check_safetensors_header, read_verified, verify_file
 from kvchat.store.layout import show
 from kvchat.store.records import EpisodeRecord, FileRecord
 
 if TYPE_CHECKING:
     import torch
+
+    from kvchat.kv.tensorfile import FileRows
 
 Refuse = Callable[[str], UserError]  # the error for what is wrong with a file (a CacheIntegrityError)
 
@@ -67,13 +70,16 @@ def load_pages(
     """An episode's pages file (kvchat.kv.pagefile) as `FileRows` (kvchat.kv.tensorfile) and its metadata
     (`open_side_file`)."""
     if record.pages is None:
-        raise refuse("does not exist: the conversation was ingested without --offload")
-    return open_side_file(record.pages, fingerprint, caches_dir=caches_dir, refuse=refuse, what="pages file")
+        raise refuse(f"does not exist: the conversation was ingested without {setting('offload')}")
+    tensors, metadata = open_side_file(record.pages, fingerprint, caches_dir=caches_dir, refuse=refuse,
+                                       what="pages file")  # fmt: skip
+    # FileRows stand in for the pages' tensors (torch functions read them whole through __torch_function__)
+    return cast("dict[str, torch.Tensor]", tensors), metadata
 
 
 def open_side_file(
     file: FileRecord, fingerprint: str, *, caches_dir: Path, refuse: Refuse, what: str
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, FileRows], dict[str, str]]:
     """A file beside the episode caches (a pages file, a recall entries file: `what`) as `FileRows`
     (kvchat.kv.tensorfile) and its metadata.
 

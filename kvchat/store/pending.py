@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
+from kvchat.messages import option
 from kvchat.store.errors import ConversationChanged, database_error
 from kvchat.store.files import (
     crash_point,
@@ -239,7 +240,7 @@ class PendingConversation:
             with store._write_lock() as db:
                 row = store._row(self.name)
                 if row is not None and not self.replace:
-                    raise UserError(f"conversation {show(self.name)} exists; use --replace")
+                    raise UserError(f"conversation {show(self.name)} exists; use {option('replace')}")
                 old_ingest = row["ingest_id"] if row is not None else None
                 if self.expect is not None and old_ingest != self.expect:  # compare-and-swap: no lost update
                     raise ConversationChanged(show(self.name))
@@ -252,8 +253,8 @@ class PendingConversation:
                 renamed = True
                 fsync_dir(name_dir)
                 fsync_dir(caches)
-                db["episodes"].delete_where("conversation = ?", [self.name])
-                db["conversations"].delete_where("name = ?", [self.name])
+                db.table("episodes").delete_where("conversation = ?", [self.name])
+                db.table("conversations").delete_where("name = ?", [self.name])
                 insert_document(db, doc)
                 crash_point("commit")
             crash_point("committed")

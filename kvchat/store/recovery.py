@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sqlite3
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvchat.messages import command, option
 from kvchat.settings import rebuild_command
 from kvchat.store.asklog import ASK_FIELDS
 from kvchat.store.errors import BUSY_TIMEOUT_MS
@@ -151,12 +151,12 @@ def damage_problems(home: Path, damage: str) -> list[Problem]:
     restores = ", ".join(f"{show(r.document['name'])} (from {r.source})" for r in plan.restorable)
     problems = [Problem(
         "database", None, None, db_path,
-        f"{db_path} is damaged ({damage}); --fix moves it aside (kept) and rebuilds it, restoring "
+        f"{db_path} is damaged ({damage}); {option('fix')} moves it aside (kept) and rebuilds it, restoring "
         f"{restores or 'no conversation'}; {_asks_summary(plan)}",
     )]  # fmt: skip
     problems += [
         Problem("lost", item.name, None, item.ingest_dir or home / CACHES_DIR / item.name,
-                f"{item.describe()}; --fix keeps its files aside; re-ingest it with `{item.rebuild}`")
+                f"{item.describe()}; {option('fix')} keeps its files aside; re-ingest it with `{item.rebuild}`")
         for item in plan.lost
     ]  # fmt: skip
     return problems + model_leftovers(home / MODELS_DIR)
@@ -186,7 +186,7 @@ def rebuild(home: Path, damage: str) -> list[str]:
                 for item in plan.restorable:
                     insert_document(db, item.document)
                 fields = ("id", *ASK_FIELDS)
-                db["asks"].insert_all({f: row.get(f) for f in fields} for row in plan.asks)
+                db.table("asks").insert_all({f: row.get(f) for f in fields} for row in plan.asks)
         finally:
             db.close()  # checkpoints: the new database is one file
         aside = move_aside(home, db_path, plan.lost)
@@ -232,7 +232,7 @@ def _salvage(db_path: Path) -> _Salvage:
         found.asks, found.asks_complete = _readable_rows(conn, "select * from asks order by id")
     finally:
         conn.close()
-    by_name: dict[str, list[dict]] = {}
+    by_name: dict[object, list[dict]] = {}  # by the rows' conversation column, whatever it holds
     for row in episodes:
         by_name.setdefault(row.get("conversation"), []).append(row)
     for row in conversations:
@@ -276,7 +276,7 @@ def _command_from_row(row: dict) -> str | None:
 
 
 def _generic_command(name: str) -> str:
-    return shlex.join(["kvchat", "ingest", "HISTORY", "--name", name]) + " (with the settings you built it with)"
+    return command("ingest", "HISTORY", name=name) + " (with the settings you built it with)"
 
 
 def _ingest_dirs(caches_dir: Path) -> list[Path]:
