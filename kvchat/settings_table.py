@@ -22,6 +22,8 @@ from kvchat import messages
 from kvchat.config import (
     CACHE_PRECISIONS,
     CACHE_STORAGES,
+    DEFAULT_EPISODES,
+    EPISODE_SPAN_TOKENS,
     HEAD_BUDGETS,
     LAYER_BUDGETS,
     OFFLOAD_MODES,
@@ -186,8 +188,10 @@ SETTINGS: tuple[Setting, ...] = (
             "full (one prefill of the whole history, then each episode keeps its top entries) or auto (full when "
             "the history fits the model's window and memory).", choices=PREFILL_MODES,
             legacy="block", old_options=("--prefill",)),  # stores written before it were built block by block
-    Setting("episodes", "episodes.episodes", "Number of topical episodes (E). Default: 4, or fewer when the history "
-            "has fewer segments.", option="--episodes", min=1),
+    Setting("episodes", "episodes.episodes", f"Number of topical episodes (E). Default: {DEFAULT_EPISODES} (routed "
+            f"methods, recall among them: one per {EPISODE_SPAN_TOKENS} history tokens, if more), or fewer when the "
+            "history has fewer segments.",
+            option="--episodes", min=1),
     Setting("segment_turns", "episodes.segment_turns", "Turns per segment clustered into episodes (w).", min=1,
             old_keys=("window",), old_options=("--window",)),
     Setting("patched_prompt_tokens", "episodes.patched_prompt_tokens", "Tokens of an episode's patched prompt at "

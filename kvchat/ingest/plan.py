@@ -23,12 +23,13 @@ from kvchat.answer.rag import RagIndex
 from kvchat.config import (
     ANSWER_ROOM,
     DEFAULT_EPISODES,
+    EPISODE_SPAN_TOKENS,
     CacheConfig,
     IngestConfig,
     RecallConfig,
 )
 from kvchat.errors import UserError
-from kvchat.history.episodes import Episode, build_episodes, segment
+from kvchat.history.episodes import Episode, build_episodes, scaled_count, segment
 from kvchat.history.loading import Turn, format_turns, load_history
 from kvchat.history.spans import TurnSpan
 from kvchat.history.tokens import TokenizedTurns, tokenize_turns
@@ -326,7 +327,8 @@ def _fresh_episodes(text: _History, config: IngestConfig, planner: _Planner) -> 
     sets the window. The config keeps the count asked for: without one, a re-ingest counts again."""
     entry = method(config.cache.method)
     episodes = _episodes(text.lines, config, planner.lm, planner.encoder, episodic=entry.episodic,
-                         notes=planner.notes, step=planner.step)  # fmt: skip
+                         routed=entry.routed, history_tokens=text.total, notes=planner.notes,
+                         step=planner.step)  # fmt: skip
     whole = _Episodes(episodes, [len(e.segments) for e in episodes], text.total, text.total)
     if not entry.routed:
         return whole
@@ -519,20 +521,25 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 def _episodes(
     lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
-    notes: list[str], step: Callable[[str, int, int], None],
+    routed: bool, history_tokens: int, notes: list[str], step: Callable[[str, int, int], None],
 ) -> list[Episode]:
     """Episodes of the history. Only EpiCache is episodic: full KV
     and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
-    given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
-    is refused."""
+    given count, as many as `DEFAULT_EPISODES` (routed: one per `EPISODE_SPAN_TOKENS` of the history, if more) the
+    history's segments can hold; a given count it cannot hold is refused."""
     eps = config.episodes
     segments = segment(lines, eps.segment_turns)
     count = eps.episodes
     if count is None:
-        count = min(DEFAULT_EPISODES, len(segments))
-        if count < DEFAULT_EPISODES and episodic:
-            notes.append(f"{count} episode{'s' * (count != 1)}, not {DEFAULT_EPISODES}: the history has "
+        wanted = scaled_count(history_tokens, least=DEFAULT_EPISODES, span=EPISODE_SPAN_TOKENS) if routed else \
+            DEFAULT_EPISODES
+        count = min(wanted, len(segments))
+        if count < wanted and episodic:
+            notes.append(f"{count} episode{'s' * (count != 1)}, not {wanted}: the history has "
                          f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.segment_turns} turns")
+        elif count > DEFAULT_EPISODES:
+            notes.append(f"{count} episodes, one per {EPISODE_SPAN_TOKENS} tokens of the history ({history_tokens} "
+                         "tokens with the system prompt)")
     elif count > len(segments) and episodic:
         raise UserError(
             f"{given('episodes', count)} is more than the history's {len(segments)} segments of "
