@@ -31,6 +31,7 @@ import torch
 
 from kvchat.answer.rag import Chunk
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.layers import CacheLayer
 from kvchat.kv.quantize import SCALE_DTYPES, QuantizedEntries, value_group
 from kvchat.kv.rope import rotate_keys
@@ -117,7 +118,7 @@ class StoredEntries:
     def place(self, cache: EpisodeCache, chunk: int, lm: LoadedModel) -> int:
         """Chunk `chunk`'s entries appended to `cache` as a prefill of its text there would append them; returns
         their number."""
-        rotary, dtype, device = lm.model.model.rotary_emb, lm.dtype, lm.device
+        rotary, dtype, device = decoder_of(lm.model).rotary_emb, lm.dtype, lm.device
         n = self.tokens[chunk]
         delta = torch.full((lm.config.num_key_value_heads, n), cache.next_position - self.starts[chunk], device=device)
         for layer in range(len(cache.layers)):

@@ -218,7 +218,9 @@ def _name_the_setting(exc: typer.TyperException) -> None:
 
     from kvchat.settings_table import former_option
 
-    row = former_option(exc.option_name) if isinstance(exc, NoSuchOption) else None
+    if not isinstance(exc, NoSuchOption):
+        return
+    row = former_option(exc.option_name)
     if row is not None:
         exc.message += f" ({exc.option_name} is `--setting {row.key}=VALUE` now: docs/commands.md)"
         exc.possibilities = None

@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -50,7 +50,7 @@ from kvchat.kv.methods import method
 from kvchat.messages import command, option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
-from kvchat.settings import from_settings, rebuild_command, stored_read
+from kvchat.settings import from_settings, rebuild_command
 from kvchat.settings_table import given
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
@@ -110,11 +110,13 @@ def append(
                           "them)")
     side_file = features.side_file_name(config.cache)
     # receipts need every turn's span: none when the stored caches predate them (routed: one list per episode)
-    if routed:
-        both = tuple((*spans, *new) for (spans, _), new in zip(extents, plan.turn_spans, strict=True)) if (
-            plan.turn_spans and all(spans for spans, _ in extents)) else ()  # fmt: skip
+    both: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...]
+    if routed:  # the plan's spans are per episode
+        per_episode = cast(tuple[tuple[TurnSpan, ...], ...], plan.turn_spans)
+        both = tuple((*spans, *new) for (spans, _), new in zip(extents, per_episode, strict=True)) if (
+            per_episode and all(spans for spans, _ in extents)) else ()  # fmt: skip
     else:
-        both = (*extents[0][0], *plan.turn_spans) if extents[0][0] else ()
+        both = (*extents[0][0], *cast(tuple[TurnSpan, ...], plan.turn_spans)) if extents[0][0] else ()
     plan = dataclasses.replace(plan, turn_spans=both)
     if plan.recall is not None:  # questions recall from the stored turns' chunks and the new ones'
         stored_recall = _stored_recall(store, record, stored_metadata[0])
@@ -164,7 +166,7 @@ def reingest(
         )
     new = str(Path(history).resolve())
     reads = dict(settings.get("reads") or {}) | ({new: read} if read else {})
-    turns = [turn for path in [*sources, new] for turn in load_history(path, **stored_read({"reads": reads}, path))]
+    turns = [turn for path in [*sources, new] for turn in _read_again(path, reads.get(path) or {})]
     return ingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
         progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
@@ -207,9 +209,14 @@ def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
     return record
 
 
+def _read_again(path: str, read: Mapping[str, str]) -> list[Turn]:
+    """A history the conversation was built from, read with the format and pick it was read with."""
+    return load_history(path, format=read.get("format"), pick=read.get("pick"))
+
+
 def _stored_extent(metadata: dict[str, str]) -> tuple[tuple[TurnSpan, ...], int]:
     """A stored episode file's turn spans and the history tokens its cache holds (a routed episode's: its own)."""
-    spans, meta = tuple(turn_spans.from_metadata(metadata)), codec.EpisodeMeta.from_metadata(metadata)
+    spans, meta = tuple(turn_spans.from_metadata(metadata) or ()), codec.EpisodeMeta.from_metadata(metadata)
     end = spans[-1].end if spans else meta.next_origin if meta.next_origin is not None else meta.next_position
     return spans, end - meta.protected
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from kvchat.config import DEVICES, DTYPES, DeviceConfig
-from kvchat.errors import UserError, first_line
+from kvchat.errors import UserError
 from kvchat.messages import option
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
@@ -73,7 +73,7 @@ def cuda_status() -> tuple[bool, str | None]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
-    why = next((first_line(w.message) for w in caught if "CUDA" in str(w.message)), None)
+    why = next((str(w.message).strip().splitlines()[0] for w in caught if "CUDA" in str(w.message)), None)
     if why:
         _log.debug("torch: %s", why)
     return available, why

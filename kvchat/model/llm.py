@@ -24,6 +24,7 @@ from kvchat.config import WEIGHT_MODES
 from kvchat.errors import UserError, first_line
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.causal_lm import ModelConfig, config_of
 from kvchat.kv.forward import forward as model_forward
 from kvchat.messages import option
 from kvchat.model import held_weights, native_llama
@@ -119,9 +120,9 @@ class LoadedModel:
         self.weights = held_weights.hold(self.model, weights, fingerprint, models_dir, source)
 
     @property
-    def config(self):
+    def config(self) -> ModelConfig:
         """The model's config (the attributes transformers' config names)."""
-        return self.model.config
+        return config_of(self.model)
 
     def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: attention.Recorder | None = None
                 ) -> torch.Tensor:  # fmt: skip
