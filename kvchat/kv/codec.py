@@ -190,8 +190,10 @@ def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, devic
 
 
 def _quantized_layer(layer: CacheLayer) -> CacheLayer:
-    from kvchat.kv.layers import QuantizedLayer
+    from kvchat.kv.layers import QuantizedLayer, RaggedLayer, UniformLayer
 
+    if not isinstance(layer, (UniformLayer, RaggedLayer)):
+        raise ValueError(f"int8 storage quantizes full-precision layers, not a {type(layer).__name__}")
     return QuantizedLayer.of(layer, STORAGE_GROUP, 0, 8)
 
 
