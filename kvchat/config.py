@@ -14,6 +14,9 @@ from kvchat.kv.config import (  # the KV core's settings, re-exported: import th
     CACHE_PRECISIONS as CACHE_PRECISIONS,
 )
 from kvchat.kv.config import (
+    CACHE_STORAGES as CACHE_STORAGES,
+)
+from kvchat.kv.config import (
     HEAD_BUDGETS as HEAD_BUDGETS,
 )
 from kvchat.kv.config import (
@@ -121,15 +124,21 @@ class DeviceConfig:
 
 
 DEFAULT_EPISODES = 4  # episodes when --episodes is not given and the history has that many segments
+# Routed methods (recall, routed) without a given count: one more episode per this many history tokens beyond
+# DEFAULT_EPISODES of them, so a routed episode cache (M/2 entries under recall) stands for at most this span of the
+# history (64 tokens per entry at the default budget), whatever its length. Routed caches together prefill the history
+# once, so more episodes cost no prefill, only bytes (one file each, a fixed size). Methods that feed every episode
+# the whole history keep DEFAULT_EPISODES: each episode there is a pass over the history.
+EPISODE_SPAN_TOKENS = 32_768
 
 
 @dataclass(frozen=True)
 class EpisodeConfig:
     """How a history is cut into topical episodes (EpiCache §3.1)."""
 
-    episodes: int | None = None  # E: number of K-Means clusters; None: DEFAULT_EPISODES, or fewer when the history
-    # has fewer segments (a given E is not lowered), counted again at every re-ingest (saved as None: `--append
-    # --reingest` of a longer history gets more)
+    episodes: int | None = None  # E: number of K-Means clusters; None: DEFAULT_EPISODES (routed methods: one per
+    # EPISODE_SPAN_TOKENS of the history, if more), or fewer when the history has fewer segments (a given E is not
+    # lowered), counted again at every re-ingest (saved as None: a re-ingest of a longer history gets more)
     segment_turns: int = 4     # w: turns per segment
     patched_prompt_tokens: int = 256  # cap on an episode's patched prompt (instruction + medoid segments)
     seed: int = 0              # K-Means seed, so the same history gives the same episodes

@@ -103,8 +103,8 @@ def conversation(record) -> dict[str, Any]:
         "cache_precision": cache.precision,
         "episode_count": len(record.episodes),
         "turns": record.stats.get("turns"),
-        "cache_bytes": sum(e.bytes for e in record.episodes),
-        "pages_bytes": sum(e.pages.bytes for e in record.episodes if e.pages is not None),
+        "cache_bytes": sum({e.path: e.bytes for e in record.episodes}.values()),  # a shared file counted once
+        "pages_bytes": sum({e.pages.path: e.pages.bytes for e in record.episodes if e.pages is not None}.values()),
         "recall_entries_bytes": record.recall_entries.bytes if record.recall_entries is not None else 0,
         "disk_bytes": sum(size for _, size, _, _ in record.files()),  # every file of it
     }

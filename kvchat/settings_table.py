@@ -21,6 +21,9 @@ from typing import Any
 from kvchat import messages
 from kvchat.config import (
     CACHE_PRECISIONS,
+    CACHE_STORAGES,
+    DEFAULT_EPISODES,
+    EPISODE_SPAN_TOKENS,
     HEAD_BUDGETS,
     LAYER_BUDGETS,
     OFFLOAD_MODES,
@@ -185,8 +188,10 @@ SETTINGS: tuple[Setting, ...] = (
             "full (one prefill of the whole history, then each episode keeps its top entries) or auto (full when "
             "the history fits the model's window and memory).", choices=PREFILL_MODES,
             legacy="block", old_options=("--prefill",)),  # stores written before it were built block by block
-    Setting("episodes", "episodes.episodes", "Number of topical episodes (E). Default: 4, or fewer when the history "
-            "has fewer segments.", option="--episodes", min=1),
+    Setting("episodes", "episodes.episodes", f"Number of topical episodes (E). Default: {DEFAULT_EPISODES} (routed "
+            f"methods, recall among them: one per {EPISODE_SPAN_TOKENS} history tokens, if more), or fewer when the "
+            "history has fewer segments.",
+            option="--episodes", min=1),
     Setting("segment_turns", "episodes.segment_turns", "Turns per segment clustered into episodes (w).", min=1,
             old_keys=("window",), old_options=("--window",)),
     Setting("patched_prompt_tokens", "episodes.patched_prompt_tokens", "Tokens of an episode's patched prompt at "
@@ -232,6 +237,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cache_precision", "cache.precision", "Stored precision of the caches: full (the model's dtype), int8 "
             "or int4 (KIVI: keys per channel, values per token; about a third or a fifth of float32's bytes). Not "
             "with --offload.", option="--cache-precision", choices=CACHE_PRECISIONS),
+    Setting("cache_storage", "cache.storage", "How episode files hold keys and values: int8 (KIVI codes read back "
+            "in full precision), float16, bfloat16, or model (the dtype the model built them in: float32 on a CPU). "
+            "Measured in benchmarks/results/storage_precision.md.", choices=CACHE_STORAGES,
+            legacy="model"),  # stores written before it kept the model's dtype
     Setting("retrieve", "cache.offload.retrieve", "With --offload icecache: entries per layer and KV head read from "
             "the pages while answering (R).", option="--retrieve", min=0, features=("icecache",)),
     Setting("page_scorer", "cache.offload.scorer", "icecache: how pages are chosen for a question: entries (the "

@@ -47,7 +47,9 @@ def test_appending_b_to_a_gives_the_caches_of_a_and_b_at_once(tmp_path, halves, 
     first, second = halves
     a = _tokens(tiny_lm, first)
     block = a.shape[-1]  # A ends on a block boundary: its one block
-    config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block"),
+    # stored as built (storage "model"): an append continues the stored values, which lossy storage would round
+    config = IngestConfig(cache=CacheConfig(budget=max(64, block // 8 + 1), block_size=block, prefill="block",
+                                            storage="model"),
                           episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
@@ -203,7 +205,7 @@ def test_appending_to_an_offload_conversation_pages_the_stored_and_the_new_evict
     block = a.shape[-1]
     offload = OffloadConfig(mode="icecache", dtype="float32")
     config = IngestConfig(cache=CacheConfig(method="epicache", budget=max(64, block // 8 + 1), block_size=block,
-                                            prefill="block", offload=offload),
+                                            prefill="block", offload=offload, storage="model"),
                           episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
@@ -237,7 +239,7 @@ def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm
     from kvchat.config import OffloadConfig
 
     first, second = halves
-    config = IngestConfig(cache=CacheConfig(method="full", offload=OffloadConfig(mode="icecache")),
+    config = IngestConfig(cache=CacheConfig(method="full", offload=OffloadConfig(mode="icecache"), storage="model"),
                           episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)

@@ -313,7 +313,8 @@ def planted(tmp_path_factory):
 
 
 def _config(**cache) -> IngestConfig:
-    groups = {"quant_group": GROUP, "quant_group_4bit": GROUP}
+    """Full-precision files as built (storage "model"), so a quantized cache is compared with the cache it quantized."""
+    groups = {"quant_group": GROUP, "quant_group_4bit": GROUP, "storage": "model"}
     return IngestConfig(cache=CacheConfig(budget=96, block_size=48, **groups | cache),
                         episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
 

@@ -9,7 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.config import DEFAULT_EPISODES, EPISODE_SPAN_TOKENS, CacheConfig, EpisodeConfig, IngestConfig
+from kvchat.history.episodes import scaled_count
 from kvchat.ingest.plan import plan_ingest
 from kvchat.model import encoder as encoder_module
 
@@ -70,3 +71,29 @@ def test_a_log_hears_of_planning_only_once_an_ingest_is_slow(capsys, monkeypatch
         shown.planning("embedding segments", done, 1000)
     printed = [line for line in capsys.readouterr().err.splitlines() if line.startswith("kvchat: ")]
     assert len(printed) == lines
+
+
+@pytest.mark.parametrize("method", ["routed", "epicache"])
+def test_a_routed_method_gets_one_episode_per_span_of_a_long_history(tmp_path, tiny_lm, method):
+    """Without a given count, routed episode caches each stand for at most about EPISODE_SPAN_TOKENS of the history
+    (they prefill it once between them); a method that feeds every episode the whole history keeps
+    DEFAULT_EPISODES, each one a pass over it."""
+    history = tmp_path / "long.json"
+    history.write_text(json.dumps([{"role": ("user", "assistant")[i % 2], "content": f"ok {i % 7} then {i % 11}"}
+                                   for i in range(40_000)]))  # fmt: skip
+    config = IngestConfig(cache=CacheConfig(method=method, budget=64, block_size=64))
+    plan = plan_ingest(history, name="long", config=config, store=None, lm=tiny_lm, encoder=_FastEncoder(),
+                       replace=True, profile_dirs=[], force=True)  # fmt: skip
+    total = plan.history_tokens + plan.prefix_ids.shape[-1]
+    assert total > 5 * EPISODE_SPAN_TOKENS
+    if method == "routed":
+        assert len(plan.episodes) == -(-total // EPISODE_SPAN_TOKENS) > DEFAULT_EPISODES
+        assert any(f"one per {EPISODE_SPAN_TOKENS} tokens" in note for note in plan.notes)
+    else:
+        assert len(plan.episodes) == DEFAULT_EPISODES
+
+
+def test_the_scaled_count_is_one_episode_per_span_and_never_under_the_least():
+    assert scaled_count(10 * EPISODE_SPAN_TOKENS, least=DEFAULT_EPISODES, span=EPISODE_SPAN_TOKENS) == 10
+    assert scaled_count(EPISODE_SPAN_TOKENS + 1, least=DEFAULT_EPISODES, span=EPISODE_SPAN_TOKENS) == DEFAULT_EPISODES
+    assert scaled_count(9 * EPISODE_SPAN_TOKENS + 1, least=DEFAULT_EPISODES, span=EPISODE_SPAN_TOKENS) == 10

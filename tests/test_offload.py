@@ -215,7 +215,8 @@ def test_ingest_writes_a_pages_file_per_episode_holding_what_eviction_dropped(tm
 
 def test_answers_with_every_page_equal_full_kv_answers(tmp_path, history, tiny_lm, encoder):
     store = Store(tmp_path)
-    full = replace(OFFLOAD, cache=CacheConfig(method="full", block_size=32, prefill="block"))
+    # stored as built (storage "model"), as eval's full-KV reference is: the pages must give back exactly that
+    full = replace(OFFLOAD, cache=CacheConfig(method="full", block_size=32, prefill="block", storage="model"))
     _ingest(store, history, tiny_lm, encoder, full)
     reference = Session(store, store.get("conv"), tiny_lm, encoder)
     paged_store = Store(tmp_path / "paged")

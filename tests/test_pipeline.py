@@ -22,8 +22,9 @@ from kvchat.ingest.pipeline import ingest
 from kvchat.model.llm import ChatLayout
 from kvchat.store import Store
 
-# Block prefill, whose peak these tests bound (the default, auto, holds the whole history when it fits).
-SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block"),
+# Block prefill, whose peak these tests bound (the default, auto, holds the whole history when it fits); files in the
+# model's dtype, whose tensors these tests read as built (storage precisions: tests/test_bytes_kept.py).
+SMALL = IngestConfig(cache=CacheConfig(budget=96, block_size=48, prefill="block", storage="model"),
                      episodes=EpisodeConfig(patched_prompt_tokens=48))
 
 

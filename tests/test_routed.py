@@ -17,7 +17,8 @@ from kvchat.kv.forward import forward
 from kvchat.store import Store
 
 QA = planted_sets(1, topics=4, turns_per_topic=16)[0]
-CONFIG = IngestConfig(cache=CacheConfig(method="routed", budget=4096, block_size=64, prefill="auto"),
+# files in the model's dtype: an answer is compared with a forward of the same tokens
+CONFIG = IngestConfig(cache=CacheConfig(method="routed", budget=4096, block_size=64, prefill="auto", storage="model"),
                       episodes=EpisodeConfig(episodes=4, segment_turns=4, patched_prompt_tokens=48))  # fmt: skip
 
 

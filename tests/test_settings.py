@@ -108,7 +108,7 @@ def test_a_setting_of_the_wrong_kind_or_name_is_refused_by_name():
 
 
 # Settings as kvchat wrote them before recall_retrieval, before the indexer's blend and before --prefill, and as
-# it wrote them before keys were renamed (issue 42).
+# it wrote them before keys were renamed (issue 42); all before cache_storage (their files: the model's dtype).
 OLDER = {
     "recall, before recall_retrieval": (
         {"method": "recall", "budget": 512, "block_size": 256, "positions": "compact", "pool_kernel": 7,
@@ -118,7 +118,7 @@ OLDER = {
          "cache_precision": "full"},
         IngestConfig(episodes=EpisodeConfig(segment_turns=4), system_prompt="S", instruction="I", cache=CacheConfig(
             method="recall", budget=512, block_size=256, positions="compact", layer_budgets="sensitivity", alpha=1.2,
-            prefill="block", recall=RecallConfig(share=0.75, chunk_tokens=128, retrieval="dense"))),
+            prefill="block", recall=RecallConfig(share=0.75, chunk_tokens=128, retrieval="dense"), storage="model")),
     ),
     "indexmem, before the blend and --prefill": (
         {"method": "indexmem", "budget": 256, "block_size": 128, "positions": "original", "pool_kernel": 5,
@@ -129,7 +129,7 @@ OLDER = {
                      system_prompt="S", instruction="I", cache=CacheConfig(
                          method="indexmem", budget=256, block_size=128, positions="original", pool_kernel=5,
                          layer_budgets="uniform", prefill="block", latent_memory=False, indexer_recent=32,
-                         attention_mix=0.0, indexer_pool_kernel=5)),
+                         attention_mix=0.0, indexer_pool_kernel=5, storage="model")),
     ),
     "full KV offloaded, cake scorer keys": (
         {"method": "full", "budget": 1024, "block_size": 512, "positions": "original", "pool_kernel": 7,
@@ -138,7 +138,7 @@ OLDER = {
          "offload": "icecache", "cache_precision": "full", "retrieve": 64, "page_scorer": "two-stage",
          "offload_window": 8, "page_size": 4},
         IngestConfig(system_prompt="S", instruction="I", cache=CacheConfig(
-            method="full", positions="original", prefill="block",
+            method="full", positions="original", prefill="block", storage="model",
             offload=OffloadConfig(mode="icecache", retrieve=64, scorer="two-stage", recent=8,
                                   paging=PagingConfig(page_size=4)))),
     ),
@@ -150,7 +150,7 @@ OLDER = {
          "cake_gamma": 50.0, "cake_pool_kernel": 5, "offload": "none", "cache_precision": "full"},
         IngestConfig(system_prompt="S", instruction="I", cache=CacheConfig(
             method="cake", budget=300, positions="compact", layer_budgets="cake", prefill="block",
-            cake=CakeConfig(tau1=0.5, tau2=2.0, gamma=50.0, queries=16))),
+            cake=CakeConfig(tau1=0.5, tau2=2.0, gamma=50.0, queries=16), storage="model")),
     ),
 }
 

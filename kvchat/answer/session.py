@@ -136,7 +136,8 @@ class Session:
         timings["route"] = _ms_since(clock)
 
         clock = time.perf_counter()
-        reused = self._resident is not None and self._resident[0] == index
+        reused = self._resident is not None and self.conversation.episodes[self._resident[0]].path == (
+            self.conversation.episodes[index].path)
         with self._shrunk_pages_refused(index):
             cache = self._cache(index)
         stored = self._stored_entries()
@@ -398,11 +399,13 @@ class Session:
             self._resident = None
 
     def _cache(self, index: int) -> EpisodeCache:
-        """The episode's cache, reused when it is the resident one."""
-        if self._resident is not None and self._resident[0] == index:
+        """The episode's cache, reused when it is the resident one (or in the same file: episodes whose caches are the
+        same share one)."""
+        record = self.conversation.episodes[index]
+        if self._resident is not None and self.conversation.episodes[self._resident[0]].path == record.path:
+            self._resident = (index, self._resident[1])
             return self._resident[1]
         self._resident = None  # drop the old one before loading the next: one resident cache at a time
-        record = self.conversation.episodes[index]
         tensors, metadata = self.store.load_episode(record, self.lm.fingerprint)
         try:
             cache, meta = codec.decode(tensors, metadata, dtype=self.lm.dtype, device=self.lm.device)

@@ -233,7 +233,8 @@ def evaluate(
     results = results or ResultsFile(None)
     progress = progress or EvalProgress()
     ask_config = config.answering()
-    full_kv = Variant(dataclasses.replace(base.cache, method=REFERENCE, offload=OffloadConfig()))
+    # the reference: stored as the model computed it, not in the storage precision compressed caches are kept in
+    full_kv = Variant(dataclasses.replace(base.cache, method=REFERENCE, offload=OffloadConfig(), storage="model"))
     everything = [full_kv, *(v for v in variant_list if v.key != REFERENCE)]
     for qa_set in qa_sets:
         questions = sample_questions(qa_set.questions, config.questions)

@@ -53,7 +53,7 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
              retrieve: int | None = None, weights: str = "float") -> dict[str, str]:
     """The settings an eval ran with (an `EvalConfig` and the base `IngestConfig` its variants start from), as the
     report states them."""
-    from kvchat.config import ANSWER_ROOM, DEFAULT_EPISODES
+    from kvchat.config import ANSWER_ROOM, DEFAULT_EPISODES, EPISODE_SPAN_TOKENS
 
     episodes = base.episodes
     found = {
@@ -63,7 +63,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
         "block size": str(base.cache.block_size),
         "prefill": base.cache.prefill,
         "episodes": (str(episodes.episodes) if episodes.episodes is not None
-                     else f"{DEFAULT_EPISODES}, or fewer when a history has fewer segments")
+                     else f"{DEFAULT_EPISODES} (routed methods: one per {EPISODE_SPAN_TOKENS} history tokens, if "
+                          "more), or fewer when a history has fewer segments")
                     + f", from segments of {episodes.segment_turns} turns",
         "cache precision": ", ".join(precisions),
         "offload": ", ".join(offloads) + (f" (retrieve {retrieve})" if retrieve is not None and

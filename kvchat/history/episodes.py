@@ -28,6 +28,12 @@ def segment(lines: Sequence[str], window: int) -> list[str]:
     return ["\n".join(lines[i : i + window]) for i in range(0, len(lines), window)]
 
 
+def scaled_count(history_tokens: int, *, least: int, span: int) -> int:
+    """Episodes for a history of `history_tokens`: `least`, or one per `span` tokens where that is more, so each
+    episode stands for at most about `span` tokens of it."""
+    return max(least, -(-history_tokens // span))
+
+
 def cluster(embeddings: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """K-Means (k-means++) labels and unit-norm centroids; k is capped at the number of segments."""
     from sklearn.cluster import KMeans  # scikit-learn and SciPy load here: answering a question needs neither

@@ -98,6 +98,7 @@ def append(
         source=record.settings.get("source"),
         place=lambda segments, notes: _moved_episodes(record, segments, encoder, notes),
         episode_tokens=tuple(tokens for _, tokens in extents) if routed else (),
+        same_caches=len({e.sha256 for e in record.episodes}) == 1,
     )  # fmt: skip
     reads = dict(record.settings.get("reads") or {}) | ({source_now: read} if source_now and read else {})
     plan = plan_ingest(

@@ -160,6 +160,7 @@ class BuiltEpisode:
     peak_layer_entries: int
     peak_total_entries: int
     parts: EpisodeParts | None = None  # the cache features' parts (IceCache's spilled evictions, ...)
+    same_as: int | None = None  # the episode whose cache this one's is (`IngestPlan.one_cache`): its file is named
 
     def stats(self) -> EpisodeStats:
         heads = [n for layer in self.cache.layers for n in layer.lengths]
@@ -267,9 +268,10 @@ def blocks_to_prefill(plan: IngestPlan) -> int:
     """Steps the plan's episode loop reports: with `--prefill full` the history's blocks once and one selection
     per episode; else each episode's history (routed: its own turns) in blocks of B."""
     block = plan.config.cache.block_size
+    built = 1 if plan.one_cache else len(plan.episodes)
     if plan.prefill == "full":
-        return -(-int(plan.context_ids.shape[-1]) // block) + len(plan.episodes)
-    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * len(plan.episodes)
+        return -(-int(plan.context_ids.shape[-1]) // block) + built
+    lengths = [int(ids.shape[-1]) for ids in plan.episode_ids] or [int(plan.context_ids.shape[-1])] * built
     return sum(-(-n // block) for n in lengths)
 
 
@@ -284,17 +286,24 @@ def build_episodes(
     """The episode loop that `ingest`, an append (ingest.append) and a batch worker (ingest.batch) all run:
     each episode's cache in turn, one in memory at a time (the caller writes or sends it before asking for
     the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
-    gives an append's stored cache and its side file."""
+    gives an append's stored cache and its side file. Where the episodes' caches would all be the same
+    (`IngestPlan.one_cache`), the first is built and every other episode is given as the same cache (`same_as`)."""
     progress = progress or IngestProgress()
     progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens, lm.context_window)
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     with lm.prefill_weights():  # many-token products by the fastest kernel for the weights held (LoadedModel)
         full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
+        first: BuiltEpisode | None = None
         for episode in plan.episodes:
             progress.episode(episode.index, len(plan.episodes))
+            if first is not None:
+                yield dataclasses.replace(first, episode=episode, same_as=first.episode.index)
+                continue
             cache, stored = resume(episode) if resume is not None else (None, None)
-            yield build_episode(plan, episode, lm, on_block=progress.block, full=full,
-                                scratch=scratch(episode.index), resume=cache, stored=stored)  # fmt: skip
+            built = build_episode(plan, episode, lm, on_block=progress.block, full=full, scratch=scratch(episode.index),
+                                  resume=cache, stored=stored)  # fmt: skip
+            first = built if plan.one_cache else None
+            yield built
 
 
 @dataclass(frozen=True)
@@ -310,12 +319,17 @@ class EncodedEpisode:
     budgets: list[int]
     n_tokens: int
     side_file: bytes | None = None  # its side file (IceCache's pages), when a batch worker sends one
+    same_as: int | None = None  # the episode whose file holds this one's cache (no tensors of its own then)
 
     def write(self, pending: PendingConversation, pages: PagesRecord | None = None, note: dict | None = None
               ) -> EpisodeRecord:  # fmt: skip
         """Write and fsync the file in `pending` (not visible until commit); `pages`, its pages file's
         record when the episode offloads (written first: the episode's record refers to it), else the
-        record of the `side_file` it carries. `note`: what a resumable ingest journals with it (units.note_of)."""
+        record of the `side_file` it carries. `note`: what a resumable ingest journals with it (units.note_of). An
+        episode `same_as` another names that one's files."""
+        if self.same_as is not None:
+            return pending.share_episode(self.index, self.same_as, centroid=self.centroid,
+                                         medoid_text=self.medoid_text)  # fmt: skip
         if pages is None and self.side_file is not None:
             data = self.side_file
             pages = pending.write_pages(self.index, lambda path: _write_bytes(path, data))
@@ -329,11 +343,16 @@ def encode_episode(
     plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel, *, side_file_at: Path | None = None
 ) -> EncodedEpisode:
     """Encode one episode's cache (kvchat.kv.codec) with its routing data; with `side_file_at`, its side file
-    too (written there, then read back into the result: a batch worker's, whose driver writes it)."""
+    too (written there, then read back into the result: a batch worker's, whose driver writes it). An episode whose
+    cache is another's (`same_as`) is encoded as a reference to it."""
     cache = built.cache
-    meta = codec.meta_of(
-        cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
-    )
+    if built.same_as is not None:
+        return EncodedEpisode(built.episode.index, {}, {}, centroid=built.episode.centroid.tolist(),
+                              medoid_text=built.episode.medoid_text, budgets=list(cache.sizes),
+                              n_tokens=cache.entries, same_as=built.same_as)  # fmt: skip
+    cache_cfg = plan.config.cache
+    meta = codec.meta_of(cache, fingerprint=lm.fingerprint, method=cache_cfg.method, positions=cache_cfg.positions,
+                         storage=cache_cfg.storage)  # fmt: skip
     tensors, metadata = codec.encode(cache, meta)
     # the history's turn spans, or (routed) each episode's own turns' (plan.turn_spans types both as one union)
     spans = plan.turn_spans[built.episode.index] if plan.episode_ids and plan.turn_spans else plan.turn_spans
@@ -359,7 +378,9 @@ def write_episode(
 ) -> EpisodeRecord:
     """Encode one episode's cache into its file in the pending conversation (not visible until commit), its
     side file first when a feature writes one (IceCache's pages, streamed from its spill files). `note`: what a
-    resumable ingest journals with it."""
+    resumable ingest journals with it; an episode whose cache is another's names that one's files."""
+    if built.same_as is not None:
+        return encode_episode(plan, built, lm).write(pending)
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None else None
     pages = pending.write_pages(built.episode.index, writer) if writer is not None else None
     return encode_episode(plan, built, lm).write(pending, pages, note)
@@ -438,7 +459,7 @@ def commit_ingest(
         peak_layer_entries=max(b.peak_layer_entries for b in built),
         peak_total_entries=max(b.peak_total_entries for b in built),
         estimated_peak_bytes=plan.estimated_peak_bytes,
-        cache_bytes=sum(r.bytes for r in records),
+        cache_bytes=sum({r.path: r.bytes for r in records}.values()),  # a file episodes share counted once
         seconds=round(seconds, 2),
         head_budgets=cache_cfg.head_budgets,
         head_entries=[min(head_entries), max(head_entries)] if head_entries else [],
@@ -447,7 +468,7 @@ def commit_ingest(
         notes=plan.notes,
         offload=cache_cfg.offload.mode,
         offloaded_entries=sum(b.offloaded_entries for b in built),
-        pages_bytes=sum(r.pages.bytes for r in records if r.pages is not None),
+        pages_bytes=sum({r.pages.path: r.pages.bytes for r in records if r.pages is not None}.values()),
         cache_precision=cache_cfg.precision,
         device=identity.device,
         dtype=identity.dtype,
@@ -525,6 +546,8 @@ def run_units(
         progress.resuming(pending.done(), writer.blocks_done)
     every = units.checkpoint_every(plan) if pending.resumable else None
     full = None
+    # `plan.one_cache`: every episode's cache is the same, so the first written is every other one's file
+    shared = min(writer.records) if plan.one_cache and writer.records else None
     for unit in writer.remaining():
         if isinstance(unit, units.ChunkUnit):
             assert writer.layout is not None
@@ -533,6 +556,11 @@ def run_units(
                 progress.recall_entries(rows.chunk + 1, writer.layout.chunks)
             continue
         episode = plan.episodes[unit.index]
+        if shared is not None:
+            record = pending.share_episode(unit.index, shared, centroid=episode.centroid.tolist(),
+                                           medoid_text=episode.medoid_text)  # fmt: skip
+            writer.episode(unit.index, record, writer.stats[shared])
+            continue
         if plan.prefill == "full" and full is None:
             full = prefill_history(plan, lm, on_block=progress.history)
         progress.episode(unit.index, len(plan.episodes))
@@ -545,4 +573,5 @@ def run_units(
             else:
                 stats = step.stats()
                 writer.episode(unit.index, write_episode(pending, plan, step, lm, units.note_of(stats)), stats)
+                shared = unit.index if plan.one_cache else None
     writer.finish()

@@ -24,12 +24,13 @@ from kvchat.answer.rag import RagIndex
 from kvchat.config import (
     ANSWER_ROOM,
     DEFAULT_EPISODES,
+    EPISODE_SPAN_TOKENS,
     CacheConfig,
     IngestConfig,
     RecallConfig,
 )
 from kvchat.errors import UserError
-from kvchat.history.episodes import Episode, build_episodes, segment
+from kvchat.history.episodes import Episode, build_episodes, scaled_count, segment
 from kvchat.history.loading import Turn, format_turns, load_history
 from kvchat.history.spans import TurnSpan
 from kvchat.history.tokens import TokenizedTurns, tokenize_turns
@@ -85,6 +86,9 @@ class IngestPlan:
     turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
     episode_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # routed: each episode's own turns
     recall: RagIndex | None = None  # --method recall: the chunks questions recall turns from (an append's: new ones)
+    # every layer's budget holds the whole history, so no episode evicts anything and their caches would be equal:
+    # one is built and every episode's record names its file (kvchat.ingest.pipeline)
+    one_cache: bool = False
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Continuation:
     place: Callable[[list[str], list[str]], tuple[list[Episode], list[int], list[int]]]
     # per stored episode, the history tokens its cache holds (routed: its own turns'); () when all hold the history
     episode_tokens: tuple[int, ...] = ()
+    same_caches: bool = False  # every stored episode's cache is the same (one file, or files of one checksum)
 
 
 def plan_ingest(
@@ -173,6 +178,7 @@ def plan_ingest(
         turn_spans=spans,
         episode_ids=fed.episode_ids,
         recall=_recall_index(text, resolved.cache, planner),
+        one_cache=_one_cache(chosen, fed, planner),
     )
 
 
@@ -301,7 +307,8 @@ def _fresh_episodes(text: _History, config: IngestConfig, planner: _Planner) -> 
     sets the window. The config keeps the count asked for: without one, a re-ingest counts again."""
     entry = method(config.cache.method)
     episodes = _episodes(text.lines, config, planner.lm, planner.encoder, episodic=entry.episodic,
-                         notes=planner.notes, step=planner.step)  # fmt: skip
+                         routed=entry.routed, history_tokens=text.total, notes=planner.notes,
+                         step=planner.step)  # fmt: skip
     whole = _Episodes(episodes, [len(e.segments) for e in episodes], text.total, text.total)
     if not entry.routed:
         return whole
@@ -407,6 +414,23 @@ def _positions(cache: CacheConfig, total: int, planner: _Planner) -> str:
     return positions
 
 
+def _one_cache(chosen: _Budgets, fed: _Episodes, planner: _Planner) -> bool:
+    """Whether the episodes' caches would all be the same: each is fed the whole history (not routed), every layer's
+    budget holds all of it with the system prompt, so nothing is evicted whatever an episode's patched prompt scores
+    (an append: and the stored caches are the same too)."""
+    budgets = chosen.budgets
+    if len(fed.episodes) < 2 or fed.episode_ids or not isinstance(budgets, list) or not budgets:
+        return False
+    continuing = planner.continuing
+    if continuing is not None and not continuing.same_caches:
+        return False
+    if min(budgets) < fed.total:
+        return False
+    planner.notes.append(f"every layer's budget holds the whole history ({fed.total} tokens with the system prompt): "
+                         f"the {len(fed.episodes)} episodes' caches are the same, stored once")
+    return True
+
+
 def _turn_spans(text: _History, fed: _Episodes) -> tuple:
     """Each turn's token range (kvchat.answer.sources), from after the system prompt and the stored turns; routed:
     one tuple per episode, of its own turns."""
@@ -478,20 +502,25 @@ def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
 
 def _episodes(
     lines: list[str], config: IngestConfig, lm: LoadedModel, encoder: SentenceEncoder, *, episodic: bool,
-    notes: list[str], step: Callable[[str, int, int], None],
+    routed: bool, history_tokens: int, notes: list[str], step: Callable[[str, int, int], None],
 ) -> list[Episode]:
     """Episodes of the history. Only EpiCache is episodic: full KV
     and the query-agnostic baselines build a single cache, as in the EpiCache paper's comparisons. Without a
-    given count, as many as `DEFAULT_EPISODES` the history's segments can hold; a given count it cannot hold
-    is refused."""
+    given count, as many as `DEFAULT_EPISODES` (routed: one per `EPISODE_SPAN_TOKENS` of the history, if more) the
+    history's segments can hold; a given count it cannot hold is refused."""
     eps = config.episodes
     segments = segment(lines, eps.segment_turns)
     count = eps.episodes
     if count is None:
-        count = min(DEFAULT_EPISODES, len(segments))
-        if count < DEFAULT_EPISODES and episodic:
-            notes.append(f"{count} episode{'s' * (count != 1)}, not {DEFAULT_EPISODES}: the history has "
+        wanted = scaled_count(history_tokens, least=DEFAULT_EPISODES, span=EPISODE_SPAN_TOKENS) if routed else \
+            DEFAULT_EPISODES
+        count = min(wanted, len(segments))
+        if count < wanted and episodic:
+            notes.append(f"{count} episode{'s' * (count != 1)}, not {wanted}: the history has "
                          f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.segment_turns} turns")
+        elif count > DEFAULT_EPISODES:
+            notes.append(f"{count} episodes, one per {EPISODE_SPAN_TOKENS} tokens of the history ({history_tokens} "
+                         "tokens with the system prompt)")
     elif count > len(segments) and episodic:
         raise UserError(
             f"{given('episodes', count)} is more than the history's {len(segments)} segments of "

@@ -2,7 +2,9 @@
 
 One safetensors file per episode (never pickle): per-layer keys, values and positions, the 8- and 4-bit
 codes with their scales, an optional latent memory, each entry's original position where compaction moved it
-(`orig.{l}`), and `EpisodeMeta` as string metadata. Keeping every
+(`orig.{l}`), and `EpisodeMeta` as string metadata. Keys and values are written in a storage precision
+(`CacheConfig.storage`: the model's dtype, float16, bfloat16, or int8 codes read back in full precision) and read
+back in the answering model's dtype. Keeping every
 tensor name and format version here means a new layer type changes one module. kvchat writes the oldest
 format version that describes a file, so older kvchat keeps reading what it can; the store stamps and
 checks it before anything is decoded. The tensors, shapes and versions "1" to "7" are described in
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvchat.kv.config import STORAGE_GROUP
 from kvchat.kv.quantize import PRECISION_BITS, SCALE_DTYPES, QuantizedEntries
 
 if TYPE_CHECKING:
@@ -33,6 +36,9 @@ INT4_FORMAT_VERSION = "5"  # written for 4-bit caches
 MASS_MEMORY_FORMAT_VERSION = "6"  # written for caches whose latent memory has the mass readout
 ORIGINS_FORMAT_VERSION = "7"  # written for compacted caches that keep their entries' original positions
 READABLE_FORMAT_VERSIONS = ("1", "2", "3", "4", "5", "6", "7")
+# CacheConfig.storage's floating dtypes; "int8" stores KIVI codes (kvchat.kv.quantize) and "model" the dtype the
+# cache was built in
+STORAGE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def format_version(metadata: dict[str, str]) -> str:
@@ -56,10 +62,14 @@ class EpisodeMeta:
     budgets: tuple[int, ...] = ()  # per layer, kept entries per KV head (ragged: the mean, rounded up)
     precision: str = "full"     # full | int8 (8-bit layers; format "4") | int4 (4-bit layers; format "5")
     next_origin: int | None = None  # with `orig.{l}` tensors (format "7"): the next token's original position
+    # how the keys and values were written (CacheConfig.storage): model (as built), float16, bfloat16, or int8 (codes
+    # of a cache held in full precision, which `decode` gives back in full precision)
+    storage: str = "model"
 
     def to_metadata(self) -> dict[str, str]:
         origin = {} if self.next_origin is None else {"next_origin": str(self.next_origin)}
-        return origin | {
+        stored = {} if self.storage == "model" else {"storage": self.storage}
+        return origin | stored | {
             "precision": self.precision,
             "fingerprint": self.fingerprint,
             "method": self.method,
@@ -83,6 +93,7 @@ class EpisodeMeta:
                 budgets=tuple(int(b) for b in budgets.split(",")) if budgets else (),
                 precision=metadata.get("precision", "full"),
                 next_origin=int(metadata["next_origin"]) if "next_origin" in metadata else None,
+                storage=metadata.get("storage", "model"),
             )
         except KeyError as e:
             raise ValueError(f"episode metadata has no {e.args[0]!r}") from None
@@ -90,17 +101,33 @@ class EpisodeMeta:
             raise ValueError(f"episode metadata is malformed: {e}") from None
 
 
-def meta_of(cache: EpisodeCache, *, fingerprint: str, method: str, positions: str) -> EpisodeMeta:
-    """The metadata of a freshly built cache."""
+def meta_of(cache: EpisodeCache, *, fingerprint: str, method: str, positions: str, storage: str = "model"
+            ) -> EpisodeMeta:  # fmt: skip
+    """The metadata of a freshly built cache, to be written in `storage` (CacheConfig.storage)."""
+    if storage not in ("model", "int8", *STORAGE_DTYPES):
+        raise ValueError(f"unknown storage {storage!r}")
+    held = cache.precision
     return EpisodeMeta(
-        fingerprint, method, positions, cache.next_position, cache.protected, tuple(cache.sizes), cache.precision,
+        fingerprint, method, positions, cache.next_position, cache.protected, tuple(cache.sizes),
+        "int8" if storage == "int8" and held == "full" else held,
         next_origin=None if cache.origins is None else cache.next_origin,
+        # a cache held quantized keeps its codes: int8 storage writes its full-precision residual in float16
+        storage="float16" if storage == "int8" and held != "full" else storage,
     )
 
 
 def encode(cache: EpisodeCache, meta: EpisodeMeta) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of an episode file (the store adds `format_version`)."""
-    tensors, metadata = encode_layers(cache), meta.to_metadata()
+    """The tensors and metadata of an episode file (the store adds `format_version`), its keys and values in
+    `meta.storage`: the model's dtype, float16 or bfloat16 (a tensor float16 cannot hold stays as it is), or int8
+    codes in key groups of `STORAGE_GROUP` tokens (a cache held in full precision, quantized here as
+    `--cache-precision int8` would, its last entries that fill no group in float16)."""
+    layers = encode_layers(cache)
+    if meta.storage == "int8" and cache.precision == "full":
+        layers = _encode_all([_quantized_layer(layer) for layer in cache.layers])
+    dtype = torch.float16 if meta.storage == "int8" else STORAGE_DTYPES.get(meta.storage)
+    if dtype is not None:
+        layers = {k: _stored_as(t, dtype) if k.startswith(("k.", "v.")) else t for k, t in layers.items()}
+    tensors, metadata = layers, meta.to_metadata()
     if cache.origins is not None:
         tensors |= {f"orig.{i}": torch.cat(heads).to(torch.int32) for i, heads in enumerate(cache.origins)}
     if cache.memory is not None:
@@ -130,6 +157,8 @@ def decode(
     )
     if cache.precision != meta.precision:
         raise ValueError(f"metadata says {meta.precision} precision, the layers are {cache.precision}")
+    if meta.storage == "int8" and meta.precision == "int8":  # int8 was how it was stored, not how it was held
+        cache.dequantize()
     if origins and meta.next_origin is not None:
         cache.origins = _decode_origins(tensors, cache, device)
         cache.next_origin = meta.next_origin
@@ -158,6 +187,24 @@ def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, devic
         stored = stored.to(torch.long) if device is None else stored.to(device, torch.long)
         out.append(list(stored.split(layer.lengths)))
     return out
+
+
+def _quantized_layer(layer: CacheLayer) -> CacheLayer:
+    from kvchat.kv.layers import QuantizedLayer, RaggedLayer, UniformLayer
+
+    if not isinstance(layer, (UniformLayer, RaggedLayer)):
+        raise ValueError(f"int8 storage quantizes full-precision layers, not a {type(layer).__name__}")
+    return QuantizedLayer.of(layer, STORAGE_GROUP, 0, 8)
+
+
+def _stored_as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A floating `tensor` in the storage `dtype`, where that holds every number of it (float16 tops out at
+    65504); otherwise, and for other tensors, as it is."""
+    if not tensor.is_floating_point() or tensor.dtype == dtype:
+        return tensor
+    if tensor.numel() and not bool(tensor.abs().amax() <= torch.finfo(dtype).max):
+        return tensor
+    return tensor.to(dtype)
 
 
 def _placed(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, device: torch.device | str | None
@@ -223,8 +270,12 @@ def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int
 
 def encode_layers(cache: EpisodeCache) -> dict[str, torch.Tensor]:
     """Every layer's tensors, named as the module docstring says."""
+    return _encode_all(cache.layers)
+
+
+def _encode_all(layers) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(layers):
         out.update(_encode_layer(layer, i))
     return out
 

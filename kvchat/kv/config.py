@@ -16,6 +16,7 @@ PREFILL_MODES = ("auto", "block", "full")
 HEAD_BUDGETS = ("uniform", "adaptive")
 OFFLOAD_MODES = ("none", "icecache")  # kvchat.features registers a feature for each but "none"
 CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a feature for each but "full"
+CACHE_STORAGES = ("model", "float16", "bfloat16", "int8")  # CacheConfig.storage (kvchat.kv.codec)
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
 RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.answer.rag.RagIndex.top)
@@ -32,6 +33,10 @@ HEAD_FLOOR_FRACTION = 0.2
 # ones (KIVI's residual; the answer's tokens are appended to it). Chosen on planted-fact conversations
 # (benchmarks/int8.py --choose), never on the LoCoMo ones.
 QUANT_RESIDUAL = 0
+
+# `storage="int8"`: tokens per key group (and channels per value group) of the KIVI codes an episode file holds
+# for a cache held in full precision (kvchat.kv.codec); the int8 feature's own default (`CacheConfig.quant_group`)
+STORAGE_GROUP = 32
 
 # Prompts and windows of the baselines as EpiCache adapts them to block prefill (its appendix A.2).
 INFINIPOT_PROMPT = "Summarize the previous context highlighting the most important parts."
@@ -147,6 +152,11 @@ class CacheConfig:
     quant_group: int = 32    # int8: tokens per key group and channels per value group (KIVI's group size)
     quant_group_4bit: int = 16  # int4: the same; smaller, as 15 levels make each group's step 17x coarser
     quant_residual: int = QUANT_RESIDUAL  # int8, int4: each head's last entries kept in full precision
+    # How episode files hold keys and values (kvchat.kv.codec): int8 (KIVI codes in groups of STORAGE_GROUP, read back
+    # in full precision), float16, bfloat16, or model (the dtype the model built them in: float32 on a CPU). int8: the
+    # fewest bytes (32% of float32's) whose answers stay at the noise floor on the in-window LoCoMo eval, as float16's
+    # and bfloat16's do (benchmarks/results/storage_precision.md; int4's KL is 2.7x that floor)
+    storage: str = "int8"
 
     @property
     def active_quant_group(self) -> int:

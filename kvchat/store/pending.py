@@ -366,6 +366,20 @@ class PendingConversation:
             if path.name not in kept:
                 _remove(path)
 
+    def share_episode(self, index: int, of: int, *, centroid: list[float], medoid_text: str) -> EpisodeRecord:
+        """Episode `index`, whose cache is episode `of`'s (written already): its record names `of`'s files, so they
+        are stored once (an ingest whose episodes evict nothing, kvchat.ingest.plan's `one_cache`)."""
+        self._check_open()
+        if index in self._episodes:
+            raise ValueError(f"episode {index} was already written")
+        if of not in self._episodes:
+            raise ValueError(f"episode {of} is not written, so episode {index} cannot share its file")
+        shared, fingerprint = self._episodes[of]
+        record = dataclasses.replace(shared, index=index, centroid=[float(x) for x in centroid],
+                                     medoid_text=str(medoid_text))  # fmt: skip
+        self._episodes[index] = (record, fingerprint)
+        return record
+
     def commit(self, *, model: str, fingerprint: str, settings: dict, stats: dict) -> ConversationRecord:
         """Make the conversation visible: write its manifest, rename the files into place, then insert the rows.
 

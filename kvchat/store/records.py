@@ -58,9 +58,9 @@ class ConversationRecord:
     recall_entries: FileRecord | None = None  # the KV entries of every chunk of the history, when it keeps them
 
     def files(self) -> list[tuple[Path, int, str, str]]:
-        """(path, bytes, sha256, what) of every file of this conversation: each episode's, then its recall
-        entries file (what: "recall entries")."""
-        out = [f for episode in self.episodes for f in episode.files()]
+        """(path, bytes, sha256, what) of every file of this conversation, once each: each episode's (episodes whose
+        caches are the same share one file), then its recall entries file (what: "recall entries")."""
+        out = list({f[0]: f for episode in self.episodes for f in episode.files()}.values())
         if self.recall_entries is not None:
             entries = self.recall_entries
             out.append((entries.path, entries.bytes, entries.sha256, "recall entries"))
