@@ -147,7 +147,7 @@ def asks(rows) -> dict[str, Any]:
 
 
 def eval_rows(rows, gold_rows=(), verdict=()) -> dict[str, Any]:
-    """`kvchat eval --json`: one row per variant compared with full KV (`kvchat.eval.evaluate.summarize`) and, for
+    """`kvchat eval --json`: one row per variant compared with full KV (`kvchat.eval.summary.summarize`) and, for
     histories scored against gold, one per system (`kvchat.eval.gold.summarize_gold`) with the verdict lines."""
     gold = {"gold": {"rows": [_ms(row) for row in gold_rows], "verdict": list(verdict)}} if gold_rows else {}
     return document(rows=[_ms(row) for row in rows], **gold)

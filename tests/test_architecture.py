@@ -312,3 +312,9 @@ c = "written out: {option:no_such_flag=1}"
 """
     assert sorted(_unknown(_referenced(planted), *cli_vocabulary)) == [
         ("command", "lsit"), ("option", "no_such_flag"), ("option", "no_such_option"), ("setting", "bugdet")]
+
+
+def test_no_module_is_over_600_lines():
+    """One concept per module: past 600 lines a module holds more than one, and should be split."""
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in MODULES if (n := len(p.read_text().splitlines())) > 600}
+    assert long == {}

@@ -19,7 +19,8 @@ from kvchat.ingest.append import append
 from kvchat.ingest.pipeline import build_episodes, commit_ingest, ingest, plan_ingest, write_episode
 from kvchat.kv import codec
 from kvchat.settings import from_settings, to_settings
-from kvchat.store import Store, diagnose
+from kvchat.store import Store
+from kvchat.store.home_doctor import diagnose
 
 SHORT = parse_history(planted_conversation(seed=4, topics=4, turns_per_topic=4)[0], source="short")  # 16 turns
 ROOMY = IngestConfig(cache=CacheConfig(budget=512, block_size=64, storage="model"),

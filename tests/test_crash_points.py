@@ -23,8 +23,9 @@ from conftest import centroid
 from test_store import FP, SETTINGS, STATS, _tensors
 from test_store_recall_entries import _writer
 
-from kvchat.store import Store, diagnose, repair
+from kvchat.store import Store
 from kvchat.store.files import CRASH_AT, CRASH_EXIT, CRASH_LOG
+from kvchat.store.home_doctor import diagnose, repair
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="forks a child per crash point")
 

@@ -20,7 +20,8 @@ from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history.synthetic import planted_conversation
 from kvchat.ingest.pipeline import IngestProgress, ingest
-from kvchat.store import ConversationRecord, Store, diagnose, repair
+from kvchat.store import ConversationRecord, Store
+from kvchat.store.home_doctor import diagnose, repair
 
 CHANGED = "was changed by another kvchat process while this command worked on it"
 AN_HOUR_AGO = time.time() - 3600

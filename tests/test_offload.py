@@ -392,7 +392,7 @@ def test_a_damaged_database_is_rebuilt_with_the_pages_files(tmp_path, history, t
     """`doctor --fix` rebuilds kvchat.db from the manifests: the pages files come back with their rows."""
     import os
 
-    from kvchat.store import diagnose, repair
+    from kvchat.store.home_doctor import diagnose, repair
 
     store = Store(tmp_path)
     _ingest(store, history, tiny_lm, encoder)

@@ -24,7 +24,8 @@ from kvchat import store as store_module
 from kvchat.cli.words import spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.history.synthetic import planted_conversation
-from kvchat.store import DamagedDatabase, Store, diagnose, repair
+from kvchat.store import DamagedDatabase, Store
+from kvchat.store.home_doctor import diagnose, repair
 from kvchat.store.manifest import MANIFEST_NAME
 
 ASKS = 3

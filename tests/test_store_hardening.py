@@ -18,8 +18,9 @@ from test_store import FP, _ingest, _tmp_dirs
 from test_store_damage import _digit_in_centroid, _home
 
 from kvchat.errors import UserError
-from kvchat.store import Store, diagnose
+from kvchat.store import Store
 from kvchat.store.files import new_temp_path, process_start
+from kvchat.store.home_doctor import diagnose
 from kvchat.store.recovery import REBUILD_LOCK
 
 WAIT_S = 120

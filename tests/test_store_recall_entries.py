@@ -23,7 +23,8 @@ from test_store import FP, SETTINGS, STATS, _ingest, _tensors, _tmp_dirs
 from kvchat.cli.words import spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv.tensorfile import FileRows, SafetensorsWriter
-from kvchat.store import ConversationChanged, Store, diagnose, repair
+from kvchat.store import ConversationChanged, Store
+from kvchat.store.home_doctor import diagnose, repair
 from kvchat.store.layout import RECALL_ENTRIES_NAME
 from kvchat.store.manifest import MANIFEST_NAME, digest, document, read_manifest
 

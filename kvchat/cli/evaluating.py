@@ -90,7 +90,7 @@ def eval_command(
 ) -> None:
     """Measure answer quality of methods x budgets against full KV on LoCoMo files (F1, agreement, KL), or against
     the gold answers beside rag and recent where a history does not fit the model's window."""
-    from kvchat.eval import evaluate, gold
+    from kvchat.eval import evaluate, gold, summary
     from kvchat.settings import with_settings
 
     config = EvalConfig(
@@ -128,7 +128,7 @@ def eval_command(
     gold_rows, verdict = gold.summarize_gold(against_gold), gold.verdict(against_gold)
     sets = full_sets
     names = {s.name for s in sets}
-    rows = evaluate.summarize([r for r in records if r["set"] in names])
+    rows = summary.summarize([r for r in records if r["set"] in names])
     skips = [f"{key} on {name} skipped: {reason}" for (name, key), reason in evaluate.skipped(records).items()
              if name in names]
     skips += [f"{r['variant']} on {r['set']} skipped: {r['reason']}" for r in against_gold if r["kind"] == "skipped"]
@@ -153,7 +153,7 @@ def eval_command(
                           settings=ran, notes=[s.describe(config.questions) for s in sets] + [spell(s) for s in skips])
     columns: Sequence[tuple[str, str, str]] = EVAL_COLUMNS
     if per_conversation:
-        rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
+        rows = summary.summarize_per_conversation([r for r in records if r["set"] in names])
         columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]
     if as_json:
         emit_json(documents.eval_rows(rows, gold_rows, verdict))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
@@ -36,7 +36,10 @@ from kvchat.config import WEIGHTS, BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history.loading import FORMAT_NAMES
 
-HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
+if TYPE_CHECKING:
+    HistoryFormat = str
+else:  # the parser's choices (refused otherwise, exit 2), listed in --help and completed by the shell
+    HistoryFormat = Literal[tuple(FORMAT_NAMES)]
 _INPUT, _STORE, _RAY = "History", "Storing", "Ray workers"
 INGEST_EXAMPLES = """Examples:
   kvchat ingest chat.json                       # stored as "chat"
@@ -144,11 +147,14 @@ def ingest(
         if append:
             from kvchat.ingest import append as appending
 
-            run = appending.reingest if reingest else appending.append
-            extra = {} if reingest else {"source": str(history.resolve())}
             try:
-                report = run(history if reingest else turns, name=name, store=store, lm=lm, encoder=encoder,
-                             progress=progress, force=force, read=read, **extra)  # fmt: skip
+                if reingest:
+                    report = appending.reingest(history, name=name, store=store, lm=lm, encoder=encoder,
+                                                progress=progress, force=force, read=read)  # fmt: skip
+                else:
+                    report = appending.append(turns, name=name, store=store, lm=lm, encoder=encoder,
+                                              progress=progress, force=force, read=read,
+                                              source=str(history.resolve()))  # fmt: skip
             except appending.NothingNew as exc:  # a re-export with nothing new: done, nothing written
                 say(f"kvchat: {exc}", console=err)
                 if as_json:

@@ -198,7 +198,8 @@ def doctor(
     """
     from kvchat.model.encoder import embedding_dimension
     from kvchat.serve.announcement import ANNOUNCEMENT, remove_stale_announcement, stale_announcement
-    from kvchat.store import Problem, diagnose, repair
+    from kvchat.store import Problem
+    from kvchat.store.home_doctor import diagnose, repair
 
     home, dimension = default_home(), embedding_dimension()  # from the encoder's config: no model, no torch
 

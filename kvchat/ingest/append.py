@@ -36,7 +36,7 @@ from kvchat.history.loading import Turn, load_history
 from kvchat.history.reexport import already_stored
 from kvchat.history.spans import TurnSpan
 from kvchat.ingest.pipeline import (
-    IngestProgress,
+    IngestHooks,
     IngestReport,
     build_episodes,
     commit_ingest,
@@ -68,7 +68,7 @@ def append(
     store: Store,
     lm: LoadedModel,
     encoder: SentenceEncoder,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     source: str | None = None,
     force: bool = False,
     profile_dirs: Sequence[Path] | None = None,
@@ -154,7 +154,7 @@ def reingest(
     store: Store,
     lm: LoadedModel,
     encoder: SentenceEncoder,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     force: bool = False,
     read: dict[str, str] | None = None,
 ) -> IngestReport:

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError, first_line, message
@@ -110,8 +110,22 @@ class BatchReport:
         return self.count("committed") * 3600 / self.seconds if self.seconds > 0 else 0.0
 
 
+class BatchHooks(Protocol):
+    """What a progress display of `ingest_batch` hears (`BatchProgress`: the default, which does nothing)."""
+
+    def start(self, total: int, workers: int) -> None: ...
+
+    def running(self, name: str, attempt: int, worker: Any) -> None: ...
+
+    def episode(self, name: str, done: int, total: int) -> None: ...
+
+    def retrying(self, name: str, why: str) -> None: ...
+
+    def finished(self, result: HistoryResult) -> None: ...
+
+
 class BatchProgress:
-    """Hooks for a progress display; the default does nothing."""
+    """The `BatchHooks` that do nothing: the default, and a base for displays that want a few of them."""
 
     def start(self, total: int, workers: int) -> None:
         """Before the workers load their models."""
@@ -137,7 +151,7 @@ def ingest_batch(
     force: bool = False,
     max_memory: int | None = None,
     trust_remote_code: bool = False,
-    progress: BatchProgress | None = None,
+    progress: BatchHooks | None = None,
 ) -> BatchReport:
     """Ingest `sources` on Ray workers into `store` (see the module docstring). A history that fails is
     reported in its `HistoryResult` and the others go on; mistakes in the options raise UserError.
@@ -303,7 +317,7 @@ class _Driver:
     """Hands histories to idle workers and turns what they send into store writes, one step at a time."""
 
     def __init__(self, ray: Any, store: Store, config: IngestConfig, batch: BatchConfig, workers: Workers,
-                 progress: BatchProgress, *, replace: bool, force: bool, max_memory: int | None) -> None:
+                 progress: BatchHooks, *, replace: bool, force: bool, max_memory: int | None) -> None:
         self.ray, self.store, self.config, self.batch, self.workers = ray, store, config, batch, workers
         self.progress = progress
         self.replace, self.force, self.max_memory = replace, force, max_memory

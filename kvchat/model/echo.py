@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -24,12 +24,15 @@ from kvchat.config import ECHO_RETRIES, ECHO_WORDS, AskConfig
 _WORD = re.compile(r"\w+")
 
 
-class Rewindable(Protocol):
-    """What decoding goes back in: the cache."""
+Mark = TypeVar("Mark")
 
-    def checkpoint(self) -> object: ...
 
-    def rollback(self, mark: object) -> None: ...
+class Rewindable(Protocol[Mark]):
+    """What decoding goes back in: the cache (its marks, kvchat.kv.cache.Checkpoint)."""
+
+    def checkpoint(self) -> Mark: ...
+
+    def rollback(self, mark: Mark) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,7 @@ class HeldAnswer:
     token is given out at once."""
 
     guard: EchoGuard | None
-    cache: Rewindable
+    cache: Rewindable[Any]
     tokens: list[int] = field(default_factory=list)  # every token chosen: tokens[:given] given out, the rest held
     given: int = 0
     _held: list[_Choice] = field(default_factory=list)  # per token held back

@@ -28,6 +28,10 @@ GRID_TOLERANCE = 1e-3  # of a step: how far from its level a weight of a 4-bit g
 class Int4Linear(nn.Module):
     """`y = x W^T + b` with `W` in 4-bit groups of `GROUP` columns (asymmetric: a scale and an offset each)."""
 
+    weight: torch.Tensor  # buffers (register_buffer), typed here for what reads them
+    scale_zero: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scale_zero: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
@@ -159,12 +163,14 @@ def quantize_linears(model: nn.Module) -> int:
     four = {name for name, _ in _int4_candidates(model)}
     for name in [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]:
         linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
         model.set_submodule(name, Int4Linear.of(linear) if name in four else Int8Linear.of(linear))
     return len(four)
 
 
 def _int4_candidates(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """The Linears that become int4: every one but the lm_head whose shape the kernel takes."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    outputs = getattr(model, "get_output_embeddings", None)  # transformers' models name their lm_head so
+    head = outputs() if callable(outputs) else None
     return [(name, module) for name, module in model.named_modules()
             if isinstance(module, nn.Linear) and module is not head and not name.endswith("lm_head") and fits(module)]

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal, cast
 
 import torch
 import transformers
@@ -60,14 +61,10 @@ class ChatLayout:
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, system_prompt: str) -> ChatLayout:
         if not tokenizer.chat_template:
             return cls(system_prompt, "\n\nQuestion: ", "\nAnswer:")
-        rendered = tokenizer.apply_chat_template(
-            [
-                {"role": "system", "content": system_prompt + _CONV_MARK},
-                {"role": "user", "content": _QUESTION_MARK},
-            ],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
+        rendered = _rendered(tokenizer, [
+            {"role": "system", "content": system_prompt + _CONV_MARK},
+            {"role": "user", "content": _QUESTION_MARK},
+        ])
         head, rest = rendered.split(_CONV_MARK)
         middle, tail = rest.split(_QUESTION_MARK)
         return cls(head, middle, tail, _system_turn(tokenizer, system_prompt, head, middle, tail))
@@ -86,14 +83,23 @@ class ChatLayout:
         return opening + turns + self.before_question + text + self.after_question
 
 
+def _rendered(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> str:
+    """`messages` as the tokenizer's chat template renders them, as text, ready for the answer's turn."""
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(rendered, str):
+        raise TypeError(f"the chat template rendered {type(rendered).__name__}, not text")
+    return rendered
+
+
 def _system_turn(tokenizer: PreTrainedTokenizerBase, system_prompt: str, head: str, middle: str,
                  tail: str) -> str | None:  # fmt: skip
     """What opens a second system turn after the conversation's, as the template renders one; None where it refuses
     one (some templates allow a system message only first) or renders it otherwise than between the two turns."""
     try:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "system", "content": system_prompt + _CONV_MARK}, {"role": "system", "content": _SYSTEM_MARK},
-             {"role": "user", "content": _QUESTION_MARK}], tokenize=False, add_generation_prompt=True)  # fmt: skip
+        rendered = _rendered(tokenizer, [
+            {"role": "system", "content": system_prompt + _CONV_MARK}, {"role": "system", "content": _SYSTEM_MARK},
+            {"role": "user", "content": _QUESTION_MARK},
+        ])
     except Exception:  # noqa: BLE001 - a template's own error (jinja's, raise_exception): it takes no second one
         return None
     before, found, rest = rendered.partition(_CONV_MARK)
@@ -132,7 +138,7 @@ class LoadedModel:
     fingerprint: str
     model: nn.Module = field(repr=False)
     weights: str = "float"  # how the Linear weights are held: float, int8 or int4 (`hold_weights`)
-    _decode_step: DecodeStep | CudaGraphStep | bool | None = field(default=None, init=False, repr=False,
+    _decode_step: DecodeStep | CudaGraphStep | Literal[False] | None = field(default=None, init=False, repr=False,
                                                                     compare=False)
     _weight_ids: tuple[str, ...] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -179,9 +185,8 @@ class LoadedModel:
         """The decode step for this model (kvchat.model.decode_step; on a GPU replayed as CUDA graphs,
         kvchat.model.cuda_graph_step), built at the second answer token; None where the model's forward must run."""
         if self._decode_step is None:
-            step = DecodeStep.for_model(self.model)
-            if step is not None and self.device.type == "cuda":
-                step = CudaGraphStep(step)
+            eager = DecodeStep.for_model(self.model)
+            step = CudaGraphStep(eager) if eager is not None and self.device.type == "cuda" else eager
             self._decode_step = step or False
         return self._decode_step or None
 
@@ -192,11 +197,11 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        return cast(torch.device, self.model.device)  # both kinds of model have one (NativeLlama's, transformers')
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.dtype
+        return cast(torch.dtype, self.model.dtype)
 
     @property
     def attention_backend(self) -> str:
@@ -217,7 +222,7 @@ class LoadedModel:
         return torch.tensor([ids], dtype=torch.long, device=self.device)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return cast(str, self.tokenizer.decode(ids, skip_special_tokens=True))  # one sequence's ids: one text
 
     @property
     def stop_ids(self) -> set[int]:
@@ -272,7 +277,7 @@ def model_fingerprint(name: str, model: nn.Module) -> str:
     attention shapes, transformers version. Neither dtype nor device is part of it: a cache built on a GPU in
     bfloat16 answers on a CPU in float32 (the codec converts it on load). A fingerprint of older kvchat
     versions carried the dtype (`|torch.float32|`): `is_legacy_fingerprint`."""
-    cfg = model.config
+    cfg = config_of(model)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return (
         f"{name}|w={weights_fingerprint(model)}|"
@@ -322,12 +327,13 @@ def load_model(
                 source, dtype=placement.dtype, local_files_only=True, trust_remote_code=trust_remote_code,
                 weights_only=True,
             )
+    model: nn.Module
     if built is not None:
         model = built
     else:
         families.check_supported(loaded, spec)
         loaded.set_attn_implementation(attention.register())
-        loaded.to(placement.device).eval()
+        loaded.to(placement.device).eval()  # type: ignore[arg-type]  # transformers types `to` by a wrapper
         model = native_llama.from_transformers(loaded) or loaded  # a Llama runs natively all the same
     lm = LoadedModel(spec, tokenizer, model_fingerprint(name, model), model)
     if weights == "auto" and placement.device.type != "cpu":  # the int8 and int4 kernels are the CPU's

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -88,7 +88,7 @@ def read_config(directory: Path) -> NativeConfig | None:
             or any(raw.get(key) for key in _NOT_NATIVE) or raw.get("hidden_act", "silu") != "silu"
             or (raw.get("pretraining_tp") or 1) != 1):
         return None
-    rope = raw.get("rope_parameters") or {}
+    rope: dict[str, Any] = raw.get("rope_parameters") or {}
     if not isinstance(rope, dict) or set(rope) - _ROPE_KEYS or rope.get("rope_type", "default") != "default":
         return None
     try:
@@ -102,7 +102,7 @@ def read_config(directory: Path) -> NativeConfig | None:
             head_dim=_positive(raw.get("head_dim") or hidden // heads),
             max_position_embeddings=_positive(raw.get("max_position_embeddings", 2048)),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            rope_theta=float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
         )
     except (KeyError, TypeError, ValueError):
@@ -143,6 +143,8 @@ class RotaryEmbedding(nn.Module):
     """Llama's default RoPE: the cos and sin of each position's angles. Its frequencies are computed (on the CPU,
     even while the other modules are built on the meta device) and, as transformers keeps them, not in the state
     dict."""
+
+    inv_freq: torch.Tensor  # a buffer (register_buffer), typed here for what reads it
 
     def __init__(self, config: NativeConfig) -> None:
         super().__init__()
@@ -277,6 +279,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """`layers`, typed (an `nn.ModuleList` yields plain modules)."""
+        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+
 
 @dataclass(frozen=True)
 class NativeOutput:
@@ -334,7 +341,8 @@ class NativeLlama(nn.Module):
         by their weights held dense in bfloat16 (kvchat.model.products: the same values, a faster kernel); the dense
         copies (`dense_weight_bytes`) are released on leaving. Float weights are untouched; inside an enclosing call,
         nothing more is held."""
-        held = [layer_part.products() for layer in self.model.layers for layer_part in (layer.self_attn, layer.mlp)]
+        held = [layer_part.products() for layer in self.model.decoder_layers
+                for layer_part in (layer.self_attn, layer.mlp)]  # fmt: skip
         if any(products.holds_dense for products in held) or not self.dense_weight_bytes():
             yield
             return
@@ -349,7 +357,7 @@ class NativeLlama(nn.Module):
 
     def dense_weight_bytes(self) -> int:
         """The bytes `dense_products` holds while inside."""
-        return sum(dense_bytes(layer_part.products()) for layer in self.model.layers
+        return sum(dense_bytes(layer_part.products()) for layer in self.model.decoder_layers
                    for layer_part in (layer.self_attn, layer.mlp))  # fmt: skip
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor, attention: LayerAttention, logits_to_keep: int = 1
@@ -444,7 +452,7 @@ def from_transformers(model: PreTrainedModel) -> NativeLlama | None:
             or (getattr(config, "partial_rotary_factor", None) or 1.0) != 1.0 or model.training):
         return None
     heads = config.num_attention_heads
-    sizes = {f.name: getattr(config, f.name, None) for f in fields(NativeConfig)} | {
+    sizes: dict[str, Any] = {f.name: getattr(config, f.name, None) for f in fields(NativeConfig)} | {
         "name_or_path": str(config.name_or_path), "rope_theta": 10000.0,  # the RoPE module is transformers' own
         "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
         "num_key_value_heads": config.num_key_value_heads or heads,
@@ -457,5 +465,6 @@ def from_transformers(model: PreTrainedModel) -> NativeLlama | None:
             native.set_submodule(name, module)
     if any(t.is_meta for t in [*native.parameters(), *native.buffers()]):
         return None
-    native.config, native.generation_config = config, model.generation_config
+    # transformers' own config and generation defaults, read by the attribute names NativeConfig shares with them
+    native.config, native.generation_config = config, model.generation_config  # type: ignore[assignment]
     return native.eval()

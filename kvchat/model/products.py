@@ -17,6 +17,7 @@ computes, rounded to bfloat16: on a CPU with bfloat16 instructions torch's bfloa
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from kvchat.model.int8_weights import Int8Linear
 
 Product = Callable[[torch.Tensor], torch.Tensor]
 LINEAR_KINDS = (nn.Linear, Int8Linear, Int4Linear)
+LinearModule = nn.Linear | Int8Linear | Int4Linear
 # Rows of a product from which, while dense weights are held, the bfloat16 product beats the int4 and int8 kernels
 # (benchmarks/ingest_throughput.py's kernel table); a decode step's one row stays with them.
 DENSE_ROWS = 16
@@ -40,22 +42,22 @@ class Projection:
     reads only as one contiguous tensor, are stacked as a copy (a fifth of the packed weights' bytes); int4 parts
     that do not stack are multiplied one by one. Takes `[n, in]`; an int8 or int4 product is left in bfloat16."""
 
-    def __init__(self, modules: Sequence[nn.Module]) -> None:
+    def __init__(self, modules: Sequence[LinearModule]) -> None:
         self.kind = type(modules[0])
         if len({type(m) for m in modules}) != 1 or self.kind not in LINEAR_KINDS or any(
                 getattr(m, "bias", None) is not None for m in modules):
             raise ValueError("a projection stacks Linear layers of one kind without biases")
         self.in_features, self.out_features = modules[0].in_features, sum(m.out_features for m in modules)
         self.dense: torch.Tensor | None = None  # `hold_dense`'s weights
-        self.parts = None
-        if self.kind is Int4Linear and not stackable([m.out_features for m in modules]):
-            self.parts = [(m.weight, m.scale_zero) for m in modules]
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        int4 = [m for m in modules if isinstance(m, Int4Linear)]  # every module, or none (one kind)
+        if int4 and not stackable([m.out_features for m in modules]):
+            self.parts = [(m.weight, m.scale_zero) for m in int4]
             return
         names = ("weight", "scale") if self.kind is Int8Linear else ("weight",)
         if len(modules) == 1:  # nothing to stack
             self.tensors = [getattr(modules[0], name).detach() for name in names]
-            if self.kind is Int4Linear:
-                self.tensors.append(modules[0].scale_zero)
+            self.tensors += [m.scale_zero for m in int4]
             return
         self.tensors = []
         for name in names:
@@ -70,14 +72,14 @@ class Projection:
                     setattr(module, name, view)
                 start += rows
             self.tensors.append(stacked)
-        if self.kind is Int4Linear:  # [groups, out, 2]: stacked along the output rows
-            self.tensors.append(torch.cat([m.scale_zero for m in modules], dim=1))
+        if int4:  # [groups, out, 2]: stacked along the output rows
+            self.tensors.append(torch.cat([m.scale_zero for m in int4], dim=1))
 
     def hold_dense(self, layout: CodeLayout) -> None:
         """Hold the int8 or int4 weights dense in bfloat16 too (as `bfloat16_weight`, or an int8 code times its row's
         scale, rounded): products of `DENSE_ROWS` rows or more multiply by them. Float weights stay as they are."""
         if self.kind is Int4Linear:
-            parts = self.parts or [tuple(self.tensors)]
+            parts = self.parts if self.parts is not None else [(self.tensors[0], self.tensors[1])]
             self.dense = torch.cat([bfloat16_weight(weight, scale_zero, layout) for weight, scale_zero in parts])
         elif self.kind is Int8Linear:
             weight, scale = self.tensors
@@ -108,6 +110,8 @@ def product(module: nn.Module) -> Product:
         return lambda x: _int8(x, module.weight, module.scale)
     if isinstance(module, Int4Linear):
         return lambda x: int4_product(x, module.weight, module.scale_zero)
+    if not isinstance(module, nn.Linear):
+        raise TypeError(f"no product for a {type(module).__name__}")
     return lambda x: F.linear(x, module.weight, module.bias)
 
 
@@ -117,7 +121,17 @@ def _int8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.T
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), weight, scale)
 
 
-def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+class Norm(Protocol):
+    """A Llama RMSNorm module (transformers' `LlamaRMSNorm`, kvchat's own): what `rms_norm` reads of it."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def variance_epsilon(self) -> float: ...
+
+
+def rms_norm(x: torch.Tensor, norm: Norm) -> torch.Tensor:
     """A Llama RMSNorm module's output (in float32, the weight applied in the input's dtype, as transformers'
     `LlamaRMSNorm` computes it), from its `weight` and `variance_epsilon`, in one or two calls."""
     if x.dtype == torch.float32:
@@ -139,12 +153,12 @@ class Products:
         self._dense: CodeLayout | None = None  # held dense: the layout the int4 codes are read with
 
     def of(self, *modules: nn.Module) -> tuple:
-        if modules != self._modules or modules[0].weight.data_ptr() != self._where:
+        if modules != self._modules or _weight_address(modules[0]) != self._where:
             with torch.inference_mode(False), torch.no_grad():  # plain tensors, whatever mode the forward runs in
                 self._built = self._build(*modules)
                 if self._dense is not None:
                     self._hold(self._dense)
-            self._modules, self._where = modules, modules[0].weight.data_ptr()  # after any rebinding
+            self._modules, self._where = modules, _weight_address(modules[0])  # after any rebinding
         return self._built
 
     @property
@@ -172,6 +186,14 @@ class Products:
             for built in self._built:
                 if isinstance(built, Projection) and built.dense is None:
                     built.hold_dense(layout)
+
+
+def _weight_address(module: nn.Module) -> int:
+    """Where `module`'s weight is (a move to another device or dtype changes it)."""
+    weight = module.weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor")
+    return weight.data_ptr()
 
 
 def dense_bytes(products: Products) -> int:
