@@ -228,15 +228,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("recall_dated", "cache.recall.dated", "Each recalled chunk opens with its first turn's date.",
             features=("recall",)),
     Setting("recall_entries", "cache.recall.entries", "Recalled chunks: prefilled at each question, or stored "
-            "(computed once at ingest and kept in 4 bits in one file per conversation; a question places them "
-            "and prefills only itself).", option="--recall-entries", choices=RECALL_ENTRIES,
+            "(computed once at ingest, in 4 bits, and placed at each question).", option="--recall-entries", choices=RECALL_ENTRIES,
             features=("recall",)),
     # --- cache features (kvchat.features)
     Setting("offload", "cache.offload.mode", "Page evicted entries to disk and read the best back while answering "
             "(icecache), or drop them (none).", option="--offload", choices=OFFLOAD_MODES),
-    Setting("cache_precision", "cache.precision", "Stored precision of the caches: full (the model's dtype), int8 "
-            "or int4 (KIVI: keys per channel, values per token; about a third or a fifth of float32's bytes). Not "
-            "with --offload.", option="--cache-precision", choices=CACHE_PRECISIONS),
+    Setting("cache_precision", "cache.precision", "Caches held (and stored) quantized: int8 or int4 (KIVI), or "
+            "full. Not with --offload.", option="--cache-precision", choices=CACHE_PRECISIONS),
     Setting("cache_storage", "cache.storage", "How episode files hold keys and values: int8 (KIVI codes read back "
             "in full precision), float16, bfloat16, or model (the dtype the model built them in: float32 on a CPU). "
             "Measured in benchmarks/results/storage_precision.md.", choices=CACHE_STORAGES,

@@ -365,7 +365,9 @@ def test_the_batch_extra_installs_rays_client_for_a_ray_address():
 
 def test_without_ray_the_command_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
-    run = run_main(tmp_path / "home", "ingest-batch", str(tmp_path / "h.json"))
+    history = tmp_path / "h.json"  # a history that exists: a missing one is refused before Ray is looked for
+    history.write_text(json.dumps([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]))
+    run = run_main(tmp_path / "home", "ingest-batch", str(history))
     assert run.returncode == 2
     # only kvchat's lines: an earlier test's Ray workers in this process may still forward a log line meanwhile
     ours = [line for line in run.stderr.splitlines() if line.startswith("kvchat")]

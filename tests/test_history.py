@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 from kvchat.history.formats import common
-from kvchat.history.loading import MAX_FILE_BYTES, MAX_TURNS, Turn, format_turns, load_history, parse_history
+from kvchat.history.loading import (
+    MAX_FILE_BYTES,
+    MAX_TURN_CHARS,
+    MAX_TURNS,
+    Turn,
+    format_turns,
+    load_history,
+    parse_history,
+)
 
 DATA = Path(__file__).parent / "data"
 BAD_FILES = sorted((DATA / "bad").iterdir())
@@ -227,9 +235,13 @@ def test_100k_tiny_turns_parse(tmp_path: Path) -> None:
     assert len(turns) == 100_000 and turns[1] == Turn("user", "ok")
 
 
-def test_gigantic_single_turn_is_not_an_error() -> None:
-    turns = parse_history([{"role": "user", "content": "word " * 500_000}, TWO[1]])
-    assert len(turns[0].text) == 5 * 500_000 - 1
+def test_a_turn_up_to_the_limit_is_read_and_a_longer_one_refused_in_one_line() -> None:
+    """A turn as long as MAX_TURN_CHARS is a turn; a longer one is refused before anything tokenizes it."""
+    longest = "w" * (MAX_TURN_CHARS - len("user"))  # the speaker counts too
+    assert len(parse_history([{"role": "user", "content": longest}, TWO[1]])[0].text) == len(longest)
+    with pytest.raises(UserError) as exc:
+        parse_history([{"role": "user", "content": "word " * 500_000}, TWO[1]])
+    assert "over the limit" in _message(exc) and "\n" not in _message(exc)
 
 
 def test_too_many_turns() -> None:

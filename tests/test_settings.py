@@ -185,6 +185,7 @@ USER_OPTIONS = {
     "--name", "--format", "--pick", "--append", "--reingest", "--replace", "--model", "--budget", "--method",
     "--episodes", "--offload", "--retrieve", "--cache-precision", "--recall-entries", "--max-memory", "--threads",
     "--weights", "--device", "--dtype", "--force", "--trust-remote-code", "--json", "--setting", "--help",
+    "--resume", "--ray", "--workers", "--address",
 }
 BENCHMARK_KNOBS = {
     "--tau1": "tau1", "--tau2": "tau2", "--alpha": "alpha", "--page-size": "page_size", "--block-size": "block_size",

@@ -76,8 +76,8 @@ def ingest(
         help="With --append: ingest the stored histories and this one again from the start. Episodes are "
         "clustered anew.")] = False,
     resume: Annotated[bool | None, typer.Option("--resume/--no-resume", rich_help_panel=_STORE,
-        help="Continue an ingest of this name stopped before it finished, from its last finished part: where it has "
-        "the same history and settings (the default), always (exit 2 without one), or never (start over).")] = None,
+        help="Continue this name's stopped ingest from its last finished part: when it has the same history and "
+        "settings (default), always, or never.")] = None,
     ray: Annotated[bool, typer.Option("--ray", rich_help_panel=_RAY,
         help="Build the episodes (and stored recall entries) on Ray workers; this process writes the store "
         "(docs/batch.md).")] = False,
