@@ -228,8 +228,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("recall_dated", "cache.recall.dated", "Each recalled chunk opens with its first turn's date.",
             features=("recall",)),
     Setting("recall_entries", "cache.recall.entries", "Recalled chunks: prefilled at each question, or stored "
-            "(computed once at ingest, in 4 bits, and placed at each question).", option="--recall-entries", choices=RECALL_ENTRIES,
-            features=("recall",)),
+            "(computed once at ingest, in 4 bits, and placed at each question).", option="--recall-entries",
+            choices=RECALL_ENTRIES, features=("recall",)),
     # --- cache features (kvchat.features)
     Setting("offload", "cache.offload.mode", "Page evicted entries to disk and read the best back while answering "
             "(icecache), or drop them (none).", option="--offload", choices=OFFLOAD_MODES),
