@@ -18,9 +18,10 @@ import torch
 
 from kvchat import features
 from kvchat.answer import recall, recall_entries
+from kvchat.answer.probe import Probe, continuation_nll
 from kvchat.answer.rag import Chunk, RagIndex
 from kvchat.answer.recall_entries import StoredEntries
-from kvchat.answer.sources import Source, SourceRecorder, rank
+from kvchat.answer.sources import Source, SourceRecorder, TurnPresence, rank
 from kvchat.config import AskConfig
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.features import UnreadableFile, retrieved_positions
@@ -97,6 +98,7 @@ class Session:
         earlier: Sequence[tuple[str, str]] = (),
         sources: bool = False,
         retrieved_text: str = "",
+        probe: Probe | None = None,
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
@@ -107,8 +109,10 @@ class Session:
         of the answer's tokens once it is decoded, nothing when off); `retrieved_text`, turns of the history
         retrieved for the question by the caller (kvchat.answer.rag: eval's rag baseline), prefilled after the cache
         and before it, so the answer sees them in the conversation (given this way they are not counted as sources;
-        the turns `--method recall` recalls are). An off-topic question is not answered when the config refuses them
-        (`finish_reason` "refused")."""
+        the turns `--method recall` recalls are); `probe`, a continuation whose likelihood after the prompt, and the
+        turns the first answer token could attend to, the answer fills in (kvchat.answer.probe: evaluation's
+        reader-light metrics). An off-topic question is not answered when the config refuses them (`finish_reason`
+        "refused")."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -150,23 +154,26 @@ class Session:
                 placing = picks
             else:
                 prefilled = recall.recalled_text(picked)
-            recalled_turns = self._recalled_spans(picked, placing) if sources else []
+            recalled_turns = self._recalled_spans(picked, placing) if sources or probe is not None else []
         if prefilled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
-        placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
+        placed = sum(stored.lengths[i] for i in placing) if stored is not None else 0  # the positions they take
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what="the conversation with this question and --max-new-tokens",
         )
         recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
+        presence = self._presence(cache, recalled_turns) if probe is not None else None
         kept = recorder.kept_tokens() if recorder is not None else None
         mark = cache.checkpoint()
         stream = Detokenizer(self.lm.decode)
         finish = "stop"
         shown = ""
+        entries = 0  # placed per KV head
         with self._shrunk_pages_refused(index):
             try:
-                self._place(cache, placing)
+                entries = self._place(cache, placing)
+                held = cache.checkpoint()  # the placed chunks' entries, and nothing of the prompt yet
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
                     first_recorder=first_recorder, echo=guard_for(self.config, question, self.lm.decode),
@@ -185,8 +192,12 @@ class Session:
                 if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
                     on_text(full_text[len(shown):])
                 if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
-                    self._record_answer(cache, recorder, mark.extended(placed + prompt_ids.shape[-1] - 1),
+                    self._record_answer(cache, recorder, held.extended(prompt_ids.shape[-1] - 1),
                                         prompt_ids, tokens[:-1] if finish == "length" else tokens)  # fmt: skip
+                if probe is not None:
+                    probe.nll = continuation_nll(self.lm.model, cache, held.extended(prompt_ids.shape[-1] - 1),
+                                                 prompt_ids[:, -1:], probe.continuation, presence)  # fmt: skip
+                    probe.present = presence.present() if presence is not None else None
             finally:
                 cache.rollback(mark)
         text = full_text.strip()
@@ -197,7 +208,7 @@ class Session:
             conversation=self.conversation.name,
             episode=index,
             similarity=round(similarity, 4),
-            prompt_tokens=placed + int(prompt_ids.shape[-1]),
+            prompt_tokens=entries + int(prompt_ids.shape[-1]),
             answer_tokens=len(tokens),
             reused_cache=reused,
             timings_ms=timings,
@@ -269,15 +280,23 @@ class Session:
             self._stored = stored
         return self._stored
 
-    def _place(self, cache: EpisodeCache, placing: Sequence[int]) -> None:
-        """The stored entries of chunks `placing` appended to `cache` in turn; a file truncated since it was
-        checked ends the answer with a message (the caller rolls the cache back)."""
+    def _place(self, cache: EpisodeCache, placing: Sequence[int]) -> int:
+        """The stored entries of chunks `placing` appended to `cache` in turn, each chunk's first tokens computed
+        again on top of what precedes it where the file leaves them out (RecallConfig.repair); returns the entries per
+        KV head appended. A file truncated since it was checked ends the answer with a message (the caller rolls the
+        cache back)."""
+        placed = 0
         try:
             for chunk in placing:
-                self._stored.place(cache, chunk, self.lm)
+                text = self._recall.chunks[chunk] if self._stored.repair else None
+                ids = recall_entries.chunk_ids(self.lm, [text])[0] if text is not None else None
+                placed += self._stored.place(cache, chunk, self.lm, ids)
         except ShrunkFile:
             self._stored = None  # the next question checks the file again
             raise self._unreadable_entries("was truncated while this session was reading it") from None
+        except ValueError as e:
+            raise self._unreadable_entries(str(e)) from None
+        return placed
 
     def _recalled_spans(self, picked: Sequence[Chunk], placing: Sequence[int]) -> list[TurnSpan]:
         """Each recalled turn's tokens after the cache: in the text prefilled for `picked`, or (`placing`) in their
@@ -288,7 +307,7 @@ class Session:
         for chunk, i in zip(picked, placing, strict=True):
             spans += [dataclasses.replace(s, start=s.start + offset, end=s.end + offset)
                       for s in recall.recalled_spans(self.lm.tokenizer, [chunk], recall_entries.LEAD)]  # fmt: skip
-            offset += self._stored.tokens[i]
+            offset += self._stored.lengths[i]
         return spans
 
     def _unreadable_entries(self, problem: str) -> CacheIntegrityError:
@@ -311,6 +330,14 @@ class Session:
                           f"kept each cached entry's original position; {rebuild}")
         first = int(self.config.source_layers_from * len(cache.layers))
         return SourceRecorder(cache, spans, first_layer=first, origins=self._origins, recalled=recalled), None
+
+    def _presence(self, cache: EpisodeCache, recalled: Sequence[TurnSpan]) -> TurnPresence | None:
+        """A recorder of the turns the first answer token can attend to (`recalled`: turns placed or prefilled after
+        the cache); None where the cache's turns are unknown (as `_source_recorder` says why)."""
+        spans = from_metadata(self._turns)
+        if spans is None or (self._compacted and self._origins is None):
+            return None
+        return TurnPresence(cache, spans, origins=self._origins, recalled=recalled)
 
     def _record_answer(self, cache: EpisodeCache, recorder: SourceRecorder, prompt_held: Checkpoint,
                        prompt_ids: torch.Tensor, fed: list[int]) -> None:  # fmt: skip

@@ -36,6 +36,7 @@ from kvchat.config import (
     OffloadConfig,
 )
 from kvchat.errors import UserError
+from kvchat.eval import memory_metrics
 from kvchat.eval.qa import (
     CATEGORIES,
     QASet,
@@ -318,12 +319,15 @@ class _SetRunner:
         kept, protected, positions = zip(*(self._kept_positions(e) for e in conversation.episodes), strict=True)
         spans = _turn_positions(self.lm, self.qa_set.turns, protected[0])
         ours = _Reference({}, {})
+        references = memory_metrics.References(self.answering, self.qa_set, self.base.system_prompt,
+                                               self.ask_config.question_template)  # fmt: skip
         for n, question in enumerate(self.questions, start=1):
             first = _FirstToken(session)
+            probe = memory_metrics.probe_for(self.answering, question)
             spans_of = [spans[e] for e in question.evidence if e in spans]
             evidence = torch.cat(spans_of) if spans_of else None
             recorder = _LastQueryAttention() if reference is None and evidence is not None else None
-            answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder)
+            answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder, probe=probe)
             logprobs = first.logits.float().log_softmax(-1)
             if reference is None:
                 ours.answers[question.qid], ours.logprobs[question.qid] = answer.text, logprobs
@@ -365,6 +369,7 @@ class _SetRunner:
                         "answer_tokens": answer.answer_tokens,
                         "timings_ms": answer.timings_ms,
                         "cache_bytes": conversation.episodes[answer.episode].bytes,
+                        **memory_metrics.fields(probe, references, question),
                     }
                 )
             progress.question(n, len(self.questions))
@@ -572,6 +577,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             ),  # results files written before 0.2 call it peak_cache_tokens
             "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
             "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,
+            **memory_metrics.memory_summary(rs),
         }
         rows.append(row)
     return sorted(rows, key=lambda r: (r["method"] != REFERENCE, r["method"], r["budget"] or 0, r["variant"]))

@@ -26,6 +26,7 @@ import torch
 
 from kvchat import features
 from kvchat.answer import recall, recall_entries
+from kvchat.config import CacheConfig
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import spans as turn_spans
 from kvchat.history.episodes import Episode
@@ -301,8 +302,16 @@ def recall_entries_writer(
     if plan.recall is None or recalling.entries != "stored":
         return None
     on_chunk = progress.recall_entries if progress is not None else None
-    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, plan.prefix_ids, bits=recalling.stored_bits,
-                                             group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
+    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, plan.prefix_ids, storing(plan.config.cache),
+                                             previous=previous, on_chunk=on_chunk)  # fmt: skip
+
+
+def storing(cache: CacheConfig) -> recall_entries.Storing:
+    """How `--recall-entries stored` keeps a conversation's chunks (RecallConfig's codes, repair and kept share; a
+    compressed chunk's entries scored with the caches' pooling)."""
+    recalling = cache.recall
+    return recall_entries.Storing(recalling.stored_bits, recalling.stored_group, recalling.repair, recalling.kept,
+                                  pool_kernel=cache.pool_kernel)  # fmt: skip
 
 
 def write_recall_entries(
