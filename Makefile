@@ -31,6 +31,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvchat tests benchmarks
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/core_loop.py

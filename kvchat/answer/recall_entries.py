@@ -43,6 +43,7 @@ import torch
 
 from kvchat.answer.rag import Chunk
 from kvchat.kv.cache import Checkpoint, EpisodeCache
+from kvchat.kv.layers import CacheLayer
 from kvchat.kv.quantize import SCALE_DTYPES, QuantizedEntries, value_group
 from kvchat.kv.rope import rotate_keys
 from kvchat.kv.scoring import pool_scores, probe_scores
@@ -144,7 +145,7 @@ class StoredEntries:
         """Chunk `chunk`'s stored keys and values in `layer`, `[1, kv_heads, n, D]`, as computed (keys rotated for
         positions from `starts[chunk]`, each at its token's: `token_offsets`)."""
         parts = {part: self._rows(part, layer, chunk).to(device) for part in (*_PARTS, *_TAILS)}
-        codes = QuantizedEntries(*(parts[part] for part in _PARTS), dtype, self.bits)
+        codes = QuantizedEntries.of_tensors([parts[part] for part in _PARTS], dtype, self.bits)
         keys = torch.cat([codes.keys(), parts["kt"].to(dtype)], dim=1)
         values = torch.cat([codes.values(), parts["vt"].to(dtype)], dim=1)
         return keys[None], values[None]
@@ -154,7 +155,7 @@ class StoredEntries:
         if not self.offsets:
             return torch.arange(self.repair, self.repair + self.tokens[chunk]).expand(heads, -1)
         first = sum(self.tokens[:chunk])
-        return self.tensors[f"o.{layer}"][first : first + self.tokens[chunk]].read().T.long()
+        return _read(self.tensors[f"o.{layer}"], first, first + self.tokens[chunk]).T.long()
 
     def span(self, part: str, chunk: int) -> tuple[int, int]:
         """Chunk `chunk`'s `[first, end)` rows in the tensors of `part` (a key group's scale is one row)."""
@@ -166,7 +167,7 @@ class StoredEntries:
     def _rows(self, part: str, layer: int, chunk: int) -> torch.Tensor:
         """Tensor `part` of `layer`: chunk `chunk`'s rows, `[kv_heads, rows, ...]`."""
         first, end = self.span(part, chunk)
-        return self.tensors[f"{part}.{layer}"][first:end].read().transpose(0, 1).contiguous()
+        return _read(self.tensors[f"{part}.{layer}"], first, end).transpose(0, 1).contiguous()
 
     def place(self, cache: EpisodeCache, chunk: int, lm: LoadedModel, ids: torch.Tensor | None = None) -> int:
         """Chunk `chunk` appended to `cache` as a prefill of its text there would append it: its first `repair` tokens
@@ -176,7 +177,7 @@ class StoredEntries:
         if recomputed and (ids is None or ids.shape[-1] != n):
             raise ValueError(f"holds chunk {chunk} of {n} tokens where its recall index gives another text")
         with torch.inference_mode():  # as every forward writes the cache
-            if recomputed:
+            if recomputed and ids is not None:
                 lm.forward(cache, ids[:, :recomputed])  # with everything placed before it in view
             rotary, dtype, device = lm.model.model.rotary_emb, lm.dtype, lm.device
             base = cache.next_position - recomputed  # the chunk's first token
@@ -220,7 +221,7 @@ def chunk_entries(lm: LoadedModel, cache: EpisodeCache, mark: Checkpoint, ids: S
                                                                                                    probe)]  # fmt: skip
     layers = []
     for i, layer in enumerate(cache.layers):
-        keys, values = layer.keys[:, :, -n:], layer.values[:, :, -n:]
+        keys, values = _last(layer, n)
         heads = keys.shape[1]
         if scores is None:
             index = torch.arange(recomputed, recomputed + m, device=keys.device).expand(heads, -1)
@@ -241,6 +242,14 @@ def computed(lm: LoadedModel, ids: Sequence[torch.Tensor], prefix: torch.Tensor,
     mark = cache.checkpoint()
     for i in range(first, len(ids)):
         yield chunk_entries(lm, cache, mark, ids, i, storing)
+
+
+def _last(layer: CacheLayer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's last `n` keys and values (a cache nothing was evicted from: every layer uniform)."""
+    keys, values = layer.keys, layer.values
+    if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)):
+        raise TypeError("recall entries are computed in a uniform cache")
+    return keys[:, :, -n:], values[:, :, -n:]
 
 
 def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Tensor, storing: Storing, *,
@@ -278,11 +287,13 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                 "kept": repr(storing.kept)}  # fmt: skip
     writer = RowWriter(path, shapes, metadata)
     try:
-        starts = list(previous.starts[:kept]) if kept else []
-        for chunk in range(kept):
-            _copy_rows(writer, previous, chunk, lm.num_layers, sum(tokens[:chunk]))
-            if on_chunk is not None:
-                on_chunk(chunk + 1, len(chunks))
+        starts: list[int] = []
+        if previous is not None and kept:
+            starts = list(previous.starts[:kept])
+            for chunk in range(kept):
+                _copy_rows(writer, previous, chunk, lm.num_layers, sum(tokens[:chunk]))
+                if on_chunk is not None:
+                    on_chunk(chunk + 1, len(chunks))
         for chunk, entries in enumerate(computed(lm, ids, prefix, storing, first=kept), start=kept):
             starts.append(entries.start)
             whole = rows[chunk + 1] - rows[chunk]
@@ -298,8 +309,8 @@ def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Te
                 writer.write(f"o.{layer}", sum(tokens[:chunk]), index.T.to(_OFFSET_DTYPE).contiguous())
             if on_chunk is not None:
                 on_chunk(chunk + 1, len(chunks))
-        for name, values in zip(_INDEX, (rows, tails, tokens, starts, lengths), strict=True):
-            writer.write(name, 0, torch.tensor(values, dtype=torch.int64))
+        for name, column in zip(_INDEX, (rows, tails, tokens, starts, lengths), strict=True):
+            writer.write(name, 0, torch.tensor(column, dtype=torch.int64))
         return writer.finish()
     except BaseException:
         writer.discard()
@@ -321,5 +332,11 @@ def _copy_rows(writer: RowWriter, previous: StoredEntries, chunk: int, layers: i
     for layer in range(layers):
         for part in (*_PARTS, *_TAILS):
             first, end = previous.span(part, chunk)
-            writer.write(f"{part}.{layer}", first, previous.tensors[f"{part}.{layer}"][first:end].read())
-        writer.write(f"o.{layer}", entry, previous.tensors[f"o.{layer}"][entry : entry + previous.tokens[chunk]].read())
+            writer.write(f"{part}.{layer}", first, _read(previous.tensors[f"{part}.{layer}"], first, end))
+        writer.write(f"o.{layer}", entry, _read(previous.tensors[f"o.{layer}"], entry, entry + previous.tokens[chunk]))
+
+
+def _read(tensor: FileRows, first: int, end: int) -> torch.Tensor:
+    """Rows `[first, end)` of a stored tensor, read."""
+    rows = tensor[first:end]  # FileRows: nothing read yet
+    return rows.read() if isinstance(rows, FileRows) else rows

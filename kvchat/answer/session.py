@@ -146,7 +146,8 @@ class Session:
         placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
         recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
         prefilled = retrieved_text  # text prefilled after the cache: retrieved by the caller, or recalled here
-        if self._recall is not None and not prefilled:  # --method recall: the question's chunks of raw turns
+        # --method recall: the question's chunks of raw turns (a recall index is read where there is a split)
+        if self._recall is not None and self._split is not None and not prefilled:
             picks = recall.picked(self._recall, question, query, self._split)
             picked = [self._recall.chunks[i] for i in picks]
             chunks = recall.turn_ranges(picked)
@@ -154,7 +155,7 @@ class Session:
                 placing = picks
             else:
                 prefilled = recall.recalled_text(picked)
-            recalled_turns = self._recalled_spans(picked, placing) if sources or probe is not None else []
+            recalled_turns = self._recalled_spans(picked, stored, placing) if sources or probe is not None else []
         if prefilled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
         placed = sum(stored.lengths[i] for i in placing) if stored is not None else 0  # the positions they take
@@ -172,7 +173,7 @@ class Session:
         entries = 0  # placed per KV head
         with self._shrunk_pages_refused(index):
             try:
-                entries = self._place(cache, placing)
+                entries = self._place(cache, stored, placing)
                 held = cache.checkpoint()  # the placed chunks' entries, and nothing of the prompt yet
                 for token in generate(
                     self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
@@ -195,8 +196,10 @@ class Session:
                     self._record_answer(cache, recorder, held.extended(prompt_ids.shape[-1] - 1),
                                         prompt_ids, tokens[:-1] if finish == "length" else tokens)  # fmt: skip
                 if probe is not None:
+                    # an int `query_rows` does not match Recorder's settable `int | None` (as in `_record_answer`)
                     probe.nll = continuation_nll(self.lm.model, cache, held.extended(prompt_ids.shape[-1] - 1),
-                                                 prompt_ids[:, -1:], probe.continuation, presence)  # fmt: skip
+                                                 prompt_ids[:, -1:], probe.continuation,
+                                                 presence)  # type: ignore[arg-type]
                     probe.present = presence.present() if presence is not None else None
             finally:
                 cache.rollback(mark)
@@ -216,7 +219,7 @@ class Session:
             attention_backend=self.lm.attention_backend,
             weights=self.lm.weights,
             off_topic=off_topic,
-            sources=None if recorder is None else rank(
+            sources=None if recorder is None or kept is None else rank(
                 recorder.spans, recorder.mass, kept, self.config.source_count, self.config.quote_chars,
                 recorder.recalled),
             sources_note=note,
@@ -280,17 +283,19 @@ class Session:
             self._stored = stored
         return self._stored
 
-    def _place(self, cache: EpisodeCache, placing: Sequence[int]) -> int:
-        """The stored entries of chunks `placing` appended to `cache` in turn, each chunk's first tokens computed
+    def _place(self, cache: EpisodeCache, stored: StoredEntries | None, placing: Sequence[int]) -> int:
+        """The `stored` entries of chunks `placing` appended to `cache` in turn, each chunk's first tokens computed
         again on top of what precedes it where the file leaves them out (RecallConfig.repair); returns the entries per
         KV head appended. A file truncated since it was checked ends the answer with a message (the caller rolls the
         cache back)."""
+        if stored is None:  # nothing to place: the chunks were prefilled as text
+            return 0
         placed = 0
         try:
             for chunk in placing:
-                text = self._recall.chunks[chunk] if self._stored.repair else None
+                text = self._recall.chunks[chunk] if stored.repair and self._recall is not None else None
                 ids = recall_entries.chunk_ids(self.lm, [text])[0] if text is not None else None
-                placed += self._stored.place(cache, chunk, self.lm, ids)
+                placed += stored.place(cache, chunk, self.lm, ids)
         except ShrunkFile:
             self._stored = None  # the next question checks the file again
             raise self._unreadable_entries("was truncated while this session was reading it") from None
@@ -298,16 +303,17 @@ class Session:
             raise self._unreadable_entries(str(e)) from None
         return placed
 
-    def _recalled_spans(self, picked: Sequence[Chunk], placing: Sequence[int]) -> list[TurnSpan]:
+    def _recalled_spans(self, picked: Sequence[Chunk], stored: StoredEntries | None, placing: Sequence[int]
+                        ) -> list[TurnSpan]:  # fmt: skip
         """Each recalled turn's tokens after the cache: in the text prefilled for `picked`, or (`placing`) in their
-        stored entries, each chunk's counted after those placed before it."""
-        if not placing:
+        `stored` entries, each chunk's counted after those placed before it."""
+        if not placing or stored is None:
             return recall.recalled_spans(self.lm.tokenizer, picked)
         spans, offset = [], 0
         for chunk, i in zip(picked, placing, strict=True):
             spans += [dataclasses.replace(s, start=s.start + offset, end=s.end + offset)
                       for s in recall.recalled_spans(self.lm.tokenizer, [chunk], recall_entries.LEAD)]  # fmt: skip
-            offset += self._stored.lengths[i]
+            offset += stored.lengths[i]
         return spans
 
     def _unreadable_entries(self, problem: str) -> CacheIntegrityError:
@@ -348,7 +354,8 @@ class Session:
         cache.rollback(prompt_held)
         ids = torch.tensor([fed], dtype=prompt_ids.dtype, device=prompt_ids.device)
         recorder.query_rows = 1 + len(fed)
-        self.lm.forward(cache, torch.cat([prompt_ids[:, -1:], ids], dim=-1), recorder=recorder)
+        # Recorder.query_rows (kvchat.kv.attention) is `int | None` and settable, so an int attribute does not match
+        self.lm.forward(cache, torch.cat([prompt_ids[:, -1:], ids], dim=-1), recorder=recorder)  # type: ignore[arg-type]
 
     def retrieved_positions(self) -> list[list[torch.Tensor] | None]:
         """Per layer of the resident cache, the original positions each KV head is attending to from its

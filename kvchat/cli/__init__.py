@@ -191,10 +191,11 @@ def _run(args: list[str], debug: bool) -> None:
         say(f"kvchat: error: {exc}", console=err)
         sys.exit(2)
     except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
+        # typer types its exceptions' base bare; the usage errors caught here carry ctx and show()
         if getattr(exc, "ctx", False) is None:  # raised by the parser before it had a context
-            exc.ctx = _usage_context(args)
+            exc.ctx = _usage_context(args)  # type: ignore[attr-defined]
         _name_the_setting(exc)
-        exc.show()
+        exc.show()  # type: ignore[attr-defined]
         sys.exit(exc.exit_code)
     except (typer.Abort, KeyboardInterrupt):
         status = 130
@@ -227,7 +228,8 @@ def _usage_context(args: Sequence[str]):
     root = typer.main.get_command(app)
     context = root.make_context("kvchat", [], resilient_parsing=True)
     name = next((a for a in args if not a.startswith("-")), None)
-    command = root.get_command(context, name) if name else None
+    # typer types the root as a Command; kvchat's, with its many commands, is a group
+    command = root.get_command(context, name) if name else None  # type: ignore[attr-defined]
     if command is None:
         return context
     return command.make_context(name, [], parent=context, resilient_parsing=True)

@@ -6,7 +6,7 @@ import dataclasses
 import os
 import signal
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.text import Text
@@ -79,8 +79,9 @@ def ask(
     own = [option for option, set_ in given.items() if set_]  # what only this process honours
     if server is not None and (local or own):
         raise UserError(f"--server answers with the server's own settings: drop {', '.join(own) or '--local'}")
-    asker = _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) \
-        else None
+    asker: _RemoteAsker | _Asker | None = (
+        _remote_asker(server, conversation, max_new_tokens, api_key, refuse_off_topic) if not (local or own) else None
+    )
     if asker is None:
         store = open_store()
         if store.read_only and not no_log:
@@ -172,7 +173,8 @@ class _Asker:
         return dataclasses.asdict(self.session.config)
 
     def configure(self, field: str, value: int) -> None:
-        self.config = dataclasses.replace(self.config, **{field: value})
+        changes: dict[str, Any] = {field: value}  # one of AskConfig's whole-number fields (the REPL's /set)
+        self.config = dataclasses.replace(self.config, **changes)
         self.session.config = self.config
 
     def answer(self, question: str, episode: int | None, earlier: tuple[tuple[str, str], ...] = (), *,
@@ -324,10 +326,11 @@ def _check_episode(episode: int, name: str, count: int) -> None:
         raise UserError(f"--episode {episode} does not exist (conversation '{name}' has episodes 0..{count - 1})")
 
 
-def _print_streamed(run, max_new_tokens: int) -> str:
+def _print_streamed(run, max_new_tokens: int) -> str | None:
     """Stream an answer to stdout (cleaned of escape sequences); on a terminal, Ctrl-C stops it. `run(write,
     stopping)` answers, giving text to `write` and asking `stopping()` between tokens; it returns the answer's
-    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text."""
+    finish_reason, episode, similarity, answer and (where known) reused_cache. Returns the answer's text (None when
+    it was refused)."""
     cleaner = StreamCleaner()
 
     def write(text: str) -> None:
@@ -337,7 +340,7 @@ def _print_streamed(run, max_new_tokens: int) -> str:
     with _ctrl_c_stops() as stopping:
         result = run(write, stopping)
     if result["finish_reason"] == "refused":  # nothing was said: no empty answer line
-        return
+        return None
     sys.stdout.write(cleaner.flush() + "\n")
     sys.stdout.flush()
     if result["finish_reason"] == "length":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated
 
@@ -140,15 +141,16 @@ def eval_command(
     if report is not None and gold_rows:
         report.parent.mkdir(parents=True, exist_ok=True)
         target = report if not sets else report.with_suffix(".gold.md")
-        against = {**ran, "methods": ", ".join(config.methods), "baselines": f"rag (the top chunks of at most "
-                   f"{config.chunk_tokens} tokens of raw turns) and recent (sink + the last entries) at each budget"}
+        gold_settings = {**ran, "methods": ", ".join(config.methods),
+                         "baselines": f"rag (the top chunks of at most {config.chunk_tokens} tokens of raw turns) and "
+                                      "recent (sink + the last entries) at each budget"}
         target.write_text(gold.gold_markdown(against_gold, title=f"kvchat eval against gold ({lm.spec})",
                                              notes=[s.describe(config.questions) for s in gold_sets],
-                                             settings=against))  # fmt: skip
+                                             settings=gold_settings))  # fmt: skip
     if report is not None and sets:
         eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data, settings=ran,
                           notes=[s.describe(config.questions) for s in sets] + skips)
-    columns = EVAL_COLUMNS
+    columns: Sequence[tuple[str, str, str]] = EVAL_COLUMNS
     if per_conversation:
         rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])
         columns = [("conversation", "conversation", "{}"), *EVAL_COLUMNS]

@@ -14,11 +14,12 @@ import sys
 import textwrap
 
 from typer import _click as click  # typer vendors a slim click
-from typer.core import TyperCommand, TyperGroup
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 RICH_MIN_COLUMNS = 100
 _NAME_COLUMN = 24
 _SENTENCE_END = re.compile(r"(?<=[.;])\s+(?=[A-Z(-])|(?<=\.)\s+")
+TyperParameter = TyperOption | TyperArgument  # every parameter of a typer command (its help option too)
 
 
 def summary(text: str) -> str:
@@ -41,7 +42,7 @@ def _is_argument(param: click.Parameter) -> bool:
     return param.param_type_name == "argument"
 
 
-def _declaration(param: click.Parameter, ctx: click.Context) -> str:
+def _declaration(param: TyperParameter, ctx: click.Context) -> str:
     """`--name METAVAR`, `--flag / --no-flag` or `ARG`: the names a user types, with what they take."""
     if _is_argument(param):
         return (param.metavar or param.name or "").upper()
@@ -55,7 +56,7 @@ def _declaration(param: click.Parameter, ctx: click.Context) -> str:
     return f"{names} {label if param.type_descriptor.is_choice else label.upper()}"
 
 
-def _default(param: click.Parameter) -> str:
+def _default(param: TyperParameter) -> str:
     if _is_argument(param) or getattr(param, "is_flag", False) or param.show_default is False:
         return ""
     value = param.default
@@ -64,7 +65,7 @@ def _default(param: click.Parameter) -> str:
     return f" (default: {value})"
 
 
-def _entry(param: click.Parameter, ctx: click.Context, width: int) -> list[str]:
+def _entry(param: TyperParameter, ctx: click.Context, width: int) -> list[str]:
     """One option's lines: its declaration, then its summary beside it, wrapped at words."""
     head = f"  {_declaration(param, ctx)}"
     text = summary(getattr(param, "help", None) or "") + _default(param)
@@ -98,9 +99,9 @@ def plain_help(command: click.Command, ctx: click.Context) -> str:
                 lines += textwrap.wrap(summary(sub.short_help or sub.help or ""), width=width,
                                        initial_indent=f"  {name:<16}", subsequent_indent=" " * 18)
         lines.append("")
-    groups: dict[str, list[click.Parameter]] = {}
+    groups: dict[str, list[TyperParameter]] = {}
     for param in command.get_params(ctx):
-        if getattr(param, "hidden", False):
+        if getattr(param, "hidden", False) or not isinstance(param, TyperParameter):  # typer makes only these
             continue
         default_group = "Arguments" if _is_argument(param) else "Options"
         groups.setdefault(getattr(param, "rich_help_panel", None) or default_group, []).append(param)
@@ -123,7 +124,7 @@ def _unlabel_flags(params: list[click.Parameter]) -> None:
             param.metavar = ""
 
 
-class _PlainHelp:
+class _PlainHelp(click.Command):
     """Plain help (see the module docstring) unless a wide terminal shows rich's; flags without `<bool>`."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -279,7 +279,7 @@ class RichTrainProgress:
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
-        self.tasks: dict[str, int] = {}
+        self.tasks: dict[str, TaskID] = {}
 
     def prepare(self, done: int, total: int) -> None:
         self._update("chunks through the model", done, total)

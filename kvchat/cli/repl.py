@@ -8,9 +8,10 @@ answer streams stops that answer and keeps the session (the CLI turns it into `s
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Final, Literal, Protocol
 
 from kvchat.errors import UserError
 
@@ -94,7 +95,7 @@ class Repl:
             else:
                 self.earlier = ((question, text),) if text else ()
 
-    def _question(self, line: str) -> str | object | None:
+    def _question(self, line: str) -> str | Literal[_Exit.EXIT] | None:
         """The question `line` starts (reading more lines for a multi-line one), _EXIT, or None when the
         line was a command or blank."""
         stripped = line.strip()
@@ -194,7 +195,11 @@ class Repl:
         self.say(f"{name} = {int(value)}")
 
 
-_EXIT = object()
+class _Exit(enum.Enum):
+    EXIT = "exit"
+
+
+_EXIT: Final = _Exit.EXIT  # what `_question` returns for exit, quit and the like
 _BARE_COMMANDS = {"help", "clear", "episodes"}
 
 

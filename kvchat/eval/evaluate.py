@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -48,7 +49,7 @@ from kvchat.eval.qa import (
     token_f1,
 )
 from kvchat.history.loading import Turn, format_turns
-from kvchat.ingest.pipeline import IngestProgress, ingest, validate
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, validate
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
 from kvchat.model.encoder import SentenceEncoder
@@ -166,8 +167,19 @@ def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: Eval
     return sets
 
 
+class EvalHooks(Protocol):
+    """What an evaluation tells a progress display (kvchat.cli.progress's, `EvalProgress`): also each ingest's."""
+
+    @property
+    def ingest(self) -> IngestHooks: ...
+
+    def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
+
+    def question(self, done: int, total: int) -> None: ...
+
+
 class EvalProgress:
-    """Hooks for a progress display; the default does nothing."""
+    """The `EvalHooks` that do nothing: the default."""
 
     ingest: IngestProgress = IngestProgress()
 
@@ -211,7 +223,7 @@ def evaluate(
     base: IngestConfig = IngestConfig(),
     results: ResultsFile | None = None,
     profile_dirs: Sequence[Path] = (),
-    progress: EvalProgress | None = None,
+    progress: EvalHooks | None = None,
     answering: LoadedModel | None = None,
 ) -> list[dict]:
     """Run every variant on every set (full KV first, as the reference); returns all records, those
@@ -274,7 +286,7 @@ class _SetRunner:
     profile_dirs: Sequence[Path]
 
     def run(
-        self, variant: Variant, progress: EvalProgress, position: tuple[int, int], reference: _Reference | None = None
+        self, variant: Variant, progress: EvalHooks, position: tuple[int, int], reference: _Reference | None = None
     ) -> _Reference:
         progress.variant(self.qa_set.name, variant.key, *position)
         name = f"{self.qa_set.name}.{position[0]}"
@@ -328,10 +340,12 @@ class _SetRunner:
             evidence = torch.cat(spans_of) if spans_of else None
             recorder = _LastQueryAttention() if reference is None and evidence is not None else None
             answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder, probe=probe)
+            if first.logits is None:
+                raise RuntimeError(f"question {question.qid} was not answered ({answer.finish_reason})")
             logprobs = first.logits.float().log_softmax(-1)
             if reference is None:
                 ours.answers[question.qid], ours.logprobs[question.qid] = answer.text, logprobs
-                if recorder is not None:
+                if recorder is not None and evidence is not None:
                     weights = recorder.on_positions(positions[answer.episode], evidence)
                     if weights is not None:
                         ours.evidence_attention[question.qid] = weights
@@ -547,6 +561,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
     for key, rs in answers.items():
         paired = [r for r in rs if (r["set"], r["qid"]) in full_f1]
         reference = _mean(full_f1[(r["set"], r["qid"])] for r in paired)
+        paired_f1 = _mean(r["f1"] for r in paired)
         decode_s = sum(r["timings_ms"]["decode"] for r in rs) / 1000
         row = {
             "variant": key,
@@ -567,13 +582,14 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             "evidence_attention_recalled": _mean(
                 r["evidence_attention_recalled"] for r in rs if r.get("evidence_attention_recalled") is not None
             ),
-            "relative_f1": _mean(r["f1"] for r in paired) / reference if paired and reference else None,
+            "relative_f1": paired_f1 / reference if paired_f1 is not None and reference else None,
             "f1_by_category": {
                 CATEGORIES.get(c, str(c)): _mean(r["f1"] for r in rs if r["category"] == c)
                 for c in sorted({r["category"] for r in rs})
             },
             "peak_layer_entries": max(
-                (i.get("peak_layer_entries", i.get("peak_cache_tokens")) for i in ingests.get(key, [])), default=None
+                (peak for i in ingests.get(key, [])
+                 if (peak := i.get("peak_layer_entries", i.get("peak_cache_tokens"))) is not None), default=None
             ),  # results files written before 0.2 call it peak_cache_tokens
             "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
             "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,

@@ -34,7 +34,7 @@ from kvchat.eval import memory_metrics
 from kvchat.eval.qa import CATEGORIES, QASet, contains_gold, sample_questions, score_answer
 from kvchat.eval.stats import RESAMPLES, SEED, bootstrap_interval, paired_difference
 from kvchat.history.loading import format_turns
-from kvchat.ingest.pipeline import IngestProgress, ingest, plan_ingest
+from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, plan_ingest
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.settings import to_settings, upgraded
@@ -143,7 +143,8 @@ class Results(Protocol):
 
 
 class Progress(Protocol):
-    ingest: IngestProgress
+    @property
+    def ingest(self) -> IngestHooks: ...
 
     def variant(self, qa_set: str, key: str, index: int, total: int) -> None: ...
 
@@ -183,7 +184,7 @@ def evaluate_gold(
                            echo_guard=config.echo_guard)
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
         own = store is None
-        store = Store(Path(scratch)) if own else store
+        store = Store(Path(scratch)) if store is None else store
         for qa_set in qa_sets:
             questions = sample_questions(qa_set.questions, config.questions)
             references = memory_metrics.References(answering or lm, qa_set, base.system_prompt,

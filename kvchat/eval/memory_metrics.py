@@ -111,10 +111,10 @@ def chunk_presence(lm: LoadedModel, chunks: Sequence[Chunk]) -> dict[int, torch.
 
 def merged(*presences: Mapping[int, torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
     """Presences summed turn by turn (a cache's and text prefilled on top of it); None when any is unknown."""
-    if any(p is None for p in presences):
-        return None
     out: dict[int, torch.Tensor] = {}
     for presence in presences:
+        if presence is None:
+            return None
         for turn, counts in presence.items():
             out[turn] = out[turn] + counts if turn in out else counts.clone()
     return out

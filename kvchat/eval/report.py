@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from kvchat.errors import UserError
@@ -96,7 +96,7 @@ def cell(row: dict, key: str, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def write(path: Path, rows: Sequence[dict], *, spec: str, sets: Sequence[str], notes: Sequence[str] = (),
+def write(path: Path, rows: Sequence[dict], *, spec: str, sets: Collection[str], notes: Sequence[str] = (),
           synthetic: bool = False, settings: dict[str, str] | None = None) -> None:
     """The markdown report at `path` and its plot beside it (the same name, .png), for model `spec` on `sets`."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ Every interval resamples the questions with a fixed seed, so the same records gi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,7 @@ def paired_difference(a: dict, b: dict, **options) -> tuple[float, float, float,
     return float(np.mean(diffs)), low, high, len(diffs)
 
 
-def statistic_interval(columns: Sequence[Sequence[float]], statistic: Callable[..., float], *,
+def statistic_interval(columns: Sequence[Sequence[float]], statistic: Callable[..., Any], *,
                        resamples: int = RESAMPLES, seed: int = SEED,
                        confidence: float = 0.95) -> tuple[float, float, float]:  # fmt: skip
     """`statistic(*means)` of the columns' means (one value per question in each, aligned), and its percentile

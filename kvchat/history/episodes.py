@@ -59,7 +59,8 @@ def build_episodes(
     for index, centroid in enumerate(centroids):
         members = np.flatnonzero(labels == index)
         order = members[np.argsort(-(embeddings[members] @ centroid), kind="stable")]
-        chosen, used = [], 0
+        chosen: list[str] = []
+        used = 0
         for seg in order:
             cost = count_tokens(segments[seg])
             if chosen and used + cost > token_cap:

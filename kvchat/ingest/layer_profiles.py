@@ -13,11 +13,13 @@ import importlib.resources
 import json
 import math
 import shlex
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import CacheLayerMixin
 
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.config import ProfileSettings
@@ -91,7 +93,12 @@ def _keys(lm: LoadedModel, ids: torch.Tensor, mask: torch.Tensor | None) -> list
     cache = DynamicCache()
     extra = {"attention_mask": mask[None, None]} if mask is not None else {}
     lm.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
-    return [layer.keys[0].float() for layer in cache.layers]
+    keys = []
+    for layer in cache.layers:
+        if not isinstance(layer, CacheLayerMixin) or layer.keys is None:
+            raise RuntimeError(f"the model's cache holds no keys in its {type(layer).__name__}")
+        keys.append(layer.keys[0].float())
+    return keys
 
 
 def profile_layers(
@@ -147,10 +154,11 @@ def save_profile(profile: LayerProfile, home: Path, out: Path | None = None) -> 
 
 def shipped_profiles() -> list[Path]:
     """Profiles that ship with kvchat (the repository's profiles/, installed as the package kvchat.profiles)."""
-    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(".json"))
+    return sorted(Path(str(p)) for p in importlib.resources.files("kvchat.profiles").iterdir()
+                  if p.name.endswith(".json"))  # fmt: skip
 
 
-def find_profile(lm: LoadedModel, extra_dirs: list[Path] = ()) -> LayerProfile | None:
+def find_profile(lm: LoadedModel, extra_dirs: Sequence[Path] = ()) -> LayerProfile | None:
     """A profile measured on these exact weights: user-made ones (`extra_dirs`) first, then shipped."""
     weights = lm.weight_ids
     candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob("*.json"))] + shipped_profiles()
@@ -165,10 +173,11 @@ def shipped_indexers() -> list[Path]:
     """Trained IndexMem weights that ship with kvchat, beside the layer profiles (kvchat.kv.trained)."""
     from kvchat.kv.trained import SUFFIX
 
-    return sorted(Path(p) for p in importlib.resources.files("kvchat.profiles").iterdir() if p.name.endswith(SUFFIX))
+    return sorted(Path(str(p)) for p in importlib.resources.files("kvchat.profiles").iterdir()
+                  if p.name.endswith(SUFFIX))  # fmt: skip
 
 
-def find_indexmem(lm: LoadedModel, extra_dirs: list[Path] = ()):
+def find_indexmem(lm: LoadedModel, extra_dirs: Sequence[Path] = ()):
     """The IndexMem weights trained on these exact weights: user-trained ones (`extra_dirs`, i.e.
     `$KVCHAT_HOME/profiles`) first, then shipped. Refuses, naming the command that trains one, when none
     matches the weights and the model's shape."""

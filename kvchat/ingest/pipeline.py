@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -37,6 +37,7 @@ from kvchat.ingest.plan import plan_ingest as plan_ingest
 from kvchat.ingest.plan import validate as validate
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.prefill import block_prefill, select_from
 from kvchat.model.llm import LoadedModel, ModelIdentity
 from kvchat.settings import to_settings
@@ -47,8 +48,8 @@ if TYPE_CHECKING:
     from kvchat.features.feature import StoredFile
 
 
-class IngestProgress:
-    """Hooks for a progress display; the default does nothing."""
+class IngestHooks(Protocol):
+    """What an ingest tells a progress display (kvchat.cli.progress's, `IngestProgress`, a server job's)."""
 
     def planning(self, step: str, done: int, total: int) -> None:
         """A step of planning, before the first block (ingest.plan: reading, tokenizing, embedding, clustering)."""
@@ -66,6 +67,22 @@ class IngestProgress:
 
     def recall_entries(self, done: int, total: int) -> None:
         """Chunks whose entries are computed (or copied) into the recall entries file (`--recall-entries stored`)."""
+
+
+class IngestProgress:
+    """The `IngestHooks` that do nothing: the default, and a base for displays that want a few of them."""
+
+    def planning(self, step: str, done: int, total: int) -> None: ...
+
+    def planned(self, blocks: int, episodes: int, tokens: int) -> None: ...
+
+    def history(self, done: int, total: int) -> None: ...
+
+    def episode(self, index: int, total: int) -> None: ...
+
+    def block(self, done: int, total: int) -> None: ...
+
+    def recall_entries(self, done: int, total: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -167,9 +184,13 @@ def build_episode(
     if plan.prefill == "full":
         if full is None:
             raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
+        if scorer is None or plan.budgets is None or isinstance(plan.budgets, CakeBudgets):
+            raise ValueError("a plan with prefill 'full' selects with a scorer and fixed budgets")
         last_block = plan.context_ids.split(cache_cfg.block_size, dim=-1)[-1]
+        # EpisodeParts.on_evict (kvchat/features) is not annotated: inferred wider than an EvictionObserver
         cache = select_from(lm.model, full, last_block, budgets=plan.budgets, scorer=scorer, heads=plan.heads,
-                            compact=compact, on_evict=parts.on_evict, recent=recent, origins=origins)  # fmt: skip
+                            compact=compact, on_evict=parts.on_evict,  # type: ignore[arg-type]
+                            recent=recent, origins=origins)  # fmt: skip
         if on_block is not None:
             on_block(1, 1)
         peaks = cache.peak_layer_entries, cache.peak_total_entries
@@ -178,7 +199,8 @@ def build_episode(
             lm.model, None if resume is not None else plan.prefix_ids,
             plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,  # routed: its own turns
             block_size=cache_cfg.block_size, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=on_block,
-            heads=plan.heads, on_evict=parts.on_evict, recent=recent, resume=resume, origins=origins,
+            heads=plan.heads, on_evict=parts.on_evict,  # type: ignore[arg-type]  # as in select_from above
+            recent=recent, resume=resume, origins=origins,
         )  # fmt: skip
         cache, peaks = result.cache, (result.peak_layer_entries, result.peak_total_entries)
     parts.finish(cache, evicted=scorer is not None)
@@ -200,7 +222,7 @@ def build_episodes(
     lm: LoadedModel,
     *,
     scratch: Callable[[int], Path],
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     resume: Callable[[Episode], tuple[EpisodeCache, StoredFile | None]] | None = None,
 ) -> Iterator[BuiltEpisode]:
     """The episode loop that `ingest`, an append (ingest.append) and a batch worker (ingest.batch) all run:
@@ -254,16 +276,15 @@ def encode_episode(
         cache, fingerprint=lm.fingerprint, method=plan.config.cache.method, positions=plan.config.cache.positions
     )
     tensors, metadata = codec.encode(cache, meta)
-    spans = plan.turn_spans  # routed: one per episode, of its own turns
-    if plan.episode_ids:
-        spans = spans[built.episode.index] if spans else ()
+    # the history's turn spans, or (routed) each episode's own turns' (plan.turn_spans types both as one union)
+    spans = plan.turn_spans[built.episode.index] if plan.episode_ids and plan.turn_spans else plan.turn_spans
     if spans:  # what `ask --sources` maps cached positions to
-        metadata[turn_spans.METADATA_KEY] = turn_spans.to_metadata(spans)
+        metadata[turn_spans.METADATA_KEY] = turn_spans.to_metadata(spans)  # type: ignore[arg-type]
     if plan.recall is not None:  # the chunks each question recalls turns from (--method recall)
         metadata[recall.METADATA_KEY] = recall.to_metadata(plan.recall)
     side_file = None
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None and side_file_at is not None else None
-    if writer is not None:
+    if writer is not None and side_file_at is not None:
         writer(side_file_at)
         side_file = side_file_at.read_bytes()
         side_file_at.unlink()
@@ -292,7 +313,7 @@ def _write_bytes(path: Path, data: bytes) -> tuple[int, str]:
 def recall_entries_writer(
     plan: IngestPlan,
     lm: LoadedModel,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     previous: recall_entries.StoredEntries | None = None,
 ) -> Callable[[Path], tuple[int, str]] | None:
     """`--recall-entries stored`: what writes every recall chunk's entries (kvchat.answer.recall_entries) at a path and
@@ -302,8 +323,9 @@ def recall_entries_writer(
     if plan.recall is None or recalling.entries != "stored":
         return None
     on_chunk = progress.recall_entries if progress is not None else None
-    return lambda path: recall_entries.write(path, lm, plan.recall.chunks, plan.prefix_ids, storing(plan.config.cache),
-                                             previous=previous, on_chunk=on_chunk)  # fmt: skip
+    chunks = plan.recall.chunks
+    return lambda path: recall_entries.write(path, lm, chunks, plan.prefix_ids, storing(plan.config.cache),
+                                             previous=previous, on_chunk=on_chunk)
 
 
 def storing(cache: CacheConfig) -> recall_entries.Storing:
@@ -318,7 +340,7 @@ def write_recall_entries(
     pending: PendingConversation,
     plan: IngestPlan,
     lm: LoadedModel,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     previous: recall_entries.StoredEntries | None = None,
 ) -> FileRecord | None:
     """The conversation's recall entries file (`recall_entries_writer`) written in `pending`; None without one."""
@@ -392,7 +414,7 @@ def ingest(
     *,
     store: Store,
     lm: LoadedModel,
-    progress: IngestProgress | None = None,
+    progress: IngestHooks | None = None,
     **plan_options: Any,
 ) -> IngestReport:
     """Build and store the episode caches of one history (a file, or turns already loaded from one).

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import numpy as np
+import numpy.typing as npt
 
 LAYER_BUDGET_STRATEGIES = ("uniform", "sensitivity", "pyramid", "cake")
 
@@ -78,7 +79,7 @@ def uniform_budgets(num_layers: int, budget: int) -> list[int]:
     return [budget] * num_layers
 
 
-def proportional_budgets(weights: Sequence[float], budget: int, floor: int) -> list[int]:
+def proportional_budgets(weights: Sequence[float] | npt.NDArray[np.float64], budget: int, floor: int) -> list[int]:
     """`floor` per layer, and the rest of `len(weights) * budget` split in proportion to `weights`."""
     num_layers = len(weights)
     if not 0 <= floor <= budget:
@@ -213,14 +214,14 @@ def _water_fill(weights: list[Fraction], rooms: list[int | None], total: int) ->
     remaining = Fraction(total)
     while active:
         level = remaining / sum(weights[i] for i in active)
-        full = [i for i in active if rooms[i] is not None and level * weights[i] >= rooms[i]]
+        full = {i: room for i in active if (room := rooms[i]) is not None and level * weights[i] >= room}
         if not full:
             for i in active:
                 extras[i] = level * weights[i]
             break
-        for i in full:
-            extras[i] = Fraction(rooms[i])
-            remaining -= rooms[i]
+        for i, room in full.items():
+            extras[i] = Fraction(room)
+            remaining -= room
         active = [i for i in active if i not in full]
     return extras
 

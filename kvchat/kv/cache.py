@@ -20,12 +20,16 @@ import copy
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache
 
+from kvchat.kv.attention import HeadList
 from kvchat.kv.layers import CacheLayer, HeadIndex, QuantizedLayer, RaggedLayer, UniformLayer, dropped_index
+
+if TYPE_CHECKING:
+    from kvchat.kv.latent import LatentMemory
 
 __all__ = ["Checkpoint", "EpisodeCache", "Evicted", "EvictionObserver", "RaggedLayer", "UniformLayer"]
 
@@ -61,7 +65,8 @@ class Checkpoint:
 class EpisodeCache(Cache):
     """The cache of one episode. Feed tokens with `position_ids(n)` then `advance(n)`."""
 
-    layers: list[CacheLayer]
+    # kvchat's layer types (all transformers DynamicLayers), by what the loops here need of them (`CacheLayer`)
+    layers: list[CacheLayer]  # type: ignore[assignment]
 
     def __init__(self, num_layers: int) -> None:
         super().__init__(layers=[UniformLayer() for _ in range(num_layers)])
@@ -71,7 +76,7 @@ class EpisodeCache(Cache):
         self.peak_layer_entries = 0          # most entries one layer has held in attention (probe tokens included)
         self.peak_total_entries = 0          # most entries all layers together have held at once (same counting)
         self.on_evict: EvictionObserver | None = None  # sees every entry an eviction drops
-        self.memory = None  # a latent memory of what was evicted (kvchat.kv.latent), read while answering
+        self.memory: LatentMemory | None = None  # what was evicted, in a latent memory read while answering
         self.origins: Origins | None = None  # tracked original positions (`track_origins`), else None
         self.next_origin = 0         # with tracked origins: the original position of the next token fed
         self._probing = False
@@ -114,7 +119,7 @@ class EpisodeCache(Cache):
         return layer.keys, layer.values
 
     def append_token(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor | HeadList, torch.Tensor | HeadList]:
         """`update` for one answer token fed outside the model's forward (`kvchat.model.decode_step`): the layer's
         append alone. The caller has checked that nothing else `update` does applies (it is not probing, no
         origins are tracked) and calls `note_decoded` once after the last layer instead of a peak per layer."""
@@ -251,7 +256,7 @@ class EpisodeCache(Cache):
     def quantize(self, group: int, residual: int, bits: int = 8) -> None:
         """Hold every layer in `bits` (8 or 4; `QuantizedLayer`: key groups of `group` tokens, each head's last
         `residual` entries or more in full precision); the cache then answers but is not evicted from."""
-        self.layers[:] = [QuantizedLayer.of(layer, group, residual, bits) for layer in self.layers]
+        self.layers[:] = [QuantizedLayer.of(_full_precision(layer), group, residual, bits) for layer in self.layers]
 
     def dequantize(self) -> None:
         """Every quantized layer back in full precision (to continue a prefill: `ingest --append`)."""
@@ -271,6 +276,12 @@ class EpisodeCache(Cache):
 def per_head(positions: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """One `[n_h]` tensor per KV head, of a uniform layer's `[kv_heads, n]` or a ragged layer's per-head tensors."""
     return list(positions.unbind(0)) if isinstance(positions, torch.Tensor) else list(positions)
+
+
+def _full_precision(layer: CacheLayer) -> UniformLayer | RaggedLayer:
+    if not isinstance(layer, UniformLayer | RaggedLayer):
+        raise TypeError(f"a {type(layer).__name__} is not quantized (a quantized cache is dequantized first)")
+    return layer
 
 
 def _on_device_of(layer: CacheLayer, index: torch.Tensor | HeadIndex) -> torch.Tensor | HeadIndex:

@@ -102,18 +102,21 @@ class BlockWindow:
         """Layer `layer_idx` ran: note its preference and scores, and evict what this stage allows (Alg. 1)."""
         if layer_idx != len(self.scores if self.scorer else self.preferences):
             raise RuntimeError(f"layers must run in order: got layer {layer_idx}")
-        cake = self.budgets if isinstance(self.budgets, CakeBudgets) else None
-        if cake is not None:
+        if isinstance(self.budgets, CakeBudgets):
+            if preference is None:
+                raise ValueError(f"layer {layer_idx}: cake budgets need its preference")
             self.preferences.append(preference)
         if self.scorer is None:
             return
+        if scores is None:
+            raise ValueError(f"layer {layer_idx}: the scorer gave no scores")
         self.scores.append(scores)
         if not self.evict:
             return
-        if cake is None:
+        if not isinstance(self.budgets, CakeBudgets):
             self._evict(layer_idx, self.budgets[layer_idx])
-        elif cake.cascade:
-            for layer, budget in enumerate(self._stage_budgets(cake)):
+        elif self.budgets.cascade:
+            for layer, budget in enumerate(self._stage_budgets(self.budgets)):
                 self._evict(layer, budget)
         elif layer_idx == len(self.cache.layers) - 1:
             for layer, budget in enumerate(self.final_budgets()):
@@ -137,6 +140,7 @@ class BlockWindow:
 
     def _evict(self, layer: int, budget: int) -> None:
         scores = self.scores[layer]
+        index: torch.Tensor | Sequence[torch.Tensor] | None
         if self.heads is None:
             index = select_top(scores, budget, self.cache.protected, self.cache.recent)
         else:

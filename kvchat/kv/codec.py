@@ -25,7 +25,8 @@ from kvchat.kv.quantize import PRECISION_BITS, SCALE_DTYPES, QuantizedEntries
 
 if TYPE_CHECKING:
     from kvchat.kv.cache import EpisodeCache
-    from kvchat.kv.layers import CacheLayer
+    from kvchat.kv.latent import LatentMemory
+    from kvchat.kv.layers import CacheLayer, QuantizedLayer, RaggedLayer, UniformLayer
 
 FORMAT_VERSION = "4"  # written for full-precision and 8-bit caches
 INT4_FORMAT_VERSION = "5"  # written for 4-bit caches
@@ -147,7 +148,8 @@ def stored_origins(tensors: dict[str, torch.Tensor], meta: EpisodeMeta, cache: E
     return None if meta.next_origin is None else _decode_origins(tensors, cache, None)
 
 
-def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, device) -> list[list[torch.Tensor]]:
+def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, device: torch.device | str | None
+                    ) -> list[list[torch.Tensor]]:  # fmt: skip
     out = []
     for i, layer in enumerate(cache.layers):
         stored = tensors.get(f"orig.{i}")
@@ -158,17 +160,18 @@ def _decode_origins(tensors: dict[str, torch.Tensor], cache: EpisodeCache, devic
     return out
 
 
-def _placed(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, device) -> torch.Tensor:
+def _placed(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, device: torch.device | str | None
+            ) -> torch.Tensor:  # fmt: skip
     """Keys and values in `dtype` (positions and lengths keep theirs), on `device`."""
     if dtype is not None and name.startswith(("k.", "v.")):
         tensor = tensor.to(dtype)
     return tensor if device is None else tensor.to(device)
 
 
-def _encode_memory(memory) -> tuple[dict[str, torch.Tensor], str]:
+def _encode_memory(memory: LatentMemory) -> tuple[dict[str, torch.Tensor], str]:
     out: dict[str, torch.Tensor] = {}
     for i in range(memory.shape.layers):
-        phi, gate = memory.weights.phi[i], memory.weights.gate[i]
+        phi, gate = memory.weights.phi_of(i), memory.weights.gate_of(i)
         out |= {
             f"mem.m.{i}": memory.m[i].float().contiguous(), f"mem.b.{i}": memory.b[i].float().contiguous(),
             f"mem.phi.{i}": phi.weight.detach().float().contiguous(),
@@ -184,7 +187,7 @@ def _encode_memory(memory) -> tuple[dict[str, torch.Tensor], str]:
     return out, json.dumps(described)
 
 
-def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int):
+def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int) -> LatentMemory:
     from kvchat.kv.config import IndexMemConfig
     from kvchat.kv.indexer import IndexMemShape
     from kvchat.kv.latent import LatentMemory, MemoryWeights
@@ -203,9 +206,9 @@ def _decode_memory(tensors: dict[str, torch.Tensor], described: str, layers: int
             if ref.shape != (layers,):
                 raise ValueError(f"memory reference positions of shape {list(ref.shape)}")
         for i in range(layers):
-            weights.phi[i].weight.data.copy_(tensors[f"mem.phi.{i}"])
-            weights.gate[i].weight.data.copy_(tensors[f"mem.gate_w.{i}"])
-            weights.gate[i].bias.data.copy_(tensors[f"mem.gate_b.{i}"])
+            weights.phi_of(i).weight.data.copy_(tensors[f"mem.phi.{i}"])
+            weights.gate_of(i).weight.data.copy_(tensors[f"mem.gate_w.{i}"])
+            weights.gate_of(i).bias.data.copy_(tensors[f"mem.gate_b.{i}"])
         m = [tensors[f"mem.m.{i}"].float() for i in range(layers)]
         b = [tensors[f"mem.b.{i}"].float() for i in range(layers)]
         for i in range(layers):
@@ -241,17 +244,19 @@ def decode_layers(
 
 
 def _encode_layer(layer: CacheLayer, i: int) -> dict[str, torch.Tensor]:
-    from kvchat.kv.layers import QuantizedLayer
+    from kvchat.kv.layers import QuantizedLayer, RaggedLayer, UniformLayer
 
     if isinstance(layer, QuantizedLayer):
         return _encode_quantized(layer, i)
-    if layer.ragged:
+    if isinstance(layer, RaggedLayer):
         return {
             f"k.{i}": torch.cat([k[0, 0] for k in layer.keys]),
             f"v.{i}": torch.cat([v[0, 0] for v in layer.values]),
             f"pos.{i}": torch.cat(layer.positions).to(torch.int32),
             f"len.{i}": torch.tensor(layer.lengths, dtype=torch.int32),
         }
+    if not isinstance(layer, UniformLayer):
+        raise TypeError(f"no file format for a {type(layer).__name__}")
     return {
         f"k.{i}": layer.keys[0].contiguous(),
         f"v.{i}": layer.values[0].contiguous(),
@@ -262,15 +267,18 @@ def _encode_layer(layer: CacheLayer, i: int) -> dict[str, torch.Tensor]:
 _QUANTIZED = ("kq", "ks", "kz", "vq", "vs", "vz")  # QuantizedEntries' tensors, in its field order
 
 
-def _encode_quantized(layer, i: int) -> dict[str, torch.Tensor]:
+def _encode_quantized(layer: QuantizedLayer, i: int) -> dict[str, torch.Tensor]:
     residual = _encode_layer(layer.residual, i)
-    if layer.ragged:
-        body = [torch.cat(parts) for parts in zip(*(b.tensors() for b in layer.body), strict=True)]
-        residual[f"pos.{i}"] = torch.cat(layer.positions).to(torch.int32)
-        residual[f"len.{i}"] = torch.tensor(layer.lengths, dtype=torch.int32)
+    entries, positions = layer.body, layer.positions
+    if isinstance(entries, QuantizedEntries):  # uniform: one body for every head
+        if not isinstance(positions, torch.Tensor):  # never: a uniform body has a uniform residual
+            raise TypeError("a uniform quantized layer with a ragged residual")
+        body = list(entries.tensors())
+        residual[f"pos.{i}"] = positions.to(torch.int32).contiguous()
     else:
-        body = list(layer.body.tensors())
-        residual[f"pos.{i}"] = layer.positions.to(torch.int32).contiguous()
+        body = [torch.cat(parts) for parts in zip(*(b.tensors() for b in entries), strict=True)]
+        residual[f"pos.{i}"] = torch.cat(tuple(positions)).to(torch.int32)
+        residual[f"len.{i}"] = torch.tensor(layer.lengths, dtype=torch.int32)
     return residual | {f"qlen.{i}": torch.tensor(layer.quantized, dtype=torch.int32)} | {
         f"{name}.{i}": t.contiguous() for name, t in zip(_QUANTIZED, body, strict=True)
     }  # fmt: skip
@@ -286,7 +294,7 @@ def _decode_layer(tensors: dict[str, torch.Tensor], i: int, bits: int) -> CacheL
 
 def _full_layer(
     i: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None
-) -> CacheLayer:
+) -> UniformLayer | RaggedLayer:
     """A uniform layer (`lengths` None) or a ragged one from its tensors as stored."""
     from kvchat.kv.layers import RaggedLayer, UniformLayer
 
@@ -340,7 +348,7 @@ def _decode_quantized(
             if len(set(quantized)) > 1:
                 raise ValueError(f"layer {i}: per-head 8-bit lengths {quantized} in a uniform layer")
             residual = _full_layer(i, keys, values, positions[:, q:], None)
-            entries = QuantizedEntries(*body, keys.dtype, bits)
+            entries = QuantizedEntries.of_tensors(body, keys.dtype, bits)
             _check_entries(entries, (len(quantized), q), key_group, keys.shape[-1], f"layer {i}")
             return QuantizedLayer(entries, positions[:, :q], residual)
         totals = [int(n) for n in lengths.tolist()]
@@ -354,7 +362,7 @@ def _decode_quantized(
         key_rows = [q // key_group if key_group else 0 for q in quantized]
         splits = [quantized, key_rows, key_rows, quantized, quantized, quantized]
         heads = [
-            QuantizedEntries(*parts, keys.dtype, bits)
+            QuantizedEntries.of_tensors(parts, keys.dtype, bits)
             for parts in zip(*(t.split(n) for t, n in zip(body, splits, strict=True)), strict=True)
         ]
         for h, (entries, q) in enumerate(zip(heads, quantized, strict=True)):
@@ -364,7 +372,7 @@ def _decode_quantized(
         raise ValueError(f"layer {i}: {bits}-bit tensors do not fit together ({e})") from None
 
 
-def _check_entries(entries, lead: tuple[int, ...], key_group: int, dim: int, where: str) -> None:
+def _check_entries(entries: QuantizedEntries, lead: tuple[int, ...], key_group: int, dim: int, where: str) -> None:
     """The shapes of `entries` holding `lead` (`(heads, q)` or `(q,)`) entries of dimension `dim` (the
     residual's) in key groups of `key_group`; 4-bit codes packed, `dim / 2` bytes a row."""
     *heads, q = lead

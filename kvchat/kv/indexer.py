@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from torch import nn
 from kvchat.kv.attention import LayerView
 from kvchat.kv.config import SNAPKV_QUERIES, CacheConfig, IndexMemConfig
 from kvchat.kv.scoring import BlockScorer, pool_scores
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,15 @@ class Indexer(nn.Module):
         self.shape = shape
         self.layers = nn.ModuleList(LayerIndexer(shape) for _ in range(shape.layers))
 
+    # nn.ModuleList types its items as Module: what `layers` holds.
+    def layer(self, i: int) -> LayerIndexer:
+        """Layer `i`'s indexer."""
+        return cast(LayerIndexer, self.layers[i])
+
+    def per_layer(self) -> list[LayerIndexer]:
+        """Every layer's indexer, in order."""
+        return [cast(LayerIndexer, m) for m in self.layers]
+
 
 def causal_importance(scores: torch.Tensor, first_query: int) -> torch.Tensor:
     """Max over queries of `scores [heads, n_q, n_k]` whose queries are the keys `first_query..` onward:
@@ -154,7 +167,7 @@ class IndexerScorer(BlockScorer):
     needs_hidden = True
     transient_tokens = 0
 
-    def __init__(self, indexer: Indexer, model: nn.Module, pool_kernel: int = 1, recent_window: int = 0,
+    def __init__(self, indexer: Indexer, model: PreTrainedModel, pool_kernel: int = 1, recent_window: int = 0,
                  query_window: int = 0, attention_mix: float = 0.0, attention_window: int = 64) -> None:
         if not 0.0 <= attention_mix <= 1.0:
             raise ValueError(f"attention_mix must lie in [0, 1] (got {attention_mix})")
@@ -168,11 +181,11 @@ class IndexerScorer(BlockScorer):
         self.attention_window = attention_window
         with torch.no_grad():  # U_q o W_q per layer: indexer queries straight from hidden states
             self.query_maps = [ind.query_map(layer.self_attn.q_proj) for layer, ind in
-                               zip(model.model.layers, indexer.layers, strict=True)]
+                               zip(model.model.layers, indexer.per_layer(), strict=True)]
         self.keys: list[list[torch.Tensor] | None] = [None] * self.shape.layers  # per layer, per KV head
 
     @classmethod
-    def for_cache(cls, indexer: Indexer, model: nn.Module, cache: CacheConfig) -> IndexerScorer:
+    def for_cache(cls, indexer: Indexer, model: PreTrainedModel, cache: CacheConfig) -> IndexerScorer:
         """The scorer `--method indexmem` evicts with under `cache`'s settings (recent window, attention mix
         over SnapKV's last-64-query window, pooling). Ingest and the memory stage's simulated eviction
         (kvchat.training) both build it here, so the memory is trained on the evictions it makes up for."""
@@ -188,7 +201,7 @@ class IndexerScorer(BlockScorer):
     def layer_scores(self, view: LayerView) -> torch.Tensor:
         if view.hidden is None:
             raise ValueError("the indexer needs the layer's hidden states (needs_hidden)")
-        s, layer = self.shape, self.indexer.layers[view.layer_idx]
+        s, layer = self.shape, self.indexer.layer(view.layer_idx)
         hidden = view.hidden[0].float()                                    # [q, hidden]: every token of the block
         n_new = hidden.shape[0]
         heads = self._append(view.layer_idx, layer.keys(hidden), view.past)
@@ -237,6 +250,8 @@ class IndexerScorer(BlockScorer):
     def kept(self, layer_idx: int, index: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         """Called after layer `layer_idx` kept entries `index` (per head): keep those entries' keys too."""
         held = self.keys[layer_idx]
+        if held is None:
+            raise RuntimeError(f"layer {layer_idx}: entries kept before the indexer scored it")
         self.keys[layer_idx] = [k[i.to(k.device)] for k, i in zip(held, index, strict=True)]
 
 
@@ -244,4 +259,5 @@ def _float_weight(linear: nn.Module) -> torch.Tensor:
     """A projection's weight `[out, in]` in float32: an `nn.Linear`'s own, or what an int8/int4 weight module
     (model.int8_weights, model.int4_weights: a model loaded with `--weights`) stands for (its `float_weight`)."""
     dequantized = getattr(linear, "float_weight", None)
-    return dequantized() if callable(dequantized) else linear.weight.detach().float()
+    # an nn.Linear's `weight` is a Parameter; nn.Module types the attributes it does not know as Tensor | Module
+    return dequantized() if callable(dequantized) else cast(torch.Tensor, linear.weight).detach().float()

@@ -11,7 +11,7 @@ made where the paper is ambiguous, are in docs/how-it-works.md, "IndexMem's late
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ INITIAL_DECAY = 1e-3  # mass readout: gamma before training (an entry 1000 token
 
 def gate_closed(weights: MemoryWeights, layer: int) -> bool:
     """Whether `layer`'s memory is shut (`CLOSED_GATE`): nothing is written to it or read from it."""
-    gate = weights.gate[layer]
+    gate = weights.gate_of(layer)
     return bool(gate.bias.item() <= CLOSED_GATE / 2 and not gate.weight.any())
 
 
@@ -45,13 +45,21 @@ class MemoryWeights(nn.Module):
             raise ValueError(f"unknown memory readout {readout!r} (choose from {', '.join(MEMORY_READOUTS)})")
         self.shape, self.readout = shape, readout
         self.phi = nn.ModuleList(nn.Linear(shape.head_dim, shape.memory_dim, bias=False) for _ in range(shape.layers))
-        self.gate = nn.ModuleList(nn.Linear(shape.head_dim, 1) for _ in range(shape.layers))
-        for gate in self.gate:
+        gates = [nn.Linear(shape.head_dim, 1) for _ in range(shape.layers)]
+        for gate in gates:
             nn.init.zeros_(gate.weight)
             nn.init.constant_(gate.bias, GATE_BIAS)
+        self.gate = nn.ModuleList(gates)
         if readout == "mass":  # c per layer; kvchat.training sets it from the data before the first step
             self.log_scale = nn.Parameter(torch.zeros(shape.layers))
             self.decay_rate = nn.Parameter(torch.full((shape.layers,), INITIAL_DECAY))  # gamma = |decay_rate|
+
+    # nn.ModuleList types its items as Module: what each of these two holds, by layer.
+    def phi_of(self, layer: int) -> nn.Linear:
+        return cast(nn.Linear, self.phi[layer])
+
+    def gate_of(self, layer: int) -> nn.Linear:
+        return cast(nn.Linear, self.gate[layer])
 
     def gamma(self, layer: int) -> torch.Tensor:
         """Mass readout: layer `layer`'s decay of an entry's mass per token of distance from the query."""
@@ -132,7 +140,7 @@ class LatentMemory:
         if self.closed[layer_idx]:
             return
         lam, eta = self.config.decay, self.config.write_strength
-        phi, readout = self.weights.phi[layer_idx], self.weights.readout
+        phi, readout = self.weights.phi_of(layer_idx), self.weights.readout
         with torch.no_grad():
             self.m[layer_idx].mul_(lam)
             self.b[layer_idx].mul_(lam)
@@ -200,10 +208,10 @@ class MemoryRead:
                 if attended is None or log_mass is None:
                     raise ValueError("the mass readout needs attention's output and log-sum-exp")
                 distance = self.position_ids[0].to(torch.float32)[:, None] - mem.ref[layer_idx]      # [n, 1]
-                out = read_mass(w.phi[layer_idx], w.gate[layer_idx], w.log_scale[layer_idx], mem.m[layer_idx],
+                out = read_mass(w.phi_of(layer_idx), w.gate_of(layer_idx), w.log_scale[layer_idx], mem.m[layer_idx],
                                 mem.b[layer_idx], pre, attended[0], log_mass[0],
                                 -w.gamma(layer_idx) * distance) * mem.config.mass_scale
             else:
-                out = read(w.phi[layer_idx], w.gate[layer_idx], mem.m[layer_idx], mem.b[layer_idx], pre,
+                out = read(w.phi_of(layer_idx), w.gate_of(layer_idx), mem.m[layer_idx], mem.b[layer_idx], pre,
                            mem.config.eps) * mem.config.readout_scale
         return out.unsqueeze(0).to(query.dtype)

@@ -6,7 +6,7 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/l
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -26,13 +26,25 @@ EvictedHead = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class CacheLayer(Protocol):
     """What the prefill loop, the decoder and the codec need of one layer."""
 
-    ragged: bool       # heads hold different counts (update() returns HeadLists)
-    positions: object  # original position of every entry: [kv_heads, n], or one [n_h] tensor per head
+    @property
+    def ragged(self) -> bool:
+        """Heads hold different counts (`keys`/`values` are HeadLists, `positions` one tensor per head)."""
+
+    @property
+    def keys(self) -> torch.Tensor | HeadList:
+        """`[1, kv_heads, n, D]`, or a HeadList of `[1, 1, n_h, D]` (ragged); what attention reads."""
+
+    @property
+    def values(self) -> torch.Tensor | HeadList: ...
+
+    @property
+    def positions(self) -> torch.Tensor | Sequence[torch.Tensor]:
+        """Original position of every entry: `[kv_heads, n]`, or one `[n_h]` tensor per head (ragged)."""
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
         """Add `keys/values [1, kv_heads, q, D]` at `positions [kv_heads, q]` to every head."""
 
-    def peek(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def peek(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor | HeadList, torch.Tensor | HeadList]:
         """What attention sees when `keys/values` are added, without keeping them."""
 
     def keep(self, index: torch.Tensor | HeadIndex) -> None:
@@ -55,6 +67,8 @@ class CacheLayer(Protocol):
 
     @property
     def size(self) -> int: ...
+
+    def get_seq_length(self) -> int: ...
 
     def nbytes(self) -> int: ...
 
@@ -90,6 +104,13 @@ class UniformLayer(DynamicLayer):
     """
 
     ragged = False
+    # transformers' base types these `Tensor | None` (None until initialised); this layer reads them only once
+    # `is_initialized`.
+    keys: torch.Tensor
+    values: torch.Tensor
+    _k: torch.Tensor
+    _v: torch.Tensor
+    _p: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,8 +191,10 @@ class UniformLayer(DynamicLayer):
             return keys, values
         return torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2)
 
-    def keep(self, index: torch.Tensor) -> None:
+    def keep(self, index: torch.Tensor | HeadIndex) -> None:
         """Keep entries `index` [kv_heads, m] (sorted per head, so position order is preserved)."""
+        if not isinstance(index, torch.Tensor):  # EpisodeCache.keep_layer makes a layer ragged for these
+            raise TypeError("a uniform layer keeps a [kv_heads, m] index: the same count in every head")
         gather = index.unsqueeze(0).unsqueeze(-1).expand(1, -1, -1, self.keys.shape[-1])
         self._adopt(self.keys.gather(2, gather), self.values.gather(2, gather), self.positions.gather(1, index))
 
@@ -230,6 +253,14 @@ class RaggedLayer(DynamicLayer):
     """
 
     ragged = True
+    # One tensor per head where transformers' base has one `Tensor | None`: kvchat's attention function takes
+    # HeadLists (kvchat.kv.attention), transformers only passes them through from `update`.
+    keys: HeadList  # type: ignore[assignment]
+    values: HeadList  # type: ignore[assignment]
+    _k: list[torch.Tensor]
+    _v: list[torch.Tensor]
+    _p: list[torch.Tensor]
+    _owned: bool
 
     def __init__(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], positions: Sequence[torch.Tensor]):
         super().__init__()
@@ -240,13 +271,18 @@ class RaggedLayer(DynamicLayer):
         self.is_initialized = True
 
     @classmethod
-    def from_uniform(cls, layer: UniformLayer) -> RaggedLayer:
-        """The same entries, one tensor per head (views: nothing is copied until `keep` gathers)."""
-        heads = layer.keys.shape[1]
+    def from_uniform(cls, layer: CacheLayer) -> RaggedLayer:
+        """The same entries of a uniform layout (a `UniformLayer`, or a uniform `QuantizedLayer`'s dequantized
+        ones), one tensor per head (views: nothing is copied until `keep` gathers)."""
+        keys, values, positions = layer.keys, layer.values, layer.positions
+        if not (isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)
+                and isinstance(positions, torch.Tensor)):  # fmt: skip
+            raise TypeError(f"a {type(layer).__name__} holding one tensor per head is not a uniform layer")
+        heads = keys.shape[1]
         return cls(
-            [layer.keys[:, h : h + 1] for h in range(heads)],
-            [layer.values[:, h : h + 1] for h in range(heads)],
-            [layer.positions[h] for h in range(heads)],
+            [keys[:, h : h + 1] for h in range(heads)],
+            [values[:, h : h + 1] for h in range(heads)],
+            [positions[h] for h in range(heads)],
         )
 
     def __copy__(self) -> RaggedLayer:
@@ -268,7 +304,7 @@ class RaggedLayer(DynamicLayer):
         self.values = HeadList(v[:, :, :n] for v, n in zip(self._v, lengths, strict=True))
         self.positions = tuple(p[:n] for p, n in zip(self._p, lengths, strict=True))
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # built initialised
         raise RuntimeError("a ragged layer is built from existing entries")
 
     def reserve(self, extra: int) -> None:
@@ -376,7 +412,8 @@ class PagedLayer(RaggedLayer):
         ragged = layer if isinstance(layer, RaggedLayer) else RaggedLayer.from_uniform(layer)
         return cls(ragged.keys, ragged.values, ragged.positions, pool)
 
-    def _adopt(self, keys, values, positions) -> None:
+    def _adopt(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor],
+               positions: Sequence[torch.Tensor]) -> None:  # fmt: skip
         super()._adopt(keys, values, positions)
         self.keys = PagedKeys.of(self.keys, self.pool)
 
@@ -417,13 +454,13 @@ class QuantizedLayer(DynamicLayer):
         # CacheLayerMixin.__init__ would assign `keys`/`values`, which are computed here.
         self.body, self.body_positions, self.residual = body, body_positions, residual
         self.ragged = residual.ragged
-        uniform = isinstance(body, QuantizedEntries)
-        first = body if uniform else body[0]
-        self.dtype, self.device, self.bits = first.dtype, first.key_codes.device, first.bits
         # Entries of each head held in `bits`: fixed once built (answering appends to the residual only).
-        self.quantized: tuple[int, ...] = (
-            (body.length,) * body.key_codes.shape[0] if uniform else tuple(b.length for b in body)
-        )
+        self.quantized: tuple[int, ...]
+        if isinstance(body, QuantizedEntries):
+            first, self.quantized = body, (body.length,) * body.key_codes.shape[0]
+        else:
+            first, self.quantized = body[0], tuple(b.length for b in body)
+        self.dtype, self.device, self.bits = first.dtype, first.key_codes.device, first.bits
         self.is_initialized = True
 
     @classmethod
@@ -432,12 +469,12 @@ class QuantizedLayer(DynamicLayer):
         more in full precision (kvchat.kv.quantize.quantized_length)."""
         if isinstance(layer, RaggedLayer):
             counts = [quantized_length(n, group, residual) for n in layer.lengths]
-            body = tuple(
+            heads = tuple(
                 QuantizedEntries.quantize(k[0, 0, :q], v[0, 0, :q], group, bits)
                 for k, v, q in zip(layer.keys, layer.values, counts, strict=True)
             )
             # copies, not views: the full-precision tensors are freed once the layer is replaced
-            return cls(body, tuple(p[:q].clone() for p, q in zip(layer.positions, counts, strict=True)), RaggedLayer(
+            return cls(heads, tuple(p[:q].clone() for p, q in zip(layer.positions, counts, strict=True)), RaggedLayer(
                 [k[:, :, q:].clone() for k, q in zip(layer.keys, counts, strict=True)],
                 [v[:, :, q:].clone() for v, q in zip(layer.values, counts, strict=True)],
                 [p[q:].clone() for p, q in zip(layer.positions, counts, strict=True)],
@@ -449,7 +486,7 @@ class QuantizedLayer(DynamicLayer):
         )
         return cls(body, layer.positions[:, :q].clone(), rest)
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # built initialised
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:  # built initialised
         raise RuntimeError("a quantized layer is built from existing entries")
 
     def __copy__(self) -> QuantizedLayer:
@@ -457,18 +494,23 @@ class QuantizedLayer(DynamicLayer):
         return QuantizedLayer(self.body, self.body_positions, copy.copy(self.residual))
 
     # --- what attention sees ------------------------------------------------------------------------
+    # Computed, where transformers' base has plain attributes (nothing assigns them: CacheLayerMixin.__init__ is
+    # not called).
     @property
-    def keys(self) -> torch.Tensor | HeadList:
+    def keys(self) -> torch.Tensor | HeadList:  # type: ignore[override]
         return self._joined(self.residual.keys, QuantizedEntries.keys_into)
 
     @property
-    def values(self) -> torch.Tensor | HeadList:
+    def values(self) -> torch.Tensor | HeadList:  # type: ignore[override]
         return self._joined(self.residual.values, QuantizedEntries.values_into)
 
-    def _joined(self, tail, dequantize) -> torch.Tensor | HeadList:
+    def _joined(self, tail: torch.Tensor | HeadList,
+                dequantize: Callable[[QuantizedEntries, torch.Tensor], torch.Tensor]) -> torch.Tensor | HeadList:
         """The quantized entries dequantized, then `tail` (the residual's, in its layout), in one new tensor per
         layer (uniform) or per head (ragged)."""
         if isinstance(self.body, QuantizedEntries):
+            if not isinstance(tail, torch.Tensor):  # never: a uniform body has a uniform residual
+                raise TypeError("a uniform quantized layer with a ragged residual")
             q = self.body.length
             out = torch.empty(*tail.shape[:2], q + tail.shape[2], tail.shape[3], dtype=tail.dtype, device=tail.device)
             dequantize(self.body, out[0, :, :q])
@@ -484,15 +526,17 @@ class QuantizedLayer(DynamicLayer):
 
     @property
     def positions(self) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        if isinstance(self.body, QuantizedEntries):
-            return torch.cat([self.body_positions, self.residual.positions], dim=-1)
-        return tuple(torch.cat([b, r]) for b, r in zip(self.body_positions, self.residual.positions, strict=True))
+        body, rest = self.body_positions, self.residual.positions
+        if isinstance(body, torch.Tensor) and isinstance(rest, torch.Tensor):  # uniform
+            return torch.cat([body, rest], dim=-1)
+        return tuple(torch.cat([b, r]) for b, r in zip(body, rest, strict=True))
 
     def dequantized(self) -> UniformLayer | RaggedLayer:
         """The same entries in full precision, as the layout the layer was quantized from."""
-        if isinstance(self.body, QuantizedEntries):
-            return UniformLayer.of(self.keys, self.values, self.positions)
-        return RaggedLayer(self.keys, self.values, self.positions)
+        keys, values, positions = self.keys, self.values, self.positions
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor) and isinstance(positions, torch.Tensor):
+            return UniformLayer.of(keys, values, positions)
+        return RaggedLayer(list(keys), list(values), list(positions))
 
     # --- answering ----------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
@@ -502,7 +546,7 @@ class QuantizedLayer(DynamicLayer):
         """Room for `extra` more full-precision entries (where answering appends)."""
         self.residual.reserve(extra)
 
-    def peek(self, keys: torch.Tensor, values: torch.Tensor):
+    def peek(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor | HeadList, torch.Tensor | HeadList]:
         tail_k, tail_v = self.residual.peek(keys, values)
         return self._joined(tail_k, QuantizedEntries.keys_into), self._joined(tail_v, QuantizedEntries.values_into)
 

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel
 
     from kvchat.kv.config import CacheConfig
     from kvchat.kv.scoring import Scorer
+    from kvchat.kv.trained import TrainedIndexMem
 
 from kvchat.kv.config import INFINIPOT_PROMPT, KVZIP_PROMPT, SNAPKV_QUERIES, STREAMING_SINK
 
@@ -40,8 +42,8 @@ class ScorerInputs:
     layout: PromptLayout
     cache: CacheConfig
     episode_prompt: str = ""  # the episode's patched prompt text (instruction + medoid segments)
-    model: torch.nn.Module | None = None  # the frozen model (a trained scorer reads its projections)
-    trained: object | None = None  # a `trained` method's weights (kvchat.kv.trained.TrainedIndexMem)
+    model: PreTrainedModel | None = None  # the frozen model (a trained scorer reads its projections)
+    trained: TrainedIndexMem | None = None  # a `trained` method's weights
 
 
 @dataclass(frozen=True)

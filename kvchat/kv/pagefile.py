@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -132,4 +133,5 @@ def open_pages(path: Path) -> list[list[HeadPages]]:
     """A pages file opened for answering: per layer, per KV head, its `HeadPages` whose keys, values and
     positions are read from disk (`FileRows`) only where retrieval gathers them."""
     tensors, metadata = open_tensors(path)
-    return decode(tensors, metadata)
+    # FileRows stand in for tensors (torch functions read them whole through __torch_function__; HeadPages)
+    return decode(cast("dict[str, torch.Tensor]", tensors), metadata)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,6 +21,9 @@ from kvchat.kv.cascade import BlockWindow, CakeBudgets, block_evicts
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.scoring import Scorer, scores_in_forward
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class PrefillResult:
 
 
 def block_prefill(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     prefix_ids: torch.Tensor | None,
     context_ids: torch.Tensor,
     *,
@@ -62,6 +66,8 @@ def block_prefill(
     beside its compacted one (`EpisodeCache.track_origins`; a resumed cache that tracks them goes on doing so).
     """
     if resume is None:
+        if prefix_ids is None:
+            raise ValueError("a new cache starts with its prefix: pass prefix_ids")
         cache = EpisodeCache(model.config.num_hidden_layers)
         cache.on_evict = on_evict
         forward(model, cache, prefix_ids)
@@ -83,10 +89,16 @@ def block_prefill(
         if budgets is not None and (in_forward or isinstance(budgets, CakeBudgets)):
             caps = [n + block.shape[-1] for n in cache.sizes]
             window = BlockWindow(cache, budgets, scorer if in_forward else None, evict, caps, heads=heads)
-        forward(model, cache, block, recorder=window)
+        # Recorder.query_rows (kvchat.kv.attention) is settable; BlockWindow computes it (read-only)
+        forward(model, cache, block, recorder=window)  # type: ignore[arg-type]
         if evict and not in_forward:  # the scorer reads the cache after the block: evict every layer once
             assert scorer is not None, "a budget needs a scorer"
-            final = window.final_budgets() if window is not None else budgets
+            final: Sequence[int]
+            if window is not None:
+                final = window.final_budgets()
+            else:  # fixed budgets (cake budgets have a window): evict is False without any
+                assert budgets is not None and not isinstance(budgets, CakeBudgets)
+                final = budgets
             scores = scorer(model, cache, block)
             cache.keep(
                 [
@@ -105,7 +117,7 @@ def block_prefill(
 
 
 def select_from(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     full: EpisodeCache,
     last_block: torch.Tensor,
     *,

@@ -11,6 +11,7 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/q
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,12 @@ class QuantizedEntries:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.key_codes, self.key_scale, self.key_min, self.value_codes, self.value_scale, self.value_min)
+
+    @classmethod
+    def of_tensors(cls, tensors: Sequence[torch.Tensor], dtype: torch.dtype, bits: int = 8) -> QuantizedEntries:
+        """The inverse of `tensors()`: entries of these six tensors, in its order."""
+        key_codes, key_scale, key_min, value_codes, value_scale, value_min = tensors
+        return cls(key_codes, key_scale, key_min, value_codes, value_scale, value_min, dtype, bits)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())

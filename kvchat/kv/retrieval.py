@@ -219,7 +219,8 @@ def attach_pages(
             raise ValueError(f"layer {i}: pages for {len(layer_pages)} KV heads, the cache has {heads}")
         if any(head.num_pages for head in layer_pages):
             pool = PagePool(layer_pages, budget, scorer, refresh, pinned_share)
-            cache.layers[i] = layer = PagedLayer.over(cache.layers[i], pool)
+            # PageSource.paged (kvchat.kv.attention) is a settable Callable; the pool's is a PagedDecode
+            cache.layers[i] = layer = PagedLayer.over(cache.layers[i], pool)  # type: ignore[arg-type]
             if paged_decode is None:
                 paged_decode = backends.decode_backend(layer.device, layer.dtype) == "flashinfer"
             if paged_decode:

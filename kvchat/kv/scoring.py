@@ -19,10 +19,21 @@ from kvchat.kv.forward import forward
 class Scorer(Protocol):
     """Scores every cached entry of every layer: `[kv_heads, n_l]` per layer (see the module docstring)."""
 
-    transient_tokens: int  # tokens the scorer adds to attention while scoring (counted in the peak)
-    in_forward: bool       # scores come from `layer_scores` during the block's forward, not `__call__`
-    query_rows: int        # the block's last queries `layer_scores` reads
-    needs_hidden: bool     # `layer_scores` reads the layer's input hidden states
+    @property
+    def transient_tokens(self) -> int:
+        """Tokens the scorer adds to attention while scoring (counted in the peak)."""
+
+    @property
+    def in_forward(self) -> bool:
+        """Scores come from `layer_scores` during the block's forward, not `__call__`."""
+
+    @property
+    def query_rows(self) -> int:
+        """The block's last queries `layer_scores` reads."""
+
+    @property
+    def needs_hidden(self) -> bool:
+        """`layer_scores` reads the layer's input hidden states."""
 
     def layer_scores(self, view: LayerView) -> torch.Tensor:
         """During the block's forward: scores `[kv_heads, n]` of layer `view.layer_idx`'s entries."""
@@ -34,12 +45,24 @@ class Scorer(Protocol):
 
 
 class BlockScorer:
-    """Defaults of the protocol: an after-block scorer adding no tokens. Subclasses override what they use."""
+    """Defaults of the protocol: an after-block scorer adding no tokens. Subclasses override what they use (with
+    a property, a class attribute or a dataclass field)."""
 
-    transient_tokens: int = 0
-    in_forward: bool = False
-    query_rows: int = 0
-    needs_hidden: bool = False
+    @property
+    def transient_tokens(self) -> int:
+        return 0
+
+    @property
+    def in_forward(self) -> bool:
+        return False
+
+    @property
+    def query_rows(self) -> int:
+        return 0
+
+    @property
+    def needs_hidden(self) -> bool:
+        return False
 
     def layer_scores(self, view: LayerView) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} scores after the block, not during its forward")

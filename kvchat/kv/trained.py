@@ -83,8 +83,8 @@ class TrainedIndexMem:
             try:
                 wanted = {f"indexer.{k}": v.shape for k, v in Indexer(shape).state_dict().items()}
                 if has_memory:
-                    memory = MemoryWeights(shape, config.readout)
-                    wanted |= {f"memory.{k}": v.shape for k, v in memory.state_dict().items()}
+                    shaped = MemoryWeights(shape, config.readout)
+                    wanted |= {f"memory.{k}": v.shape for k, v in shaped.state_dict().items()}
             except (RuntimeError, ValueError, ZeroDivisionError) as exc:
                 raise ValueError(f"{path}: impossible shape in its metadata ({exc})") from None
         found = {k: torch.Size(v["shape"]) for k, v in stored.items()}
@@ -96,7 +96,7 @@ class TrainedIndexMem:
             raise ValueError(f"{path}: holds NaN or infinite weights (a diverged training run or a damaged file)")
         indexer = Indexer(shape)
         _load(indexer, tensors, "indexer.", path)
-        memory = None
+        memory: MemoryWeights | None = None
         if has_memory:
             memory = MemoryWeights(shape, config.readout)
             _load(memory, tensors, "memory.", path)

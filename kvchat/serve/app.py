@@ -31,7 +31,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvchat import documents
 from kvchat.config import IngestConfig, ServeConfig, default_home
 from kvchat.errors import CacheIntegrityError, UserError
-from kvchat.serve.engine import ChatRequest, Closed, Engine, IngestRequest, NotFound, QueueFull, find_conversation
+from kvchat.serve.engine import (
+    ChatRequest,
+    Closed,
+    Engine,
+    IngestRequest,
+    NotFound,
+    QueueFull,
+    ServingEngine,
+    find_conversation,
+)
 from kvchat.serve.jobs import Job
 from kvchat.serve.protocol import (
     FINISH_REASONS,
@@ -50,7 +59,7 @@ _log = logging.getLogger(__name__)
 
 
 def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
-               engine: Engine | None = None) -> FastAPI:
+               engine: ServingEngine | None = None) -> FastAPI:
     """The ASGI app over `home`'s store (default: $KVCHAT_HOME); its lifespan starts and closes `engine`
     (default: a new one with `config`). Run it with any ASGI server; `kvchat.serve.server.serve` runs uvicorn."""
     home = Path(home) if home is not None else default_home()
@@ -169,7 +178,7 @@ class IngestBody(BaseModel):
     def settings(self) -> IngestConfig:
         """`IngestConfig`'s defaults with what the body sets."""
         base = IngestConfig()
-        cache = {k: v for k, v in (("budget", self.budget), ("method", self.method)) if v is not None}
+        cache: dict[str, Any] = {k: v for k, v in (("budget", self.budget), ("method", self.method)) if v is not None}
         episodes = {"episodes": self.episodes} if self.episodes is not None else {}
         return dataclasses.replace(
             base, model=self.model or base.model, cache=dataclasses.replace(base.cache, **cache),

@@ -7,7 +7,7 @@ import contextlib
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from kvchat.errors import KvchatError, UserError
@@ -41,6 +41,7 @@ class Client:
                 raise UserError("no conversations yet; run `kvchat ingest HISTORY` first")
             conversation = default_of(listed)
         options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic)) if on}
+        body: dict[str, Any]
         if on_text is None:
             body = {"conversation": conversation, "question": question, "episode": episode, "max_tokens": max_tokens,
                     **options}
@@ -62,7 +63,9 @@ class Client:
               stop: Callable[[], bool] | None) -> tuple[list[str], str, dict, dict]:
         """A streamed answer's pieces, finish reason, `kvchat` fields and usage."""
         text: list[str] = []
-        finish, kvchat, usage = "stop", {}, {}
+        finish = "stop"
+        kvchat: dict[str, Any] = {}
+        usage: dict[str, Any] = {}
         for event in events:
             if "error" in event:
                 raise _error(500, event)
@@ -100,7 +103,7 @@ class Client:
         with self._open(method, path, body) as response:
             return json.loads(response.read())
 
-    def _events(self, path: str, body: dict) -> Iterator[dict[str, Any]]:
+    def _events(self, path: str, body: dict) -> Generator[dict[str, Any]]:
         """The server-sent events of a streamed response, as documents, up to `[DONE]`."""
         with self._open("POST", path, body) as response:
             for raw in response:

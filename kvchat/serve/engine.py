@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from kvchat.history.loading import Turn
 from kvchat.ingest.pipeline import IngestProgress
 from kvchat.serve.jobs import RUNNING, Job
 from kvchat.serve.stops import TextGate
+
+if TYPE_CHECKING:
+    from kvchat.store import Store
 
 _log = logging.getLogger(__name__)
 
@@ -79,6 +82,28 @@ class IngestRequest:
     append: bool = False
 
 
+class ServingEngine(Protocol):
+    """What the app uses of an engine: an `Engine`, or answers from Ray Serve replicas
+    (kvchat.serve.replicas.ReplicaEngine)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+    def submit_chat(self, request: ChatRequest, loop=None) -> Job: ...
+
+    def submit_ingest(self, request: IngestRequest, loop=None) -> Job: ...
+
+    def job(self, job_id: str) -> Job | None: ...
+
+    def forget(self, conversation: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class Engine:
     """Models, encoder and episode caches held warm; `submit_*` queue work for the one worker thread.
 
@@ -100,7 +125,7 @@ class Engine:
         self._closing = False
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
-        self._store = None  # the worker thread's own connection (sqlite connections stay in their thread)
+        self._store: Store | None = None  # the worker thread's own connection (sqlite connections stay in their thread)
 
     # ----- lifecycle
 
@@ -223,7 +248,7 @@ class Engine:
 
     def _preload(self) -> None:
         self._encoder_()
-        for spec in sorted({record.model for record in self._store.conversations()}):
+        for spec in sorted({record.model for record in self._store_().conversations()}):
             try:
                 self._model(spec)
             except UserError as exc:
@@ -236,9 +261,15 @@ class Engine:
             from kvchat.model.device import resolve
             from kvchat.model.llm import load_model
 
-            self._models[spec] = load_model(spec, self._store.models_dir, placement=resolve(self.config.device),
+            self._models[spec] = load_model(spec, self._store_().models_dir, placement=resolve(self.config.device),
                                             weights=self.config.weights)
         return self._models[spec]
+
+    def _store_(self) -> Store:
+        """The worker thread's store, opened as the worker starts."""
+        if self._store is None:
+            raise KvchatError("the server's store did not open (its log says why)")
+        return self._store
 
     def _encoder_(self):
         if self._encoder is None:
@@ -248,7 +279,7 @@ class Engine:
         return self._encoder
 
     def _record(self, name: str):
-        return find_conversation(self._store, name)
+        return find_conversation(self._store_(), name)
 
     def _answer(self, job: Job) -> Completion:
         request: ChatRequest = job.request
@@ -283,9 +314,9 @@ class Engine:
 
         try:
             answer = session.ask(request.question, episode=index, on_text=on_text, stop=stop, earlier=request.earlier,
-                                 log=self.config.log and not self._store.read_only, sources=request.sources)
+                                 log=self.config.log and not self._store_().read_only, sources=request.sources)
         except UserError:
-            if request.conversation not in {r.name for r in self._store.conversations()}:
+            if request.conversation not in {r.name for r in self._store_().conversations()}:
                 raise NotFound(f"conversation '{request.conversation}' was removed while it was being answered")\
                     from None
             raise
@@ -318,7 +349,7 @@ class Engine:
                 self._sessions.move_to_end(key)
                 return self._sessions[key][0]
         config = AskConfig(max_new_tokens=self.config.max_tokens, weights=self.config.weights)
-        session = Session(self._store, record, lm, encoder, config)
+        session = Session(self._store_(), record, lm, encoder, config)
         with self._lock:
             self._sessions[key] = (session, episode.bytes)
             total = sum(size for _, size in self._sessions.values())
@@ -335,10 +366,10 @@ class Engine:
         progress = _JobProgress(job)
         if request.append:
             record = self._record(request.name)
-            report = append(request.turns, name=request.name, store=self._store, lm=self._model(record.model),
+            report = append(request.turns, name=request.name, store=self._store_(), lm=self._model(record.model),
                             encoder=self._encoder_(), progress=progress, source="<kvchat serve>")
         else:
-            report = ingest(request.turns, store=self._store, lm=self._model(request.config.model),
+            report = ingest(request.turns, store=self._store_(), lm=self._model(request.config.model),
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
                             replace=request.replace, source="<kvchat serve>")
         self.forget(request.name)

@@ -219,11 +219,14 @@ def replica_engine(home: Path, config: ServeConfig, replicas: int) -> Iterator[R
     with ray_session(ray, None, cpus=replicas * threads):
         try:
             serve.start(proxy_location="Disabled")
-            deployment = serve.deployment(Replica, name="replica").options(
+            # Ray's typing: serve.deployment is typed as the decorator factory only (given the class, it returns the
+            # Deployment), and mypy misreads RequestRouterConfig's fields (a pydantic model through Ray's compat layer)
+            deployment = serve.deployment(Replica, name="replica").options(  # type: ignore[attr-defined]
                 num_replicas=replicas, max_ongoing_requests=config.queue_size + 4,
                 ray_actor_options={"num_cpus": threads},
                 request_router_config=RequestRouterConfig(
-                    request_router_class=ROUTER, request_router_kwargs={"num_fallback_replicas": 0}),
+                    request_router_class=ROUTER,  # type: ignore[arg-type]
+                    request_router_kwargs={"num_fallback_replicas": 0}),
             )
             handle = serve.run(deployment.bind(str(home), config), name=APP_NAME, route_prefix=None)
             yield ReplicaEngine(handle, config, replicas)

@@ -19,7 +19,7 @@ from kvchat.config import ServeConfig, default_home
 from kvchat.errors import UserError
 from kvchat.serve.announcement import ANNOUNCEMENT, remove_announcement, write_announcement
 from kvchat.serve.app import create_app
-from kvchat.serve.engine import Engine
+from kvchat.serve.engine import ServingEngine
 
 _log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Server(uvicorn.Server):
             remove_announcement(self.home, os.getpid())
 
 
-def build_server(config: ServeConfig, *, home: Path | None = None, engine: Engine | None = None,
+def build_server(config: ServeConfig, *, home: Path | None = None, engine: ServingEngine | None = None,
                  log_level: str = "warning", on_ready: Callable[[str], None] | None = None) -> Server:
     """uvicorn serving `create_app(config)` on `config.host`:`config.port` (0: a free port); `on_ready(url)` is
     called once it listens."""

@@ -25,7 +25,7 @@ from kvchat.errors import CacheIntegrityError as CacheIntegrityError  # raised b
 from kvchat.errors import UserError
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
-from kvchat.store.asklog import MAX_LISTED, ask_row, read_asks
+from kvchat.store.asklog import MAX_LISTED, AskEntry, LoggedAsk, ask_row, read_asks
 from kvchat.store.default import forget_default, read_default, write_default
 from kvchat.store.errors import BUSY_TIMEOUT_MS, FREES_SPACE, ConversationChanged, DamagedDatabase, database_error
 from kvchat.store.errors import index_errors as _index_errors
@@ -68,6 +68,8 @@ from kvchat.store.schema import connect, migrate, pending
 
 if TYPE_CHECKING:
     import torch
+
+    from kvchat.kv.tensorfile import FileRows
 
 __all__ = [
     "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationChanged", "ConversationRecord",
@@ -240,8 +242,8 @@ class Store:
         found = newer_than_listed(unlisted_versions(self.caches_dir, listed, grace_s=grace_s), listed)
         found = [v for v in found if only is None or v.path in only]
         for version in found:
-            self._db["episodes"].delete_where("conversation = ?", [version.name])
-            self._db["conversations"].delete_where("name = ?", [version.name])
+            self._db.table("episodes").delete_where("conversation = ?", [version.name])
+            self._db.table("conversations").delete_where("name = ?", [version.name])
             insert_document(self._db, version.document)
         return found
 
@@ -388,8 +390,8 @@ class Store:
                     if without_links(ingest_dir, self.caches_dir):
                         retire_manifest(ingest_dir)
                         discard(ingest_dir, self.caches_dir)
-                db["episodes"].delete_where("conversation = ?", [name])
-                db["conversations"].delete_where("name = ?", [name])
+                db.table("episodes").delete_where("conversation = ?", [name])
+                db.table("conversations").delete_where("name = ?", [name])
                 retired = [d for d in versions if without_links(d, self.caches_dir) and retire_manifest(d)]
                 crash_point("commit")
         except BaseException:
@@ -399,10 +401,10 @@ class Store:
         return versions
 
     def _row(self, name: str) -> dict[str, Any] | None:
-        return next(iter(self._db["conversations"].rows_where("name = ?", [name])), None)
+        return next(iter(self._db.table("conversations").rows_where("name = ?", [name])), None)
 
     def _episode_rows(self, name: str) -> list[dict[str, Any]]:
-        return list(self._db["episodes"].rows_where("conversation = ?", [name], order_by="idx"))
+        return list(self._db.table("episodes").rows_where("conversation = ?", [name], order_by="idx"))
 
     def _record(self, row: dict[str, Any], episode_rows: list[dict[str, Any]]) -> ConversationRecord:
         """A conversation as its rows say, once they match their digest (DamagedDatabase if not)."""
@@ -419,6 +421,8 @@ class Store:
         """The command that builds conversation `name` again, from its stored source and settings."""
         row = self._row(name)
         try:
+            if row is None:
+                raise KeyError(name)
             record = ConversationRecord(name, row["created_at"], row["model"], row["fingerprint"],
                                         json.loads(row["settings"]), {}, [])  # fmt: skip
         except (TypeError, ValueError, KeyError):  # no row, or a damaged one
@@ -447,7 +451,7 @@ class Store:
     @_index_errors
     def load_recall_entries(
         self, conversation: ConversationRecord, fingerprint: str
-    ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    ) -> tuple[dict[str, FileRows], dict[str, str]]:
         """A conversation's recall entries file as tensors read on demand (`FileRows`) and its metadata, after the
         same checks (`loading`). UserError when it keeps none."""
         file = conversation.recall_entries
@@ -490,15 +494,15 @@ class Store:
         return doctor.fix(self, problems)
 
     @_index_errors
-    def log_ask(self, row: dict) -> None:
+    def log_ask(self, row: AskEntry) -> None:
         """Record one question and its answer (`asklog`); `timings` (a dict) is stored as JSON. A read-only
         store refuses (UserError): callers check `read_only` first."""
         record = ask_row(row)
         with self._write_lock() as db:
-            db["asks"].insert(record)
+            db.table("asks").insert(record)
 
     @_index_errors
-    def asks(self, limit: int = 20, conversation: str | None = None) -> list[dict]:
+    def asks(self, limit: int = 20, conversation: str | None = None) -> list[LoggedAsk]:
         """The latest `limit` asks (of `conversation`, or all), newest first, with `timings` decoded."""
         if not 0 <= limit <= MAX_LISTED:  # SQLite's integers are 64-bit
             raise UserError(f"-n must be within 1..{MAX_LISTED} (got {limit})")

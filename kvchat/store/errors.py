@@ -88,4 +88,4 @@ def index_errors(method: _F) -> _F:
                 raise
             raise meant from e
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # functools.wraps: the method's own signature

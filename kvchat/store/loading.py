@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvchat.checked_files import read_safetensors_header
 from kvchat.errors import UserError
@@ -22,6 +22,8 @@ from kvchat.store.records import EpisodeRecord, FileRecord
 
 if TYPE_CHECKING:
     import torch
+
+    from kvchat.kv.tensorfile import FileRows
 
 Refuse = Callable[[str], UserError]  # the error for what is wrong with a file (a CacheIntegrityError)
 
@@ -68,12 +70,15 @@ def load_pages(
     (`open_side_file`)."""
     if record.pages is None:
         raise refuse("does not exist: the conversation was ingested without --offload")
-    return open_side_file(record.pages, fingerprint, caches_dir=caches_dir, refuse=refuse, what="pages file")
+    tensors, metadata = open_side_file(record.pages, fingerprint, caches_dir=caches_dir, refuse=refuse,
+                                       what="pages file")  # fmt: skip
+    # FileRows stand in for the pages' tensors (torch functions read them whole through __torch_function__)
+    return cast("dict[str, torch.Tensor]", tensors), metadata
 
 
 def open_side_file(
     file: FileRecord, fingerprint: str, *, caches_dir: Path, refuse: Refuse, what: str
-) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+) -> tuple[dict[str, FileRows], dict[str, str]]:
     """A file beside the episode caches (a pages file, a recall entries file: `what`) as `FileRows`
     (kvchat.kv.tensorfile) and its metadata.
 

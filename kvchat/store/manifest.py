@@ -118,8 +118,10 @@ def read_manifest(directory: Path) -> dict:
     if not isinstance(body, dict) or body.get("kvchat_manifest") != MANIFEST_VERSION:
         raise ValueError("its manifest is not a kvchat manifest this version reads")
     doc = body.get("conversation")
+    if not isinstance(doc, dict):
+        raise ValueError("its manifest fails its checksum")
     try:
-        ok = isinstance(doc, dict) and digest(doc) == body.get("sha256") and _well_formed(doc)
+        ok = digest(doc) == body.get("sha256") and _well_formed(doc)
     except (TypeError, ValueError):
         ok = False
     if not ok:

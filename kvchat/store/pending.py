@@ -237,8 +237,8 @@ class PendingConversation:
                 renamed = True
                 fsync_dir(name_dir)
                 fsync_dir(caches)
-                db["episodes"].delete_where("conversation = ?", [self.name])
-                db["conversations"].delete_where("name = ?", [self.name])
+                db.table("episodes").delete_where("conversation = ?", [self.name])
+                db.table("conversations").delete_where("name = ?", [self.name])
                 insert_document(db, doc)
                 crash_point("commit")
             crash_point("committed")

@@ -110,5 +110,5 @@ def episode_entry(record: EpisodeRecord, home: Path) -> dict:
 def insert_document(db: sqlite_utils.Database, doc: dict) -> None:
     """The rows of conversation document `doc`. Inside the write lock."""
     conversation, episodes = rows_from_document(doc)
-    db["conversations"].insert(conversation)
-    db["episodes"].insert_all(episodes)
+    db.table("conversations").insert(conversation)
+    db.table("episodes").insert_all(episodes)

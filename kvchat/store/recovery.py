@@ -186,7 +186,7 @@ def rebuild(home: Path, damage: str) -> list[str]:
                 for item in plan.restorable:
                     insert_document(db, item.document)
                 fields = ("id", *ASK_FIELDS)
-                db["asks"].insert_all({f: row.get(f) for f in fields} for row in plan.asks)
+                db.table("asks").insert_all({f: row.get(f) for f in fields} for row in plan.asks)
         finally:
             db.close()  # checkpoints: the new database is one file
         aside = move_aside(home, db_path, plan.lost)
@@ -232,7 +232,7 @@ def _salvage(db_path: Path) -> _Salvage:
         found.asks, found.asks_complete = _readable_rows(conn, "select * from asks order by id")
     finally:
         conn.close()
-    by_name: dict[str, list[dict]] = {}
+    by_name: dict[object, list[dict]] = {}  # by the rows' conversation column, whatever it holds
     for row in episodes:
         by_name.setdefault(row.get("conversation"), []).append(row)
     for row in conversations:

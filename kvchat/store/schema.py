@@ -62,7 +62,7 @@ def utc_timestamp() -> str:
 
 def _migration_1(db: sqlite_utils.Database) -> None:
     """The initial schema."""
-    db["conversations"].create(
+    db.table("conversations").create(
         {
             "name": str, "created_at": str, "model": str, "fingerprint": str,
             "settings": str, "stats": str, "ingest_id": str,
@@ -70,7 +70,7 @@ def _migration_1(db: sqlite_utils.Database) -> None:
         pk="name",
         not_null={"created_at", "model", "fingerprint", "settings", "stats", "ingest_id"},
     )  # fmt: skip
-    db["episodes"].create(
+    db.table("episodes").create(
         {
             "conversation": str, "idx": int, "centroid": str, "medoid_text": str, "budgets": str,
             "n_tokens": int, "bytes": int, "sha256": str, "path": str,
@@ -79,7 +79,7 @@ def _migration_1(db: sqlite_utils.Database) -> None:
         foreign_keys=[("conversation", "conversations", "name")],
         not_null={"centroid", "medoid_text", "budgets", "n_tokens", "bytes", "sha256", "path"},
     )  # fmt: skip
-    db["asks"].create(
+    db.table("asks").create(
         {
             "id": int, "created_at": str, "conversation": str, "episode": int,
             "question": str, "answer": str, "similarity": float, "timings": str,
@@ -91,28 +91,28 @@ def _migration_1(db: sqlite_utils.Database) -> None:
 def _migration_2(db: sqlite_utils.Database) -> None:
     """Each conversation row carries the digest of its rows (`kvchat.store.manifest`), so damage is found.
     Rows that no longer parse keep none, and read as damaged."""
-    db["conversations"].add_column("digest", str)
-    for row in list(db["conversations"].rows):
-        episodes = list(db["episodes"].rows_where("conversation = ?", [row["name"]], order_by="idx"))
+    db.table("conversations").add_column("digest", str)
+    for row in list(db.table("conversations").rows):
+        episodes = list(db.table("episodes").rows_where("conversation = ?", [row["name"]], order_by="idx"))
         try:
             value = digest(document_from_rows(row, episodes))
         except ValueError:
             continue
-        db["conversations"].update(row["name"], {"digest": value})
+        db.table("conversations").update(row["name"], {"digest": value})
 
 
 def _migration_3(db: sqlite_utils.Database) -> None:
     """An episode's pages file (`--offload icecache`): its path, size and sha256; NULL when it has none (so
     existing rows and their digests are unchanged)."""
     for column, kind in (("pages_path", str), ("pages_bytes", int), ("pages_sha256", str)):
-        db["episodes"].add_column(column, kind)
+        db.table("episodes").add_column(column, kind)
 
 
 def _migration_4(db: sqlite_utils.Database) -> None:
     """A conversation's recall entries file (`--recall-entries stored`): its path, size and sha256; NULL when it has
     none (so existing rows and their digests are unchanged)."""
     for column, kind in (("recall_entries_path", str), ("recall_entries_bytes", int), ("recall_entries_sha256", str)):
-        db["conversations"].add_column(column, kind)
+        db.table("conversations").add_column(column, kind)
 
 
 # Append only: (version, fn). Each runs once per database, in order, inside the write lock.
@@ -129,7 +129,7 @@ def pending(db: sqlite_utils.Database, db_path: Path) -> list[int]:
     know was written by a newer one: refused (`db_path` names it)."""
     if "migrations" not in db.table_names():
         return sorted(version for version, _ in MIGRATIONS)
-    applied = {row["version"] for row in db["migrations"].rows}
+    applied = {row["version"] for row in db.table("migrations").rows}
     known = {version for version, _ in MIGRATIONS}
     if applied - known:
         raise UserError(f"{db_path} was written by a newer kvchat (schema version {max(applied)}); upgrade kvchat")
@@ -139,10 +139,10 @@ def pending(db: sqlite_utils.Database, db_path: Path) -> list[int]:
 def migrate(db: sqlite_utils.Database, db_path: Path) -> None:
     """Apply the migrations `db` lacks, in order. Call inside the write lock, so that two processes
     opening a new home at once do not both apply one."""
-    db["migrations"].create({"version": int, "applied_at": str}, pk="version", if_not_exists=True)
-    applied = {row["version"] for row in db["migrations"].rows}
+    db.table("migrations").create({"version": int, "applied_at": str}, pk="version", if_not_exists=True)
+    applied = {row["version"] for row in db.table("migrations").rows}
     pending(db, db_path)  # refuses a newer schema
     for version, fn in sorted(MIGRATIONS, key=lambda m: m[0]):
         if version not in applied:
             fn(db)
-            db["migrations"].insert({"version": version, "applied_at": utc_timestamp()})
+            db.table("migrations").insert({"version": version, "applied_at": utc_timestamp()})

@@ -21,7 +21,8 @@ def indexer_loss(indexer: Indexer, lm: LoadedModel, item: Captured) -> torch.Ten
     """Mean over layers of the distillation KL on one chunk."""
     valid = _evictable(item)
     losses = []
-    for layer, ind, x, teacher in zip(lm.model.model.layers, indexer.layers, item.hidden, item.teacher, strict=True):
+    for layer, ind, x, teacher in zip(lm.model.model.layers, indexer.per_layer(), item.hidden, item.teacher,
+                                      strict=True):  # fmt: skip
         student = ind.importance(x.float(), ind.query_map(layer.self_attn.q_proj))
         losses.append(distill_loss(teacher, student, valid))
     return torch.stack(losses).mean()
@@ -36,7 +37,9 @@ def evaluate_indexer(indexer: Indexer, lm: LoadedModel, held: Sequence[Captured]
     generator = torch.Generator().manual_seed(0)
     for item in held:
         valid = _evictable(item)
-        for i, (layer, ind) in enumerate(zip(lm.model.model.layers, indexer.layers, strict=True)):
+        if item.snapkv is None:
+            raise ValueError("a held-out chunk without its SnapKV-like scores (teacher.capture(with_snapkv=True))")
+        for i, (layer, ind) in enumerate(zip(lm.model.model.layers, indexer.per_layer(), strict=True)):
             x = item.hidden[i].float()
             student = ind.importance(x, ind.query_map(layer.self_attn.q_proj))
             teacher = item.teacher[i]

@@ -119,7 +119,7 @@ def simulate_eviction(scorer: IndexerScorer, model, layer_idx: int, x: torch.Ten
 
 def memory_prediction(memory: MemoryWeights, layer: int, t: MemoryTargets, indexmem: IndexMemConfig) -> torch.Tensor:
     """What layer `layer`'s memory, written with the chunk's evicted entries, gives its readers `[q_heads, R, d]`."""
-    phi, gate = memory.phi[layer], memory.gate[layer]
+    phi, gate = memory.phi_of(layer), memory.gate_of(layer)
     eta = indexmem.write_strength
     if memory.readout == "mass":
         m, z, shift = _mass_state(memory, layer, t)
@@ -137,7 +137,7 @@ def _mass_state(memory: MemoryWeights, layer: int, t: MemoryTargets):
     device = t.keys[layer].device
     distance = (context - 1) - torch.arange(context, dtype=torch.float32, device=device)
     weight = t.evicted[layer].float() * torch.exp(-gamma * distance)
-    m, z = write_terms(memory.phi[layer], t.keys[layer].float(), t.values[layer].float(), weight, "mass")
+    m, z = write_terms(memory.phi_of(layer), t.keys[layer].float(), t.values[layer].float(), weight, "mass")
     ahead = torch.arange(1, readers + 1, dtype=torch.float32, device=device)[:, None]   # t - r for the readers
     return m, z, -gamma * ahead
 
@@ -153,7 +153,7 @@ def init_mass_scale(memory: MemoryWeights, targets: Sequence[MemoryTargets], ind
         for t in targets:
             _, z, shift = _mass_state(memory, layer, t)
             q = t.queries[layer].float().unflatten(0, (z.shape[0], -1))
-            mass = (features(memory.phi[layer], q, "mass") @ (indexmem.write_strength * z)[:, None, :, None])
+            mass = (features(memory.phi_of(layer), q, "mass") @ (indexmem.write_strength * z)[:, None, :, None])
             present = mass.flatten(0, 1) > MIN_MASS
             log_mass = mass.flatten(0, 1).clamp_min(MIN_MASS).log() + shift
             gaps.append((t.log_mass[layer] - log_mass)[present])
@@ -196,8 +196,8 @@ def close_gates(memory: MemoryWeights, layers: Sequence[int]) -> None:
     (kvchat.kv.latent skips those layers' writes and reads)."""
     with torch.no_grad():
         for layer in layers:
-            memory.gate[layer].weight.zero_()
-            memory.gate[layer].bias.fill_(CLOSED_GATE)
+            memory.gate_of(layer).weight.zero_()
+            memory.gate_of(layer).bias.fill_(CLOSED_GATE)
 
 
 @torch.no_grad()

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -41,11 +42,19 @@ from kvchat.training.memory_stage import (
 from kvchat.training.teacher import capture
 
 
-class TrainProgress:
-    """Hooks for a progress display; the default does nothing."""
+class TrainHooks(Protocol):
+    """What training tells a progress display (kvchat.cli.progress's, `TrainProgress`)."""
 
     def prepare(self, done: int, total: int) -> None:
         """Chunks run through the frozen model."""
+
+    def step(self, stage: str, done: int, total: int, loss: float) -> None: ...
+
+
+class TrainProgress:
+    """The `TrainHooks` that do nothing: the default."""
+
+    def prepare(self, done: int, total: int) -> None: ...
 
     def step(self, stage: str, done: int, total: int, loss: float) -> None: ...
 
@@ -79,7 +88,7 @@ def train(
     *,
     files: Sequence[Path] = (),
     indexmem: IndexMemConfig = IndexMemConfig(),
-    progress: TrainProgress | None = None,
+    progress: TrainHooks | None = None,
 ) -> TrainReport:
     """Train the stages `config.stage` asks for and write the weights file `out` (see the module docstring)."""
     if config.stage not in TRAIN_STAGES:

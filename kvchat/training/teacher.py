@@ -106,11 +106,10 @@ def layer_attention(model, layer_idx: int, hidden: torch.Tensor, rope: Rope, row
     recorder, entries = _LastView(rows), _Entries()
     module(hidden_states=hidden[None].to(dtype), position_embeddings=(cos, sin), attention_mask=None,
            past_key_values=entries, kvchat_recorder=recorder)
-    if recorder.view is None or entries.keys is None:
+    view, keys, values = recorder.view, entries.keys, entries.values
+    if view is None or view.scale is None or keys is None or values is None:
         raise RuntimeError("the model's attention is not kvchat's (kvchat.model.llm.load_model attaches it)")
-    view = recorder.view
-    return LayerAttention(view.queries.float(), entries.keys.float(), entries.values.float(), view.scale,
-                          view.softcap)
+    return LayerAttention(view.queries.float(), keys.float(), values.float(), view.scale, view.softcap)
 
 
 @dataclass

@@ -9,6 +9,7 @@ hidden messages or reasoning summaries. Times are the messages' create_time, in 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import TypeGuard
 
 from kvchat.history.formats.common import (
     ExportShape,
@@ -39,7 +40,7 @@ def _created(conv: dict) -> float | None:
     return float(t) if _is_number(t) else None
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < 1e11  # NaN fails too
 
 
@@ -105,7 +106,9 @@ def _turn(node: dict, where: str, title: str, source: str) -> Turn | None:
     role = author.get("role") if isinstance(author, dict) else None
     if not isinstance(role, str):
         raise refuse(source, f'{where} has no "author"."role" (expected "user", "assistant", "system" or "tool")')
-    metadata = message.get("metadata") if isinstance(message.get("metadata"), dict) else {}
+    metadata = message.get("metadata")
+    if not isinstance(metadata, dict):
+        metadata = {}
     hidden = metadata.get("is_visually_hidden_from_conversation") or metadata.get("is_user_system_message")
     if role not in _SHOWN_ROLES or hidden or message.get("recipient", "all") != "all":
         return None

@@ -80,9 +80,9 @@ def _text(message: dict, label: str, source: str) -> str:
         text = "\n".join(b.strip() for b in blocks if isinstance(b, str) and b.strip())
         if text or any(isinstance(b, dict) and b.get("type") != "text" for b in content):
             return text
-    text = message.get("text")
-    if text is None:
+    raw = message.get("text")
+    if raw is None:
         return ""
-    if not isinstance(text, str):
-        raise refuse(source, f'{label} has a "text" that is {type_name(text)} (expected a string)')
-    return text.strip()
+    if not isinstance(raw, str):
+        raise refuse(source, f'{label} has a "text" that is {type_name(raw)} (expected a string)')
+    return raw.strip()
