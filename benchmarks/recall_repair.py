@@ -8,8 +8,9 @@ reader: how much of prefilled recall's answer each keeps, what it costs at a que
 Histories: LoCoMo conversations, whole (every category 1-4 question with evidence; `--questions N` an evenly spread
 N of each), and `--synthetic N` generated planted-fact histories beyond the model's window (kvchat.eval.qa
 .planted_sets, seeds 0..N-1, 6 topics of 250 turns: about 19K tokens, a question per planted fact). Each history is
-ingested at kvchat's defaults (`--method recall`, budget 1024) once with its chunks prefilled, the reference, and once
-per variant with them stored (`--recall-entries stored`): `stored:kK` recomputes the first K tokens of each placed
+ingested at kvchat's defaults (`--method recall`, budget 1024) with its chunks prefilled, the reference, and per
+variant with them stored (`--recall-entries stored`; the variants' episode caches are the same, built once and
+written into each): `stored:kK` recomputes the first K tokens of each placed
 chunk at the question with everything placed before it in view (RecallConfig.repair, EPIC), `:fF` keeps F% of each
 chunk's entries (RecallConfig.kept; the budget then places about 100/F as many chunks). Every question is asked of
 each through `Session.ask` (the path `kvchat ask` answers by), the reference first, with a probe
@@ -29,6 +30,7 @@ import re
 import sys
 import time
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +40,16 @@ from _load import Load, checked  # benchmarks/ is on sys.path
 from kvchat.answer.session import Session
 from kvchat.config import AskConfig, CacheConfig, EvalConfig, IngestConfig, RecallConfig, default_home
 from kvchat.eval import memory_metrics
-from kvchat.eval.qa import QASet, load_locomo, planted_sets
+from kvchat.eval.qa import QASet, load_locomo, planted_sets, sample_questions
 from kvchat.eval.stats import bootstrap_interval, paired_difference
-from kvchat.ingest.pipeline import ingest
+from kvchat.ingest.pipeline import (
+    IngestReport,
+    build_episodes,
+    commit_ingest,
+    plan_ingest,
+    write_episode,
+    write_recall_entries,
+)
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import load_model, use_threads
 from kvchat.store import Store
@@ -68,6 +77,37 @@ def histories(paths: list[Path], synthetic: int) -> list[QASet]:
                    for i, s in enumerate(planted_sets(synthetic, **SYNTHETIC))]  # fmt: skip
 
 
+def ingest_variants(qa: QASet, configs: dict[str, IngestConfig], store: Store, lm, encoder) -> dict[str, IngestReport]:
+    """Each config's conversation of `qa` (by name) from one pass of the episode loop: recall's variants here differ
+    in their recall entries file only (their budgets split alike, checked), so every episode cache is built once and
+    written into each pending conversation, then each writes its own recall entries file. A report's seconds are the
+    episodes' and its own file's."""
+    if not configs:
+        return {}
+    plans = {name: plan_ingest(qa.turns, name=name, config=config, store=store, lm=lm, encoder=encoder,
+                               source=qa.name) for name, config in configs.items()}  # fmt: skip
+    first = next(iter(plans.values()))
+    if any(p.budgets != first.budgets or len(p.episodes) != len(first.episodes) for p in plans.values()):
+        raise SystemExit(f"{qa.name}: the variants' episode caches differ; ingest them one by one")
+    reports = {}
+    with ExitStack() as stack:
+        pendings = {name: stack.enter_context(store.begin(name)) for name in plans}
+        records: dict[str, list] = {name: [] for name in plans}
+        stats = []
+        clock = time.perf_counter()
+        for built in build_episodes(first, lm, scratch=pendings[first.name].scratch_dir):
+            for name, plan in plans.items():
+                records[name].append(write_episode(pendings[name], plan, built, lm))
+            stats.append(built.stats())
+        episodes = time.perf_counter() - clock
+        for name, plan in plans.items():
+            clock = time.perf_counter()
+            recall_file = write_recall_entries(pendings[name], plan, lm)
+            reports[name] = commit_ingest(pendings[name], plan, stats, records[name], lm,
+                                          episodes + time.perf_counter() - clock, recall_file)  # fmt: skip
+    return reports
+
+
 def run(sets: list[QASet], variants: list[str], questions: int | None, out: Path, home: Path, load: Load) -> list:
     records = [json.loads(line) for line in out.open()] if out.exists() else []
     done = {(r["set"], r["qid"], r["variant"]) for r in records if r["kind"] == "answer"}
@@ -85,23 +125,22 @@ def run(sets: list[QASet], variants: list[str], questions: int | None, out: Path
 
         note({"kind": "run", "date": str(dt.date.today()), "load": load.record()})
         for qa in sets:
-            asked = qa.questions if questions is None else [qa.questions[int(i * len(qa.questions) / questions)]
-                                                            for i in range(min(questions, len(qa.questions)))]
+            asked = sample_questions(qa.questions, questions)
             everything = [PREFILLED, *variants]
             if all((qa.name, q.qid, v) in done for q in asked for v in everything):
                 continue
+            names = {v: f"repair.{qa.name}.{v.replace(':', '-')}" for v in everything}
+            stored = {c.name for c in store.conversations()}
+            missing = {names[v]: IngestConfig(cache=dataclasses.replace(CacheConfig(method="recall"),
+                                                                        recall=recall_config(v)))
+                       for v in everything if names[v] not in stored}  # fmt: skip
+            for name, report in ingest_variants(qa, missing, store, lm, encoder).items():
+                note({"kind": "ingest", "set": qa.name, "variant": next(v for v in everything if names[v] == name),
+                      "seconds": report.seconds, "history_tokens": report.history_tokens,
+                      "recall_entries_bytes": report.recall_entries_bytes})  # fmt: skip
             sessions = {}
             for variant in everything:
-                name = f"repair.{qa.name}.{variant.replace(':', '-')}"
-                cache = dataclasses.replace(CacheConfig(method="recall"), recall=recall_config(variant))
-                if name not in {c.name for c in store.conversations()}:
-                    clock = time.perf_counter()
-                    report = ingest(qa.turns, name=name, config=IngestConfig(cache=cache), store=store, lm=lm,
-                                    encoder=encoder, source=qa.name)  # fmt: skip
-                    note({"kind": "ingest", "set": qa.name, "variant": variant, "seconds": round(
-                        time.perf_counter() - clock, 1), "history_tokens": report.history_tokens,
-                        "recall_entries_bytes": report.recall_entries_bytes})  # fmt: skip
-                sessions[variant] = Session(store, store.get(name), lm, encoder, config)
+                sessions[variant] = Session(store, store.get(names[variant]), lm, encoder, config)
                 sessions[variant].ask("How are you?", log=False)  # warm-up: the decode step, the files opened
             references = memory_metrics.References(lm, qa, IngestConfig().system_prompt, config.question_template)
             print(f"{qa.name}: {len(asked)} questions x {len(everything)}", file=sys.stderr, flush=True)
