@@ -9,6 +9,7 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/docu
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from kvchat.settings import from_settings, upgraded
@@ -16,8 +17,31 @@ from kvchat.settings import from_settings, upgraded
 SCHEMA = 1
 
 
+# The fields that hold kvchat's own messages, whose references to settings, options and commands (kvchat.messages)
+# each front end spells: never user data (a question, an answer, a name), which is left as it is.
+MESSAGE_FIELDS = frozenset({"notes", "error", "message", "sources_note", "fixed"})
+
+
 def document(**fields: Any) -> dict[str, Any]:
     return {"schema": SCHEMA, **fields}
+
+
+def spelled(value: Any, spell: Callable[[str], str]) -> Any:
+    """`value` (a document, or any part of one) with the messages in its `MESSAGE_FIELDS` spelt by `spell`."""
+    if isinstance(value, dict):
+        return {key: _messages(item, spell) if key in MESSAGE_FIELDS else spelled(item, spell)
+                for key, item in value.items()}  # fmt: skip
+    if isinstance(value, list):
+        return [spelled(item, spell) for item in value]
+    return value
+
+
+def _messages(value: Any, spell: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return spell(value)
+    if isinstance(value, list):
+        return [_messages(item, spell) for item in value]
+    return spelled(value, spell)
 
 
 def ingest(report) -> dict[str, Any]:

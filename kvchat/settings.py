@@ -1,5 +1,6 @@
 """A conversation's saved ingest settings, both ways: the `IngestConfig` that built it <-> the flat dict the store
-keeps with it, `--setting KEY=VALUE`, and the command line that builds it again. All of it is read off the rows of
+keeps with it, `KEY=VALUE` pairs (`kvchat ingest --setting`), and the command that builds it again (a
+kvchat.messages reference, which the CLI writes as a command line). All of it is read off the rows of
 kvchat.settings_table; nothing here names a setting.
 
 The store keeps the *resolved* settings (what ran: `auto` positions and layer budgets replaced by the choice made,
@@ -10,14 +11,13 @@ value where that kvchat built with something else than today's default, else the
 
 from __future__ import annotations
 
-import json
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvchat import features
 from kvchat.config import IngestConfig
 from kvchat.errors import UserError
+from kvchat.messages import command, option
 from kvchat.settings_table import BY_KEY, NOTHING, SETTINGS, Setting
 
 
@@ -77,7 +77,7 @@ def with_settings(config: IngestConfig, pairs: Sequence[str]) -> IngestConfig:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or key not in BY_KEY:
-            raise UserError(f"--setting {pair!r}: expected KEY=VALUE with KEY one of "
+            raise UserError(f"{option('setting')} {pair!r}: expected KEY=VALUE with KEY one of "
                             f"{', '.join(row.key for row in SETTINGS)}")
         row = BY_KEY[key]
         config = row.set(config, row.parse(raw))
@@ -94,58 +94,33 @@ def stored_read(settings: Mapping[str, Any], path: str | None) -> dict[str, str]
     return dict((settings.get("reads") or {}).get(path) or {})
 
 
-def setting_words(config: IngestConfig) -> list[str]:
-    """The `kvchat ingest` arguments that give `config`'s saved settings: each one in use whose value is not its
-    default, by its option if its row has one, else as `--setting KEY=VALUE`."""
-    words, default = [], IngestConfig()
-    for row in saved_rows(config):
-        value = row.get(config)
-        if not _in_use(row, config) or value == row.get(default):
-            continue
-        if row.option is None:
-            words += ["--setting", f"{row.key}={_bare(value)}"]
-        elif isinstance(value, bool):
-            words.append(row.option if value else f"--no-{row.option.removeprefix('--')}")
-        else:
-            words += [row.option, str(value)]
-    return words
-
-
-def _bare(value: Any) -> str:
-    """`value` as `--setting` reads it back: a printable string bare where it reads as no other JSON value, else
-    JSON (so a command stays on one line)."""
-    if isinstance(value, str) and value.isprintable():
-        try:
-            json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return json.dumps(value)
+def changed_settings(config: IngestConfig) -> dict[str, Any]:
+    """`config`'s saved settings that an ingest must be given: each one in use whose value is not its default."""
+    default = IngestConfig()
+    return {row.key: row.get(config) for row in saved_rows(config)
+            if _in_use(row, config) and row.get(config) != row.get(default)}  # fmt: skip
 
 
 def rebuild_command(name: str, model: str, settings: Mapping[str, Any], *, replace: bool = False) -> str:
-    """`kvchat ingest SOURCE --name NAME ...` with every setting the conversation was built with, then an `--append`
-    for each history appended to it."""
-    words = ["kvchat", "ingest", settings.get("source") or "HISTORY", "--name", name,
-             *_read_words(settings, settings.get("source"))]  # fmt: skip
+    """The commands that build the conversation again, as kvchat.messages references joined by ` && `: an ingest of
+    its source named `name` with every setting it was built with (the CLI: `kvchat ingest SOURCE --name NAME ...`),
+    then one appending each history appended to it."""
+    source = settings.get("source") or "HISTORY"
+    options: dict[str, Any] = {"name": name, **stored_read(settings, settings.get("source"))}
     if model != "default":
-        words += ["--model", model]
-    words += setting_words(from_settings(settings, model))
+        options["model"] = model
+    options |= changed_settings(from_settings(settings, model))
     if replace:
-        words.append("--replace")
-    appends = [shlex.join(["kvchat", "ingest", p, "--name", name, "--append", *_read_words(settings, p)])
-               for p in settings.get("appended", [])]
-    return " && ".join([shlex.join(words), *appends])
-
-
-def _read_words(settings: Mapping[str, Any], path: str | None) -> list[str]:
-    """`--format F --pick P` as history `path` was read."""
-    return [word for key, value in stored_read(settings, path).items() for word in (f"--{key}", str(value))]
+        options["replace"] = True
+    appends = [command("ingest", path, name=name, append=True, **stored_read(settings, path))
+               for path in settings.get("appended", [])]
+    return " && ".join([command("ingest", source, **options), *appends])
 
 
 def differing_options(given: IngestConfig, settings: Mapping[str, Any], model: str) -> list[str]:
-    """The settings an `--append` gave (those not at their defaults) whose values differ from the conversation's
-    stored `settings`, each as the user gives it (`--budget 128 (built with 64)`, `--setting recall_share=0.75
-    (built with 0.5)`): a setting equal to the stored one is no conflict."""
+    """The settings an append gave (those not at their defaults) whose values differ from the conversation's
+    stored `settings`, each a reference with what it was built with (the CLI: `--budget 128 (built with 64)`,
+    `--setting recall_share=0.75 (built with 0.5)`): a setting equal to the stored one is no conflict."""
     default, stored = IngestConfig(model=given.model), from_settings(settings, model)
     differing = []
     for row in SETTINGS:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvchat import messages
 from kvchat.config import (
     CACHE_PRECISIONS,
     HEAD_BUDGETS,
@@ -92,13 +93,12 @@ class Setting:
 
     @property
     def named(self) -> str:
-        """How a user gives it: its option, or `--setting KEY`."""
-        return self.option or f"--setting {self.key}"
+        """A message's reference to it (kvchat.messages; the CLI writes its option, or `--setting KEY`)."""
+        return messages.setting(self.key)
 
     def given(self, value: Any) -> str:
-        """How a user gives it `value`: `--budget 64`, `--setting block_size=32`."""
-        shown = value if isinstance(value, str) else json.dumps(value)
-        return f"{self.option} {shown}" if self.option else f"--setting {self.key}={shown}"
+        """A message's reference to it given `value` (the CLI: `--budget 64`, `--setting block_size=32`)."""
+        return messages.setting(self.key, value)
 
     def parse(self, raw: str) -> Any:
         """`raw` (JSON, or else a plain string) as a value of this setting's type; UserError otherwise."""
@@ -115,7 +115,7 @@ class Setting:
         if not any(isinstance(value, kind) and (kind is bool) == isinstance(value, bool)
                    for kind in kinds if isinstance(kind, type)):  # fmt: skip
             names = " or ".join(k.__name__ for k in kinds if k is not type(None))
-            raise UserError(f"--setting {self.key}: expected {names}, got {raw!r}")
+            raise UserError(f"{messages.option('setting')} {self.key}: expected {names}, got {raw!r}")
         return value
 
     def check(self, value: Any) -> None:
@@ -303,12 +303,12 @@ def setting(key: str) -> Setting:
 
 
 def named(key: str) -> str:
-    """How a user gives setting `key`: `--budget`, `--setting block_size`."""
+    """A message's reference to setting `key` (the CLI: `--budget`, `--setting block_size`); KeyError for no key."""
     return BY_KEY[key].named
 
 
 def given(key: str, value: Any) -> str:
-    """How a user gives setting `key` the value `value`: `--budget 64`, `--setting block_size=32`."""
+    """A message's reference to setting `key` given `value` (the CLI: `--budget 64`, `--setting block_size=32`)."""
     return BY_KEY[key].given(value)
 
 

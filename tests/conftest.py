@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
@@ -193,3 +194,15 @@ def centroid(*values: float) -> list[float]:
     from kvchat.model.encoder import embedding_dimension
 
     return [*values, *[0.0] * ((embedding_dimension() or 384) - len(values))]
+
+
+@contextlib.contextmanager
+def raises_said(kind: type[BaseException], match: str):
+    """`pytest.raises(kind, match=match)`, matching the message as the CLI says it (its references to settings,
+    options and commands spelled: `--budget 64`, `kvchat list`), not as `str()` shows it."""
+    from kvchat.cli.words import error_text
+
+    with pytest.raises(kind) as info:
+        yield info
+    said = error_text(info.value)
+    assert re.search(match, said), f"{match!r} not in {said!r}"

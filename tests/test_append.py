@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 import torch
 from cli_helpers import run_main
+from conftest import raises_said
 
 from kvchat import store as store_module
+from kvchat.cli.words import spell
 from kvchat.config import DEFAULT_EPISODES, CacheConfig, EpisodeConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history.episodes import Episode
@@ -153,7 +155,7 @@ def test_cli_append_and_its_refusals(tmp_path, halves, tiny_model_dir):
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["turns"] == 48
     settings = Store(home).get("chat").settings
-    command = store_module._reingest_command(Store(home).get("chat"))
+    command = spell(store_module._reingest_command(Store(home).get("chat")))
     first_part, then = command.split(" && ")
     assert shlex.split(then) == ["kvchat", "ingest", str(second.resolve()), "--name", "chat", "--append"]
     assert shlex.split(first_part)[2] == settings["source"] == str(first.resolve())
@@ -184,7 +186,7 @@ def test_append_refuses_a_conversation_of_another_model(tmp_path, halves, tiny_l
     config = IngestConfig(cache=CacheConfig(budget=64, block_size=32), episodes=EpisodeConfig(episodes=2))
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
     other = replace(tiny_lm, fingerprint="another model")
-    with pytest.raises(Exception, match="append with --model"):
+    with raises_said(Exception, "append with --model"):
         append(second, name="chat", store=store, lm=other, encoder=encoder)
 
 
@@ -239,7 +241,7 @@ def test_append_refuses_a_full_kv_offload_conversation(tmp_path, halves, tiny_lm
                           episodes=EpisodeConfig(episodes=2, patched_prompt_tokens=48))  # fmt: skip
     store = Store(tmp_path)
     ingest(first, name="chat", config=config, store=store, lm=tiny_lm, encoder=encoder)
-    with pytest.raises(UserError, match="--append --reingest"):
+    with raises_said(UserError, "--append --reingest"):
         append(second, name="chat", store=store, lm=tiny_lm, encoder=encoder)
 
 
@@ -275,4 +277,4 @@ def test_appending_the_same_file_twice_says_so(tmp_path, halves, tiny_model_dir)
 def test_an_append_names_a_count_the_conversation_was_built_without():
     stored = to_settings(IngestConfig(), source="h.json")
     given = IngestConfig(episodes=EpisodeConfig(episodes=2))
-    assert differing_options(given, stored, "default") == ["--episodes 2 (built without it)"]
+    assert [spell(d) for d in differing_options(given, stored, "default")] == ["--episodes 2 (built without it)"]

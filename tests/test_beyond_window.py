@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model, tiny_tokenizer
+from conftest import raises_said, random_ids, tiny_model, tiny_tokenizer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kvchat.answer.session import Session
 from kvchat.answer.sources import quote
+from kvchat.cli.words import spell
 from kvchat.config import (
     AskConfig,
     CacheConfig,
@@ -238,7 +239,7 @@ def test_full_kv_beyond_the_window_is_refused_unless_it_offloads(histories, shor
     from kvchat.ingest.plan import plan_ingest
 
     store = Store(tmp_path)
-    with pytest.raises(UserError, match="--method full keeps every entry at its own position"):
+    with raises_said(UserError, "--method full keeps every entry at its own position"):
         plan_ingest(histories["whole"], name="f", config=_config(method="full"), store=store, lm=short_lm,
                     encoder=encoder)  # fmt: skip
     paged = plan_ingest(histories["whole"], name="f", config=_config(method="full", offload=OFFLOAD), store=store,
@@ -291,7 +292,7 @@ def test_a_compacted_cache_stored_without_its_origins_says_why_it_has_no_sources
     answer = Session(store, store.get("old"), short_lm, encoder, AskConfig(max_new_tokens=2)).ask(
         "Which gate does the flight leave from?", sources=True, log=False)
     assert answer.sources is None and "re-rotated to compact positions before kvchat kept" in answer.sources_note
-    assert "kvchat ingest" in answer.sources_note and "--replace" in answer.sources_note
+    assert "kvchat ingest" in spell(answer.sources_note) and "--replace" in spell(answer.sources_note)
     append(histories["start"], name="old", store=store, lm=short_lm, encoder=encoder)
     for episode in store.get("old").episodes:
         assert codec.decode(*store.load_episode(episode, short_lm.fingerprint))[1].next_origin is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from cli_helpers import run_main
-from conftest import random_ids, tiny_model, with_kvchat_attention
+from conftest import raises_said, random_ids, tiny_model, with_kvchat_attention
 from safetensors import safe_open
 
 from kvchat.config import DeviceConfig
@@ -49,7 +49,7 @@ def test_auto_is_cuda_bfloat16_with_a_gpu_else_cpu_float32():
     (DeviceConfig("tpu"), "unknown --device 'tpu'"),
 ])
 def test_what_this_machine_cannot_do_is_refused(config, fragment):
-    with pytest.raises(UserError, match=fragment) as info:
+    with raises_said(UserError, fragment) as info:
         resolve(config, cuda_available=False)
     assert "\n" not in str(info.value)
 
@@ -120,7 +120,7 @@ def test_quantized_weights_elsewhere_than_on_the_cpu_are_refused_naming_what_to_
     from kvchat.model.device import Placement
     from kvchat.model.llm import load_model
 
-    with pytest.raises(UserError, match=r"^--weights int4 runs on the CPU .*, not on meta: add --device cpu, or use "
+    with raises_said(UserError, r"^--weights int4 runs on the CPU .*, not on meta: add --device cpu, or use "
                                         r"--weights float$"):
         load_model(str(tiny_model_dir), tmp_path, placement=Placement(torch.device("meta"), torch.float32),
                    weights="int4")
@@ -363,7 +363,7 @@ def test_a_failed_cuda_initialisation_is_no_python_warning_and_is_named_when_cud
     with warnings.catch_warnings(record=True) as escaped:
         warnings.simplefilter("always")
         assert resolve(DeviceConfig()).describe() == "cpu float32"
-        with pytest.raises(UserError, match=r"no CUDA GPU here \(torch .*: CUDA initialization: Unexpected error from "
-                                             r"cudaGetDeviceCount\(\)\); use --device cpu or auto$"):
+        with raises_said(UserError, r"no CUDA GPU here \(torch .*: CUDA initialization: Unexpected error from "
+                                    r"cudaGetDeviceCount\(\)\); use --device cpu or auto$"):
             resolve(DeviceConfig("cuda"))
     assert escaped == []

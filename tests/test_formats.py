@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 from kvchat.history.formats.common import EXAMPLES
 from kvchat.history.loading import FORMAT_NAMES, Turn, format_turns, load_history, parse_history
@@ -24,8 +25,8 @@ FINETUNE = GOOD / "finetune.jsonl"
 
 
 def _refusal(exc: pytest.ExceptionInfo[UserError]) -> str:
-    """The message, checked to be one line naming every format and the README's examples."""
-    text = str(exc.value)
+    """The message as the CLI says it, checked to be one line naming every format and the README's examples."""
+    text = error_text(exc.value)
     assert text.splitlines() == [text], f"not one line: {text!r}"
     for name in ("OpenAI messages list", "JSONL", "fine-tune", "ChatGPT", "Claude", '"Name: text" transcript',
                  "LoCoMo", "LongMemEval", EXAMPLES):
@@ -34,7 +35,7 @@ def _refusal(exc: pytest.ExceptionInfo[UserError]) -> str:
 
 
 def _one_line(exc: pytest.ExceptionInfo[UserError]) -> str:
-    text = str(exc.value)
+    text = error_text(exc.value)
     assert text.splitlines() == [text], f"not one line: {text!r}"
     return text
 

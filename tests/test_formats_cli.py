@@ -48,8 +48,9 @@ def test_append_reingest_reads_a_picked_history_as_it_was_read(tmp_path, tiny_mo
     assert settings["reads"] == {str(GOOD.resolve() / "chatgpt_export.json"): {"pick": "Tomato plants"},
                                  str(more.resolve()): {"format": "transcript"}}
 
+    from kvchat.cli.words import spell
     from kvchat.settings import rebuild_command
 
-    command = rebuild_command("tomato", "default", settings)
+    command = spell(rebuild_command("tomato", "default", settings))
     assert "--pick 'Tomato plants'" in command and "--append --format transcript" in command
 

@@ -8,8 +8,10 @@ import shlex
 
 import pytest
 import torch
+from conftest import raises_said
 from conftest import random_ids as _ids
 
+from kvchat.cli.words import spell
 from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
@@ -215,7 +217,7 @@ def test_settings_of_an_older_store_take_the_defaults():
 
 def test_the_rebuild_command_replaces_when_asked():
     settings = to_settings(RESOLVED[0], source="/h/my chat.json")
-    words = shlex.split(rebuild_command("chat", "m", settings, replace=True))
+    words = shlex.split(spell(rebuild_command("chat", "m", settings, replace=True)))
     assert words[:5] == ["kvchat", "ingest", "/h/my chat.json", "--name", "chat"] and words[-1] == "--replace"
     assert words[words.index("alpha=1.3") - 1] == "--setting"
 
@@ -241,7 +243,7 @@ def test_the_rebuild_command_builds_the_same_settings_through_the_cli(config, tm
 
     config = dataclasses.replace(config, model=str(tiny_model_dir))
     settings = to_settings(config, source=str(history))
-    command = rebuild_command("chat", config.model, settings)
+    command = spell(rebuild_command("chat", config.model, settings))
     assert "--setting" in command
     done = run_main(tmp_path, *shlex.split(command)[1:])
     assert done.returncode == 0, done.stderr
@@ -254,7 +256,7 @@ def test_a_setting_of_the_wrong_kind_or_name_is_a_user_error():
 
     assert with_settings(IngestConfig(), ["page_scorer=centroid", "cake_gamma=3"]).cache.offload.scorer == "centroid"
     for pair in ("no_such_key=1", "budget", "budget=\"many\"", "source=\"x\""):
-        with pytest.raises(UserError, match="--setting"):
+        with raises_said(UserError, "--setting"):
             with_settings(IngestConfig(), [pair])
 
 

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_main
+from conftest import raises_said
 
 from kvchat import store as store_module
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 from kvchat.history.synthetic import planted_conversation
 from kvchat.ingest import preflight
@@ -139,9 +141,9 @@ def test_model_shape_of_the_tiny_model(tiny_lm):
 def test_check_fits():
     check_fits(10**9, resident=10**8, available=None)  # unknown: not checked
     check_fits(10**9, resident=10**8, available=9 * 10**8)  # the loaded model is already counted
-    with pytest.raises(UserError, match=r"estimated 0\.93 GiB .* only 1\.0 MiB is available: lower --budget") as info:
+    with raises_said(UserError, r"estimated 0\.93 GiB .* only 1\.0 MiB is available: lower --budget") as info:
         check_fits(10**9, resident=10**8, available=2**20)
-    assert "--force" in str(info.value) and "\n" not in str(info.value)
+    assert "--force" in error_text(info.value) and "\n" not in str(info.value)
 
 
 def test_available_bytes_reads_this_machine():

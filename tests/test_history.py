@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 from kvchat.history.formats import common
 from kvchat.history.loading import MAX_FILE_BYTES, MAX_TURNS, Turn, format_turns, load_history, parse_history
@@ -25,7 +26,7 @@ TWO = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hell
 
 
 def _message(exc: pytest.ExceptionInfo[UserError]) -> str:
-    text = str(exc.value)
+    text = error_text(exc.value)
     assert text.splitlines() == [text], f"not one line: {text!r}"
     return text
 

@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import raises_said, tiny_model
 from memory_helpers import logits_with_shut_and_without_memory
 
 from kvchat.answer.session import Session
+from kvchat.cli.words import spell
 from kvchat.config import CacheConfig, EpisodeConfig, IndexMemConfig, IngestConfig, TrainConfig
 from kvchat.errors import UserError
 from kvchat.history.synthetic import planted_conversation
@@ -356,7 +357,7 @@ def test_no_memory_and_adaptive_heads(trained_home, tiny_lm, encoder, history):
 def _rebuild(record) -> str:
     from kvchat.settings import rebuild_command
 
-    return rebuild_command(record.name, record.model, record.settings)
+    return spell(rebuild_command(record.name, record.model, record.settings))
 
 
 def test_weights_of_other_model_weights_are_refused_naming_the_train_command(trained_home, tiny_lm, encoder,
@@ -393,7 +394,7 @@ def test_an_indexmem_conversation_is_not_appended_to_but_reingested(trained_home
     from kvchat.ingest.append import append
 
     store = _ingest(trained_home, tiny_lm, encoder, history, "grow")
-    with pytest.raises(UserError, match="--append --reingest"):
+    with raises_said(UserError, "--append --reingest"):
         append(history, name="grow", store=store, lm=tiny_lm, encoder=encoder)
 
 

@@ -9,13 +9,14 @@ import json
 import pytest
 import torch
 from cli_helpers import run_main
-from conftest import centroid
+from conftest import centroid, raises_said
 from conftest import random_ids as _ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvchat import store as store_module
 from kvchat.answer.session import Session
+from kvchat.cli.words import spell
 from kvchat.config import CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig
 from kvchat.errors import UserError
 from kvchat.history.synthetic import planted_conversation
@@ -367,11 +368,11 @@ def test_append_to_a_quantized_conversation_continues_in_full_precision_and_quan
 
 @PRECISIONS
 def test_quantized_with_offload_is_refused_in_one_line(precision):
-    with pytest.raises(UserError, match=f"--cache-precision {precision} does not combine with --offload icecache"):
+    with raises_said(UserError, f"--cache-precision {precision} does not combine with --offload icecache"):
         validate(_config(precision=precision, offload=OffloadConfig(mode="icecache")))
-    with pytest.raises(UserError, match="unknown --cache-precision"):
+    with raises_said(UserError, "unknown --cache-precision"):
         validate(_config(precision="int2"))
-    with pytest.raises(UserError, match="--setting quant_group_4bit must be >= 1"):
+    with raises_said(UserError, "--setting quant_group_4bit must be >= 1"):
         validate(_config(precision=precision, quant_group_4bit=0))
 
 
@@ -386,10 +387,10 @@ def test_settings_round_trip_and_rebuild_command(precision):
     other = {"quant_group": CacheConfig.quant_group} if precision == "int4" else {
         "quant_group_4bit": CacheConfig.quant_group_4bit}  # fmt: skip
     assert back.cache == dataclasses.replace(config.cache, **other)
-    assert f"--cache-precision {precision}" in rebuild_command("c", "default", stored)
+    assert f"--cache-precision {precision}" in spell(rebuild_command("c", "default", stored))
     plain = to_settings(_config(), source="/h.json")
     assert plain["cache_precision"] == "full" and "quant_group" not in plain
-    assert "--cache-precision" not in rebuild_command("c", "default", plain)
+    assert "--cache-precision" not in spell(rebuild_command("c", "default", plain))
     older = {k: v for k, v in plain.items() if k != "cache_precision"}  # a store from before the option
     assert from_settings(older).cache.precision == "full"
     # a full-precision conversation stores no 8-bit settings: they come back as the defaults

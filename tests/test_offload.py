@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import raises_said
 from conftest import random_ids as _ids
 from torch.nn.utils.rnn import pad_sequence
 
 from kvchat.answer.session import Session
+from kvchat.cli.words import spell
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, OffloadConfig, PagingConfig
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.ingest.pipeline import ingest
@@ -265,7 +267,7 @@ def test_offload_settings_round_trip_and_rebuild(tmp_path):
         mode="icecache", retrieve=96, recent=16, candidates=8, paging=PagingConfig(page_size=8))))  # fmt: skip
     settings = to_settings(config, source="h.json")
     assert from_settings(settings).cache.offload == config.cache.offload
-    command = rebuild_command("c", "default", settings)
+    command = spell(rebuild_command("c", "default", settings))
     assert "--offload icecache --retrieve 96" in command
     assert "--setting offload_recent=16" in command and "--setting page_size=8" in command
     assert from_settings({}).cache.offload.mode == "none"  # stores from before --offload
@@ -288,7 +290,7 @@ def test_bad_offload_settings_are_user_errors(tmp_path, history, tiny_lm, encode
     if message is None:
         _ingest(Store(tmp_path), history, tiny_lm, encoder, config)  # one-entry pages are fine
         return
-    with pytest.raises(UserError, match=message):
+    with raises_said(UserError, message):
         _ingest(Store(tmp_path), history, tiny_lm, encoder, config)
 
 
@@ -308,8 +310,8 @@ def test_a_damaged_or_missing_pages_file_is_refused_with_the_rebuild_command(
         path.write_bytes(bytes(data[: len(data) // 2]))
     else:
         path.unlink()
-    with pytest.raises(CacheIntegrityError, match=r"pages file of conversation 'conv' episode 0 .*rebuild with "
-                                                  r"`kvchat ingest .* --offload icecache"):  # fmt: skip
+    with raises_said(CacheIntegrityError, r"pages file of conversation 'conv' episode 0 .*rebuild with "
+                                          r"`kvchat ingest .* --offload icecache"):  # fmt: skip
         Session(store, record, tiny_lm, encoder).ask("anything?", episode=0)
     problems = store.check()
     assert [(p.conversation, p.episode, p.path) for p in problems] == [("conv", 0, path)]
@@ -340,8 +342,8 @@ def test_a_pages_file_truncated_while_a_session_reads_it_ends_the_answer_with_a_
 
     def truncated_between_questions(home: Path) -> None:
         os.truncate(path, header_end)  # every entry's bytes are gone; the header read at open is not
-        with pytest.raises(CacheIntegrityError, match=r"^pages file of conversation 'conv' episode 0 was truncated "
-                                                      r"while this session was reading it; rebuild with `kvchat "):
+        with raises_said(CacheIntegrityError, r"^pages file of conversation 'conv' episode 0 was truncated "
+                                              r"while this session was reading it; rebuild with `kvchat "):
             session.ask("Where did Alice go?", episode=0, log=False)
         with pytest.raises(CacheIntegrityError, match=r"pages file of conversation 'conv' episode 0 .*rebuild with"):
             session.ask("And then?", episode=0, log=False)

@@ -9,6 +9,7 @@ import subprocess
 import pytest
 import torch
 from cli_helpers import KVCHAT, cli_env, run_main
+from conftest import raises_said
 
 from kvchat.errors import UserError
 from kvchat.model.llm import generate
@@ -44,7 +45,7 @@ def test_logs_count_past_sqlites_integers_is_refused(tmp_path):
 
 def test_an_answer_longer_than_the_models_context_is_refused_before_anything_is_reserved(tiny_lm):
     context = tiny_lm.model.config.max_position_embeddings
-    with pytest.raises(UserError, match=f"--max-new-tokens must be within 1..{context}"):
+    with raises_said(UserError, f"--max-new-tokens must be within 1..{context}"):
         next(generate(tiny_lm, None, torch.zeros(1, 1, dtype=torch.long), 10**9))
 
 

@@ -8,7 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
-from conftest import with_kvchat_attention
+from conftest import raises_said, with_kvchat_attention
 from transformers import AutoModelForCausalLM
 
 from kvchat.answer.session import Session
@@ -163,7 +163,7 @@ def test_cake_layer_budgets_ingest_and_answer(tmp_path, history, tiny_lm, encode
 )
 def test_bad_settings_are_user_errors_and_write_nothing(tmp_path, history, tiny_lm, encoder, config, message):
     store = Store(tmp_path)
-    with pytest.raises(UserError, match=message):
+    with raises_said(UserError, message):
         _ingest(store, history, tiny_lm, encoder, config=config)
     assert store.conversations() == []
 
@@ -178,14 +178,14 @@ def test_default_episodes_are_what_the_history_holds_and_a_given_count_is_not_lo
     assert store.get("conv").settings["episodes"] is None  # counted from the history again at a re-ingest
     assert any("3 episodes, not 4: the history has 3 segments of 4 turns" in note for note in report.notes)
     given = replace(SMALL, episodes=replace(SMALL.episodes, episodes=4))
-    with pytest.raises(UserError, match="--episodes 4 is more than the history's 3 segments .* at most 3"):
+    with raises_said(UserError, "--episodes 4 is more than the history's 3 segments .* at most 3"):
         _ingest(store, turns, tiny_lm, encoder, config=given, name="given")
 
 
 def test_reingest_needs_replace(tmp_path, history, tiny_lm, encoder):
     store = Store(tmp_path)
     _ingest(store, history, tiny_lm, encoder)
-    with pytest.raises(UserError, match="--replace"):
+    with raises_said(UserError, "--replace"):
         _ingest(store, history, tiny_lm, encoder)
     _ingest(store, history, tiny_lm, encoder, replace=True)
     assert [c.name for c in store.conversations()] == ["conv"]

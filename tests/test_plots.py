@@ -50,7 +50,8 @@ def test_a_report_of_one_budget_and_zero_f1_states_its_settings_and_stays_readab
     rows = [_scored("full", "full", None, 0.0), _scored("epicache@256", "epicache", 256, 0.0),
             _scored("snapkv@256", "snapkv", 256, 0.0)]
     ran = report.settings(EvalConfig(budgets=(256,), questions=3), IngestConfig(), model="tiny")
-    report.write(tmp_path / "r.md", rows, spec="tiny", sets=["synthetic-0"], synthetic=True, settings=ran)
+    report.write(tmp_path / "r.md", rows, title="kvchat eval (tiny)", sets=["synthetic-0"], synthetic=True,
+                 settings=ran)
     (fig,) = figures
     f1, agreement = fig.axes
     assert [bar.get_height() for bar in f1.patches] == [0.0, 0.0]

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import raises_said
 from conftest import random_ids as _ids
 
 from kvchat.answer.session import Session
@@ -74,5 +75,5 @@ def test_auto_picks_full_inside_the_window_and_memory_and_block_otherwise(tmp_pa
     cake = dataclasses.replace(CONFIG, cache=dataclasses.replace(CONFIG.cache, layer_budgets="cake"))
     assert plan_ingest(history, name="c", config=cake, store=store, lm=tiny_lm, encoder=encoder).prefill == "block"
     forced = dataclasses.replace(cake, cache=dataclasses.replace(cake.cache, prefill="full"))
-    with pytest.raises(UserError, match="--setting prefill=full cannot run: cake layer budgets"):
+    with raises_said(UserError, "--setting prefill=full cannot run: cake layer budgets"):
         plan_ingest(history, name="c", config=forced, store=store, lm=tiny_lm, encoder=encoder)

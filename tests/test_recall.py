@@ -12,6 +12,7 @@ import torch
 from kvchat.answer import recall
 from kvchat.answer.rag import RagIndex
 from kvchat.answer.session import Session
+from kvchat.cli.words import spell
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import UserError
 from kvchat.eval.qa import planted_sets
@@ -53,7 +54,7 @@ def test_auto_recalls_beyond_the_window_and_stays_epicache_within(stored, short_
     assert within.config.cache.method == "epicache" and within.recall is None
     settings = store.get("long").settings
     assert settings["method"] == "recall" and from_settings(settings).cache.recall.chunk_tokens == 16
-    assert "--method recall" in rebuild_command("long", "default", settings)
+    assert "--method recall" in spell(rebuild_command("long", "default", settings))
 
 
 def test_every_episode_cache_keeps_the_budget_less_the_recalled_chunks(stored, short_lm):
@@ -119,8 +120,8 @@ def test_chunks_are_ranked_by_the_retrieval_the_conversation_was_built_with(stor
     assert recall.split(from_settings(settings).cache).retrieval == "lexical"
     dense = {k: v for k, v in settings.items() if k != "recall_retrieval"}  # a store written before lexical ranking
     assert recall.split(from_settings(dense).cache).retrieval == "dense"
-    assert "recall_retrieval" not in rebuild_command("long", "default", settings)  # the default
-    assert "--setting recall_retrieval=dense" in rebuild_command("long", "default", dense)
+    assert "recall_retrieval" not in spell(rebuild_command("long", "default", settings))  # the default
+    assert "--setting recall_retrieval=dense" in spell(rebuild_command("long", "default", dense))
 
 
 def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):

@@ -9,11 +9,13 @@ import json
 
 import pytest
 import torch
+from conftest import raises_said
 
 from kvchat.answer import recall, recall_entries
 from kvchat.answer.rag import Chunk
 from kvchat.answer.recall_entries import StoredEntries
 from kvchat.answer.session import Session
+from kvchat.cli.words import spell
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.eval.qa import planted_sets
@@ -261,8 +263,8 @@ def test_ingest_stores_every_chunks_entries_in_the_conversations_recall_entries_
     assert entries.tokens == [t.shape[-1] for t in recall_entries.chunk_ids(short_lm, index.chunks)]
     assert (entries.bits, entries.group) == (RecallConfig.stored_bits, RecallConfig.stored_group)
     assert stored.settings["recall_entries"] == "stored"
-    assert "--recall-entries stored" in rebuild_command("stored", "default", stored.settings)
-    assert "--recall-entries" not in rebuild_command("prefilled", "default", prefilled.settings)
+    assert "--recall-entries stored" in spell(rebuild_command("stored", "default", stored.settings))
+    assert "--recall-entries" not in spell(rebuild_command("prefilled", "default", prefilled.settings))
 
 
 def test_a_question_places_its_chunks_entries_and_prefills_only_itself(both, short_lm, encoder):
@@ -303,7 +305,7 @@ def test_a_file_holding_other_chunks_is_refused_with_the_rebuild_command(both, s
     store, _ = both
     session = Session(store, store.get("stored"), short_lm, encoder, AskConfig(max_new_tokens=1))
     session.layout = dataclasses.replace(session.layout, before_conversation="another system prompt")
-    with pytest.raises(CacheIntegrityError, match="recall entries file .* other chunks .*--recall-entries stored"):
+    with raises_said(CacheIntegrityError, "recall entries file .* other chunks .*--recall-entries stored"):
         session.ask(QA.questions[0].text, log=False)
 
 
@@ -330,13 +332,13 @@ def test_an_append_copies_the_stored_chunks_entries_and_adds_the_new_ones(short_
 
 
 def test_stored_entries_need_a_method_that_recalls(short_lm, encoder, tmp_path):
-    with pytest.raises(UserError, match="--recall-entries stored needs --method recall"):
+    with raises_said(UserError, "--recall-entries stored needs --method recall"):
         plan_ingest(QA.turns, name="x", config=config("stored", method="snapkv"), store=Store(tmp_path),
                     lm=short_lm, encoder=encoder)  # fmt: skip
     within = plan_ingest(QA.turns[:40], name="x", config=config("stored"), store=Store(tmp_path), lm=short_lm,
                          encoder=encoder)  # fmt: skip
     assert within.config.cache.method == "epicache"
-    assert any("--recall-entries stored is unused" in note for note in within.notes)
+    assert any("--recall-entries stored is unused" in spell(note) for note in within.notes)
 
 
 def test_the_command_line_stores_the_entries_shows_their_bytes_and_answers_from_them(short_model_dir, tmp_path):

@@ -369,6 +369,30 @@ def test_ingest_as_a_job(server, home, tiny_lm):
     assert server.http("GET", "/kvchat/jobs/nosuch").status_code == 404
 
 
+def _ingest_error(server, body: dict) -> str:
+    """The message an ingest request is refused with: the 400's, or its failed job's."""
+    started = server.http("POST", "/kvchat/ingest", json=body)
+    if started.status_code != 202:
+        assert started.status_code == 400, started.text
+        return started.json()["error"]["message"]
+    path = f"/kvchat/jobs/{started.json()['id']}"
+    _until(lambda: server.http("GET", path).json()["state"] in ("done", "failed"))
+    job = server.http("GET", path).json()
+    assert job["state"] == "failed", job
+    return job["error"]["message"]
+
+
+def test_an_ingest_refused_names_request_fields_not_command_line_flags(server, tiny_lm):
+    """The mistakes `kvchat ingest` refuses with `--budget 20` and `--replace` (tests/test_hardening.py,
+    tests/test_store.py): over HTTP the message names the request's fields, and what no request can set
+    (block_size) by its key, never a flag."""
+    messages, _ = planted_conversation(seed=13, topics=2, turns_per_topic=4)
+    small = _ingest_error(server, {"name": "small", "history": messages, "model": tiny_lm.spec, "budget": 20})
+    assert 'block_size=512 is more than 8x "budget": 20' in small and "--" not in small, small
+    taken = _ingest_error(server, {"name": "chat", "history": messages, "model": tiny_lm.spec, "budget": 64})
+    assert "conversation 'chat' exists; use \"replace\"" in taken and "--" not in taken, taken
+
+
 def test_a_servers_ingest_jobs_build_with_its_weights_as_kvchat_ingest_does(tmp_path, tiny_lm, encoder):
     """An ingest job builds the caches `kvchat ingest --weights` with the server's weights builds: with int4 weights
     the library's ingest on the same model, which differ from the float model's."""

@@ -132,10 +132,12 @@ def test_two_replicas_answer_each_conversation_from_the_replica_holding_its_cach
 
 
 def test_replicas_are_refused_below_one(tmp_path):
+    from conftest import raises_said
+
     from kvchat.config import ServeConfig
     from kvchat.errors import UserError
     from kvchat.serve.replicas import replica_engine
 
-    with pytest.raises(UserError, match="--replicas must be >= 1"), replica_engine(tmp_path, ServeConfig(), 0):
+    with raises_said(UserError, "--replicas must be >= 1"), replica_engine(tmp_path, ServeConfig(), 0):
         pass
 

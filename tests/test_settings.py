@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import typer.main
 from cli_helpers import run_main
+from conftest import raises_said
 
 from kvchat.cli import app
 from kvchat.cli.setting_options import PARAMETERS, config_from
+from kvchat.cli.words import spell
 from kvchat.config import (
     CacheConfig,
     CakeConfig,
@@ -89,7 +91,7 @@ def test_the_rebuild_command_gives_every_setting_back_through_the_parser(row):
     settings = to_settings(config, source="/h/chat.json")
     expected = from_settings(settings)
     assert row.get(expected) == value
-    parsed = _parsed(rebuild_command("chat", "default", settings))
+    parsed = _parsed(spell(rebuild_command("chat", "default", settings)))
     assert parsed == expected
     assert to_settings(parsed, source="/h/chat.json") == settings
 
@@ -100,7 +102,7 @@ def test_a_setting_of_the_wrong_kind_or_name_is_refused_by_name():
                        ('budget="many"', "--setting budget: expected int"),
                        ("budget=true", "--setting budget: expected int"),
                        ("alpha=high", "--setting alpha: expected float")]:  # fmt: skip
-        with pytest.raises(UserError, match=says):
+        with raises_said(UserError, says):
             with_settings(IngestConfig(), [pair])
     assert with_settings(IngestConfig(), ["alpha=2", "alpha=null"]).cache.alpha is None
     assert with_settings(IngestConfig(), ["tau1=2"]).cache.cake.tau1 == 2.0
@@ -166,7 +168,7 @@ def test_settings_an_older_kvchat_saved_load_to_the_config_that_built_them(older
 def test_an_append_names_a_setting_without_an_option_by_its_key():
     stored = to_settings(IngestConfig(cache=CacheConfig(method="recall")), source="h.json")
     given = with_settings(IngestConfig(), ["recall_share=0.75", "block_size=256"])
-    assert differing_options(given, stored, "default") == [
+    assert [spell(d) for d in differing_options(given, stored, "default")] == [
         "--setting block_size=256 (built with 512)", "--setting recall_share=0.75 (built with 0.5)"]
     same = to_settings(IngestConfig(cache=CacheConfig(method="recall", recall=RecallConfig(share=0.75))), source=None)
     assert differing_options(with_settings(IngestConfig(), ["recall_share=0.75"]), same, "default") == []

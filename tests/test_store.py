@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_main
-from conftest import centroid
+from conftest import centroid, raises_said
 
 from kvchat import store as store_module
+from kvchat.cli.words import error_text, spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.store import (
     MAX_HEADER_BYTES,
@@ -180,7 +181,7 @@ def test_newer_schema_is_refused(store: Store) -> None:
 def test_unknown_and_empty(store: Store) -> None:
     with pytest.raises(UserError, match="no conversations yet"):
         store.latest()
-    with pytest.raises(UserError, match=r"unknown conversation 'nope' \(see `kvchat list`\)"):
+    with raises_said(UserError, r"unknown conversation 'nope' \(see `kvchat list`\)"):
         store.get("nope")
     with pytest.raises(UserError, match="unknown conversation"):
         store.remove("nope")
@@ -255,7 +256,7 @@ def test_write_episode_requires_fingerprint_and_str_metadata(store: Store) -> No
 def test_replace_requires_flag_and_replaces_files(store: Store) -> None:
     old = _ingest(store, "chat", seed=0)
     old_dir = old.episodes[0].path.parent
-    with pytest.raises(UserError, match="conversation 'chat' exists; use --replace"):
+    with raises_said(UserError, "conversation 'chat' exists; use --replace"):
         store.begin("chat")
     new = _ingest(store, "chat", n=1, replace=True, seed=10)
     assert not old_dir.exists()
@@ -274,7 +275,7 @@ def test_name_taken_while_pending_is_refused(store: Store) -> None:
             0, _tensors(), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
         )
     committed = first.commit(model="default", fingerprint=FP, settings={}, stats={})
-    with pytest.raises(UserError, match="use --replace"):
+    with raises_said(UserError, "use --replace"):
         second.commit(model="default", fingerprint=FP, settings={}, stats={})
     assert _tmp_dirs(store) == []
     assert [p.name for p in (store.caches_dir / "chat").iterdir()] == [committed.episodes[0].path.parent.name]
@@ -307,7 +308,7 @@ def test_flipped_byte_is_refused(store: Store) -> None:
     ep.path.write_bytes(bytes(data))
     with pytest.raises(CacheIntegrityError, match="rebuild") as info:
         store.load_episode(ep, FP)
-    msg = str(info.value)
+    msg = error_text(info.value)
     assert "checksum" in msg and "'chat'" in msg and "episode 0" in msg and "--name chat " in msg
     assert msg.endswith("--replace`")  # the stored settings' rebuild command
     assert "\n" not in msg
@@ -554,7 +555,7 @@ def test_disk_full_while_writing_aborts_with_one_line(store: Store, monkeypatch,
             pending.write_episode(
                 i, _tensors(i), {"fingerprint": FP}, centroid=centroid(1.0), medoid_text="m", budgets=[4], n_tokens=8
             )
-    assert str(info.value) == (
+    assert error_text(info.value) == (
         f"no space left on device while writing caches to {store.caches_dir}: free space or lower --budget"
     )
     assert [c.name for c in store.conversations()] == ["before"]
@@ -617,12 +618,12 @@ def test_check_and_fix_every_kind_of_damage(store: Store) -> None:
     assert {(p.kind, p.path) for p in problems if p.conversation is None} == {
         ("orphan", orphan), ("stray", stray), ("stray", extra), ("stale-temp", stale),
     }  # fmt: skip
-    assert all("\n" not in p.message and "--fix" in p.message for p in problems)
+    assert all("\n" not in p.message and "--fix" in spell(p.message) for p in problems)
 
     done = doctor.fix(problems)
     removed = [line for line in done if line.startswith("removed conversation")]
     assert len(removed) == 4 and "re-ingest it with `kvchat ingest HISTORY --name flipped --method epicache" in (
-        " ".join(removed)
+        spell(" ".join(removed))
     )
     assert doctor.check() == []
     assert sorted(c.name for c in doctor.conversations()) == ["donor", "healthy"]
@@ -680,7 +681,7 @@ def test_rebuild_command_carries_every_setting(settings: dict) -> None:
     from kvchat.settings import from_settings
 
     record = ConversationRecord("chat", "", "/models/m", FP, {**settings, "source": "/h/chat.json"}, {}, [])
-    words = shlex.split(store_module._reingest_command(record))
+    words = shlex.split(spell(store_module._reingest_command(record)))
     ingest = typer.main.get_command(app).commands["ingest"]
     params = ingest.make_context("ingest", words[2:], resilient_parsing=True).params
     assert params["history"] == Path("/h/chat.json") and (params["name"], params["model"]) == ("chat", "/models/m")

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import run_main
+from conftest import raises_said
 from test_store import FP, _dead_pid, _ingest
 
 from kvchat import store as store_module
+from kvchat.cli.words import spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.history.synthetic import planted_conversation
 from kvchat.store import DamagedDatabase, Store, diagnose, repair
@@ -163,14 +165,14 @@ def test_a_conversation_without_rows_or_manifest_is_kept_aside_with_its_rebuild_
     lost = problems[1]
     assert lost.conversation == "alpha" and lost.path == alpha_dir
     assert "no row of it survives, and it has no manifest" in lost.message
-    command = lost.message.split("re-ingest it with `")[1].rstrip("`")
+    command = spell(lost.message).split("re-ingest it with `")[1].rstrip("`")
     assert shlex.split(command)[:5] == ["kvchat", "ingest", "HISTORY", "--name", "alpha"]
     assert "--budget 64" in command and "--method epicache" in command  # the settings its row still had
 
     done = repair(home, problems)
     assert "restored conversation 'beta' (3 episodes) from its rows in the damaged database" in done
     line = next(d for d in done if d.startswith("conversation 'alpha' (2 episode files) cannot be rebuilt"))
-    assert command in line
+    assert command in spell(line)
     assert set(_records(home)) == {"beta"} and not alpha_dir.exists()
     kept = list(home.glob(f"damaged-*/caches/alpha/{alpha_dir.name}/0.safetensors"))
     assert len(kept) == 1 and kept[0].read_bytes() == alpha_bytes
@@ -367,7 +369,7 @@ def test_a_fifo_in_place_of_an_episode_file_is_refused_not_read(tmp_path):
     episode = store.get("beta").episodes[1]
     _fifo_in_place_of(episode.path)
     with _released_readers(episode.path, tmp_path):
-        with pytest.raises(CacheIntegrityError, match="is not a regular file but a FIFO.*rebuild with `kvchat ingest"):
+        with raises_said(CacheIntegrityError, "is not a regular file but a FIFO.*rebuild with `kvchat ingest"):
             store.load_episode(episode, FP)
         problems = store.check()
         assert [(p.kind, p.conversation, p.episode) for p in problems] == [("not-a-file", "beta", 1)]

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import run_main
-from conftest import centroid
+from conftest import centroid, raises_said
 from test_store import FP, SETTINGS, STATS, _ingest, _tensors, _tmp_dirs
 
+from kvchat.cli.words import spell
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.kv.tensorfile import FileRows, SafetensorsWriter
 from kvchat.store import ConversationChanged, Store, diagnose, repair
@@ -137,7 +138,7 @@ def test_a_conversation_without_one_keeps_the_document_and_digest_it_had(store: 
     with sqlite3.connect(store.db_path) as conn:
         assert conn.execute("select recall_entries_path, recall_entries_bytes, recall_entries_sha256 "
                             "from conversations").fetchall() == [(None, None, None)]  # fmt: skip
-    with pytest.raises(UserError, match=r"conversation 'plain' keeps no recall entries file; rebuild with `kvchat"):
+    with raises_said(UserError, r"conversation 'plain' keeps no recall entries file; rebuild with `kvchat"):
         store.load_recall_entries(record, FP)
 
 
@@ -166,7 +167,7 @@ def test_a_damaged_recall_entries_file_is_refused_reported_and_removed_whole(sto
     record = _commit(store)
     other = _ingest(store, "other", seed=3)
     damage_file(record.recall_entries.path)
-    with pytest.raises(CacheIntegrityError, match=rf"^recall entries file of conversation 'chat' .*{said}.*{REBUILD}"):
+    with raises_said(CacheIntegrityError, rf"^recall entries file of conversation 'chat' .*{said}.*{REBUILD}"):
         store.load_recall_entries(record, FP)
     for episode in record.episodes:  # the episodes themselves still read
         store.load_episode(episode, FP)
@@ -174,7 +175,8 @@ def test_a_damaged_recall_entries_file_is_refused_reported_and_removed_whole(sto
     problems = store.check()
     assert [(p.kind, p.conversation, p.episode, p.path) for p in problems] == [
         (kind, "chat", None, record.recall_entries.path)]  # fmt: skip
-    assert "recall entries file" in problems[0].message and "--fix removes the conversation" in problems[0].message
+    said = spell(problems[0].message)
+    assert "recall entries file" in said and "--fix removes the conversation" in said
     done = store.fix(problems)
     assert len(done) == 1 and done[0].startswith("removed conversation 'chat'")
     assert [c.name for c in store.conversations()] == ["other"] and store.get("other") == other
@@ -183,8 +185,8 @@ def test_a_damaged_recall_entries_file_is_refused_reported_and_removed_whole(sto
 
 def test_a_recall_entries_file_of_another_model_is_refused(store: Store) -> None:
     record = _commit(store, fingerprint="fp-model-b")
-    with pytest.raises(CacheIntegrityError, match=rf"recall entries file of conversation 'chat' was built by a "
-                                                  rf"different model.*{REBUILD}"):  # fmt: skip
+    with raises_said(CacheIntegrityError, rf"recall entries file of conversation 'chat' was built by a "
+                                          rf"different model.*{REBUILD}"):  # fmt: skip
         store.load_recall_entries(record, FP)
 
 

@@ -25,6 +25,7 @@ from kvchat.errors import UserError
 from kvchat.history.loading import Turn, format_turns
 from kvchat.history.spans import TurnMark, turn_marks
 from kvchat.kv.cache import EpisodeCache
+from kvchat.messages import option
 from kvchat.model.echo import guard_for
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel, generate
@@ -48,7 +49,7 @@ def chunk_turns(turns: int, render: Callable[[int, int], str], count_tokens: Cal
     `chunk_tokens` tokens; a single turn longer than that is a chunk of its own, cut to its first `chunk_tokens`
     tokens by `cut(text, n)`, so k chunks never hold more than k x chunk_tokens tokens."""
     if chunk_tokens < 1:
-        raise UserError(f"--chunk-tokens must be >= 1 (got {chunk_tokens})")
+        raise UserError(f"{option('chunk_tokens')} must be >= 1 (got {chunk_tokens})")
     chunks: list[Chunk] = []
     first, used = 0, 0
     for i in range(turns):

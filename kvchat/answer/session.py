@@ -31,6 +31,7 @@ from kvchat.kv import codec, families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.tensorfile import ShrunkFile
+from kvchat.messages import option
 from kvchat.model.echo import guard_for
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel, generate
@@ -161,7 +162,7 @@ class Session:
         placed = sum(stored.lengths[i] for i in placing) if stored is not None else 0  # the positions they take
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,
-            self.lm.spec, what="the conversation with this question and --max-new-tokens",
+            self.lm.spec, what=f"the conversation with this question and {option('max_new_tokens')}",
         )
         recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
         presence = self._presence(cache, recalled_turns) if probe is not None else None
@@ -260,7 +261,7 @@ class Session:
             return route(query, self._centroids)
         if not 0 <= episode < len(self._centroids):
             raise UserError(
-                f"--episode {episode} does not exist (conversation "
+                f"{option('episode', episode)} does not exist (conversation "
                 f"'{self.conversation.name}' has episodes 0..{len(self._centroids) - 1})"
             )
         return episode, float(self._centroids[episode] @ query)

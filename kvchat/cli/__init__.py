@@ -18,6 +18,7 @@ import typer
 from kvchat.cli import asking, calibration, evaluating, ingesting, serving, stored
 from kvchat.cli.helptext import HelpCommand, HelpGroup
 from kvchat.cli.render import err, say
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 
 app = typer.Typer(
@@ -88,7 +89,7 @@ def main() -> None:
         try:  # what is still buffered fails here, as one line, not in the interpreter's shutdown
             sys.stdout.flush()
         except UserError as exc:
-            say(f"kvchat: error: {exc}", console=err)
+            say(f"kvchat: error: {error_text(exc)}", console=err)
             sys.exit(2)
 
 
@@ -188,7 +189,7 @@ def _run(args: list[str], debug: bool) -> None:
         err.print("kvchat: terminated", markup=False)
         sys.exit(exc.code)
     except UserError as exc:
-        say(f"kvchat: error: {exc}", console=err)
+        say(f"kvchat: error: {error_text(exc)}", console=err)
         sys.exit(2)
     except typer.TyperException as exc:  # click's (vendored in typer) usage errors: exit 2, usage line
         # typer types its exceptions' base bare; the usage errors caught here carry ctx and show()
@@ -202,7 +203,7 @@ def _run(args: list[str], debug: bool) -> None:
     except Exception as exc:  # an internal failure: say so, traceback only on request
         if debug:
             raise
-        say(f"kvchat: internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)",
+        say(f"kvchat: internal error: {type(exc).__name__}: {error_text(exc)} (rerun with --debug for the traceback)",
             console=err)
         sys.exit(1)
     if status == 130:  # typer turns Ctrl-C into Exit(130)

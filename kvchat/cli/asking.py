@@ -24,6 +24,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.render import counted, emit_json, episode_lines, err, out, say
 from kvchat.cli.terminal import StreamCleaner, clean
+from kvchat.cli.words import error_text, spell
 from kvchat.config import AskConfig, DeviceConfig
 from kvchat.errors import UserError
 
@@ -121,7 +122,7 @@ def _answer_lines(asker, lines, episode: int | None, as_json: bool) -> None:
             asker.answer(line, episode, as_json=as_json)
         except UserError as exc:
             failed += 1
-            say(f"kvchat: error: line {number}: {exc}", console=err)
+            say(f"kvchat: error: line {number}: {error_text(exc)}", console=err)
     if failed:
         raise UserError(f"{failed} of {asked} questions failed (each reported above)")
 
@@ -391,7 +392,7 @@ def show_sources(sources: list[dict] | None, note: str | None, episode: int | No
     """An answer's sources under it (`--sources`, the REPL's /sources; as in `ask --json`), or the line saying why
     there are none."""
     if sources is None:
-        say(f"kvchat: {note}", console=err)
+        say(f"kvchat: {spell(note or '')}", console=err)
         return
     say((f"sources (episode {episode}):", "bold"))
     for n, s in enumerate(sources, start=1):

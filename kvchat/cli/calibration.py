@@ -24,6 +24,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.progress import LineTrainProgress, RichTrainProgress, progress_bars
 from kvchat.cli.render import emit_json, err, say, table
+from kvchat.cli.words import spell
 from kvchat.config import DeviceConfig, IndexMemConfig, IngestConfig, ProfileSettings, TrainConfig
 from kvchat.errors import UserError
 
@@ -113,7 +114,7 @@ def train_indexer_command(
         report = train(lm, target, config, files=data or [], indexmem=IndexMemConfig(readout=memory_readout),
                        progress=progress)
     for note in report.notes:
-        say(f"kvchat: note: {note}", console=err)
+        say(f"kvchat: note: {spell(note)}", console=err)
     if as_json:
         fields = report.to_dict()
         seconds = fields.pop("seconds")

@@ -22,6 +22,7 @@ from kvchat.cli.options import (
 )
 from kvchat.cli.progress import RichEvalProgress, progress_bars
 from kvchat.cli.render import beside_table, emit_json, err, say, table
+from kvchat.cli.words import spell
 from kvchat.config import (
     CacheConfig,
     DeviceConfig,
@@ -132,7 +133,7 @@ def eval_command(
              if name in names]
     skips += [f"{r['variant']} on {r['set']} skipped: {r['reason']}" for r in against_gold if r["kind"] == "skipped"]
     for line in skips:
-        say(f"kvchat: {line}", console=err)
+        say(f"kvchat: {spell(line)}", console=err)
     if report is not None:
         from kvchat.eval import report as eval_report
 
@@ -149,8 +150,8 @@ def eval_command(
                                              notes=[s.describe(config.questions) for s in gold_sets],
                                              settings=gold_settings))  # fmt: skip
     if report is not None and sets:
-        eval_report.write(report, rows, spec=lm.spec, sets=names, synthetic=not data, settings=ran,
-                          notes=[s.describe(config.questions) for s in sets] + skips)
+        eval_report.write(report, rows, title=f"kvchat eval ({lm.spec})", sets=names, synthetic=not data,
+                          settings=ran, notes=[s.describe(config.questions) for s in sets] + [spell(s) for s in skips])
     columns: Sequence[tuple[str, str, str]] = EVAL_COLUMNS
     if per_conversation:
         rows = evaluate.summarize_per_conversation([r for r in records if r["set"] in names])

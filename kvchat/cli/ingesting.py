@@ -30,8 +30,9 @@ from kvchat.cli.progress import (
 )
 from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, say, table
 from kvchat.cli.setting_options import OFFLOAD_PANEL, with_setting_options
+from kvchat.cli.words import spell
 from kvchat.config import WEIGHTS, BatchConfig, DeviceConfig, IngestConfig
-from kvchat.errors import UserError
+from kvchat.errors import UserError, message
 from kvchat.history.loading import FORMAT_NAMES
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
@@ -94,7 +95,7 @@ def ingest(
         try:
             name = validate_name(history.stem)
         except UserError as exc:
-            raise UserError(f"{exc}; name it with --name") from None
+            raise UserError(f"{message(exc)}; name it with --name") from None
     else:
         name = validate_name(name)
     turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
@@ -125,7 +126,7 @@ def ingest(
                 reads={str(history.resolve()): read} if read else None,
             )
     for note in report.notes:
-        say(f"kvchat: note: {note}", console=err)
+        say(f"kvchat: note: {spell(note)}", console=err)
     if as_json:
         emit_json(documents.ingest(report))
     else:
@@ -238,14 +239,14 @@ def ingest_batch(
         )
     notes = dict.fromkeys(n for h in report.histories if h.report is not None for n in h.report.notes)
     for note in notes:
-        say(f"kvchat: note: {note}", console=err)
+        say(f"kvchat: note: {spell(note)}", console=err)
     if as_json:
         emit_json(documents.batch(report))
     else:
         table(("conversation", "status", "episodes", "MiB", "seconds", "tries", "error"),
               [(h.name, h.status, h.report.episodes if h.report else "",
                 f"{h.report.cache_bytes / 2**20:.1f}" if h.report else "", f"{h.seconds:.1f}", h.attempts,
-                h.error or "") for h in report.histories],
+                spell(h.error or "")) for h in report.histories],
               right=("episodes", "MiB", "seconds", "tries"))  # fmt: skip
         say(f"{report.count('committed')} committed, {report.count('skipped')} skipped, {report.count('failed')} "
             f"failed in {report.seconds:.1f} s on {report.workers} worker{'s' * (report.workers != 1)} x "

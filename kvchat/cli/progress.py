@@ -18,6 +18,7 @@ from rich.progress import (
 
 from kvchat.cli.render import counted, err, say
 from kvchat.cli.terminal import clean
+from kvchat.cli.words import spell
 
 
 def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
@@ -209,7 +210,7 @@ class LineBatchProgress:
         pass
 
     def retrying(self, name: str, why: str) -> None:
-        say(f"kvchat: retrying {name} on another worker: {why}", console=err)
+        say(f"kvchat: retrying {name} on another worker: {spell(why)}", console=err)
 
     def finished(self, result) -> None:
         self.done += 1
@@ -242,7 +243,7 @@ class RichBatchProgress:
 
     def retrying(self, name: str, why: str) -> None:
         self._stop(name)
-        say(f"kvchat: retrying {name} on another worker: {why}", console=self.progress.console)
+        say(f"kvchat: retrying {name} on another worker: {spell(why)}", console=self.progress.console)
 
     def finished(self, result) -> None:
         self._stop(result.name)
@@ -250,7 +251,7 @@ class RichBatchProgress:
         self.progress.advance(self.overall)
         self._describe()
         if result.status == "failed":
-            say(f"kvchat: failed {result.name}: {result.error}", console=self.progress.console)
+            say(f"kvchat: failed {result.name}: {spell(result.error or '')}", console=self.progress.console)
 
     def _stop(self, name: str) -> None:
         task = self.running_tasks.pop(name, None)
@@ -271,7 +272,7 @@ def _batch_outcome(result) -> str:
         return f"{counted(report.episodes, 'episode')}, {report.cache_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s"
     if result.status == "skipped":
         return "stored with the same settings"
-    return result.error or "failed"
+    return spell(result.error or "failed")
 
 
 class RichTrainProgress:

@@ -11,14 +11,16 @@ from rich.table import Table
 from rich.text import Text
 
 from kvchat.cli.terminal import cell, clean
+from kvchat.cli.words import spell
+from kvchat.documents import spelled
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
 def emit_json(document: dict) -> None:
-    """One JSON document on one line (JSON Lines when a command prints several)."""
-    sys.stdout.write(json.dumps(document, ensure_ascii=False) + "\n")
+    """One JSON document on one line (JSON Lines when a command prints several), its messages in the CLI's words."""
+    sys.stdout.write(json.dumps(spelled(document, spell), ensure_ascii=False) + "\n")
     sys.stdout.flush()
 
 

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final, Literal, Protocol
 
+from kvchat.cli.words import error_text
 from kvchat.errors import UserError
 
 HELP = """\
@@ -91,7 +92,7 @@ class Repl:
             except KeyboardInterrupt:
                 self.say("[interrupted]")
             except UserError as exc:
-                self.say(f"error: {exc}")
+                self.say(f"error: {error_text(exc)}")
             else:
                 self.earlier = ((question, text),) if text else ()
 
@@ -169,7 +170,7 @@ class Repl:
             try:
                 count = self.actions.switch(arg)
             except UserError as exc:
-                self.say(f"error: {exc}")
+                self.say(f"error: {error_text(exc)}")
                 return
             self.episode, self.earlier = None, ()
             self.say(f"{arg}: {count} episode{'s' * (count != 1)}")

@@ -11,6 +11,7 @@ from kvchat import documents
 from kvchat.cli.options import JsonOpt, NameArg, complete_conversation, open_store
 from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, out, say, table
 from kvchat.cli.terminal import clean
+from kvchat.cli.words import spell
 from kvchat.config import default_home
 from kvchat.errors import UserError
 from kvchat.history.loading import cut_at_word
@@ -186,9 +187,9 @@ def doctor(
         emit_json(documents.document(healthy=not remaining, problems=[p.to_dict() for p in found], fixed=fixed))
     else:
         for problem in found:
-            say(f"problem: {problem.message}")
+            say(f"problem: {spell(problem.message)}")
         for line in fixed:
-            say(f"fixed: {line}")
+            say(f"fixed: {spell(line)}")
         if not remaining:
             say("healthy" if not found else "healthy now")
         elif not fix:

@@ -52,6 +52,7 @@ from kvchat.history.loading import Turn, format_turns
 from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, validate
 from kvchat.kv import codec
 from kvchat.kv.attention import LayerView
+from kvchat.messages import option, setting
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.store import Store
@@ -110,26 +111,26 @@ def plan_variants(
     method and budget of `config` with each offload mode (default: none) and cache precision (default: full)
     over `base`. Everything is checked here, before a model loads: a mistake raises UserError."""
     if not data and synthetic < 1:
-        raise UserError("give LoCoMo files to evaluate, or --synthetic N")
+        raise UserError(f"give LoCoMo files to evaluate, or {option('synthetic', 'N')}")
     for method in config.methods:
         if method not in METHODS:
-            raise UserError(f"unknown method {method!r} in --methods (choose from {', '.join(METHODS)})")
+            raise UserError(f"unknown method {method!r} in {option('methods')} (choose from {', '.join(METHODS)})")
     if not config.budgets:
-        raise UserError("--budgets is empty")
+        raise UserError(f"{option('budgets')} is empty")
     if config.questions is not None and config.questions < 1:
-        raise UserError(f"--questions must be >= 1 (got {config.questions})")
+        raise UserError(f"{option('questions')} must be >= 1 (got {config.questions})")
     if config.max_context is not None and config.max_context < 64:
-        raise UserError(f"--max-context must be >= 64 tokens (got {config.max_context})")
+        raise UserError(f"{option('max_context')} must be >= 64 tokens (got {config.max_context})")
     if config.against not in REFERENCES:
-        raise UserError(f"unknown --against {config.against!r} (choose from {', '.join(REFERENCES)})")
+        raise UserError(f"unknown {option('against')} {config.against!r} (choose from {', '.join(REFERENCES)})")
     if config.chunk_tokens < 1:
-        raise UserError(f"--chunk-tokens must be >= 1 (got {config.chunk_tokens})")
+        raise UserError(f"{option('chunk_tokens')} must be >= 1 (got {config.chunk_tokens})")
     for mode in offloads:
         if mode not in OFFLOAD_MODES:
-            raise UserError(f"unknown mode {mode!r} in --offload (choose from {', '.join(OFFLOAD_MODES)})")
+            raise UserError(f"unknown mode {mode!r} in {setting('offload')} (choose from {', '.join(OFFLOAD_MODES)})")
     for precision in precisions:
         if precision not in CACHE_PRECISIONS:
-            raise UserError(f"unknown precision {precision!r} in --cache-precision (choose from "
+            raise UserError(f"unknown precision {precision!r} in {setting('cache_precision')} (choose from "
                             f"{', '.join(CACHE_PRECISIONS)})")  # fmt: skip
     planned = [
         v for mode in offloads or (_OFFLOAD_DEFAULTS.mode,) for precision in precisions or (_CACHE_DEFAULTS.precision,)
@@ -163,7 +164,7 @@ def qa_sets(paths: Sequence[Path], synthetic: int, lm: LoadedModel, config: Eval
     if not any(qa_set.questions for qa_set in sets):
         categories = ", ".join(str(c) for c in config.categories)
         raise UserError(f"no question to score: {', '.join(str(p) for p in paths)} holds no question of categories "
-                        f"{categories} with evidence (--categories chooses others)")
+                        f"{categories} with evidence ({option('categories')} chooses others)")
     return sets
 
 
@@ -308,7 +309,7 @@ class _SetRunner:
             raise MixedResults(
                 f"{self.results.path}: {variant.key} on {self.qa_set.name} was measured with "
                 f"{earlier[variant.key]} prefill and this run builds its caches with {report.prefill} prefill; "
-                f"resume with --setting prefill={earlier[variant.key]} or write to a new --out file"
+                f"resume with {setting('prefill', earlier[variant.key])} or write to a new {option('out')} file"
             )
         if variant.key not in earlier:
             self.results.append(
@@ -530,9 +531,9 @@ def _read_jsonl(path: Path) -> tuple[list[dict], int]:
         except ValueError:
             if last:
                 break
-            raise UserError(f"{path}: line {i + 1} is not JSON; not a kvchat eval results file") from None
+            raise UserError(f"{path}: line {i + 1} is not JSON; not an eval results file") from None
         if not isinstance(record, dict) or record.get("kind") not in ("ingest", "answer", "skipped"):
-            raise UserError(f"{path}: line {i + 1} is not a kvchat eval record")
+            raise UserError(f"{path}: line {i + 1} is not an eval record")
         if last:  # complete JSON but no newline: the write was cut right before it
             break
         records.append(record)

@@ -35,6 +35,7 @@ from kvchat.eval.qa import CATEGORIES, QASet, contains_gold, sample_questions, s
 from kvchat.eval.stats import RESAMPLES, SEED, bootstrap_interval, paired_difference
 from kvchat.history.loading import format_turns
 from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, plan_ingest
+from kvchat.messages import option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.settings import to_settings, upgraded
@@ -121,7 +122,8 @@ def by_reference(qa_sets: Sequence[QASet], lm: LoadedModel, against: str,
     too_long = [s.name for s in qa_sets if not fits[s.name]]
     if against == "full" and too_long:
         raise UserError(f"{', '.join(too_long)}: the history does not fit {lm.spec}'s window, so full KV cannot be "
-                        "the reference; use --against gold (or auto), or a smaller --max-context")  # fmt: skip
+                        f"the reference; use {option('against', 'gold')} (or auto), or a smaller "
+                        f"{option('max_context')}")  # fmt: skip
     return [s for s in qa_sets if fits[s.name]], [s for s in qa_sets if not fits[s.name]]
 
 

@@ -23,6 +23,7 @@ from nltk.stem import PorterStemmer
 from kvchat.errors import UserError
 from kvchat.history.loading import Turn, format_turns, parse_history
 from kvchat.history.synthetic import planted_conversation
+from kvchat.messages import option
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop", 5: "adversarial", 0: "planted"}
 ADVERSARIAL = 5
@@ -129,7 +130,7 @@ def load_locomo(
     sessions = _sessions(turns, path)
     kept = _fitting_sessions(sessions, count_tokens, max_context)
     if not kept:
-        raise UserError(f"{path}: --max-context {max_context} is smaller than the first session")
+        raise UserError(f"{path}: {option('max_context', max_context)} is smaller than the first session")
     kept_turns = [turn for session in kept for turn in session]
     kept_ids = {turn.turn_id for turn in kept_turns}
     wanted = set(categories)

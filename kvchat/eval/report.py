@@ -44,7 +44,7 @@ MEANINGS = {
     "evidence_kept": "share of the evidence turns' (layer, KV head, token) entries the answering episode's cache "
                      "holds",
     "evidence_kept_best": "the same, in whichever episode holds most of them (what perfect routing would get)",
-    "evidence_recalled": "evidence entries held or read back from the pages (--offload icecache) by the question",
+    "evidence_recalled": "evidence entries held or read back from the pages (icecache offload) by the question",
     "evidence_attention_recalled": "share of the attention full KV's last question token pays the evidence that "
                                    "lands on entries held or read back (full KV: 1)",
     "evidence_any": "share of the evidence turns the first answer token can attend to (resident, read back, placed or "
@@ -85,8 +85,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
                      f"LoCoMo categories {', '.join(map(str, config.categories))}, only those whose evidence is kept",
         "answers": f"greedy, at most {config.max_new_tokens} tokens, LoCoMo's QA prompt"
                    + (", no answer repeating the question's first words (model.echo)" if config.echo_guard else "")
-                   + f"; {weights} weights (the caches built and the answers decoded with them, as `kvchat ingest` and "
-                   "`kvchat ask` hold them)",
+                   + f"; {weights} weights (the caches built and the answers decoded with them, as an ingest and a "
+                   "question hold them)",
     }
     return found
 
@@ -96,14 +96,14 @@ def cell(row: dict, key: str, fmt: str) -> str:
     return "–" if value is None else fmt.format(value)
 
 
-def write(path: Path, rows: Sequence[dict], *, spec: str, sets: Collection[str], notes: Sequence[str] = (),
+def write(path: Path, rows: Sequence[dict], *, title: str, sets: Collection[str], notes: Sequence[str] = (),
           synthetic: bool = False, settings: dict[str, str] | None = None) -> None:
-    """The markdown report at `path` and its plot beside it (the same name, .png), for model `spec` on `sets`."""
+    """The markdown report at `path` and its plot beside it (the same name, .png), titled `title` (the front end's
+    words: the command and the model), on `sets`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     png = path.with_suffix(".png")
-    plot(rows, png, title=f"kvchat eval ({spec}): {', '.join(sorted(sets))}", synthetic=synthetic)
-    path.write_text(markdown(rows, title=f"kvchat eval ({spec})", notes=notes, plot=png.name,
-                             settings=settings or {"model": spec}))
+    plot(rows, png, title=f"{title}: {', '.join(sorted(sets))}", synthetic=synthetic)
+    path.write_text(markdown(rows, title=title, notes=notes, plot=png.name, settings=settings or {}))
 
 
 def markdown(rows: Sequence[dict], *, title: str, notes: Sequence[str] = (), plot: str | None = None,
@@ -149,7 +149,7 @@ def _n(rows: Sequence[dict]) -> str | None:
     return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
-def plot(rows: Sequence[dict], path: Path, *, title: str = "kvchat eval", synthetic: bool = False) -> None:
+def plot(rows: Sequence[dict], path: Path, *, title: str = "kvchat evaluation", synthetic: bool = False) -> None:
     """F1 and agreement vs budget, one line per method (with one budget, one bar per method); full KV as a dashed
     level; one legend for both panels; the budgets as plain numbers on the x axis; y from 0 to at least 0.1, however
     flat the values; each point's value written beside it when there are few; n above each panel."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
 from kvchat.kv.config import CacheConfig, IceCacheConfig
+from kvchat.messages import option, setting
 
 if TYPE_CHECKING:  # torch and the KV core are imported where an episode is built or answered
     import torch
@@ -48,16 +49,17 @@ class IceCache(Feature):
         first, window = cache.offload.first_paged_layer, cache.offload.recent
         if isinstance(budgets, CakeBudgets):
             if first:
-                raise UserError("a first paged layer above 0 needs fixed layer budgets, not --setting "
-                                "layer_budgets=cake")
+                raise UserError(f"a first paged layer above 0 needs fixed layer budgets, not "
+                                f"{setting('layer_budgets', 'cake')}")
             return dataclasses.replace(budgets, budget=budgets.budget + window)
         return [max(entries, b) if i < first else b + window for i, b in enumerate(budgets)]
 
     def check_append(self, cache: CacheConfig, name: str) -> None:
         if cache.method == "full":
             raise UserError(
-                f"conversation '{name}' pages everything past its last tokens (--method full --offload): new turns "
-                "would be prefilled without the paged past; use --append --reingest"
+                f"conversation '{name}' pages everything past its last tokens ({setting('method', 'full')} "
+                f"{setting('offload', 'icecache')}): new turns would be prefilled without the paged past; use "
+                f"{option('append')} {option('reingest')}"
             )
 
     def episode(self, setup: EpisodeSetup) -> EpisodePart:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
 from kvchat.kv.config import CacheConfig
+from kvchat.messages import option
 
 if TYPE_CHECKING:
     from kvchat.kv.cache import EpisodeCache
@@ -30,7 +31,8 @@ class IndexMem(Feature):
         """The memory runs when asked for and trained weights hold memory weights."""
         memory = cache.latent_memory and trained is not None
         if memory and trained.memory is None:
-            notes.append(f"{trained.path} holds no memory weights (trained with --stage indexer): no latent memory")
+            notes.append(f"{trained.path} holds no memory weights (trained with {option('stage', 'indexer')}): no "
+                         "latent memory")
             memory = False
         return cache if memory == cache.latent_memory else dataclasses.replace(cache, latent_memory=memory)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
 from kvchat.kv.config import CacheConfig
+from kvchat.messages import setting
 
 if TYPE_CHECKING:
     from kvchat.kv.cache import EpisodeCache
@@ -31,7 +32,8 @@ class Precision(Feature):
     def validate(self, cache: CacheConfig) -> None:
         """No offload (its group size and residual: by their rows in kvchat.settings_table)."""
         if self.active(cache) and cache.offload.enabled:
-            raise UserError(f"--cache-precision {cache.precision} does not combine with --offload {cache.offload.mode} "
+            raise UserError(f"{setting('cache_precision', cache.precision)} does not combine with "
+                            f"{setting('offload', cache.offload.mode)} "
                             "(its pages are stored at half precision and attached to full-precision layers); "
                             "choose one")  # fmt: skip
 

@@ -17,6 +17,7 @@ from kvchat.errors import UserError
 from kvchat.features.feature import Feature
 from kvchat.kv.config import CacheConfig, RecallConfig
 from kvchat.kv.methods import REGISTRY, may_recall
+from kvchat.messages import setting
 
 
 @dataclass(frozen=True)
@@ -50,9 +51,9 @@ def split(cache: CacheConfig) -> RecallSplit:
     budget), the episode caches keeping the rest."""
     share = cache.recall.share
     if not 0 < share < 1:
-        raise UserError(f"--setting recall_share must be between 0 and 1 (got {share})")
+        raise UserError(f"{setting('recall_share')} must be between 0 and 1 (got {share})")
     if not 0 < cache.recall.kept <= 1:
-        raise UserError(f"--setting recall_kept must be above 0 and at most 1 (got {cache.recall.kept})")
+        raise UserError(f"{setting('recall_kept')} must be above 0 and at most 1 (got {cache.recall.kept})")
     recalled = max(1, int(cache.budget * share))
     chunk_tokens = min(cache.recall.chunk_tokens, recalled)
     entries = stored_entries(chunk_tokens, cache.recall)
@@ -78,8 +79,9 @@ class Recall(Feature):
         if self.active(cache):
             split(cache)  # refuses a share it cannot split the budget by
         elif cache.recall.entries != RecallConfig.entries:
-            raise UserError(f"--recall-entries {cache.recall.entries} needs --method recall (or auto, which recalls "
-                            f"beyond the model's window); --method {cache.method} recalls nothing")
+            raise UserError(f"{setting('recall_entries', cache.recall.entries)} needs {setting('method', 'recall')} "
+                            f"(or auto, which recalls beyond the model's window); {setting('method', cache.method)} "
+                            "recalls nothing")
 
     def episode_budget(self, cache: CacheConfig, budget: int) -> int:
         found = split_for(cache)

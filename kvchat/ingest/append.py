@@ -29,7 +29,7 @@ from kvchat.answer import recall
 from kvchat.answer.rag import RagIndex
 from kvchat.answer.recall_entries import StoredEntries
 from kvchat.config import APPEND_FAR_SIMILARITY
-from kvchat.errors import UserError
+from kvchat.errors import UserError, message
 from kvchat.history import spans as turn_spans
 from kvchat.history.episodes import Episode
 from kvchat.history.loading import Turn, load_history
@@ -47,13 +47,17 @@ from kvchat.ingest.plan import Continuation, plan_ingest
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.methods import method
+from kvchat.messages import command, option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
 from kvchat.settings import from_settings, rebuild_command, stored_read
+from kvchat.settings_table import given
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
 if TYPE_CHECKING:
     from kvchat.features.feature import StoredFile
+
+_REINGEST = f"{option('append')} {option('reingest')}"  # an append that clusters everything again
 
 
 def append(
@@ -76,8 +80,9 @@ def append(
     config = from_settings(record.settings, record.model)
     features.check_append(config.cache, name)
     if method(config.cache.method).trained:
-        raise UserError(f"conversation '{name}' was built with --method {config.cache.method}, whose caches cannot "
-                        "be continued (the indexer's keys of stored entries are not kept); use --append --reingest")
+        raise UserError(f"conversation '{name}' was built with {given('method', config.cache.method)}, whose caches "
+                        "cannot be continued (the indexer's keys of stored entries are not kept); use "
+                        f"{_REINGEST}")
     source_now = str(Path(history).resolve()) if isinstance(history, (str, os.PathLike)) else source
     earlier = (record.settings.get("source"), *record.settings.get("appended", []))
     appended = (*earlier[1:], *([source_now] if source_now else []))
@@ -100,7 +105,8 @@ def append(
     )  # fmt: skip
     if source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
-                          "(`--append --reingest` of the files you mean rebuilds it without them)")
+                          f"(`{_REINGEST}` of the files you mean rebuilds it without "
+                          "them)")
     side_file = features.side_file_name(config.cache)
     # receipts need every turn's span: none when the stored caches predate them (routed: one list per episode)
     if routed:
@@ -152,7 +158,7 @@ def reingest(
     missing = [s for s in sources if not s or not Path(s).is_file()]
     if missing:
         raise UserError(
-            f"--reingest needs the histories conversation '{name}' was built from; missing: "
+            f"{option('reingest')} needs the histories conversation '{name}' was built from; missing: "
             f"{', '.join(str(m) for m in missing)}"
         )
     new = str(Path(history).resolve())
@@ -177,11 +183,11 @@ def _stored_entries(store: Store, record: ConversationRecord, lm: LoadedModel) -
 
 def _stored_recall(store: Store, record: ConversationRecord, metadata: dict[str, str]) -> RagIndex:
     """The chunk index the stored caches recall from (`--method recall`)."""
-    rebuild = f"`kvchat ingest HISTORY --name {record.name} --append --reingest`"
+    rebuild = f"`{command('ingest', 'HISTORY', name=record.name, append=True, reingest=True)}`"
     try:
         index = recall.from_metadata(metadata)
     except ValueError as e:
-        raise UserError(f"conversation '{record.name}' episode 0: {e}; rebuild it with {rebuild}") from None
+        raise UserError(f"conversation '{record.name}' episode 0: {message(e)}; rebuild it with {rebuild}") from None
     if index is None:
         raise UserError(f"conversation '{record.name}' has no recall index to extend; rebuild it with {rebuild}")
     return index
@@ -195,7 +201,7 @@ def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
                         f"dtype); rebuild it with `{rebuild}`")
     if record.fingerprint != lm.fingerprint:
         raise UserError(
-            f"conversation '{name}' was built with model {record.model!r}; append with --model {record.model}"
+            f"conversation '{name}' was built with model {record.model!r}; append with {option('model', record.model)}"
         )
     return record
 
@@ -234,7 +240,7 @@ def _moved_episodes(
         if best < APPEND_FAR_SIMILARITY:
             notes.append(
                 f"the new turns are far from every episode (mean similarity {best:.2f} to the nearest): "
-                "questions about them route poorly; `--append --reingest` clusters everything again"
+                f"questions about them route poorly; `{_REINGEST}` clusters everything again"
             )
     moved = sums / np.linalg.norm(sums, axis=1, keepdims=True)
     episodes = [Episode(e.index, moved[i].astype(np.float32), (), e.medoid_text) for i, e in enumerate(record.episodes)]

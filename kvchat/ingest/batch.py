@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
-from kvchat.errors import UserError, first_line
+from kvchat.errors import UserError, first_line, message
 from kvchat.history.loading import load_history
 from kvchat.ingest.batch_worker import (
     Finished,
@@ -43,6 +43,7 @@ from kvchat.ingest.pipeline import (
     validate,
     write_recall_entries_bytes,
 )
+from kvchat.messages import option
 from kvchat.model.device import usable_cores
 from kvchat.settings import read_options
 from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store, validate_name
@@ -92,16 +93,16 @@ def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = (), *, for
         try:
             found.append(HistorySource(validate_name(path.stem), path))
         except UserError as exc:
-            raise UserError(f"{exc} (from {path}); name it in a --manifest") from None
+            raise UserError(f"{message(exc)} (from {path}); name it in a {option('manifest')}") from None
     for manifest in manifests:
         found += read_manifest(manifest)
     if not found:
-        raise UserError("no histories: give history files or --manifest FILE")
+        raise UserError(f"no histories: give history files or {option('manifest', 'FILE')}")
     paths: dict[str, Path] = {}
     for source in found:
         if source.name in paths:
             raise UserError(f"two histories would be conversation {source.name!r} ({paths[source.name]} and "
-                            f"{source.path}); name them in a --manifest")  # fmt: skip
+                            f"{source.path}); name them in a {option('manifest')}")  # fmt: skip
         paths[source.name] = source.path
     return [dataclasses.replace(source, format=format, pick=pick) for source in found]
 
@@ -204,9 +205,9 @@ def ingest_batch(
     worker's ingest may use (default: the memory available on its node shared among the workers there)."""
     validate(config)
     if batch.threads < 1 or (batch.workers is not None and batch.workers < 1) or batch.attempts < 1:
-        raise UserError("--workers and --threads must be >= 1")
+        raise UserError(f"{option('workers')} and {option('threads')} must be >= 1")
     if max_memory is not None and max_memory < 1:
-        raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
+        raise UserError(f"{option('max_memory')} must be >= 1 MiB (got {max_memory})")
     progress = progress or BatchProgress()
     if not sources:
         return BatchReport([], 0, batch.threads, 0.0)
@@ -235,7 +236,7 @@ def gpu_share(device: DeviceConfig, gpus: float, workers: int) -> float:
     if device.device == "cpu" or (device.device == "auto" and not gpus):
         return 0
     if not gpus:
-        raise UserError("--device cuda: the Ray cluster has no GPU")
+        raise UserError(f"{option('device', 'cuda')}: the Ray cluster has no GPU")
     return min(1.0, gpus / workers)
 
 
@@ -244,7 +245,8 @@ def workers_for(batch: BatchConfig, cpus: int) -> int:
     would then wait on the others."""
     wanted = batch.workers or max(1, cpus // batch.threads)
     if wanted * batch.threads > cpus:
-        raise UserError(f"--workers {wanted} x --threads {batch.threads} needs {wanted * batch.threads} CPUs but "
+        raise UserError(f"{option('workers', wanted)} x {option('threads', batch.threads)} needs "
+                        f"{wanted * batch.threads} CPUs but "
                         f"{'Ray has' if batch.address else 'this machine has'} {cpus}: more threads than cores make "
                         "every worker wait on the others")  # fmt: skip
     return wanted
@@ -315,7 +317,7 @@ class _Workers:
             raise UserError(f"a worker died while loading the model ({first_line(exc)})") from None
         fingerprints = sorted({info.fingerprint for info in infos})
         if len(fingerprints) > 1:
-            raise UserError(f"workers loaded different models for --model {spec} ({', '.join(fingerprints)}): "
+            raise UserError(f"workers loaded different models for {option('model', spec)} ({', '.join(fingerprints)}): "
                             "install the same kvchat, transformers and model on every node")  # fmt: skip
         per_node = Counter(info.node for info in infos)
         self.shares = {h: per_node[info.node] for h, info in zip(self.handles, infos, strict=True)}
@@ -399,7 +401,7 @@ class _Driver:
         try:
             turns = load_history(source.path, format=source.format, pick=source.pick)
         except UserError as exc:
-            self._finish(index, source, "failed", 0, started, error=str(exc))
+            self._finish(index, source, "failed", 0, started, error=message(exc))
             return
         worker = self.idle.pop(0)
         job = HistoryJob(
@@ -445,7 +447,7 @@ class _Driver:
         try:
             self._step(running, step)
         except UserError as exc:  # the store refused: a name taken meanwhile, a full disk
-            self._fail(running, str(exc))
+            self._fail(running, message(exc))
         return None
 
     def _step(self, running: _Running, step: Any) -> None:

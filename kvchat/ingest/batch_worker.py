@@ -28,6 +28,7 @@ from kvchat.ingest.pipeline import (
     plan_ingest,
     recall_entries_writer,
 )
+from kvchat.messages import option
 from kvchat.model.device import resolve
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel, ModelIdentity, load_model, use_threads
@@ -165,7 +166,8 @@ class HistoryWorker:
                 yield Skipped()
                 return
             if not job.replace:
-                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use --replace")
+                raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use "
+                                f"{option('replace')}")
         if not job.force:
             shape = preflight.ModelShape.of(lm.model)
             preflight.check_fits(plan.estimated_peak_bytes, resident=shape.weight_bytes, available=available)

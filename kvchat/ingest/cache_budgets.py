@@ -15,6 +15,7 @@ from kvchat.kv.budgets import layer_budgets
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets, head_floor
 from kvchat.kv.methods import method
+from kvchat.messages import command
 from kvchat.model.llm import ChatLayout, LoadedModel
 from kvchat.settings_table import given
 
@@ -36,10 +37,11 @@ def resolve_layer_budgets(
     if strategy == "auto":
         strategy = "sensitivity" if profile else "uniform"
         if profile is None:
-            notes.append(f"no layer profile for {lm.spec}: uniform budgets (run `kvchat profile-layers` to make one)")
+            notes.append(f"no layer profile for {lm.spec}: uniform budgets (run `{command('profile-layers')}` to make "
+                         "one)")
     elif strategy == "sensitivity" and profile is None:
-        raise UserError(f"{given('layer_budgets', 'sensitivity')} needs a profile of {lm.spec}: run `kvchat "
-                        "profile-layers` first")
+        raise UserError(f"{given('layer_budgets', 'sensitivity')} needs a profile of {lm.spec}: run "
+                        f"`{command('profile-layers')}` first")
     alpha = cache.alpha if cache.alpha is not None else (profile.alpha if profile else 1.0)
     budgets = layer_budgets(
         strategy, lm.num_layers, cache.budget, sensitivity=profile.sensitivity if profile else None, alpha=alpha,
@@ -103,9 +105,9 @@ def prefill_mode(
     if entry.scorer is None or cache.prefill == "block":
         return "block"  # full KV evicts nothing: both ways build the same cache
     if entry.in_forward:
-        why_not = f"--method {entry.name} scores inside each block's forward"
+        why_not = f"{given('method', entry.name)} scores inside each block's forward"
     elif entry.routed:
-        why_not = f"--method {entry.name} prefills each episode's own turns, not the whole history"
+        why_not = f"{given('method', entry.name)} prefills each episode's own turns, not the whole history"
     elif strategy == "cake":
         why_not = "cake layer budgets come from each block's attention"
     elif window and history_tokens + ANSWER_ROOM > window:

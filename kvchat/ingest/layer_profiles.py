@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
-import shlex
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +22,8 @@ from transformers.cache_utils import CacheLayerMixin
 
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.config import ProfileSettings
-from kvchat.errors import UserError
+from kvchat.errors import UserError, message
+from kvchat.messages import command, option, setting
 from kvchat.model.llm import LoadedModel
 
 PROFILE_VERSION = 1
@@ -113,7 +113,7 @@ def profile_layers(
             f"({settings.budget + settings.block_size}) for eviction to happen"
         )
     if not 0 < settings.sink < settings.budget:
-        raise UserError(f"--sink must be within 1..budget-1 (got {settings.sink})")
+        raise UserError(f"{option('sink')} must be within 1..budget-1 (got {settings.sink})")
     full = _keys(lm, ids, None)
     blocked = _keys(lm, ids, block_prefill_mask(n, budget=settings.budget, block_size=settings.block_size,
                                                  sink=settings.sink, device=ids.device))
@@ -199,16 +199,17 @@ def find_indexmem(lm: LoadedModel, extra_dirs: Sequence[Path] = ()):
             try:
                 return TrainedIndexMem.load(path)
             except ValueError as exc:
-                raise UserError(f"{exc}; train another with `{train_command(lm.spec)}`") from None
+                raise UserError(f"{message(exc)}; train another with `{train_command(lm.spec)}`") from None
         others.append(f"{path.name} (weights {meta['weights'][:8]})")
     found = f"; found only: {', '.join(others)}" if others else ""
-    raise UserError(f"--method indexmem needs an indexer trained on {lm.spec}'s weights ({weights[0][:8]}){found}; "
+    raise UserError(f"{setting('method', 'indexmem')} needs an indexer trained on {lm.spec}'s weights "
+                    f"({weights[0][:8]}){found}; "
                     f"train one with `{train_command(lm.spec)}`")
 
 
 def train_command(spec: str) -> str:
-    """The command that trains IndexMem weights for the model `spec`."""
-    return "kvchat train-indexer" + ("" if spec == "default" else f" --model {shlex.quote(spec)}")
+    """The command that trains IndexMem weights for the model `spec` (a kvchat.messages reference)."""
+    return command("train-indexer") if spec == "default" else command("train-indexer", model=spec)
 
 
 def calibration_text() -> str:
@@ -225,7 +226,7 @@ def save_plot(profile: LayerProfile, path: Path, budget: int | None = None) -> N
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise UserError("--plot needs matplotlib: pip install 'kvchat[plot]'") from None
+        raise UserError(f"{option('plot')} needs matplotlib: pip install 'kvchat[plot]'") from None
     from kvchat.kv.budgets import sensitivity_budgets
 
     budget = budget or int(profile.settings.get("budget", ProfileSettings.budget))

@@ -47,6 +47,7 @@ from kvchat.kv.methods import (
     method,
 )
 from kvchat.kv.scoring import Scorer
+from kvchat.messages import option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel
 from kvchat.settings_table import given, named
@@ -60,13 +61,13 @@ def validate(config: IngestConfig) -> None:
     settings_table.check(config)
     if cache.block_size > cache.budget * 8 and cache.method != "full":
         raise UserError(
-            f"{given('block_size', cache.block_size)} is more than 8x --budget {cache.budget}: "
+            f"{given('block_size', cache.block_size)} is more than 8x {given('budget', cache.budget)}: "
             "peak memory would be dominated by the block"
         )
     if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
         raise UserError(
-            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; --method "
-            f"{cache.method} has none (use it with {', '.join(across_heads_methods())})"
+            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; "
+            f"{given('method', cache.method)} has none (use it with {', '.join(across_heads_methods())})"
         )
     if cache.alpha is not None and not 0 < cache.alpha <= 10:
         raise UserError(f"{named('alpha')} must be in (0, 10] (got {cache.alpha})")
@@ -229,7 +230,7 @@ def _new_name(history: str | os.PathLike | Sequence[Turn], name: str | None, sto
     if store is not None:  # a batch worker's driver checks its own store
         store.check_writable()
     if not replace and name in {c.name for c in store.conversations()}:
-        raise UserError(f"conversation '{name}' exists; use --replace")
+        raise UserError(f"conversation '{name}' exists; use {option('replace')}")
     return name
 
 
@@ -292,10 +293,10 @@ def _method(cache: CacheConfig, text: _History, planner: _Planner) -> CacheConfi
     kept = features.episode_budget(cache)  # M of each episode cache
     if method(cache.method).scorer is not None and kept <= text.protected:  # every layer's floor lies above it
         raise UserError(
-            f"--budget {cache.budget} must exceed the system prompt's {text.protected} tokens, which every "
-            "layer keeps; raise --budget" if kept == cache.budget else
-            f"--budget {cache.budget} leaves --method recall's episode caches {kept} entries, no more than "
-            f"the system prompt's {text.protected} tokens, which every layer keeps; raise --budget"
+            f"{given('budget', cache.budget)} must exceed the system prompt's {text.protected} tokens, which every "
+            f"layer keeps; raise {named('budget')}" if kept == cache.budget else
+            f"{given('budget', cache.budget)} leaves {given('method', 'recall')}'s episode caches {kept} entries, no "
+            f"more than the system prompt's {text.protected} tokens, which every layer keeps; raise {named('budget')}"
         )
     return cache
 
@@ -419,9 +420,9 @@ def _positions(cache: CacheConfig, total: int, planner: _Planner) -> str:
         planner.notes.append(f"the history ({total} tokens with the system prompt) now exceeds the model's window "
                              f"({lm.context_window}): the caches continue at compact positions")  # fmt: skip
     if method(cache.method).scorer is None and positions == "compact" and not cache.offload.enabled:
-        raise UserError(f"--method full keeps every entry at its own position, and the history ({total} tokens with "
-                        f"the system prompt) exceeds the model's window ({lm.context_window}); use a method with a "
-                        "budget (the default does), or --offload icecache")  # fmt: skip
+        raise UserError(f"{given('method', 'full')} keeps every entry at its own position, and the history ({total} "
+                        f"tokens with the system prompt) exceeds the model's window ({lm.context_window}); use a "
+                        f"method with a budget (the default does), or {given('offload', 'icecache')}")  # fmt: skip
     return positions
 
 
@@ -479,11 +480,11 @@ def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes:
     within, beyond = AUTO_METHODS
     if not window or history_tokens + ANSWER_ROOM <= window:
         if cache.recall.entries != RecallConfig.entries:
-            notes.append(f"--recall-entries {cache.recall.entries} is unused: the history fits the model's window, "
-                         f"so --method auto is {within}, which recalls nothing")
+            notes.append(f"{given('recall_entries', cache.recall.entries)} is unused: the history fits the model's "
+                         f"window, so {given('method', 'auto')} is {within}, which recalls nothing")
         return dataclasses.replace(cache, method=within)
     notes.append(f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window}): "
-                 f"--method {beyond}")
+                 f"{given('method', beyond)}")
     return dataclasses.replace(cache, method=beyond)
 
 
@@ -512,8 +513,8 @@ def _episodes(
                          f"{len(segments)} segment{'s' * (len(segments) != 1)} of {eps.segment_turns} turns")
     elif count > len(segments) and episodic:
         raise UserError(
-            f"--episodes {count} is more than the history's {len(segments)} segments of "
-            f"{eps.segment_turns} turns; use at most {len(segments)} (or leave --episodes out)"
+            f"{given('episodes', count)} is more than the history's {len(segments)} segments of "
+            f"{eps.segment_turns} turns; use at most {len(segments)} (or leave {named('episodes')} out)"
         )
     embedded = encoder.embed(segments, lambda done, total: step("embedding segments", done, total))
     step("clustering episodes", 0, 1)

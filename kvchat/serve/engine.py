@@ -222,7 +222,7 @@ class Engine:
             if self.config.preload:
                 self._preload()
         except Exception:  # the jobs will say what is wrong, one by one
-            _log.exception("kvchat serve: preloading failed")
+            _log.exception("kvchat server: preloading failed")
         finally:
             self._ready.set()
         while True:
@@ -239,7 +239,7 @@ class Engine:
                 job.succeed(result)
             except Exception as exc:  # the job's failure is its client's to see; the worker goes on
                 if not isinstance(exc, UserError):
-                    _log.exception("kvchat serve: %s failed", job.id)
+                    _log.exception("kvchat server: %s failed", job.id)
                 job.fail(exc)
             finally:
                 self._running = None
@@ -252,7 +252,7 @@ class Engine:
             try:
                 self._model(spec)
             except UserError as exc:
-                _log.warning("kvchat serve: cannot preload %s: %s", spec, exc)
+                _log.warning("kvchat server: cannot preload %s: %s", spec, exc)
 
     def _model(self, spec: str):
         """The model of `spec` with its Linear weights held as `config.weights`: it answers, and it builds the caches
@@ -367,11 +367,11 @@ class Engine:
         if request.append:
             record = self._record(request.name)
             report = append(request.turns, name=request.name, store=self._store_(), lm=self._model(record.model),
-                            encoder=self._encoder_(), progress=progress, source="<kvchat serve>")
+                            encoder=self._encoder_(), progress=progress, source="<kvchat server>")
         else:
             report = ingest(request.turns, store=self._store_(), lm=self._model(request.config.model),
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
-                            replace=request.replace, source="<kvchat serve>")
+                            replace=request.replace, source="<kvchat server>")
         self.forget(request.name)
         return report
 

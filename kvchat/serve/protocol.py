@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvchat.serve.engine import ChatRequest, Completion
+from kvchat.serve.spelling import spell
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
 
@@ -124,7 +125,7 @@ def completion_id() -> str:
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
     """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
     below the server's threshold), why the answer ended in kvchat's words (`finish_reason`: `refused` too),
-    timings, the turns `--method recall` recalled, and when the request asked for them the answer's `sources`."""
+    timings, the turns recall recalled, and when the request asked for them the answer's `sources`."""
     answer = completion.answer
     fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
               "off_topic": answer.off_topic, "finish_reason": completion.finish_reason,
@@ -133,7 +134,7 @@ def kvchat_fields(completion: Completion) -> dict[str, Any]:
         fields["replica"] = completion.replica
     if answer.sources is not None or answer.sources_note is not None:
         fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
-        fields["sources_note"] = answer.sources_note
+        fields["sources_note"] = None if answer.sources_note is None else spell(answer.sources_note)
     return fields
 
 

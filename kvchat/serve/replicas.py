@@ -27,6 +27,7 @@ from typing import Any
 from kvchat.config import ServeConfig
 from kvchat.errors import UserError
 from kvchat.ingest.batch import import_ray, ray_session
+from kvchat.messages import option
 from kvchat.serve.engine import ChatRequest, Closed, Completion, Engine, IngestRequest, QueueFull
 from kvchat.serve.jobs import RUNNING, Job
 
@@ -161,7 +162,7 @@ class ReplicaEngine:
             call.cancel()
             job.fail(Closed("cancelled"))
         except Exception as exc:  # the replica died or Ray failed: the client sees a 500, the log says why
-            _log.exception("kvchat serve: %s failed on its replica", job.id)
+            _log.exception("kvchat server: %s failed on its replica", job.id)
             job.fail(exc)
         finally:
             with self._lock:
@@ -205,13 +206,13 @@ def replica_engine(home: Path, config: ServeConfig, replicas: int) -> Iterator[R
     """A local Ray running `replicas` replicas of the engine over `home`, each with `config.threads` torch
     threads (default: the cores shared out); Ray Serve and Ray are shut down when the block ends, whatever ends it."""
     if replicas < 1:
-        raise UserError(f"--replicas must be >= 1 (got {replicas})")
+        raise UserError(f"{option('replicas')} must be >= 1 (got {replicas})")
     ray = import_ray()
     try:
         from ray import serve
         from ray.serve.config import RequestRouterConfig
     except ImportError:
-        raise UserError(f"kvchat serve --replicas needs Ray Serve: {INSTALL_HINT}") from None
+        raise UserError(f"{option('replicas')} needs Ray Serve: {INSTALL_HINT}") from None
     from kvchat.model.device import usable_cores
 
     threads = config.threads or max(1, usable_cores() // replicas)

@@ -17,6 +17,7 @@ import uvicorn
 
 from kvchat.config import ServeConfig, default_home
 from kvchat.errors import UserError
+from kvchat.messages import option
 from kvchat.serve.announcement import ANNOUNCEMENT, remove_announcement, write_announcement
 from kvchat.serve.app import create_app
 from kvchat.serve.engine import ServingEngine
@@ -41,7 +42,7 @@ class Server(uvicorn.Server):
         try:
             write_announcement(self.home, self.url)
         except OSError as exc:  # a read-only home still serves; `kvchat ask` just cannot find it by itself
-            _log.warning("kvchat serve: cannot write %s: %s", self.home / ANNOUNCEMENT, exc)
+            _log.warning("kvchat server: cannot write %s: %s", self.home / ANNOUNCEMENT, exc)
         if self.on_ready is not None:
             self.on_ready(self.url)
 
@@ -93,7 +94,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (--host, --port)") from None
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc} ({option('host')}, "
+                        f"{option('port')})") from None
     return sock
 
 

@@ -12,7 +12,6 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/stor
 from __future__ import annotations
 
 import json
-import shlex
 import sqlite3
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ import sqlite_utils
 
 from kvchat.errors import CacheIntegrityError as CacheIntegrityError  # raised by `loading`, named here too
 from kvchat.errors import UserError
+from kvchat.messages import command, option
 from kvchat.settings import rebuild_command
 from kvchat.store import doctor, loading, recovery
 from kvchat.store.asklog import MAX_LISTED, AskEntry, LoggedAsk, ask_row, read_asks
@@ -288,7 +288,7 @@ class Store:
         self.check_writable()
         row = self._row(name)
         if not replace and row is not None:
-            raise UserError(f"conversation {_show(name)} exists; use --replace")
+            raise UserError(f"conversation {_show(name)} exists; use {option('replace')}")
         if expect is not None and (row is None or row["ingest_id"] != expect):
             raise ConversationChanged(_show(name))
         return PendingConversation(self, name, replace, write_file=_write_file, expect=expect)
@@ -309,7 +309,7 @@ class Store:
         with self._db.atomic():
             row = self._row(name)
             if row is None:
-                raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
+                raise UserError(f"unknown conversation {_show(name)} (see `{command('list')}`)")
             episodes = self._episode_rows(name)
         return self._record(row, episodes)
 
@@ -318,7 +318,7 @@ class Store:
         with self._db.atomic():
             rows = list(self._db.query("select * from conversations order by created_at desc, name limit 1"))
             if not rows:
-                raise UserError("no conversations yet; run `kvchat ingest HISTORY` first")
+                raise UserError(f"no conversations yet; run `{command('ingest', 'HISTORY')}` first")
             episodes = self._episode_rows(rows[0]["name"])
         return self._record(rows[0], episodes)
 
@@ -382,7 +382,7 @@ class Store:
             with self._write_lock() as db:
                 row = self._row(name)
                 if row is None and ingest_id is None:
-                    raise UserError(f"unknown conversation {_show(name)} (see `kvchat list`)")
+                    raise UserError(f"unknown conversation {_show(name)} (see `{command('list')}`)")
                 if row is None or ingest_id not in (None, row["ingest_id"]):
                     return None
                 versions = [name_dir / row["ingest_id"]] if ingest_id is not None else _version_dirs(name_dir)
@@ -426,7 +426,7 @@ class Store:
             record = ConversationRecord(name, row["created_at"], row["model"], row["fingerprint"],
                                         json.loads(row["settings"]), {}, [])  # fmt: skip
         except (TypeError, ValueError, KeyError):  # no row, or a damaged one
-            return shlex.join(["kvchat", "ingest", "HISTORY", "--name", name] + (["--replace"] if replace else []))
+            return command("ingest", "HISTORY", name=name, **({"replace": True} if replace else {}))
         return _reingest_command(record, replace=replace)
 
     # ----- a conversation's files

@@ -16,7 +16,15 @@ from kvchat.store.asklog import MAX_LISTED
 from kvchat.store.errors import DamagedDatabase, database_error
 from kvchat.store.files import FileMismatch, verify_file, without_links
 from kvchat.store.layout import show
-from kvchat.store.leftovers import ORPHAN_GRACE_S, Problem, delete_leftovers, delete_trees, leftovers, model_leftovers
+from kvchat.store.leftovers import (
+    FIX,
+    ORPHAN_GRACE_S,
+    Problem,
+    delete_leftovers,
+    delete_trees,
+    leftovers,
+    model_leftovers,
+)
 from kvchat.store.manifest import MANIFEST_NAME
 from kvchat.store.reindex import newer_than_listed, unlisted_versions
 
@@ -68,7 +76,7 @@ def check(store: Store, *, embedding_dimension: int | None = None) -> list[Probl
                 shown = _SHOWN.get(what, f" {what}")
                 problems.append(Problem(
                     kind, conversation.name, episode, path,
-                    f"conversation {show(conversation.name)}{where}{shown} {wrong}; --fix removes the conversation",
+                    f"conversation {show(conversation.name)}{where}{shown} {wrong}; {FIX} removes the conversation",
                 ))  # fmt: skip
     if problems:  # an `rm` or `--replace` may have retired those files while we hashed them
         current = {(c.name, path) for c in store.conversations() for path, *_ in c.files()}
@@ -78,8 +86,8 @@ def check(store: Store, *, embedding_dimension: int | None = None) -> list[Probl
     problems += [
         Problem("unlisted", None, None, v.path,
                 f"conversation {show(v.name)} in {v.path} is missing from kvchat.db or listed in an older version (a "
-                "missing, older or restored database); --fix lists it again from its manifest, as the next command "
-                "does")
+                f"missing, older or restored database); {FIX} lists it again from its manifest, as the next "
+                "command does")
         for v in newer_than_listed(unlisted_versions(store.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
     ]  # fmt: skip
     return problems + leftovers_of(store, grace_s=ORPHAN_GRACE_S) + special_profiles(store.home / "profiles")
@@ -97,7 +105,7 @@ def special_profiles(directory: Path) -> list[Problem]:
         if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             found.append(Problem("special-file", None, None, path,
                                  f"{path} is not a regular file but a {file_type(mode)}: ingest refuses it; "
-                                 "--fix removes it"))  # fmt: skip
+                                 f"{FIX} removes it"))  # fmt: skip
     return found
 
 
@@ -153,7 +161,8 @@ def _centroid_problems(store: Store, dimension: int) -> list[Problem]:
             problems.append(Problem(
                 "centroids", c.name, 0, c.episodes[0].path,
                 f"conversation {show(c.name)} has episode centroids of {'/'.join(map(str, lengths))} numbers where "
-                f"the encoder's embeddings have {dimension}: no question can be routed; --fix removes the conversation",
+                f"the encoder's embeddings have {dimension}: no question can be routed; {FIX} removes the "
+                "conversation",
             ))  # fmt: skip
     return problems
 

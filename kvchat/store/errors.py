@@ -11,10 +11,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kvchat.errors import KvchatError, UserError
+from kvchat.messages import command
 from kvchat.store.files import is_disk_full, nearly_full
 
 BUSY_TIMEOUT_MS = 30_000
-FREES_SPACE = "`kvchat rm NAME` and `kvchat doctor --fix` still run on a full disk"
+FREES_SPACE = f"`{command('rm', 'NAME')}` and `{command('doctor', fix=True)}` still run on a full disk"
 
 _DECODE_RE = re.compile(r"Could not decode to UTF-8 column '([^']*)'")
 
@@ -26,8 +27,8 @@ class DamagedDatabase(UserError):
     def __init__(self, db_path: Path, what: str) -> None:
         self.what = " ".join(what.split())[:200]
         super().__init__(
-            f"{db_path} is damaged ({self.what}); `kvchat doctor` says what can be rebuilt from the cache files, "
-            "`kvchat doctor --fix` rebuilds it (keeping the damaged file)"
+            f"{db_path} is damaged ({self.what}); `{command('doctor')}` says what can be rebuilt from the cache "
+            f"files, `{command('doctor', fix=True)}` rebuilds it (keeping the damaged file)"
         )
 
 

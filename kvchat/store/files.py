@@ -26,6 +26,7 @@ from kvchat.checked_files import check_safetensors_header as check_safetensors_h
 from kvchat.checked_files import open_regular as open_regular
 from kvchat.checked_files import read_bounded as read_bounded
 from kvchat.errors import UserError
+from kvchat.messages import setting
 
 _TMP_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]+")
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -107,7 +108,8 @@ def is_disk_full(e: BaseException) -> bool:
 
 def disk_full(where: Path) -> UserError:
     """The environment, not a bug: one line (exit 2) that says what to do."""
-    return UserError(f"no space left on device while writing caches to {where}: free space or lower --budget")
+    return UserError(f"no space left on device while writing caches to {where}: free space or lower "
+                     f"{setting('budget')}")
 
 
 def wal_index_fits(db_path: Path) -> bool:

@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.checked_files import read_safetensors_header
+from kvchat.messages import option
 from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
 from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from
 from kvchat.store.manifest import manifest_of
 
 ORPHAN_GRACE_S = 60.0
+FIX = option("fix")  # what repairs a problem: a message's reference (kvchat.messages) to `doctor --fix`
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def model_leftovers(models_dir: Path) -> list[Problem]:
     """Temp dirs of model conversions that died (a first GGUF conversion killed: hundreds of MiB), and held weights
     no process will read again (`stale_held_weights`)."""
     return [
-        Problem("stale-temp", None, None, path, f"temp dir of a model conversion that died: {path}; --fix deletes it")
+        Problem("stale-temp", None, None, path, f"temp dir of a model conversion that died: {path}; {FIX} deletes it")
         for path in dead_temp_dirs(models_dir)
     ] + stale_held_weights(models_dir)
 
@@ -98,7 +100,7 @@ def stale_held_weights(models_dir: Path) -> list[Problem]:
             continue
         why = _why_stale(path, torch_version)
         if why is not None:
-            found.append(Problem("stale-held", None, None, path, f"held weights {path} {why}; --fix deletes them "
+            found.append(Problem("stale-held", None, None, path, f"held weights {path} {why}; {FIX} deletes them "
                                  "(they are written again when next needed)"))  # fmt: skip
     return found
 
@@ -204,7 +206,7 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
     cutoff = time.time() - grace_s if grace_s > 0 else None
 
     def leftover(kind: str, path: Path, what: str) -> None:
-        found.append(Problem(kind, None, None, path, f"{what}: {path}; --fix deletes it"))
+        found.append(Problem(kind, None, None, path, f"{what}: {path}; {FIX} deletes it"))
 
     for entry in _entries(caches_dir):
         pid = temp_writer_pid(entry)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvchat.checked_files import read_safetensors_header
 from kvchat.errors import UserError
+from kvchat.messages import setting
 from kvchat.store.files import FileMismatch, check_safetensors_header, read_verified, verify_file
 from kvchat.store.layout import show
 from kvchat.store.records import EpisodeRecord, FileRecord
@@ -69,7 +70,7 @@ def load_pages(
     """An episode's pages file (kvchat.kv.pagefile) as `FileRows` (kvchat.kv.tensorfile) and its metadata
     (`open_side_file`)."""
     if record.pages is None:
-        raise refuse("does not exist: the conversation was ingested without --offload")
+        raise refuse(f"does not exist: the conversation was ingested without {setting('offload')}")
     tensors, metadata = open_side_file(record.pages, fingerprint, caches_dir=caches_dir, refuse=refuse,
                                        what="pages file")  # fmt: skip
     # FileRows stand in for the pages' tensors (torch functions read them whole through __torch_function__)

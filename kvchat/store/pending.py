@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
+from kvchat.messages import option
 from kvchat.store.errors import ConversationChanged, database_error
 from kvchat.store.files import (
     crash_point,
@@ -224,7 +225,7 @@ class PendingConversation:
             with store._write_lock() as db:
                 row = store._row(self.name)
                 if row is not None and not self.replace:
-                    raise UserError(f"conversation {show(self.name)} exists; use --replace")
+                    raise UserError(f"conversation {show(self.name)} exists; use {option('replace')}")
                 old_ingest = row["ingest_id"] if row is not None else None
                 if self.expect is not None and old_ingest != self.expect:  # compare-and-swap: no lost update
                     raise ConversationChanged(show(self.name))

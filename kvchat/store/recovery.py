@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import shutil
 import sqlite3
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from kvchat.messages import command, option
 from kvchat.settings import rebuild_command
 from kvchat.store.asklog import ASK_FIELDS
 from kvchat.store.errors import BUSY_TIMEOUT_MS
@@ -151,12 +151,12 @@ def damage_problems(home: Path, damage: str) -> list[Problem]:
     restores = ", ".join(f"{show(r.document['name'])} (from {r.source})" for r in plan.restorable)
     problems = [Problem(
         "database", None, None, db_path,
-        f"{db_path} is damaged ({damage}); --fix moves it aside (kept) and rebuilds it, restoring "
+        f"{db_path} is damaged ({damage}); {option('fix')} moves it aside (kept) and rebuilds it, restoring "
         f"{restores or 'no conversation'}; {_asks_summary(plan)}",
     )]  # fmt: skip
     problems += [
         Problem("lost", item.name, None, item.ingest_dir or home / CACHES_DIR / item.name,
-                f"{item.describe()}; --fix keeps its files aside; re-ingest it with `{item.rebuild}`")
+                f"{item.describe()}; {option('fix')} keeps its files aside; re-ingest it with `{item.rebuild}`")
         for item in plan.lost
     ]  # fmt: skip
     return problems + model_leftovers(home / MODELS_DIR)
@@ -276,7 +276,7 @@ def _command_from_row(row: dict) -> str | None:
 
 
 def _generic_command(name: str) -> str:
-    return shlex.join(["kvchat", "ingest", "HISTORY", "--name", name]) + " (with the settings you built it with)"
+    return command("ingest", "HISTORY", name=name) + " (with the settings you built it with)"
 
 
 def _ingest_dirs(caches_dir: Path) -> list[Path]:

@@ -25,6 +25,7 @@ from kvchat.errors import UserError
 from kvchat.history.loading import Turn, format_turns, load_history
 from kvchat.history.synthetic import planted_conversation
 from kvchat.ingest.layer_profiles import calibration_text
+from kvchat.messages import option
 from kvchat.model.llm import ChatLayout, LoadedModel
 
 DEFAULT_SOURCES = ("chitchat", "synthetic", "calibration")
@@ -74,7 +75,7 @@ def make_chunks(lm: LoadedModel, config: TrainConfig, files: Sequence[Path] = ()
         train += [Chunk(torch.cat([prefix, ids]), prefix.shape[0], name) for ids in take[: len(take) - held_n]]
     train, held = train[: config.train_chunks], held[: config.held_out_chunks]
     if not train:
-        raise UserError("no training text: give --data files with at least a chunk of text")
+        raise UserError(f"no training text: give {option('data')} files with at least a chunk of text")
     return train, held, list(pools)
 
 

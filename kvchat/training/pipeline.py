@@ -27,6 +27,7 @@ from kvchat.kv import families
 from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
+from kvchat.messages import option
 from kvchat.model.llm import LoadedModel
 from kvchat.training.checkpoints import restore_checkpoint, save_checkpoint
 from kvchat.training.chunks import data_hash, make_chunks
@@ -92,9 +93,9 @@ def train(
 ) -> TrainReport:
     """Train the stages `config.stage` asks for and write the weights file `out` (see the module docstring)."""
     if config.stage not in TRAIN_STAGES:
-        raise UserError(f"unknown --stage {config.stage!r} (choose from {', '.join(TRAIN_STAGES)})")
+        raise UserError(f"unknown {option('stage')} {config.stage!r} (choose from {', '.join(TRAIN_STAGES)})")
     if config.steps < 1:
-        raise UserError(f"--steps must be >= 1 (got {config.steps})")
+        raise UserError(f"{option('steps')} must be >= 1 (got {config.steps})")
     _check_window(lm, config)
     progress = progress or TrainProgress()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -167,7 +168,7 @@ def _check_window(lm: LoadedModel, config: TrainConfig) -> None:
     window = families.sliding_window(lm.model.config)
     if window is not None and config.chunk_tokens > window:
         raise UserError(f"{lm.spec} has sliding-window attention layers of {window} tokens: train on chunks of at "
-                        f"most {window} (--chunk-tokens), not {config.chunk_tokens}")
+                        f"most {window} ({option('chunk_tokens')}), not {config.chunk_tokens}")
 
 
 def _check_memory_budgets(config: TrainConfig, sink: int) -> None:
@@ -175,19 +176,20 @@ def _check_memory_budgets(config: TrainConfig, sink: int) -> None:
     small = [b for b in config.memory_budgets if b <= sink]
     if small:
         raise UserError(f"memory budgets {', '.join(map(str, small))} must exceed the system prompt's {sink} tokens, "
-                        "which every layer keeps; raise them (--memory-budgets)")
+                        f"which every layer keeps; raise them ({option('memory_budgets')})")
 
 
 def _previous(out: Path, weights: str) -> TrainedIndexMem:
     """The indexer `--stage memory` builds on: the one at `out`, trained on these weights."""
     if not out.is_file():
-        raise UserError(f"--stage memory trains on an indexer: {out} does not exist (run --stage indexer first)")
+        raise UserError(f"{option('stage', 'memory')} trains on an indexer: {out} does not exist (run "
+                        f"{option('stage', 'indexer')} first)")
     try:
         trained = TrainedIndexMem.load(out)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     if trained.weights != weights:
-        raise UserError(f"{out} was trained on other weights ({trained.weights[:8]}); run --stage both")
+        raise UserError(f"{out} was trained on other weights ({trained.weights[:8]}); run {option('stage', 'both')}")
     return trained
 
 

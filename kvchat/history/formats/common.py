@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvchat.errors import UserError
+from kvchat.messages import option
 
 # Sanity limits, not model limits (the caller handles token budgets): they keep a wrong file
 # (a disk image, a log dump) from eating all memory before we can say what is wrong.
@@ -108,11 +109,12 @@ def choose(titles: Sequence[str | None], pick: Pick, source: str, kind: str) -> 
             return [0]
         if not any(titles):
             raise one_line(source, f"holds {count} {kind} conversations; choose one by number "
-                           "(ingest --pick 2) or --pick all")
+                           f"(ingest {option('pick', 2)}) or {option('pick', 'all')}")
         shown = "; ".join(f"{i + 1} {quote(t, 30) if t else '(untitled)'}" for i, t in enumerate(titles[:3]))
         example = quote(next(t for t in titles if t), 30)
         raise one_line(source, f"holds {count} {kind} conversations ({shown}{', ...' if count > 3 else ''}); "
-                       f"choose one by number or title (ingest --pick 2, --pick {example}) or --pick all")
+                       f"choose one by number or title (ingest {option('pick', 2)}, {option('pick', example)}) or "
+                       f"{option('pick', 'all')}")
     if isinstance(pick, bool) or not isinstance(pick, int | str):
         raise one_line(source, f"pick is {type_name(pick)} (expected a number, a title or \"all\")")
     if isinstance(pick, str) and pick.strip().lower() == "all":
