@@ -51,7 +51,7 @@ MEANINGS = {
                     "prefilled), per layer and KV head, a turn counting when any of its tokens is there",
     "evidence_half": "the same, a turn counting when at least half of its tokens are there",
     "nll": "the gold answer's mean per-token negative log-likelihood (nats), teacher forced after the row's context "
-           "and question; its interval and the others' in --json (kvchat.eval.memory_metrics)",
+           "and question; its interval and the others' in the JSON records (kvchat.eval.memory_metrics)",
     "recovery": "oracle-gain recovery: (NLL with no history - the row's NLL) / (NLL with no history - NLL with the "
                 "evidence turns alone prefilled); 1.0 holds as much as the evidence alone",
     "peak_layer_entries": "most KV entries one layer held at once while ingesting",
