@@ -432,7 +432,7 @@ class _Driver:
         try:
             step = self.ray.get(call)
         except errors.RayTaskError as exc:  # the ingest raised: the history's own failure
-            self._fail(running, str(_as_user_error(exc)))
+            self._fail(running, message(_as_user_error(exc)))
             return None
         except errors.RayError as exc:  # the worker died, or its node, or what it sent was lost
             self._abort(running)
@@ -503,7 +503,7 @@ def _as_user_error(exc: BaseException) -> UserError:
     """A worker's exception as one line: its own message for a user mistake, else named as internal."""
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, UserError):
-        return UserError(str(cause))
+        return UserError(message(cause))
     return UserError(f"internal error: {type(cause).__name__}: {first_line(cause)}")
 
 
