@@ -26,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.model.cores import usable_cores
+
 ALLOW_ENV = "KVCHAT_BENCH_ALLOW_BUSY"
 BASE_LOAD = 0.5  # other work the 1-minute load may show: half a core...
 LOAD_PER_CORE = 0.05  # ...and a little a core for what an idle machine runs
@@ -113,20 +115,6 @@ def check(allowed: bool) -> Load:
         raise SystemExit(2)
     return load
 
-
-def usable_cores() -> int:
-    """kvchat.model.device.usable_cores, which imports torch: this module must not (cold_start.py times the
-    imports of its children)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # absent, or "max": no quota
-        pass
-    return cores
 
 
 def _busy_processes() -> tuple[tuple[str, ...], bool]:

@@ -40,8 +40,9 @@ import torch
 from _load import Load, checked  # benchmarks/ is on sys.path
 
 from kvchat.answer import recall
+from kvchat.answer.decoding import Detokenizer
 from kvchat.answer.rag import RagIndex
-from kvchat.answer.session import Detokenizer, Session
+from kvchat.answer.session import Session
 from kvchat.config import AskConfig, EvalConfig, IngestConfig, default_home
 from kvchat.eval.gold import bootstrap_interval, paired_difference
 from kvchat.eval.qa import load_locomo, score_answer

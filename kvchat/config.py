@@ -9,6 +9,7 @@ from pathlib import Path
 
 import platformdirs
 
+from kvchat.errors import UserError
 from kvchat.kv.config import (  # the KV core's settings, re-exported: import them from here
     CACHE_PRECISIONS as CACHE_PRECISIONS,
 )
@@ -73,6 +74,7 @@ from kvchat.kv.config import (
     RecallConfig as RecallConfig,
 )
 from kvchat.kv.methods import METHODS  # the method registry; EvalConfig runs them all by default
+from kvchat.messages import option
 
 # how the model's Linear weights are held (model.int8_weights, model.int4_weights) while answering and while
 # ingest builds caches; auto: int4 on a CPU where the decoder's weights already are 4-bit groups (the embedded
@@ -177,9 +179,19 @@ class IngestConfig:
     instruction: str = EPISODE_INSTRUCTION
 
 
+# A resumable ingest (kvchat.ingest.units) checkpoints an episode's prefill every 1/CHECKPOINTS of all its blocks, so a
+# kill loses at most that share of them, but never more often than every CHECKPOINT_MIN_BLOCKS blocks: a checkpoint
+# (an episode cache encoded, hashed, written and fsync'd: about 0.1 s for the embedded model's at the defaults) then
+# costs under 1% of the 8 blocks before it on a CPU (about 1-2 s each at the default block of 512 tokens).
+CHECKPOINTS = 200
+CHECKPOINT_MIN_BLOCKS = 8
+RAY_CHUNK_SPLIT = 4  # `ingest --ray`: the recall chunks left are cut into this many ranges per worker
+
+
 @dataclass(frozen=True)
 class BatchConfig:
-    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.ingest.batch)."""
+    """`kvchat ingest-batch`: Ray workers, each ingesting one history at a time (kvchat.ingest.batch); `kvchat ingest
+    --ray`: one history's units of work spread over them (kvchat.ingest.batch_units)."""
 
     workers: int | None = None  # None: the CPUs Ray has (a local Ray: this machine's usable cores) / threads
     threads: int = 1            # torch threads per worker; workers x threads never exceed the CPUs
@@ -194,12 +206,50 @@ ECHO_WORDS = 3  # an answer spelling out the question's first this many words re
 ECHO_RETRIES = 3  # times an answer's decoding goes back before such words, at most
 
 
+# What the question's user turn says ("{question}" is the question). Every answer path uses it: `kvchat ask`, the
+# REPL, `kvchat serve`, `kvchat eval` and the benchmarks (kvchat.answer.decoding). The CLI's until now, kept until
+# benchmarks/answer_defaults.py's measurement on LoCoMo and planted-fact histories chooses (it is not yet run).
+QUESTION_TEMPLATE = "{question}"
+# An answer's own tokens' scores divided by this (CTRL's penalty; 1.0: off). 1.1: on planted-fact histories in three
+# export styles it keeps the answers as right as without it and no answer loops (22% looped without it;
+# benchmarks/results/answer_defaults_planted.md).
+REPETITION_PENALTY = 1.1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How each answer token is chosen (kvchat.model.sampling). Greedy by default: the same question gets the same
+    answer; a temperature above 0 samples, from the smallest set of tokens holding `top_p` of the probability,
+    with `seed` for a repeatable draw (None: a fresh one each answer)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = REPETITION_PENALTY
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often a token is in the answer already
+    presence_penalty: float = 0.0   # OpenAI's: minus this once a token is in the answer
+
+    def __post_init__(self) -> None:
+        """Settings no answer can be decoded with are refused when made, in one line naming the setting."""
+        bounds = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "repetition_penalty": (1.0, 2.0),
+                  "frequency_penalty": (-2.0, 2.0), "presence_penalty": (-2.0, 2.0)}  # fmt: skip
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            if not low <= value <= high or (name == "top_p" and value == 0.0):
+                within = "(0, 1]" if name == "top_p" else f"{low:g}..{high:g}"
+                raise UserError(f"{option(name)} must be within {within} (got {value:g})")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise UserError(f"the sampling seed must be within 0..2^63-1 (got {self.seed})")  # `seed` names ingest's
+
+
 @dataclass(frozen=True)
 class AskConfig:
     max_new_tokens: int = 64
     # An answer that repeats the question's opening words is decoded again from before them (kvchat.model.echo).
     echo_guard: bool = True
-    question_template: str = "{question}"  # what the user turn says; evaluation wraps LoCoMo's QA prompt
+    question_template: str = QUESTION_TEMPLATE  # what the user turn says
+    sampling: Sampling = Sampling()
+    system: str | None = None   # the user's own instructions: a system turn after the conversation, before the question
     retrieve: int | None = None  # --offload conversations: entries per layer and KV head read from the pages
                                  # (R); None = the conversation's own (OffloadConfig.retrieve at ingest)
     weights: str = WEIGHTS  # auto | float (as loaded) | int8 (per channel) | int4 (groups of 32): WEIGHT_MODES
@@ -246,8 +296,8 @@ class EvalConfig:
                                        # minus ANSWER_ROOM, so full KV stays inside the window
     questions: int | None = None       # per conversation, spread evenly over the file; None = all
     categories: tuple[int, ...] = (1, 2, 3, 4)  # LoCoMo categories; 5 (adversarial) only when asked
-    max_new_tokens: int = 32           # LoCoMo answers are short phrases
-    question_template: str = LOCOMO_QA_TEMPLATE
+    max_new_tokens: int = AskConfig.max_new_tokens  # answers as `kvchat ask` gives them (kvchat.answer.decoding)
+    question_template: str = AskConfig.question_template
     synthetic_topics: int = 6          # planted-fact set (--synthetic): topics per conversation
     synthetic_turns_per_topic: int = 48
     against: str = "auto"              # full: answers compared with full KV's; gold: scored against the gold
@@ -255,8 +305,14 @@ class EvalConfig:
                                        # that does not fit the model's window, else full
     chunk_tokens: int = RagConfig.chunk_tokens  # against gold: the rag baseline's chunk size
     echo_guard: bool = AskConfig.echo_guard  # every system's answers, rag's too (kvchat.model.echo)
+    sampling: Sampling = Sampling()    # how answer tokens are chosen, as `kvchat ask` chooses them
     weights: str = WEIGHTS  # the Linear weights caches are built and answers decoded with, as `kvchat ingest` and
                             # `kvchat ask` hold them (--weights)
+
+    def answering(self) -> AskConfig:
+        """How every system's answers are decoded: as `kvchat ask` decodes them (kvchat.answer.decoding)."""
+        return AskConfig(max_new_tokens=self.max_new_tokens, question_template=self.question_template,
+                         echo_guard=self.echo_guard, sampling=self.sampling)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -272,11 +328,16 @@ class ProfileSettings:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    """`kvchat serve` (kvchat.serve): one process keeping the model, the encoder and recent episode caches warm."""
+    """`kvchat serve` (kvchat.serve): one process keeping the model, the encoder and recent episode caches warm.
+    What a client may and may not do with these settings: docs/serve.md, "Threat model"."""
 
     host: str = "127.0.0.1"     # loopback only unless asked: the API reads every stored conversation
     port: int = 8000
-    api_key: str | None = None  # when set, every request but /kvchat/health needs `Authorization: Bearer KEY`
+    api_key: str | None = None  # when set, every request but a bare /kvchat/health needs `Authorization: Bearer KEY`
+    allowed_hosts: tuple[str, ...] = ()  # Host header names accepted beside loopback's and the bound address (DNS
+                                         # rebinding: any other name is refused); "*" accepts any
+    model: str = "default"      # what POST /kvchat/ingest builds new conversations with (an append: the conversation's)
+    history_dir: str | None = None  # POST /kvchat/ingest may read history files from this directory only (None: none)
     max_memory: int = 2**30     # bytes of episode caches kept resident (least recently used dropped first)
     queue_size: int = 8         # answers waiting behind the running one; one more is refused with 429
     max_body_bytes: int = 2**20  # larger request bodies are refused with 413
@@ -287,5 +348,16 @@ class ServeConfig:
     weights: str = WEIGHTS      # answers' and ingest's Linear weights, as `kvchat ask --weights`
     preload: bool = True        # load the stored conversations' models and the encoder at start, not at the first ask
     log: bool = True            # record answers in `kvchat logs`
-    shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this are cut
+    shutdown_grace_s: float = 10.0  # on SIGTERM, answers still streaming after this end with an error event
+    keepalive_s: float = 5.0    # a stream waiting for its next event sends a comment this often, so a client can
+                                # tell a slow answer from a stopped server (ClientConfig.read_timeout_s)
     replicas: int | None = None  # None: one worker thread in the app's process; N: N Ray Serve replicas
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """`kvchat ask` through a server (kvchat.serve.client): how long it waits before it calls the server dead."""
+
+    connect_timeout_s: float = 5.0  # to open the connection (a host that drops packets)
+    read_timeout_s: float = 30.0    # the longest silence accepted in a reply; a live server's stream is never silent
+                                    # longer than ServeConfig.keepalive_s

@@ -119,7 +119,7 @@ def show(record) -> dict[str, Any]:
     """`kvchat show NAME --json`: the `list` fields, what the ingest reported under the `ingest` document's keys
     (`history_tokens`, `budgets`, `timings_ms`, ...), the settings, and the episodes with their topic labels.
     `stats` is the stored report as recorded (its `episodes` a count, `seconds`): kept for schema 1 only."""
-    from kvchat.history.episodes import topic_labels
+    from kvchat.history.topics import topic_labels
 
     labels = topic_labels([e.medoid_text for e in record.episodes])
     segments = record.stats.get("episode_segments") or []

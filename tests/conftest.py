@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
+import subprocess
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -194,6 +198,34 @@ def centroid(*values: float) -> list[float]:
     from kvchat.model.encoder import embedding_dimension
 
     return [*values, *[0.0] * ((embedding_dimension() or 384) - len(values))]
+
+
+@pytest.fixture
+def read_only(tmp_path: Path) -> Iterator:
+    """Makes a dir read-only for this process: a read-only bind mount as root (root writes through any
+    permission bits), file modes otherwise. Returns the path to use."""
+    mounts: list[Path] = []
+    chmodded: list[Path] = []
+
+    def make(path: Path) -> Path:
+        if os.geteuid() != 0:
+            for p in [path, *path.rglob("*")]:
+                p.chmod(p.stat().st_mode & ~0o222)
+                chmodded.append(p)
+            return path
+        view = tmp_path / f"ro-{uuid.uuid4().hex[:8]}"
+        view.mkdir()
+        if subprocess.run(["mount", "--bind", str(path), str(view)], capture_output=True).returncode:
+            pytest.skip("needs a read-only bind mount (root with CAP_SYS_ADMIN) or a non-root user")
+        mounts.append(view)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True, capture_output=True)
+        return view
+
+    yield make
+    for view in mounts:
+        subprocess.run(["umount", "--lazy", str(view)], check=True)
+    for p in chmodded:
+        p.chmod(p.stat().st_mode | 0o200)
 
 
 @contextlib.contextmanager

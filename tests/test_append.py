@@ -263,15 +263,25 @@ def test_cli_appends_a_single_new_turn(tmp_path, halves, tiny_model_dir):
 
 
 def test_appending_the_same_file_twice_says_so(tmp_path, halves, tiny_model_dir):
+    """Right after it, the file's turns are the conversation's last: nothing is appended. After other turns, they
+    are appended again, and the note says they are now in it twice."""
     first, second = halves
     home = tmp_path / "home"
     assert run_main(home, "ingest", str(first), "--name", "chat", "--model", str(tiny_model_dir), "--budget", "64",
                     "--setting", "block_size=32", "--episodes", "2").returncode == 0
     once = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
     assert once.returncode == 0 and not any("before" in n for n in json.loads(once.stdout)["notes"])
+    turns = Store(home).get("chat").stats["turns"]
     twice = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
     assert twice.returncode == 0, twice.stderr
-    assert any(f"{second.resolve()} was ingested into 'chat' before" in n for n in json.loads(twice.stdout)["notes"])
+    assert json.loads(twice.stdout)["appended_turns"] == 0 and "nothing to append" in twice.stderr
+    assert Store(home).get("chat").stats["turns"] == turns
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps([{"role": "user", "content": "By the way, the gate changed to 52."}]))
+    assert run_main(home, "ingest", str(one), "--name", "chat", "--append").returncode == 0
+    thrice = run_main(home, "ingest", str(second), "--name", "chat", "--append", "--json")
+    assert thrice.returncode == 0, thrice.stderr
+    assert any(f"{second.resolve()} was ingested into 'chat' before" in n for n in json.loads(thrice.stdout)["notes"])
 
 
 def test_an_append_names_a_count_the_conversation_was_built_without():

@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("kvchat.settings_table",),
     ("kvchat.config",),
     ("kvchat.kv",),
-    ("kvchat.errors", "kvchat.messages", "kvchat.checked_files", "kvchat.packed_text", "kvchat.__init__"),
+    ("kvchat.errors", "kvchat.messages", "kvchat.checked_files", "kvchat.packed_text", "kvchat.untrusted_text",
+     "kvchat.__init__"),
 ]
 
 

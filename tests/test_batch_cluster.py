@@ -5,6 +5,10 @@ test hook `kvchat.store.files.hold_point`, set in that node's environment only),
 when the test kills the node (its raylet, SIGKILL) on seeing that history's first episode written: the history is
 retried on the head's worker, which does not hold, and nothing is lost.
 
+`kvchat ingest --ray --address` (one history's parts on the workers, issue 43) on the same cluster: the second node's
+worker holds after sending its episode's first checkpoint, the node is killed, the episode goes on from that
+checkpoint on the head's worker, and the files are a local ingest's, byte for byte.
+
 Heavy on a small machine: run it alone. The cluster's processes are ended by their ids (every process whose command
 line names this test's session dir, and their children), never by name, so another Ray on the machine is left alone;
 the session dir is removed, whether the test passes or fails.
@@ -12,6 +16,7 @@ the session dir is removed, whether the test passes or fails.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -118,13 +123,16 @@ _CHILD = "KVCHAT_CLUSTER_TEST_CHILD"  # set in the fresh pytest process that run
 
 
 @pytest.mark.skipif(bool(os.environ.get(_CHILD)), reason="the child process runs the test itself")
-def test_the_cluster_test_runs_in_a_fresh_process():
-    """Ray keeps a process-wide connection (and reads its token when first imported): another test that started a
-    local Ray in this worker would make the driver connect there. So the test runs in its own pytest process."""
+@pytest.mark.parametrize("test", ["test_killing_the_second_node_mid_batch_loses_no_history",
+                                  "test_killing_the_second_node_mid_episode_keeps_the_files_of_a_local_ingest"])
+def test_the_cluster_test_runs_in_a_fresh_process(test):
+    """Ray keeps a process-wide connection (and reads its cluster's token when first imported): another test that
+    started a local Ray in this worker, or another cluster's test before it, would make the driver connect there or
+    with the wrong token. So each cluster test runs in a pytest process of its own, on a cluster of its own."""
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                           f"{__file__}::test_killing_the_second_node_mid_batch_loses_no_history"],
-                          env={**os.environ, _CHILD: "1"}, capture_output=True, text=True, timeout=900)  # fmt: skip
-    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+                           f"{__file__}::{test}"], env={**os.environ, _CHILD: "1"}, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0 and " 1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
 
 @pytest.mark.skipif(not os.environ.get(_CHILD), reason="runs in a fresh process, started by the test above")
@@ -172,6 +180,55 @@ def test_killing_the_second_node_mid_batch_loses_no_history(cluster, files, tmp_
         for episode in record.episodes:
             store.load_episode(episode, record.fingerprint)
     assert store.check() == []
+
+
+@pytest.mark.skipif(not os.environ.get(_CHILD), reason="runs in a fresh process, started by the test above")
+def test_killing_the_second_node_mid_episode_keeps_the_files_of_a_local_ingest(cluster, files, tmp_path,
+                                                                              tiny_model_dir, monkeypatch):  # fmt: skip
+    address, second_port, session, env, _ = cluster
+    for key in ("TMPDIR", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):  # read when Ray is first imported
+        monkeypatch.setenv(key, env[key])
+    import ray
+
+    from kvchat.cli import progress as progress_module
+
+    if ray.is_initialized():
+        ray.shutdown()
+    killed = threading.Event()
+    second_node = next(n["NodeID"] for n in ray_nodes(address) if "second_node" in n["Resources"])
+    parts: dict[str, object] = {}
+
+    def on_running(self, part: str, worker) -> None:
+        parts[part] = worker
+
+    def on_checkpoint(self, index: int, blocks: int, total: int) -> None:
+        """A checkpoint of an episode on the second node's worker (which now holds): that node dies mid-episode."""
+        if killed.is_set() or _node_of(parts[f"episode {index + 1}"]) != second_node:
+            return
+        assert blocks < total, "the second node's worker did not hold after its first checkpoint"
+        _raylet_of_port(session, second_port).kill()
+        killed.set()
+
+    monkeypatch.setattr(progress_module.LineIngestProgress, "running", on_running)
+    monkeypatch.setattr(progress_module.LineIngestProgress, "checkpoint", on_checkpoint)
+    history = files[0]
+    spread = run_main(tmp_path / "spread", "ingest", str(history), "--ray", "--address", address, "--workers", "2",
+                      "--threads", "1", "--model", str(tiny_model_dir), *SMALL)  # fmt: skip
+    assert killed.is_set(), "no episode ran on the second node"
+    assert spread.returncode == 0, spread.stderr
+    assert "a worker died" in spread.stderr, spread.stderr
+    local = run_main(tmp_path / "local", "ingest", str(history), "--threads", "1", "--model", str(tiny_model_dir),
+                     *SMALL)  # fmt: skip
+    assert local.returncode == 0, local.stderr
+
+    def files_of(home: Path) -> dict[str, str]:
+        record = Store(home).get(history.stem)
+        folder = record.episodes[0].path.parent
+        return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()
+                if p.name != "conversation.json"}  # fmt: skip
+
+    assert files_of(tmp_path / "spread") == files_of(tmp_path / "local")
+    assert Store(tmp_path / "spread").check() == []
 
 
 def ray_nodes(address: str) -> list[dict]:

@@ -114,7 +114,9 @@ def test_a_single_cache_is_counted_as_one_episode(tmp_path, tiny_model_dir):
     ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--method", "snapkv",
                         "--budget", "64", "--setting", "block_size=32")
     assert ingested.returncode == 0, ingested.stderr
-    assert "-> 1 episode x budget 64 (snapkv" in ingested.stdout
+    assert re.search(r"-> 1 episode, budget 64 asked, \d+ kept on average per layer and KV head \(snapkv",
+                     ingested.stdout), ingested.stdout
+    assert "kvchat: method snapkv\n" in ingested.stderr  # announced before the first block
     assert " in 1 episode (segments of " in run_main(tmp_path, "show", "chat").stderr  # not a terminal: beside it
 
 
@@ -271,7 +273,7 @@ def test_the_answers_footer_on_a_terminal_names_its_conversation(monkeypatch, ca
     footer = io.StringIO()
     monkeypatch.setattr(asking, "err", Console(file=footer, force_terminal=True, no_color=True, width=200))
     monkeypatch.setattr(sys, "stdin", Terminal())
-    monkeypatch.setattr(asking, "_ctrl_c_stops", lambda: contextlib.nullcontext(lambda: False))
+    monkeypatch.setattr(asking, "_ctrl_c_stops", lambda *_: contextlib.nullcontext(lambda: False))
 
     def run(write, stopping):
         write("Gate 22.")
@@ -469,12 +471,16 @@ def test_a_closed_pipe_ends_ask_quietly(ingested):
     assert result.returncode == -signal.SIGPIPE and result.stderr == ""
 
 
-def test_ingest_name_error_suggests_name(tmp_path):
-    history = tmp_path / "my chat.json"
+def test_a_file_name_with_spaces_becomes_a_valid_conversation_name(tmp_path, tiny_model_dir):
+    history = tmp_path / "WhatsApp Chat with Dana (1).json"
     history.write_text(json.dumps(planted_conversation(seed=1, topics=1, turns_per_topic=4)[0]))
-    result = run_main(tmp_path, "ingest", str(history))
-    assert result.returncode == 2 and "invalid conversation name 'my chat'" in result.stderr
-    assert "name it with --name" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), "--budget", "64", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["name"] == "WhatsApp-Chat-with-Dana-1"
+    assert [c["name"] for c in json.loads(run_main(tmp_path, "list", "--json").stdout)["conversations"]] == [
+        "WhatsApp-Chat-with-Dana-1"]
+    given = run_main(tmp_path, "ingest", str(history), "--name", "my chat")  # a name given is checked, not changed
+    assert given.returncode == 2 and "invalid conversation name 'my chat'" in given.stderr
 
 
 # --------------------------------------------------------------------------- logs
@@ -600,7 +606,7 @@ def test_a_batch_ask_reports_a_bad_line_by_number_and_goes_on(monkeypatch, capsy
         def __init__(self):
             self.asked = []
 
-        def answer(self, question, episode, *, as_json):
+        def answer(self, question, episode, *, as_json=False, line=None):
             if "bad" in question:
                 raise UserError("the question is too long")
             self.asked.append(question.strip())

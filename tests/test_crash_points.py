@@ -181,3 +181,50 @@ def test_a_crash_at_any_point_of_an_append_writing_its_recall_entries_file(tmp_p
         _commit_with_entries(Store(h), "a", replace=True, expect=old)
 
     _every_crash(append, home, tmp_path, allowed=lambda s: s.keys() == {"a"})
+
+
+def _resumable_commit(store: Store, name: str, *, replace: bool = False):
+    """A resumable ingest's writes (kvchat.store.resumable): its dir made, a checkpoint, two episodes, each journaled,
+    then the commit; run again after a crash it continues from what the journal kept."""
+    from kvchat.store.resumable import Identity
+
+    identity = Identity("the-same-ingest", {"episodes": 2, "chunks": 0})
+    with store.begin(name, replace=replace, resumable=identity) as pending:
+        written = pending.written_episodes()
+        if 0 not in written:
+            pending.write_checkpoint(0, TENSORS[2], {"fingerprint": FP}, {"blocks": 1})
+        for i in range(2):
+            if i not in written:
+                pending.write_episode(i, TENSORS[i], {"fingerprint": FP, "method": "epicache"},
+                                      centroid=centroid(0.25 * i, -1.0, 3.0), medoid_text=f"episode {i}",
+                                      budgets=[8, 12], n_tokens=20, note={"i": i})  # fmt: skip
+        return pending.commit(model="default", fingerprint=FP, settings=SETTINGS, stats=STATS)
+
+
+@pytest.mark.parametrize("replace", [False, True], ids=["new", "replace"])
+def test_a_crash_at_any_point_of_a_resumable_ingest_then_the_same_ingest_finishes_it(pristine, tmp_path, replace):
+    """Dying at any write, fsync, rename, journal line or commit of a resumable ingest leaves the old version or the
+    new one, and at most its unfinished dir (`doctor`: unfinished); the same ingest run again then commits the new
+    version, whatever it had kept, and leaves nothing behind."""
+    home, old = pristine
+    name = "a" if replace else "b"
+
+    def finish(h: Path) -> None:
+        _resumable_commit(Store(h), name, replace=replace)
+
+    points = _points(finish, home, tmp_path)
+    assert any(" journal " in p for p in points) and len(points) >= 12, points
+    for n in range(1, len(points) + 1):
+        crashed = tmp_path / f"crash-{n}"
+        shutil.copytree(home, crashed)
+        assert _run(finish, crashed, {CRASH_AT: str(n)}) == CRASH_EXIT, f"did not die at point {n}: {points[n - 1]}"
+        state = _state(crashed)
+        new = state.get("a") != old if replace else "b" in state
+        assert state.keys() == ({"a"} if replace else {"a", "b"} if new else {"a"}), f"at {points[n - 1]}: {state}"
+        assert {p.kind for p in diagnose(crashed)} <= {"unfinished"}, f"after a crash at {points[n - 1]}"
+        if not new:  # committed already: a plain ingest would now say the name exists
+            assert _run(finish, crashed, {}) == 0, f"the ingest run again after a crash at {points[n - 1]} failed"
+            state = _state(crashed)
+            assert (state["a"] != old) if replace else (state.keys() == {"a", "b"} and state["a"] == old), state
+        assert diagnose(crashed) == [], f"left behind after a crash at {points[n - 1]} and the run again"
+        shutil.rmtree(crashed)

@@ -34,6 +34,11 @@ def _refusal(exc: pytest.ExceptionInfo[UserError]) -> str:
     return text
 
 
+def _said(turns: list[Turn]) -> list[tuple[str, str, str | None, str | None]]:
+    """What turns say, where and when, without the ids receipts name them by."""
+    return [(t.role, t.text, t.time, t.conversation_title) for t in turns]
+
+
 def _one_line(exc: pytest.ExceptionInfo[UserError]) -> str:
     text = error_text(exc.value)
     assert text.splitlines() == [text], f"not one line: {text!r}"
@@ -64,7 +69,9 @@ def test_chatgpt_pick_by_title_number_and_all() -> None:
     assert [t.text for t in tomato] == ["I planted 20 tomato plants today.",
                                         "Twenty is a lot! Water them every morning."]
     both = load_history(CHATGPT, pick="all")
-    assert both == tomato + japan  # oldest conversation first, whatever the file's order
+    assert _said(both) == _said(tomato + japan)  # oldest conversation first, whatever the file's order
+    assert [t.turn_id for t in both] == ["Tomato plants, turn 1", "Tomato plants, turn 2", "Trip to Japan, turn 1",
+                                         "Trip to Japan, turn 2", "Trip to Japan, turn 3", "Trip to Japan, turn 4"]
     lines = format_turns(both)
     assert lines[0].startswith("[conversation: Tomato plants]\n[2023-05-05 13:56 UTC]\nuser: I planted")
     assert lines[2].startswith("[conversation: Trip to Japan]\n[2023-05-08 13:56 UTC]\nuser: I'm going")
@@ -165,7 +172,7 @@ def test_claude_roles_text_blocks_and_times() -> None:
 def test_claude_pick_number_and_all_in_time_order() -> None:
     bike = load_history(CLAUDE, pick=2)
     assert [t.role for t in bike] == ["user", "assistant"] and "700x28c" in bike[0].text
-    assert load_history(CLAUDE, pick="all") == bike + load_history(CLAUDE, pick=1)
+    assert _said(load_history(CLAUDE, pick="all")) == _said(bike + load_history(CLAUDE, pick=1))
     with pytest.raises(UserError) as exc:
         load_history(CLAUDE)
     assert "holds 2 Claude conversations" in _one_line(exc)
@@ -198,12 +205,12 @@ def test_claude_bad_sender(sender: object, expected: str) -> None:
 
 def test_finetune_pick_one_or_all() -> None:
     second = load_history(FINETUNE, pick=2)
-    assert [(t.role, t.text) for t in second] == [
-        ("system", "You are a helpful travel agent."), ("user", "Which terminal for TP 441?"),
-        ("assistant", "Terminal 1.")]
-    assert all(t.conversation_title is None for t in second)  # one conversation: no boundaries to mark
+    assert [(t.role, t.text) for t in second] == [  # the system prompt told the tuned model what to be: left out
+        ("user", "Which terminal for TP 441?"), ("assistant", "Terminal 1.")]
+    assert all(t.conversation_title is None and t.turn_id is None for t in second)  # one conversation
     every = load_history(FINETUNE, pick="all")
     assert [t.text for t in every] == [t.text for n in (1, 2, 3) for t in load_history(FINETUNE, pick=n)]
+    assert [t.turn_id for t in every[:3]] == ["#1, turn 1", "#1, turn 2", "#2, turn 1"]  # what receipts name
     assert [line.split("\n")[0] for line in format_turns(every) if line.startswith("[conversation")] == [
         "[conversation: #1]", "[conversation: #2]", "[conversation: #3]"]
 
@@ -256,10 +263,9 @@ def test_bracketed_timestamps_and_a_colon_inside_a_message() -> None:
 def test_whatsapp_export_skips_notices() -> None:
     turns = load_history(GOOD / "transcript_whatsapp.txt")
     assert [(t.role, t.text, t.time) for t in turns] == [
-        ("Alice", "hi Bob", "08/05/2023, 13:56"),
-        ("Bob", "hey! Dinner at 8?\nP.S.: bring the wine", "08/05/2023, 1:57 pm"),  # U+202F before "pm"
-        ("Carol", "<Media omitted>", "08/05/2023, 13:58"),
-    ]
+        ("Alice", "hi Bob", "2023-05-08 13:56"),  # day first: no date says otherwise, and not every time has pm
+        ("Bob", "hey! Dinner at 8?\nP.S.: bring the wine", "2023-05-08 13:57"),  # U+202F before "pm"
+    ]  # Carol's "<Media omitted>" is WhatsApp's placeholder, not her words
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -303,7 +309,9 @@ def test_forced_format_reads_what_detection_reads_otherwise(tmp_path: Path) -> N
     fine-tune JSONL when forced, and refused as JSONL of messages."""
     path = tmp_path / "one.jsonl"
     path.write_text(FINETUNE.read_text().splitlines()[0] + "\n")
-    assert load_history(path) == load_history(path, format="finetune") == load_history(FINETUNE, pick=1)
+    detected = load_history(path)  # OpenAI messages: the system message is one of them
+    assert detected[0].role == "system" and detected[1:] == load_history(path, format="finetune")
+    assert load_history(path, format="finetune") == load_history(FINETUNE, pick=1)
     with pytest.raises(UserError) as exc:
         load_history(path, format="jsonl")
     assert 'line 1 has no "role"' in _refusal(exc)
@@ -323,7 +331,7 @@ def test_unknown_format_and_pick_where_there_is_one_conversation() -> None:
     for kwargs in ({}, {"format": "openai"}):
         with pytest.raises(UserError) as exc:
             load_history(GOOD / "openai.json", pick=1, **kwargs)
-        assert "pick applies to ChatGPT and Claude exports and fine-tune JSONL" in _one_line(exc)
+        assert "pick applies to ChatGPT, Claude and Telegram exports and fine-tune JSONL" in _one_line(exc)
     with pytest.raises(UserError) as exc:
         load_history(GOOD / "transcript.txt", pick="all")
     assert "holds one conversation" in _one_line(exc)
@@ -338,7 +346,8 @@ def test_every_refusal_of_a_bad_file_names_the_formats(path: Path) -> None:
 
 @pytest.mark.parametrize(("name", "pick"), [
     ("chatgpt_conversations.json", "all"), ("claude_conversations.json", "all"), ("finetune.jsonl", "all"),
-    ("transcript.txt", None), ("whatsapp.txt", None)])
+    ("transcript.txt", None), ("whatsapp.txt", None), ("telegram_result.json", None),
+    ("slack_export/cabin-trip", None), ("discord_channel.json", None), ("chat_log.md", None)])
 def test_examples_load(name: str, pick: str | None) -> None:
     assert len(load_history(EXAMPLE_FILES / name, pick=pick)) >= 2
 

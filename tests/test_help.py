@@ -40,7 +40,7 @@ def test_every_option_is_on_one_line_with_its_choices_whole(monkeypatch, name):
         for option in (*param.opts, *param.secondary_opts):
             if not option.startswith("-"):
                 continue
-            line = next((line for line in shown.splitlines() if re.search(rf"(^|\s){re.escape(option)}(\s|$)",
+            line = next((line for line in shown.splitlines() if re.search(rf"(^|\s){re.escape(option)}(,?\s|$)",
                                                                           line.split("  ")[1] if "  " in line else
                                                                           line)), None)
             assert line is not None, f"{option} is not on a line of its own in `kvchat {name} -h`"

@@ -11,8 +11,9 @@ import torch
 from conftest import raises_said, with_kvchat_attention
 from transformers import AutoModelForCausalLM
 
+from kvchat.answer.decoding import question_prompt
 from kvchat.answer.session import Session
-from kvchat.config import CacheConfig, CakeConfig, EpisodeConfig, IngestConfig
+from kvchat.config import AskConfig, CacheConfig, CakeConfig, EpisodeConfig, IngestConfig, Sampling
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.history.episodes import build_episodes, route, segment
 from kvchat.history.loading import Turn, format_turns
@@ -47,7 +48,8 @@ def test_full_method_reproduces_model_generate(tmp_path, history, tiny_lm, encod
     store = Store(tmp_path)
     config = replace(SMALL, cache=CacheConfig(method="full", block_size=48))
     _ingest(store, history, tiny_lm, encoder, config=config)
-    session = Session(store, store.get("conv"), tiny_lm, encoder)
+    plain = AskConfig(sampling=Sampling(repetition_penalty=1.0))  # transformers' greedy search, no penalty
+    session = Session(store, store.get("conv"), tiny_lm, encoder, plain)
     question = "What is the code name of Tom's project at work?"
     answer = session.ask(question)
 
@@ -57,7 +59,7 @@ def test_full_method_reproduces_model_generate(tmp_path, history, tiny_lm, encod
         [
             tiny_lm.encode(layout.before_conversation),
             tiny_lm.encode("\n".join(format_turns(turns))),
-            tiny_lm.encode(layout.question(question)),
+            tiny_lm.encode(question_prompt(layout, plain, question)),
         ],
         dim=-1,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,6 +106,7 @@ def test_runnable_blocks_run_as_written(path, tmp_path, monkeypatch, tiny_model_
     (tmp_path / "more.json").write_text(json.dumps(messages[len(messages) * 3 // 4:]))
     questions = ["Which gate does the flight leave from?", "How many tomato plants?"]
     (tmp_path / "questions.txt").write_text("\n".join(questions) + "\n")
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")  # what a clone has: the tour's files
     home = tmp_path / "home"
     commands = _runnable(path)
     assert all(c.text.startswith("kvchat ") for c in commands), commands
@@ -118,14 +120,29 @@ def test_runnable_blocks_run_as_written(path, tmp_path, monkeypatch, tiny_model_
             words += ["--model", str(tiny_model_dir)]
         result = run_main(home, *words, stdin=stdin)
         assert result.returncode == command.exit_code, (command, result.stderr)
+        asked = stdin.splitlines()
         if command.exit_code:
             assert result.stdout == "" and len(result.stderr.strip().splitlines()) == 1, (command, result)
         elif "--json" in words:
             records = [json.loads(line) for line in result.stdout.splitlines()]
             assert records and all(r["schema"] == 1 for r in records), command
             if words[0] == "ask" and stdin:
-                assert [r["question"] for r in records] == questions
+                assert [r["question"] for r in records] == asked
+        elif words[0] == "ask" and stdin:
+            assert len(result.stdout.splitlines()) == len(asked), command  # an answer per line
     assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == [], path  # blocks clean up
+
+
+def test_the_tours_first_question_has_its_answer_in_the_example_history():
+    """examples/questions.txt asks examples/planted_facts.json the facts planted in it (kvchat.history.synthetic,
+    seed 7), the first one's answer written in the history."""
+    messages, facts = planted_conversation(7, topics=4, turns_per_topic=24)
+    assert json.loads((ROOT / "examples" / "planted_facts.json").read_text()) == messages
+    questions = (ROOT / "examples" / "questions.txt").read_text().splitlines()
+    answers = {fact.question: fact.answer for fact in facts}
+    assert questions and set(questions) <= set(answers)
+    assert any(answers[questions[0]] in m["content"] for m in messages)
+    assert "examples/questions.txt" in README.read_text()
 
 
 def test_readme_tour_is_runnable():
@@ -212,8 +229,8 @@ def test_python_imports_shown_exist(path):
 
 
 def test_readme_shows_an_example_of_each_history_format(tmp_path):
-    examples = [b for b in _blocks(README) if b.marker == "example-history"]
-    assert len(examples) >= 4
+    assert len([b for b in _blocks(README) if b.marker == "example-history"]) >= 4
+    examples = [b for path in DOCS for b in _blocks(path) if b.marker == "example-history"]  # docs/formats.md's too
     for i, block in enumerate(examples):
         path = tmp_path / str(i) / (block.argument or "history.json")
         path.parent.mkdir()

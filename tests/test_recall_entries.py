@@ -22,7 +22,7 @@ from kvchat.eval.qa import planted_sets
 from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.rope import rotate_keys
-from kvchat.kv.tensorfile import open_tensors
+from kvchat.kv.tensorfile import RowWriter, open_tensors
 from kvchat.settings import rebuild_command
 from kvchat.store import Store
 
@@ -359,3 +359,25 @@ def test_the_command_line_stores_the_entries_shows_their_bytes_and_answers_from_
     refused = run_main(tmp_path, "ingest", str(history), *model, "--method", "snapkv", "--recall-entries", "stored",
                        "--name", "other")  # fmt: skip
     assert refused.returncode == 2 and "needs --method recall" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_rows_computed_in_pieces_as_units_and_ray_workers_do_make_the_file_write_makes(tiny_lm, tmp_path):
+    """Repaired and compressed (format 2), each chunk's rows from `chunk_rows` started at any chunk, written out of
+    order into the file `Layout` describes (kvchat.ingest.units, kvchat.ingest.batch_units), are `write`'s bytes."""
+    _, prefix, whole = written(tmp_path, tiny_lm, repair=2, kept=0.5)
+    storing = recall_entries.Storing(8, 4, 2, 0.5, queries=4, pool_kernel=1)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    layout = recall_entries.Layout.of(tiny_lm, CHUNKS, prefix, storing, ids=ids)
+    assert layout.metadata["recall_entries_format"] == "2" and layout.lengths == [t.shape[-1] for t in ids]
+    path = tmp_path / "pieces.safetensors"
+    writer = RowWriter(path, layout.shapes, layout.metadata)
+    starts = {}
+    for first, end in ((2, 4), (0, 1), (1, 2)):
+        for rows in recall_entries.chunk_rows(tiny_lm, layout, ids, prefix, first, end):
+            rows.write(writer)
+            starts[rows.chunk] = rows.start
+    layout.index(writer, [starts[c] for c in range(layout.chunks)])
+    _, sha = writer.finish()
+    assert sha == whole
+    stored = StoredEntries.opened(*open_tensors(path))
+    assert (stored.repair, stored.kept, stored.offsets) == (2, 0.5, True)

@@ -103,7 +103,9 @@ def test_two_replicas_answer_each_conversation_from_the_replica_holding_its_cach
             assert server.started
             try:
                 client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
-                with urllib.request.urlopen(server.url + "/kvchat/health") as response:
+                asked = urllib.request.Request(server.url + "/kvchat/health",
+                                               headers={"Authorization": f"Bearer {KEY}"})
+                with urllib.request.urlopen(asked) as response:
                     health = json.load(response)
                 assert health["status"] == "ok" and health["replicas"] == 2
                 for conversation in ("chat", "trip"):
@@ -141,3 +143,44 @@ def test_replicas_are_refused_below_one(tmp_path):
     with raises_said(UserError, "--replicas must be >= 1"), replica_engine(tmp_path, ServeConfig(), 0):
         pass
 
+
+@pytest.mark.slow
+def test_the_local_ray_of_replicas_listens_on_loopback_only(tmp_path):
+    """`kvchat serve --replicas 1` as users run it: every socket its process tree listens on (uvicorn's, Ray's GCS,
+    raylet, workers and agents) is bound to loopback; Ray's default is every interface."""
+    import ipaddress
+    import signal
+    import subprocess
+
+    psutil = pytest.importorskip("psutil")
+    from cli_helpers import KVCHAT, cli_env
+
+    from kvchat.serve.announcement import announced_url
+
+    home = tmp_path / "home"
+    process = subprocess.Popen([*KVCHAT, "serve", "--replicas", "1", "--threads", "1", "--port", "0"],
+                               env=cli_env(home), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while announced_url(home) is None:  # listening: the replica is deployed and Ray runs
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.1)
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+        listening = set()
+        for member in tree:
+            try:
+                listening |= {(member.name(), c.laddr.ip) for c in member.net_connections(kind="inet")
+                              if c.status == psutil.CONN_LISTEN}
+            except psutil.NoSuchProcess:
+                continue
+        assert listening and len(tree) > 2, (listening, tree)  # Ray's processes were seen
+        outside = {(name, ip) for name, ip in listening
+                   if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback}
+        assert not outside, f"listening beyond loopback: {sorted(outside)}"
+        process.send_signal(signal.SIGTERM)
+        process.wait(120)
+        assert process.returncode == 128 + signal.SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(60)

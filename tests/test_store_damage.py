@@ -9,7 +9,6 @@ import json
 import os
 import shlex
 import sqlite3
-import subprocess
 import threading
 import uuid
 from collections.abc import Iterator
@@ -259,34 +258,6 @@ def test_a_pending_migration_still_waits_for_the_lock(tmp_path, monkeypatch):
 
 
 # --------------------------------------------------------------------------- a read-only home
-
-
-@pytest.fixture
-def read_only(tmp_path: Path) -> Iterator:
-    """Makes a dir read-only for this process: a read-only bind mount as root (root writes through any
-    permission bits), file modes otherwise. Returns the path to use."""
-    mounts: list[Path] = []
-    chmodded: list[Path] = []
-
-    def make(path: Path) -> Path:
-        if os.geteuid() != 0:
-            for p in [path, *path.rglob("*")]:
-                p.chmod(p.stat().st_mode & ~0o222)
-                chmodded.append(p)
-            return path
-        view = tmp_path / f"ro-{uuid.uuid4().hex[:8]}"
-        view.mkdir()
-        if subprocess.run(["mount", "--bind", str(path), str(view)], capture_output=True).returncode:
-            pytest.skip("needs a read-only bind mount (root with CAP_SYS_ADMIN) or a non-root user")
-        mounts.append(view)
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], check=True, capture_output=True)
-        return view
-
-    yield make
-    for view in mounts:
-        subprocess.run(["umount", "--lazy", str(view)], check=True)
-    for p in chmodded:
-        p.chmod(p.stat().st_mode | 0o200)
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvchat.answer.session import Detokenizer
+from kvchat.answer.decoding import Detokenizer
 from kvchat.cli.terminal import StreamCleaner, cell, clean
 
 

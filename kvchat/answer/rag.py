@@ -18,6 +18,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from kvchat.answer.decoding import decode_answer, question_prompt
 from kvchat.answer.lexical import LexicalIndex
 from kvchat.answer.probe import Probe, continuation_nll, prompt_held
 from kvchat.config import RRF_K, SYSTEM_PROMPT, AskConfig, RagConfig
@@ -26,9 +27,8 @@ from kvchat.history.loading import Turn, format_turns
 from kvchat.history.spans import TurnMark, turn_marks
 from kvchat.kv.cache import EpisodeCache
 from kvchat.messages import option
-from kvchat.model.echo import guard_for
 from kvchat.model.encoder import SentenceEncoder
-from kvchat.model.llm import ChatLayout, LoadedModel, generate
+from kvchat.model.llm import ChatLayout, LoadedModel
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,7 @@ class RagAnswer:
     answer_tokens: int
     entries: int                # keys the first answer token attends to, per layer and KV head
     timings_ms: dict[str, float] = field(default_factory=dict)  # embed, prefill_decode
+    transcript_cut: bool = False  # ends where the model went on writing the history (kvchat.answer.stops)
 
 
 class RagSession:
@@ -162,7 +163,7 @@ class RagSession:
         """Token ids [1, n] prefilled for `question` over `chunks`: tokenized in the same pieces as an
         ingest's cache and an ask's question (system prompt, conversation, question turn)."""
         text = "\n".join(self.index.chunks[i].text for i in chunks)
-        question_text = self.layout.question(self.ask_config.question_template.format(question=question))
+        question_text = question_prompt(self.layout, self.ask_config, question)
         parts = [self.lm.encode(self.layout.before_conversation), self.lm.encode(text), self.lm.encode(question_text)]
         return torch.cat(parts, dim=-1)
 
@@ -183,13 +184,14 @@ class RagSession:
         clock = time.perf_counter()
         ids = self.prompt(question, chunks)
         cache = EpisodeCache(self.lm.num_layers)
-        echo = guard_for(self.ask_config, question, self.lm.decode)
-        tokens = list(generate(self.lm, cache, ids, self.ask_config.max_new_tokens, on_first_logits, echo=echo))
+        speakers = {m.speaker for i in chunks for m in self.index.chunks[i].marks}
+        decoded = decode_answer(self.lm, cache, ids, self.ask_config, question=question, speakers=speakers,
+                                on_first_logits=on_first_logits)  # fmt: skip
         timings["prefill_decode"] = _ms_since(clock)
         n = int(ids.shape[-1])
         if probe is not None:
             probe.nll = continuation_nll(self.lm.model, cache, prompt_held(cache, n), ids[:, -1:], probe.continuation)
-        return RagAnswer(self.lm.decode(tokens).strip(), tuple(chunks), n, len(tokens), n, timings)
+        return RagAnswer(decoded.text, tuple(chunks), n, len(decoded.tokens), n, timings, decoded.transcript_cut)
 
 
 def _ms_since(start: float) -> float:

@@ -43,6 +43,7 @@ import torch
 
 from kvchat.answer.rag import Chunk
 from kvchat.kv.cache import Checkpoint, EpisodeCache
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.layers import CacheLayer
 from kvchat.kv.quantize import SCALE_DTYPES, QuantizedEntries, value_group
 from kvchat.kv.rope import rotate_keys
@@ -179,7 +180,7 @@ class StoredEntries:
         with torch.inference_mode():  # as every forward writes the cache
             if recomputed and ids is not None:
                 lm.forward(cache, ids[:, :recomputed])  # with everything placed before it in view
-            rotary, dtype, device = lm.model.model.rotary_emb, lm.dtype, lm.device
+            rotary, dtype, device = decoder_of(lm.model).rotary_emb, lm.dtype, lm.device
             base = cache.next_position - recomputed  # the chunk's first token
             heads = lm.config.num_key_value_heads
             if self.tokens[chunk]:
@@ -252,65 +253,132 @@ def _last(layer: CacheLayer, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys[:, :, -n:], values[:, :, -n:]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where each chunk's rows lie in a recall entries file of given chunks stored as `storing` says: its tensors'
+    shapes and metadata, and the index tensors but `starts` (known once the chunks are computed, `index`). Small: a
+    few numbers per chunk."""
+
+    rows: list[int]
+    tails: list[int]
+    tokens: list[int]  # each chunk's stored entries per KV head
+    lengths: list[int]  # each chunk's tokens
+    storing: Storing
+    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]
+    metadata: dict[str, str]
+
+    @classmethod
+    def of(cls, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Tensor, storing: Storing,
+           ids: Sequence[torch.Tensor] | None = None) -> Layout:  # fmt: skip
+        """The layout of `chunks` after `prefix` (their `ids`, `chunk_ids`, if already known)."""
+        config = lm.config
+        heads, group, bits = config.num_key_value_heads, storing.group, storing.bits
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        lengths = [int(t.shape[-1]) for t in (ids if ids is not None else chunk_ids(lm, chunks))]
+        tokens = [storing.stored(n) for n in lengths]
+        rows, tails = [0], [0]
+        for n in tokens:
+            rows.append(rows[-1] + n // group * group)
+            tails.append(tails[-1] + n % group)
+        total, packed, vdim = rows[-1], dim // 2 if bits == 4 else dim, dim // value_group(group, dim)
+        scale = SCALE_DTYPES[bits]
+        index = zip(_INDEX, (rows, tails, tokens, tokens, lengths), strict=True)
+        shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {name: (torch.int64, (len(v),)) for name, v in index}
+        part_shapes = {"k": (torch.uint8, (total, heads, packed)), "v": (torch.uint8, (total, heads, packed)),
+                       "ks": (scale, (total // group, heads, dim)), "km": (scale, (total // group, heads, dim)),
+                       "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim)),
+                       "kt": (_TAIL_DTYPE, (tails[-1], heads, dim)), "vt": (_TAIL_DTYPE, (tails[-1], heads, dim)),
+                       "o": (_OFFSET_DTYPE, (sum(tokens), heads))}  # fmt: skip
+        for layer in range(lm.num_layers):
+            shapes |= {f"{part}.{layer}": shape for part, shape in part_shapes.items()}
+        metadata = {"fingerprint": lm.fingerprint, "recall_entries_format": FORMAT, "bits": str(bits),
+                    "group": str(group), "digest": digest(chunks, prefix), "repair": str(storing.repair),
+                    "kept": repr(storing.kept)}  # fmt: skip
+        return cls(rows, tails, tokens, lengths, storing, shapes, metadata)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def group(self) -> int:
+        return self.storing.group
+
+    @property
+    def bits(self) -> int:
+        return self.storing.bits
+
+    def first_entry(self, chunk: int) -> int:
+        """Chunk `chunk`'s first row in the `o.l` tensors (each chunk's stored entries one after another)."""
+        return sum(self.tokens[:chunk])
+
+    def index(self, writer: RowWriter, starts: Sequence[int]) -> None:
+        """Write the index tensors, once every chunk is written (`starts`: each one's first position)."""
+        for name, values in zip(_INDEX, (self.rows, self.tails, self.tokens, starts, self.lengths), strict=True):
+            writer.write(name, 0, torch.tensor(list(values), dtype=torch.int64))
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """One chunk's rows of a recall entries file, computed (`chunk_rows`) and not yet written: what a Ray worker
+    sends its driver, which writes them (`write`) into the file it keeps (kvchat.ingest.batch_units)."""
+
+    chunk: int
+    start: int  # the position its first token was computed at
+    rows: dict[str, tuple[int, torch.Tensor]]  # tensor name -> (its first row, the rows)
+
+    def write(self, writer: RowWriter) -> None:
+        for name, (first, rows) in self.rows.items():
+            writer.write(name, first, rows)
+
+
+def chunk_rows(lm: LoadedModel, layout: Layout, ids: Sequence[torch.Tensor], prefix: torch.Tensor, first: int = 0,
+               end: int | None = None) -> Iterator[ChunkRows]:  # fmt: skip
+    """Chunks `first` to `end` (default: the last) computed after `prefix` and the chunk before each
+    (`chunk_entries`, as `layout.storing` says), as rows of the file `layout` describes. Each chunk's rows are the
+    same whichever chunk a call starts from."""
+    end = len(ids) if end is None else end
+    rows, tails, group = layout.rows, layout.tails, layout.group
+    for chunk, entries in enumerate(computed(lm, ids[:end], prefix, layout.storing, first=first), start=first):
+        out: dict[str, tuple[int, torch.Tensor]] = {}
+        whole = rows[chunk + 1] - rows[chunk]
+        for layer, (keys, values, index) in enumerate(entries.layers):
+            codes = QuantizedEntries.quantize(keys[0, :, :whole].float(), values[0, :, :whole].float(), group,
+                                              layout.bits)  # fmt: skip
+            for part, tensor in zip(_PARTS, codes.tensors(), strict=True):
+                at = rows[chunk] // group if part in _GROUPED else rows[chunk]
+                out[f"{part}.{layer}"] = (at, tensor.transpose(0, 1).cpu())
+            for part, tensor in zip(_TAILS, (keys, values), strict=True):
+                out[f"{part}.{layer}"] = (tails[chunk], tensor[0, :, whole:].transpose(0, 1).to(_TAIL_DTYPE).cpu())
+            out[f"o.{layer}"] = (layout.first_entry(chunk), index.T.to(_OFFSET_DTYPE).contiguous())
+        yield ChunkRows(chunk, entries.start, out)
+
+
 def write(path: Path, lm: LoadedModel, chunks: Sequence[Chunk], prefix: torch.Tensor, storing: Storing, *,
           previous: StoredEntries | None = None, on_chunk: Callable[[int, int], None] | None = None
           ) -> tuple[int, str]:  # fmt: skip
     """Write the recall entries file of `chunks` at `path`, fsynced; returns (bytes, sha256). Memory: one chunk's
     entries at a time. `previous`: the file of an earlier version whose chunks begin `chunks` (an append), whose
     rows are copied instead of computed again. `on_chunk(done, total)` after each chunk."""
-    config = lm.config
-    heads, group, bits = config.num_key_value_heads, storing.group, storing.bits
-    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     ids = chunk_ids(lm, chunks)
-    lengths = [int(t.shape[-1]) for t in ids]
-    tokens = [storing.stored(n) for n in lengths]
-    rows, tails = [0], [0]
-    for n in tokens:
-        rows.append(rows[-1] + n // group * group)
-        tails.append(tails[-1] + n % group)
-    kept = previous.chunks if previous is not None and _continues(previous, chunks, prefix, lengths, storing) else 0
-    total, packed, vdim = rows[-1], dim // 2 if bits == 4 else dim, dim // value_group(group, dim)
-    scale = SCALE_DTYPES[bits]
-    shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
-        name: (torch.int64, (len(values),)) for name, values in zip(_INDEX, (rows, tails, tokens, tokens, lengths),
-                                                                     strict=True)  # fmt: skip
-    }
-    part_shapes = {"k": (torch.uint8, (total, heads, packed)), "v": (torch.uint8, (total, heads, packed)),
-                   "ks": (scale, (total // group, heads, dim)), "km": (scale, (total // group, heads, dim)),
-                   "vs": (scale, (total, heads, vdim)), "vm": (scale, (total, heads, vdim)),
-                   "kt": (_TAIL_DTYPE, (tails[-1], heads, dim)), "vt": (_TAIL_DTYPE, (tails[-1], heads, dim)),
-                   "o": (_OFFSET_DTYPE, (sum(tokens), heads))}  # fmt: skip
-    for layer in range(lm.num_layers):
-        shapes |= {f"{part}.{layer}": shape for part, shape in part_shapes.items()}
-    metadata = {"fingerprint": lm.fingerprint, "recall_entries_format": FORMAT, "bits": str(bits),
-                "group": str(group), "digest": digest(chunks, prefix), "repair": str(storing.repair),
-                "kept": repr(storing.kept)}  # fmt: skip
-    writer = RowWriter(path, shapes, metadata)
+    layout = Layout.of(lm, chunks, prefix, storing, ids=ids)
+    kept = (previous.chunks if previous is not None and _continues(previous, chunks, prefix, layout.lengths, storing)
+            else 0)  # fmt: skip
+    writer = RowWriter(path, layout.shapes, layout.metadata)
     try:
         starts: list[int] = []
         if previous is not None and kept:
             starts = list(previous.starts[:kept])
             for chunk in range(kept):
-                _copy_rows(writer, previous, chunk, lm.num_layers, sum(tokens[:chunk]))
+                _copy_rows(writer, previous, chunk, lm.num_layers, layout.first_entry(chunk))
                 if on_chunk is not None:
                     on_chunk(chunk + 1, len(chunks))
-        for chunk, entries in enumerate(computed(lm, ids, prefix, storing, first=kept), start=kept):
-            starts.append(entries.start)
-            whole = rows[chunk + 1] - rows[chunk]
-            for layer, (keys, values, index) in enumerate(entries.layers):
-                codes = QuantizedEntries.quantize(keys[0, :, :whole].float(), values[0, :, :whole].float(), group,
-                                                  bits)  # fmt: skip
-                for part, tensor in zip(_PARTS, codes.tensors(), strict=True):
-                    first = rows[chunk] // group if part in _GROUPED else rows[chunk]
-                    writer.write(f"{part}.{layer}", first, tensor.transpose(0, 1).cpu())
-                for part, tensor in zip(_TAILS, (keys, values), strict=True):
-                    rest = tensor[0, :, whole:].transpose(0, 1).to(_TAIL_DTYPE).cpu()
-                    writer.write(f"{part}.{layer}", tails[chunk], rest)
-                writer.write(f"o.{layer}", sum(tokens[:chunk]), index.T.to(_OFFSET_DTYPE).contiguous())
+        for computed_rows in chunk_rows(lm, layout, ids, prefix, first=kept):
+            computed_rows.write(writer)
+            starts.append(computed_rows.start)
             if on_chunk is not None:
-                on_chunk(chunk + 1, len(chunks))
-        for name, column in zip(_INDEX, (rows, tails, tokens, starts, lengths), strict=True):
-            writer.write(name, 0, torch.tensor(column, dtype=torch.int64))
+                on_chunk(computed_rows.chunk + 1, len(chunks))
+        layout.index(writer, starts)
         return writer.finish()
     except BaseException:
         writer.discard()

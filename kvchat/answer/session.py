@@ -18,6 +18,7 @@ import torch
 
 from kvchat import features
 from kvchat.answer import recall, recall_entries
+from kvchat.answer.decoding import decode_answer, question_prompt
 from kvchat.answer.probe import Probe, continuation_nll
 from kvchat.answer.rag import Chunk, RagIndex
 from kvchat.answer.recall_entries import StoredEntries
@@ -32,11 +33,11 @@ from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import Checkpoint, EpisodeCache
 from kvchat.kv.tensorfile import ShrunkFile
 from kvchat.messages import option
-from kvchat.model.echo import guard_for
 from kvchat.model.encoder import SentenceEncoder
-from kvchat.model.llm import ChatLayout, LoadedModel, generate
+from kvchat.model.llm import ChatLayout, LoadedModel
 from kvchat.settings import from_settings, rebuild_command
 from kvchat.store import ConversationRecord, Store
+from kvchat.untrusted_text import valid_text
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Answer:
     sources: list[Source] | None = None  # asked for (`sources=True`) and available: the turns drawn on most
     sources_note: str | None = None  # asked for and unavailable: why
     recalled: list[list[int]] | None = None  # --method recall: the [first, end) turns recalled for the question
+    transcript_cut: bool = False  # the answer ends where the model went on writing the history (kvchat.answer.stops)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -85,6 +87,7 @@ class Session:
         self._origins: list[list[torch.Tensor]] | None = None  # its entries' original positions, where compacted
         self._recall: RagIndex | None = None  # the conversation's recall index (--method recall), read once
         self._stored: StoredEntries | None = None  # its recall entries file (--recall-entries stored), opened once
+        self._speaker_names: frozenset[str] | None = None  # the resident episode's speakers, read when first asked
 
     def ask(
         self,
@@ -100,34 +103,39 @@ class Session:
         sources: bool = False,
         retrieved_text: str = "",
         probe: Probe | None = None,
+        stops: Sequence[str] = (),
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
         decoded; `on_first_logits` the logits of the first answer token (evaluation compares them);
         `first_recorder` the attention of that token's forward (the question's; evaluation reads where
         full KV attends); `stop`, asked before each token, ends the answer early when it returns true;
-        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up;
+        `earlier` (question, answer) pairs are decoded before the question as the exchange it follows up, and routing
+        reads the last of them with the question (a follow-up names little of what it is about);
         `sources` records the answer's attention to name the turns it drew on (kvchat.answer.sources; costs one forward
         of the answer's tokens once it is decoded, nothing when off); `retrieved_text`, turns of the history
         retrieved for the question by the caller (kvchat.answer.rag: eval's rag baseline), prefilled after the cache
         and before it, so the answer sees them in the conversation (given this way they are not counted as sources;
-        the turns `--method recall` recalls are); `probe`, a continuation whose likelihood after the prompt, and the
-        turns the first answer token could attend to, the answer fills in (kvchat.answer.probe: evaluation's
-        reader-light metrics). An off-topic question is not answered when the config refuses them (`finish_reason`
-        "refused")."""
-        question = question.strip()
+        the turns `--method recall` recalls are); `stops`, strings that end the answer; `probe`, a continuation whose
+        likelihood after the prompt, and the turns the first answer token could attend to, the answer fills in
+        (kvchat.answer.probe: evaluation's reader-light metrics). The prompt and decoding are
+        kvchat.answer.decoding's, as every caller's. An off-topic question (never a follow-up) is not answered when
+        the config refuses them (`finish_reason` "refused")."""
+        question = valid_text(question).strip()  # a lone surrogate (bytes not UTF-8 in an argument) fails nowhere
+        earlier = [(valid_text(asked), valid_text(answered)) for asked, answered in earlier]
         if not question:
             raise UserError("the question is empty")
         self._check_length(question)
         timings: dict[str, float] = {}
         self._follow_replacement()
         clock = time.perf_counter()
-        query = self.encoder.embed([question])[0]
+        query = routing_query(self.encoder, question, earlier)
         timings["embed"] = _ms_since(clock)
 
         clock = time.perf_counter()
         index, similarity = self._route(query, episode)
         timings["route"] = _ms_since(clock)
-        off_topic = similarity < self.config.off_topic_similarity
+        # a follow-up is about what it follows: its own words name little of it, so it is never off topic
+        off_topic = not earlier and similarity < self.config.off_topic_similarity
         if off_topic and self.config.refuse_off_topic:
             return Answer("", self.conversation.name, index, round(similarity, 4), 0, 0, False, timings,
                           "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
@@ -140,9 +148,7 @@ class Session:
         timings["load"] = _ms_since(clock)
 
         clock = time.perf_counter()
-        prompt_ids = self.lm.encode(
-            self.layout.question(self.config.question_template.format(question=question), earlier)
-        )
+        prompt_ids = self.lm.encode(question_prompt(self.layout, self.config, question, earlier))
         chunks: list[list[int]] | None = None
         placing: list[int] = []  # --recall-entries stored: the chunks whose stored entries are placed, not prefilled
         recalled_turns: list[TurnSpan] = []  # with sources: each recalled turn's tokens after the cache
@@ -168,34 +174,20 @@ class Session:
         presence = self._presence(cache, recalled_turns) if probe is not None else None
         kept = recorder.kept_tokens() if recorder is not None else None
         mark = cache.checkpoint()
-        stream = Detokenizer(self.lm.decode)
-        finish = "stop"
-        shown = ""
         entries = 0  # placed per KV head
         with self._shrunk_pages_refused(index):
             try:
                 entries = self._place(cache, stored, placing)
                 held = cache.checkpoint()  # the placed chunks' entries, and nothing of the prompt yet
-                for token in generate(
-                    self.lm, cache, prompt_ids, self.config.max_new_tokens, on_first_logits,
-                    first_recorder=first_recorder, echo=guard_for(self.config, question, self.lm.decode),
-                ):
-                    if stop is not None and stop():
-                        finish = "stopped"
-                        break
-                    delta = stream.push(token)
-                    if on_text is not None and delta:
-                        on_text(delta)
-                        shown += delta
-                tokens = stream.tokens
-                if finish == "stop" and len(tokens) >= self.config.max_new_tokens:
-                    finish = "length"
-                full_text = self.lm.decode(tokens)
-                if on_text is not None and full_text.startswith(shown) and len(full_text) > len(shown):
-                    on_text(full_text[len(shown):])
+                decoded = decode_answer(
+                    self.lm, cache, prompt_ids, self.config, question=question, speakers=self._speakers(),
+                    stops=stops, on_text=on_text, stop=stop, on_first_logits=on_first_logits,
+                    first_recorder=first_recorder,
+                )
+                tokens, finish = decoded.tokens, decoded.finish_reason
                 if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
                     self._record_answer(cache, recorder, held.extended(prompt_ids.shape[-1] - 1),
-                                        prompt_ids, tokens[:-1] if finish == "length" else tokens)  # fmt: skip
+                                        prompt_ids, tokens if decoded.closed else tokens[:-1])  # fmt: skip
                 if probe is not None:
                     # an int `query_rows` does not match Recorder's settable `int | None` (as in `_record_answer`)
                     probe.nll = continuation_nll(self.lm.model, cache, held.extended(prompt_ids.shape[-1] - 1),
@@ -204,11 +196,10 @@ class Session:
                     probe.present = presence.present() if presence is not None else None
             finally:
                 cache.rollback(mark)
-        text = full_text.strip()
         timings["decode"] = _ms_since(clock)
 
         answer = Answer(
-            text=text,
+            text=decoded.text,
             conversation=self.conversation.name,
             episode=index,
             similarity=round(similarity, 4),
@@ -225,6 +216,7 @@ class Session:
                 recorder.recalled),
             sources_note=note,
             recalled=chunks,
+            transcript_cut=decoded.transcript_cut,
         )
         if log:
             self.store.log_ask(
@@ -252,9 +244,9 @@ class Session:
             )
         return np.asarray([e.centroid for e in conversation.episodes], dtype=np.float32)
 
-    def route(self, question: str) -> tuple[int, float]:
-        """The episode `question` routes to and its similarity, without answering."""
-        return self._route(self.encoder.embed([question.strip()])[0], None)
+    def route(self, question: str, earlier: Sequence[tuple[str, str]] = ()) -> tuple[int, float]:
+        """The episode `question` (following up `earlier`) routes to and its similarity, without answering."""
+        return self._route(routing_query(self.encoder, question.strip(), earlier), None)
 
     def _route(self, query: np.ndarray, episode: int | None) -> tuple[int, float]:
         if episode is None:
@@ -283,6 +275,15 @@ class Session:
                 raise self._unreadable_entries(str(e)) from None
             self._stored = stored
         return self._stored
+
+    def _speakers(self) -> frozenset[str]:
+        """The speakers of the turns the answer can see (the resident episode's, and every recalled chunk's): a line
+        of the answer that starts with one's label is the model writing the history on (kvchat.answer.stops)."""
+        if self._speaker_names is None:
+            spans = from_metadata(self._turns) or []
+            chunks = self._recall.chunks if self._recall is not None else []
+            self._speaker_names = frozenset({s.speaker for s in spans} | {m.speaker for c in chunks for m in c.marks})
+        return self._speaker_names
 
     def _place(self, cache: EpisodeCache, stored: StoredEntries | None, placing: Sequence[int]) -> int:
         """The `stored` entries of chunks `placing` appended to `cache` in turn, each chunk's first tokens computed
@@ -415,6 +416,7 @@ class Session:
                 raise self._unreadable(index, "cache", str(e)) from None
         self._resident = (index, cache)
         self._turns = {k: v for k, v in metadata.items() if k == METADATA_KEY}
+        self._speaker_names = None
         # full KV evicts nothing, so nothing was re-rotated, whatever its positions setting says
         self._compacted, self._origins = meta.positions == "compact" and meta.method != "full", origins
         return cache
@@ -437,31 +439,6 @@ class Session:
         )
 
 
-class Detokenizer:
-    """The text of a growing list of tokens, decoding a few tokens per step rather than all of them
-    (linear in the answer's length, where decoding everything at each step is quadratic).
-
-    Each step decodes the tokens since the last-but-one emitted chunk and emits what that adds beyond
-    the previous chunk, so tokenizers that drop a leading space or join bytes into characters (a
-    multi-byte character across tokens decodes to U+FFFD until it is complete) stream right."""
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode = decode
-        self.tokens: list[int] = []
-        self._prefix = 0  # start of the window decoded each step
-        self._read = 0  # tokens already emitted
-
-    def push(self, token: int) -> str:
-        """Add `token`; return the text it completes ("" while a character is still partial)."""
-        self.tokens.append(token)
-        before = self.decode(self.tokens[self._prefix:self._read])
-        after = self.decode(self.tokens[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self.tokens)
-            return after[len(before):]
-        return ""
-
-
 def _recall_split(conversation: ConversationRecord) -> recall.RecallSplit | None:
     """How a `--method recall` conversation spends its budget (None for other methods)."""
     return recall.split_for(from_settings(conversation.settings).cache)
@@ -469,3 +446,16 @@ def _recall_split(conversation: ConversationRecord) -> recall.RecallSplit | None
 
 def _ms_since(start: float) -> float:
     return round((time.perf_counter() - start) * 1000, 2)
+
+
+def routing_query(encoder: SentenceEncoder, question: str, earlier: Sequence[tuple[str, str]] = ()) -> np.ndarray:
+    """The unit vector a question is routed (and its turns recalled) by: `question`'s embedding, or for a follow-up
+    the mean of the question's and the last exchange's, so "and what colour was it?" goes where the exchange it
+    continues went, while a question clearly about something else still goes elsewhere (its similarity to an
+    episode is the mean of the two similarities, scaled)."""
+    if not earlier:
+        return encoder.embed([question])[0]
+    last_question, last_answer = earlier[-1]
+    query, exchange = encoder.embed([question, f"{last_question}\n{last_answer}"])
+    both = query + exchange
+    return both / max(float(np.linalg.norm(both)), 1e-12)

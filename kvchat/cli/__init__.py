@@ -187,6 +187,7 @@ def _run(args: list[str], debug: bool) -> None:
         status = app(args=args, prog_name="kvchat", standalone_mode=False)  # returns typer.Exit's code
     except _Terminated as exc:
         err.print("kvchat: terminated", markup=False)
+        _say_notes(exc)
         sys.exit(exc.code)
     except UserError as exc:
         say(f"kvchat: error: {error_text(exc)}", console=err)
@@ -205,11 +206,19 @@ def _run(args: list[str], debug: bool) -> None:
             raise
         say(f"kvchat: internal error: {type(exc).__name__}: {error_text(exc)} (rerun with --debug for the traceback)",
             console=err)
+        _say_notes(exc)
         sys.exit(1)
-    if status == 130:  # typer turns Ctrl-C into Exit(130)
+    if status == 130:  # typer turns Ctrl-C into Exit(130); a command says what it kept (`say_notes`)
         err.print("kvchat: interrupted", markup=False)
     if isinstance(status, int) and status:
         sys.exit(status)
+
+
+def _say_notes(exc: BaseException | None) -> None:
+    """What the library noted on an exception that stopped a command (an ingest's work kept for its next run); Ctrl-C,
+    which typer turns into an exit status, is said by the command (`render.said_notes`)."""
+    for note in getattr(exc, "__notes__", None) or ():
+        err.print(f"kvchat: note: {note}", markup=False, soft_wrap=True)
 
 
 def _name_the_setting(exc: typer.TyperException) -> None:
@@ -218,7 +227,9 @@ def _name_the_setting(exc: typer.TyperException) -> None:
 
     from kvchat.settings_table import former_option
 
-    row = former_option(exc.option_name) if isinstance(exc, NoSuchOption) else None
+    if not isinstance(exc, NoSuchOption):
+        return
+    row = former_option(exc.option_name)
     if row is not None:
         exc.message += f" ({exc.option_name} is `--setting {row.key}=VALUE` now: docs/commands.md)"
         exc.possibilities = None

@@ -22,40 +22,43 @@ from kvchat.cli.options import (
     open_store,
 )
 from kvchat.cli.progress import (
+    STORED,
     LineBatchProgress,
     LineIngestProgress,
     RichBatchProgress,
     RichIngestProgress,
     progress_bars,
 )
-from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, say, table
+from kvchat.cli.render import beside_table, counted, emit_json, err, head_budgets_text, said_notes, say, table
 from kvchat.cli.setting_options import OFFLOAD_PANEL, with_setting_options
 from kvchat.cli.words import spell
 from kvchat.config import WEIGHTS, BatchConfig, DeviceConfig, IngestConfig
-from kvchat.errors import UserError, message
+from kvchat.errors import UserError
 from kvchat.history.loading import FORMAT_NAMES
 
 HistoryFormat = Literal[tuple(FORMAT_NAMES)]  # type: ignore[valid-type]
-_INPUT, _STORE = "History", "Storing"
+_INPUT, _STORE, _RAY = "History", "Storing", "Ray workers"
 INGEST_EXAMPLES = """Examples:
   kvchat ingest chat.json                       # stored as "chat"
   kvchat ingest conversations.json --pick "Trip to Japan" --name japan
-  kvchat ingest more.json --append --name chat  # continue a stored conversation"""
+  kvchat ingest more.json --append --name chat  # continue a stored conversation
+  kvchat ingest year.json --ray --workers 8     # its episodes on 8 Ray workers"""
 
 
 @with_setting_options
 def ingest(
     history: Annotated[Path, typer.Argument(
-        metavar="HISTORY", help='A chat history file (docs/formats.md). OpenAI messages JSON/JSONL, a '
-        'ChatGPT or Claude export, fine-tune JSONL, a "Name: text" transcript, LoCoMo or LongMemEval.')],
-    name: Annotated[str | None, typer.Option(help="Conversation name (default: the file's stem).",
+        metavar="HISTORY", help='A chat history file (docs/formats.md): OpenAI messages JSON/JSONL, a '
+        'ChatGPT, Claude, Telegram or Discord export, a Slack channel\'s folder, fine-tune JSONL, a "Name: text" '
+        'transcript or WhatsApp chat, a markdown chat log, LoCoMo or LongMemEval.')],
+    name: Annotated[str | None, typer.Option(help="Conversation name (default: made from the file's name).",
                                              rich_help_panel=_INPUT)] = None,
     history_format: Annotated[HistoryFormat | None, typer.Option(
         "--format", help="Force the history's format (default: detected).",
         rich_help_panel=_INPUT)] = None,
     pick: Annotated[str | None, typer.Option(rich_help_panel=_INPUT,
-        help='The conversation to take: its number, title or "all". From a ChatGPT or Claude export or fine-tune '
-        'JSONL holding several; number 1 is the first in the file, "all" takes them oldest first.')] = None,
+        help='The conversation to take: its number, title or "all". From a ChatGPT, Claude or Telegram export or '
+        'fine-tune JSONL holding several; number 1 is the first in the file, "all" takes them oldest first.')] = None,
     config: IngestConfig = IngestConfig(),
     max_memory: Annotated[int | None, typer.Option(rich_help_panel=OFFLOAD_PANEL,
         help="MiB this ingest may use (default: what the system has available). It decides auto prefill and the "
@@ -65,10 +68,21 @@ def ingest(
     append: Annotated[bool, typer.Option(rich_help_panel=_STORE,
         help="Add the history's turns to conversation --name. Every episode cache continues from where it "
         "stopped, with the settings it was built with (cache options are not taken); the past is not ingested "
-        "again.")] = False,
+        "again, and a newer export of the same chat adds only the turns after those stored.")] = False,
     reingest: Annotated[bool, typer.Option(rich_help_panel=_STORE,
         help="With --append: ingest the stored histories and this one again from the start. Episodes are "
         "clustered anew.")] = False,
+    resume: Annotated[bool | None, typer.Option("--resume/--no-resume", rich_help_panel=_STORE,
+        help="Continue an ingest of this name stopped before it finished, from its last finished part: where it has "
+        "the same history and settings (the default), always (exit 2 without one), or never (start over).")] = None,
+    ray: Annotated[bool, typer.Option("--ray", rich_help_panel=_RAY,
+        help="Build the episodes (and stored recall entries) on Ray workers; this process writes the store "
+        "(docs/batch.md).")] = False,
+    workers: Annotated[int | None, typer.Option(rich_help_panel=_RAY,
+        help="With --ray: workers (default: the CPUs Ray has / --threads).")] = BatchConfig.workers,
+    address: Annotated[str | None, typer.Option(rich_help_panel=_RAY,
+        help="With --ray: join this Ray cluster ('auto', or ray://HOST:10001) instead of starting a local "
+        "Ray.")] = BatchConfig.address,
     trust_remote_code: TrustOpt = False,
     force: ForceOpt = False,
     threads: ThreadsOpt = None,
@@ -79,52 +93,80 @@ def ingest(
 ) -> None:
     """Split a history into episodes and store one compressed KV cache per episode."""
     started = time.monotonic()  # the summary's time is the whole command's: reading, model loading, ingest
+    # Every mistake in the options, the name or the file is refused before torch is imported (a fraction of a second)
     from kvchat.history.loading import load_history
-    from kvchat.ingest.pipeline import ingest as run_ingest
-    from kvchat.ingest.pipeline import validate
+    from kvchat.ingest.validation import validate
     from kvchat.settings import read_options
-    from kvchat.store import validate_name
+    from kvchat.store.resumable import unfinished
 
     model = config.model
     if max_memory is not None and max_memory < 1:
         raise UserError(f"--max-memory must be >= 1 MiB (got {max_memory})")
     validate(config)
+    _check_spread(append, resume, ray, workers, address)
     if append and name is None:
         raise UserError("--append needs --name, the conversation to continue")
-    if name is None:
-        try:
-            name = validate_name(history.stem)
-        except UserError as exc:
-            raise UserError(f"{message(exc)}; name it with --name") from None
-    else:
-        name = validate_name(name)
+    name = _conversation_name(name, history)
     turns = load_history(history, format=history_format, pick=pick,  # fails before a model loads
                          min_turns=1 if append else 2)
     read = read_options(history_format, pick)  # kept, so that `--append --reingest` reads it the same way
     store = open_store()
     if append or reingest:
         _check_append(append, reingest, replace, config, model, store.get(name) if append else None)
+    elif not replace and name in {c.name for c in store.conversations()}:
+        raise UserError(f"conversation '{name}' exists; use --replace (or --append to add to it)")
     store.check_writable()
+    if resume and not unfinished(store.caches_dir, name):
+        raise UserError(f"--resume: no unfinished ingest of {name!r} to continue")
+    if ray:
+        from kvchat.ingest.batch_units import ingest_spread
+
+        with said_notes(), progress_bars() as bars:
+            asked = config.cache.method
+            progress = RichIngestProgress(bars, asked) if err.is_terminal else LineIngestProgress(asked)
+            report = ingest_spread(
+                turns, name=name, store=store, config=config, source=str(history.resolve()), reads=read or None,
+                batch=BatchConfig(workers=workers, threads=threads or 1, address=address,
+                                  device=DeviceConfig(device, dtype), weights=weights),
+                replace=replace, force=force, max_memory=None if max_memory is None else max_memory * 2**20,
+                trust_remote_code=trust_remote_code, progress=progress, resumable=True, resume=resume,
+            )  # fmt: skip
+        return _say_ingested(report, append, reingest, as_json, started, None)
     spec = store.get(name).model if append else model
+    from kvchat.ingest.pipeline import ingest as run_ingest
+
     lm = load_model(spec, store, trust_remote_code, threads, DeviceConfig(device, dtype), weights)
     encoder = load_encoder()
     loading = time.monotonic() - started
-    with progress_bars() as bars:
-        progress = RichIngestProgress(bars) if err.is_terminal else LineIngestProgress()
+    with said_notes(), progress_bars() as bars:
+        asked = STORED if append else config.cache.method  # --reingest too: the conversation's settings
+        progress = RichIngestProgress(bars, asked) if err.is_terminal else LineIngestProgress(asked)
         if append:
             from kvchat.ingest import append as appending
 
             run = appending.reingest if reingest else appending.append
             extra = {} if reingest else {"source": str(history.resolve())}
-            report = run(history if reingest else turns, name=name, store=store, lm=lm, encoder=encoder,
-                         progress=progress, force=force, read=read, **extra)  # fmt: skip
+            try:
+                report = run(history if reingest else turns, name=name, store=store, lm=lm, encoder=encoder,
+                             progress=progress, force=force, read=read, **extra)  # fmt: skip
+            except appending.NothingNew as exc:  # a re-export with nothing new: done, nothing written
+                say(f"kvchat: {exc}", console=err)
+                if as_json:
+                    emit_json(documents.document(name=name, appended_turns=0, skipped_turns=exc.turns))
+                return
         else:
             report = run_ingest(
                 turns, name=name, config=config, store=store, lm=lm, encoder=encoder, replace=replace,
                 progress=progress, source=str(history.resolve()), force=force,
                 max_memory=None if max_memory is None else max_memory * 2**20,
-                reads={str(history.resolve()): read} if read else None,
+                reads={str(history.resolve()): read} if read else None, resumable=True, resume=resume,
             )
+    _say_ingested(report, append, reingest, as_json, started, loading)
+
+
+def _say_ingested(report, append: bool, reingest: bool, as_json: bool, started: float, loading: float | None) -> None:
+    """The ingest's notes, then its summary line or its JSON document. `loading`: the seconds reading the history
+    and loading the model took (None: on Ray workers)."""
     for note in report.notes:
         say(f"kvchat: note: {spell(note)}", console=err)
     if as_json:
@@ -133,24 +175,43 @@ def ingest(
         say(
             "appended to " if append and not reingest else "ingested ", (report.name, "bold"),
             f": {report.turns} turns, {report.history_tokens} tokens -> "
-            f"{counted(report.episodes, 'episode')} x {_budget_text(report)} "
+            f"{counted(report.episodes, 'episode')}, {_budget_text(report)} "
             f"({report.method}, {report.prefill} prefill, "
             f"{report.layer_budgets} layer budgets, "
             f"{head_budgets_text(report.head_budgets, report.head_entries)}, {report.positions} positions, "
             f"{report.weights} weights), "
             f"peak {report.peak_layer_entries} entries/layer ({report.peak_total_entries} in all layers), "
             f"{report.cache_bytes / 2**20:.1f} MiB{_offload_text(report)}{_recall_entries_text(report)}, "
-            f"{time.monotonic() - started:.1f}s ({loading:.1f}s reading and loading the model)",
+            f"{time.monotonic() - started:.1f}s"
+            + (f" ({loading:.1f}s reading and loading the model)" if loading is not None else " (on Ray workers)"),
         )
 
 
+def _check_spread(append: bool, resume: bool | None, ray: bool, workers: int | None, address: str | None) -> None:
+    """How --resume and --ray combine with the other options (before anything is read)."""
+    if append and resume is not None:
+        raise UserError("--resume and --no-resume go with a plain ingest: an --append is not resumable")
+    if append and ray:
+        raise UserError("--ray spreads a plain ingest: an --append runs in this process")
+    if not ray and (workers is not None or address is not None):
+        raise UserError(f"{'--workers' if workers is not None else '--address'} goes with --ray")
+
+
+def _conversation_name(name: str | None, history: Path) -> str:
+    """The name given, checked; else one made from the file's name ("WhatsApp Chat with Dana.txt":
+    "WhatsApp-Chat-with-Dana")."""
+    from kvchat.store import name_from_file, validate_name
+
+    return validate_name(name) if name is not None else name_from_file(history)
+
+
 def _budget_text(report) -> str:
-    """The entries per layer and KV head an episode's cache keeps (their mean over layers), and with --method
-    recall those of the chunks each question recalls, which make up the rest of --budget."""
+    """The budget M asked for, the entries per layer and KV head an episode's cache keeps on average over layers
+    (fewer than M for a short history, or with --method recall the rest of M), and the recalled chunks' entries."""
     kept = round(sum(report.budgets) / len(report.budgets))
-    if not report.recalled_entries:
-        return f"budget {kept}"
-    return f"budget {kept} + {report.recalled_entries} recalled per question"
+    asked = f"budget {report.budget} asked" if report.budget else "budget"
+    recalled = f" + {report.recalled_entries} recalled per question" if report.recalled_entries else ""
+    return f"{asked}, {kept} kept on average per layer and KV head{recalled}"
 
 
 def _recall_entries_text(report) -> str:
@@ -224,10 +285,14 @@ def ingest_batch(
 
     Exit status 2 when any history failed (each is reported; the others go on).
     """
+    from kvchat.ingest.batch_sources import histories
+    from kvchat.ingest.validation import validate
+
+    validate(config)  # mistakes in the options and the files' names: before Ray and torch load
+    sources = histories(files or [], manifest or [], format=history_format, pick=pick)
+    store = open_store()
     from kvchat.ingest import batch as batching
 
-    sources = batching.histories(files or [], manifest or [], format=history_format, pick=pick)
-    store = open_store()
     with progress_bars(markup=False) as bars:
         progress = RichBatchProgress(bars) if err.is_terminal else LineBatchProgress()
         report = batching.ingest_batch(

@@ -31,7 +31,7 @@ DeviceOpt = Annotated[Literal[DEVICES], typer.Option(  # type: ignore[valid-type
 DtypeOpt = Annotated[Literal[DTYPES], typer.Option(  # type: ignore[valid-type]
     help="The model's dtype, and its caches'. auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, or "
     "float16 (CUDA only). A cache answers in any dtype, converted on load.")]
-ThreadsOpt = Annotated[int | None, typer.Option(
+ThreadsOpt = Annotated[int | None, typer.Option(min=1,
     help="Torch threads (default: $OMP_NUM_THREADS, else the cores this process may use). Running several "
     "kvchat processes? Give each cores / processes.")]
 # Choices are real choices: listed in --help, completed by the shell, refused by the parser (exit 2).

@@ -19,6 +19,7 @@ from rich.progress import (
 from kvchat.cli.render import counted, err, say
 from kvchat.cli.terminal import clean
 from kvchat.cli.words import spell
+from kvchat.kv.methods import AUTO_METHOD, AUTO_METHODS
 
 
 def progress_bars(*, hidden: bool = False, markup: bool = True) -> Progress:
@@ -73,18 +74,39 @@ def _duration(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
+STORED = "stored"  # `asked` of an append: the conversation's own method
+
+
+def method_line(asked: str, name: str, history_tokens: int, window: int) -> str:
+    """The line that announces the method an ingest builds with: `asked` (`--method`, or STORED for an append)
+    resolved to `name`, and why when `auto` chose it."""
+    if asked == STORED:
+        return f"kvchat: method {name} (the conversation's)"
+    if asked != AUTO_METHOD:
+        return f"kvchat: method {name}"
+    relation = "exceed" if name == AUTO_METHODS[1] else "fit"
+    return (f"kvchat: method {name} (auto: the history's {history_tokens:,} tokens with the system prompt "
+            f"{relation} the model's {window:,}-token window)")
+
+
 class LineIngestProgress:
     """Where stderr is not a terminal: a line per episode and, once the ingest has run a few seconds (a short one
     stays quiet), a line per planning step, per tenth of the segments embedded and per tenth of an episode's
-    blocks, so a log shows a long ingest is alive."""
+    blocks, so a log shows a long ingest is alive. With `asked` (the method asked for) the method built with is
+    announced before the first block."""
 
     quiet_s = 3.0
 
-    def __init__(self) -> None:
+    def __init__(self, asked: str | None = None) -> None:
+        self.asked = asked
         self.started = time.monotonic()
         self.said: tuple[str, int] | None = None
         self.blocks = BlockTally()
         self.blocks_started = self.started
+
+    def method(self, name: str, history_tokens: int, window: int) -> None:
+        if self.asked is not None:
+            say(method_line(self.asked, name, history_tokens, window), console=err)
 
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         self.blocks, self.blocks_started = BlockTally(blocks), time.monotonic()
@@ -128,12 +150,30 @@ class LineIngestProgress:
     def recall_entries(self, done: int, total: int) -> None:
         self._tenths("recall entries: chunks", done, total)
 
+    def resuming(self, done: str, blocks: int) -> None:
+        self.blocks.resumed(blocks)
+        err.print(f"kvchat: resuming: {done}", markup=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        err.print(f"kvchat: note: {spell(text)}", markup=False, soft_wrap=True)
+
+    def checkpoint(self, index: int, blocks: int, total: int) -> None:
+        pass
+
+    def running(self, part: str, worker) -> None:
+        pass
+
 
 class BlockTally:
     """Blocks done of the ingest's planned total, from per-pass counts (each episode's prefill counts from 1)."""
 
     def __init__(self, total: int = 0) -> None:
         self.total, self.done, self._pass = total, 0, 0
+        self.kept = 0  # blocks a resumed ingest had done before: counted done, not in its pace
+
+    def resumed(self, blocks: int) -> None:
+        self.done += blocks
+        self.kept += blocks
 
     def new_pass(self) -> None:
         self._pass = 0
@@ -147,21 +187,26 @@ class BlockTally:
 
     def eta(self, started: float) -> str:
         """", ETA N s" once a block is done (the pace so far over the blocks left), else ""."""
-        if not self.done or not self.total:
+        ran = self.done - self.kept
+        if ran <= 0 or not self.total:
             return ""
         left = max(0, self.total - self.done)
-        return f", ETA {(time.monotonic() - started) / self.done * left:.0f} s"
+        return f", ETA {(time.monotonic() - started) / ran * left:.0f} s"
 
 
 class RichIngestProgress:
-    """Per-episode and per-block bars on a TTY."""
+    """Per-episode and per-block bars on a TTY; with `asked`, the method announced above them."""
 
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
+    def __init__(self, progress: Progress, asked: str | None = None) -> None:
+        self.progress, self.asked = progress, asked
         self.overall = progress.add_task("ingest", total=None)
         self.episodes = progress.add_task("episodes", total=None)
         self.blocks = progress.add_task("blocks", total=None)
         self.tally = BlockTally()
+
+    def method(self, name: str, history_tokens: int, window: int) -> None:
+        if self.asked is not None:
+            say(method_line(self.asked, name, history_tokens, window), console=err)
 
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         self.tally = BlockTally(blocks)
@@ -187,6 +232,20 @@ class RichIngestProgress:
 
     def recall_entries(self, done: int, total: int) -> None:
         self.progress.update(self.blocks, completed=done, total=total, description="recall entries (chunks)")
+
+    def resuming(self, done: str, blocks: int) -> None:
+        self.tally.resumed(blocks)
+        self.progress.update(self.overall, completed=blocks)
+        self.progress.console.print(f"kvchat: resuming: {done}", markup=False, soft_wrap=True)
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(f"kvchat: note: {spell(text)}", markup=False, soft_wrap=True)
+
+    def checkpoint(self, index: int, blocks: int, total: int) -> None:
+        pass
+
+    def running(self, part: str, worker) -> None:
+        pass
 
 
 class LineBatchProgress:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -19,9 +20,26 @@ err = Console(stderr=True, highlight=False)
 
 
 def emit_json(document: dict) -> None:
-    """One JSON document on one line (JSON Lines when a command prints several), its messages in the CLI's words."""
-    sys.stdout.write(json.dumps(spelled(document, spell), ensure_ascii=False) + "\n")
+    """One JSON document on one line (JSON Lines when a command prints several), its messages in the CLI's words.
+    Text from a history reaches a terminal through it too, so every character that is not printable (C1 controls,
+    bidi overrides, line and paragraph separators; json escapes C0 itself) is written as its `\\u` escape: the same
+    JSON value, nothing a terminal acts on."""
+    sys.stdout.write(_printable_json(json.dumps(spelled(document, spell), ensure_ascii=False)) + "\n")
     sys.stdout.flush()
+
+
+def _printable_json(text: str) -> str:
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _json_escape(c) for c in text)
+
+
+def _json_escape(char: str) -> str:
+    code = ord(char)
+    if code < 0x10000:
+        return f"\\u{code:04x}"
+    code -= 0x10000  # beyond the first plane: a surrogate pair, as JSON writes one
+    return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
 
 
 def say(*parts: str | tuple[str, str], console: Console | None = None) -> None:
@@ -32,6 +50,18 @@ def say(*parts: str | tuple[str, str], console: Console | None = None) -> None:
         value, style = part if isinstance(part, tuple) else (part, "")
         text.append(clean(value), style=style)
     (console or out).print(text, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def said_notes() -> Iterator[None]:
+    """Ctrl-C inside: what the library noted on it (an ingest's work kept for its next run) said on stderr before it
+    goes on (typer turns it into an exit status, dropping the exception)."""
+    try:
+        yield
+    except KeyboardInterrupt as exc:
+        for note in getattr(exc, "__notes__", None) or ():
+            say(f"kvchat: note: {spell(note)}", console=err)
+        raise
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], *, title: str | None = None,
@@ -71,7 +101,7 @@ def head_budgets_text(mode: str, entries: list[int]) -> str:
 
 def episode_lines(record) -> list[str]:
     """One line per episode of a stored conversation: its number, topic label and size (user text cleaned)."""
-    from kvchat.history.episodes import topic_labels
+    from kvchat.history.topics import topic_labels
 
     labels = topic_labels([e.medoid_text for e in record.episodes])
     return [f"  {e.index}  {clean(label, one_line=True) or '(no topic words)'}  ({e.bytes / 2**20:.1f} MiB)"

@@ -23,15 +23,24 @@ A question follows up the previous one: its question and answer stay on top of t
   /episodes             the episodes, with their topics and sizes
   /episode N            answer from episode N's cache; /episode auto routes again
   /conversation NAME    switch to another stored conversation
-  /set NAME VALUE       max-new-tokens N (longest answer) or retrieve R; /set alone shows them
+  /set NAME VALUE       max-new-tokens N (longest answer), retrieve R, temperature T (0: greedy), top-p P,
+                        seed S (or off), repetition-penalty X (1: off), system TEXT (or off: your
+                        instructions for every answer); /set alone shows them
   /sources [on|off]     show the turns each answer drew on (toggles without an argument)
   /clear, clear         forget the previous question and answer
   /help, /?, help       this help
   exit, quit, Ctrl-D    leave
 Ctrl-C stops an answer (the session stays); at the prompt it clears the line."""
 
-# What `/set` changes: the REPL's name -> (the AskConfig field, the smallest value allowed).
-SETTINGS = {"max-new-tokens": ("max_new_tokens", 1), "retrieve": ("retrieve", 0)}
+# What `/set` changes: the REPL's name -> (the AskConfig field, sampling's as `sampling.NAME`; the kind of value:
+# a whole number >= N, a number, a whole number or "off", text or "off"). Values out of range are refused by
+# AskConfig's own checks (kvchat.config.Sampling).
+SETTINGS: dict[str, tuple[str, object]] = {
+    "max-new-tokens": ("max_new_tokens", 1), "retrieve": ("retrieve", 0),
+    "temperature": ("sampling.temperature", float), "top-p": ("sampling.top_p", float),
+    "seed": ("sampling.seed", "whole or off"), "repetition-penalty": ("sampling.repetition_penalty", float),
+    "system": ("system", str),
+}
 
 PROMPT, CONTINUATION = "> ", "... "
 
@@ -56,8 +65,9 @@ class Actions(Protocol):
     def settings(self) -> dict[str, object]:
         """The answer settings `/set` changes, by AskConfig field."""
 
-    def configure(self, field: str, value: int) -> None:
-        """Set an AskConfig field for the questions that follow."""
+    def configure(self, field: str, value: object) -> None:
+        """Set an AskConfig field (`sampling.NAME` for sampling's) for the questions that follow; UserError when
+        the value is out of range."""
 
 
 class Repl:
@@ -182,18 +192,23 @@ class Repl:
         name, _, value = arg.partition(" ")
         if not name:
             shown = self.actions.settings()
-            self.say("  ".join(f"{n} {shown.get(f)}" for n, (f, _) in SETTINGS.items()))
+            self.say("  ".join(f"{n} {_shown(shown[f])}" for n, (f, _) in SETTINGS.items() if f in shown))
             return
         if name not in SETTINGS:
             self.say(f"error: /set knows {', '.join(SETTINGS)} (got {name!r})")
             return
-        field, least = SETTINGS[name]
-        value = value.strip()
-        if not value.isdigit() or int(value) < least:
-            self.say(f"error: /set {name} takes a whole number >= {least}")
+        field, kind = SETTINGS[name]
+        parsed = _parsed(value.strip(), kind)
+        if parsed is _INVALID:
+            wanted = {float: "a number", "whole or off": "a whole number, or off", str: "text, or off"}
+            self.say(f"error: /set {name} takes {wanted.get(kind, f'a whole number >= {kind}')}")
             return
-        self.actions.configure(field, int(value))
-        self.say(f"{name} = {int(value)}")
+        try:
+            self.actions.configure(field, parsed)
+        except UserError as exc:
+            self.say(f"error: {exc}")
+            return
+        self.say(f"{name} = {_shown(parsed)}")
 
 
 class _Exit(enum.Enum):
@@ -201,6 +216,29 @@ class _Exit(enum.Enum):
 
 
 _EXIT: Final = _Exit.EXIT  # what `_question` returns for exit, quit and the like
+_INVALID = object()
+
+
+def _parsed(value: str, kind: object) -> object:
+    """`value` as a /set setting of `kind` takes it (SETTINGS), or _INVALID."""
+    if kind is str:
+        return None if value in ("", "off") else value
+    if kind == "whole or off":
+        return None if value == "off" else int(value) if value.isdigit() else _INVALID
+    if kind is float:
+        try:
+            return float(value)
+        except ValueError:
+            return _INVALID
+    least = kind if isinstance(kind, int) else 0
+    return int(value) if value.isdigit() and int(value) >= least else _INVALID
+
+
+def _shown(value: object) -> str:
+    return "default" if value is None else repr(value) if isinstance(value, str) else f"{value:g}" \
+        if isinstance(value, float) else str(value)
+
+
 _BARE_COMMANDS = {"help", "clear", "episodes"}
 
 

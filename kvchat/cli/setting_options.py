@@ -35,13 +35,14 @@ def _one_of(row: Setting) -> Callable[[Any], Any]:
 
 
 def _parameter(row: Setting) -> inspect.Parameter:
+    assert row.option is not None, row.key  # OPTION_ROWS are the rows with an option
     info: dict[str, Any] = {"help": row.help, "rich_help_panel": _PANELS.get(row.key, CACHE_PANEL)}
     if row.shown_choices:  # a str option: --help shows the shown choices, the parser takes all of them
         annotation: Any = str
         info |= {"metavar": "|".join(row.shown_choices), "callback": _one_of(row),
                  "autocompletion": lambda incomplete: [c for c in row.shown_choices if c.startswith(incomplete)]}
     elif row.choices:  # a real choice: listed in --help, completed by the shell, refused by the parser (exit 2)
-        annotation = Literal[row.choices]  # type: ignore[valid-type]
+        annotation = Literal[row.choices]
     else:
         annotation = row.annotation
     if row.default is None:

@@ -26,6 +26,11 @@ def list_conversations(as_json: JsonOpt = False) -> None:
     if as_json:
         emit_json(documents.conversations(records, default))
         return
+    if not records:
+        say("kvchat: no conversations yet; `kvchat ingest HISTORY` stores one (docs/formats.md: the files it reads)",
+            console=err)
+        if out.is_terminal:
+            return
     rows = []
     for r in records:
         s = documents.conversation(r)
@@ -161,9 +166,24 @@ def logs(
     if as_json:
         emit_json(documents.asks(rows))
         return
+    if not rows:
+        say(f"kvchat: {_no_questions(store, conversation)}", console=err)
+        if out.is_terminal:
+            return
     table(("time", "conversation", "episode", "question", "answer"),
           [(r["created_at"][:19], r["conversation"], r["episode"], r["question"], r["answer"]) for r in rows],
           right=("episode",))
+
+
+def _no_questions(store, conversation: str | None) -> str:
+    """What an empty log says: which command fills it."""
+    if conversation is not None:
+        return (f"no questions asked of {conversation} yet (or all with --no-log); "
+                f"`kvchat ask --conversation {conversation} QUESTION` asks one")
+    if not store.conversations():
+        return ("no questions asked yet, and no conversations: `kvchat ingest HISTORY` stores one, then "
+                "`kvchat ask QUESTION`")
+    return "no questions asked yet (or all with --no-log); `kvchat ask QUESTION` asks one"
 
 
 def doctor(
@@ -177,12 +197,22 @@ def doctor(
     Exit status: 0 when the store is healthy (with --fix: once repaired), 1 when problems remain.
     """
     from kvchat.model.encoder import embedding_dimension
-    from kvchat.store import diagnose, repair
+    from kvchat.serve.announcement import ANNOUNCEMENT, remove_stale_announcement, stale_announcement
+    from kvchat.store import Problem, diagnose, repair
 
     home, dimension = default_home(), embedding_dimension()  # from the encoder's config: no model, no torch
-    found = diagnose(home, embedding_dimension=dimension)
+
+    def problems() -> list[Problem]:
+        stale = stale_announcement(home)  # a `kvchat serve` killed before it could remove its serve.json
+        return diagnose(home, embedding_dimension=dimension) + ([] if stale is None else [Problem(
+            "stale-announcement", None, None, home / ANNOUNCEMENT,
+            f"{home / ANNOUNCEMENT} {stale}: `kvchat ask` would try it first; --fix removes it")])
+
+    found = problems()
     fixed = repair(home, found, embedding_dimension=dimension) if fix and found else []
-    remaining = diagnose(home, embedding_dimension=dimension) if fix and found else found
+    if fix and any(p.kind == "stale-announcement" for p in found) and remove_stale_announcement(home):
+        fixed.append(f"removed {home / ANNOUNCEMENT} (no server runs)")
+    remaining = problems() if fix and found else found
     if as_json:
         emit_json(documents.document(healthy=not remaining, problems=[p.to_dict() for p in found], fixed=fixed))
     else:

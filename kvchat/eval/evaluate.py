@@ -233,8 +233,7 @@ def evaluate(
     answers from them."""
     results = results or ResultsFile(None)
     progress = progress or EvalProgress()
-    ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template,
-                           echo_guard=config.echo_guard)
+    ask_config = config.answering()
     full_kv = Variant(dataclasses.replace(base.cache, method=REFERENCE, offload=OffloadConfig()))
     everything = [full_kv, *(v for v in variant_list if v.key != REFERENCE)]
     for qa_set in qa_sets:

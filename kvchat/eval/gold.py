@@ -28,7 +28,7 @@ import numpy as np
 from kvchat.answer.probe import Probe
 from kvchat.answer.rag import RagIndex, RagSession
 from kvchat.answer.session import Session
-from kvchat.config import ANSWER_ROOM, AskConfig, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
+from kvchat.config import ANSWER_ROOM, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
 from kvchat.errors import UserError
 from kvchat.eval import memory_metrics
 from kvchat.eval.qa import CATEGORIES, QASet, contains_gold, sample_questions, score_answer
@@ -182,8 +182,7 @@ def evaluate_gold(
     scratch store deleted afterwards. `lm` builds the caches, as `kvchat ingest` does; `answering` (default `lm`:
     the same weights, held as `kvchat ask --weights` holds them) decodes every answer and prefills rag's chunks."""
     progress = progress or _Quiet()
-    ask_config = AskConfig(max_new_tokens=config.max_new_tokens, question_template=config.question_template,
-                           echo_guard=config.echo_guard)
+    ask_config = config.answering()
     with tempfile.TemporaryDirectory(prefix="kvchat-gold-") as scratch:
         own = store is None
         store = Store(Path(scratch)) if store is None else store
@@ -231,7 +230,7 @@ def evaluate_gold(
 @dataclass(frozen=True)
 class _Got:
     text: str
-    costs: dict  # entries, resident_bytes, disk_bytes, prompt_tokens, answer_tokens, episode
+    costs: dict  # entries, resident_bytes, disk_bytes, prompt_tokens, answer_tokens, episode, transcript_cut
     present: dict | None = None  # what the prompt holds where the answerer knows it better than the probe
 
 
@@ -257,6 +256,7 @@ class _KvchatAnswerer:
             "entries": round(held + self.retrieve, 1), "resident_bytes": record.bytes + int(
                 (answer.prompt_tokens + self.retrieve) * self.heads * self.entry_bytes), "disk_bytes": self.disk_bytes,
             "prompt_tokens": answer.prompt_tokens, "answer_tokens": answer.answer_tokens, "episode": answer.episode,
+            "transcript_cut": answer.transcript_cut,
         }, present)  # fmt: skip
 
 
@@ -273,6 +273,7 @@ class _RagAnswerer:
             "entries": answer.entries, "resident_bytes": int(answer.entries * self.entry_bytes),
             "disk_bytes": self.session.index.nbytes, "prompt_tokens": answer.prompt_tokens,
             "answer_tokens": answer.answer_tokens, "chunks": list(answer.chunks),
+            "transcript_cut": answer.transcript_cut,
         }, memory_metrics.chunk_presence(self.session.lm, chunks))  # fmt: skip
 
 

@@ -97,6 +97,13 @@ def score_answer(prediction: str, question: Question) -> float:
     return token_f1(prediction, gold)
 
 
+def repeats_itself(prediction: str, words: int = 4) -> bool:
+    """The answer loops: some sequence of `words` words occurs in it twice ("a big dog with a big dog with ...")."""
+    found = re.findall(r"\w+", prediction.lower())
+    grams = [tuple(found[i : i + words]) for i in range(len(found) - words + 1)]
+    return len(grams) != len(set(grams))
+
+
 def contains_gold(prediction: str, question: Question) -> bool:
     """Recall as the planted-fact set measures it: the normalised gold appears in the normalised answer."""
     gold = normalize_answer(question.gold)

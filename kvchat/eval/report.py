@@ -83,7 +83,8 @@ def settings(config, base, *, model: str, offloads: Sequence[str] = ("none",), p
                         else f"whole sessions up to the model's window minus {ANSWER_ROOM} tokens for the answer",
         "questions": ("all" if config.questions is None else f"at most {config.questions}") + " per conversation, "
                      f"LoCoMo categories {', '.join(map(str, config.categories))}, only those whose evidence is kept",
-        "answers": f"greedy, at most {config.max_new_tokens} tokens, LoCoMo's QA prompt"
+        "answers": f"as every question is answered (answer.decoding): at most {config.max_new_tokens} tokens, the "
+                   f"question as {config.question_template!r}, {_sampling(config.answering().sampling)}"
                    + (", no answer repeating the question's first words (model.echo)" if config.echo_guard else "")
                    + f"; {weights} weights (the caches built and the answers decoded with them, as an ingest and a "
                    "question hold them)",
@@ -225,3 +226,9 @@ def _bars(ax, rows: Sequence[dict], series: Sequence[str], key: str, budget: int
 def _series(row: dict) -> str:
     """A variant without its budget: one line in the plot."""
     return re.sub(r"@\d+", "", row["variant"])
+
+
+def _sampling(sampling) -> str:
+    """How answer tokens are chosen, in words."""
+    how = "greedy" if sampling.temperature == 0 else f"sampled at temperature {sampling.temperature:g}"
+    return how + (f", repetition penalty {sampling.repetition_penalty:g}" if sampling.repetition_penalty != 1 else "")

@@ -51,7 +51,11 @@ class EpisodePart:
     """One feature's state while one episode is built; the default does nothing."""
 
     on_evict: EvictionObserver | None = None  # sees every entry an eviction drops (kvchat.kv.cache)
-    offloaded: int = 0                        # entries its side file holds (the ingest report)
+
+    @property
+    def offloaded(self) -> int:
+        """Entries its side file holds (the ingest report)."""
+        return 0
 
     def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
         """The prefill is done (`evicted`: a scorer chose what stays; full KV evicted nothing) and the cache's

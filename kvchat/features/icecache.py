@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvchat.errors import UserError
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature, UnreadableFile
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.config import CacheConfig, IceCacheConfig
 from kvchat.messages import option, setting
 
@@ -71,7 +72,8 @@ class IceCache(Feature):
             raise ValueError("IceCache spills an episode's evictions into a scratch dir; none was given")
         shape = ModelShape.of(setup.model)
         spill = SpillWriter(setup.scratch, num_layers=shape.layers, kv_heads=shape.kv_heads, head_dim=shape.head_dim,
-                            dtype=PAGE_DTYPES[setup.config.offload.dtype], rotary_emb=setup.model.model.rotary_emb)
+                            dtype=PAGE_DTYPES[setup.config.offload.dtype],
+                            rotary_emb=decoder_of(setup.model).rotary_emb)
         if setup.stored is not None:  # an append: the stored pages are paged again with the new evictions
             spill.spill_pages(pagefile.decode(*setup.stored()))
         return _Spill(spill, setup.config.offload)

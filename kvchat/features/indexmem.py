@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any
 
 from kvchat.features.feature import EpisodePart, EpisodeSetup, Feature
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.config import CacheConfig
 from kvchat.messages import option
 
@@ -50,7 +51,7 @@ class _Memory(EpisodePart):
 
     def __init__(self, memory: LatentMemory, setup: EpisodeSetup) -> None:
         self.memory = memory
-        self.on_evict = memory.writer(setup.model.model.rotary_emb)
+        self.on_evict = memory.writer(decoder_of(setup.model).rotary_emb)
 
     def finish(self, cache: EpisodeCache, *, evicted: bool) -> None:
         cache.memory = self.memory

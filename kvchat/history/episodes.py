@@ -80,30 +80,3 @@ def route(query: np.ndarray, centroids: np.ndarray) -> tuple[int, float]:
 
 def _unit(x: np.ndarray) -> np.ndarray:
     return (x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)).astype(np.float32)
-
-
-def topic_labels(medoid_texts: Sequence[str], words: int = 3) -> list[str]:
-    """A short label per episode: the words of its medoid text most distinctive against the other episodes'
-    (TF-IDF over the episodes, speaker names and stop words left out). Computed, never stored."""
-    from sklearn.feature_extraction.text import TfidfVectorizer
-
-    texts = [_without_speakers(t) for t in medoid_texts]
-    if not any(t.strip() for t in texts):
-        return ["" for _ in texts]
-    vectorizer = TfidfVectorizer(stop_words="english", token_pattern=r"(?u)\b[^\W\d_][\w'-]{2,}\b",
-                                 sublinear_tf=True)
-    try:
-        weights = vectorizer.fit_transform(texts).toarray()
-    except ValueError:  # nothing but stop words
-        return ["" for _ in texts]
-    vocabulary = vectorizer.get_feature_names_out()
-    labels = []
-    for row in weights:
-        top = [i for i in np.argsort(-row, kind="stable")[:words] if row[i] > 0]
-        labels.append(", ".join(vocabulary[i] for i in top))
-    return labels
-
-
-def _without_speakers(text: str) -> str:
-    """A rendered turn starts with `Speaker:` (and maybe a time): a label names the topic, not who spoke."""
-    return "\n".join(line.split(":", 1)[1] if ":" in line[:40] else line for line in text.splitlines())

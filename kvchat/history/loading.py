@@ -7,6 +7,7 @@ Claude exports, fine-tune JSONL) need `pick`: a 1-based number, a title, or "all
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -18,6 +19,7 @@ from kvchat.history.formats.claude import looks_claude, parse_claude
 from kvchat.history.formats.common import (
     FORMATS,
     MAX_FILE_BYTES,
+    MAX_TURN_CHARS,
     MAX_TURNS,
     Pick,
     Turn,
@@ -27,29 +29,40 @@ from kvchat.history.formats.common import (
     refuse,
     type_name,
 )
+from kvchat.history.formats.discord import looks_discord, parse_discord
 from kvchat.history.formats.finetune import parse_finetune
 from kvchat.history.formats.jsonl import first_object, looks_jsonl, parse_jsonl
 from kvchat.history.formats.locomo import looks_locomo, parse_locomo, parse_locomo_samples
 from kvchat.history.formats.longmemeval import parse_longmemeval
+from kvchat.history.formats.markdown import looks_markdown, parse_markdown
 from kvchat.history.formats.openai import parse_messages, parse_wrapper
+from kvchat.history.formats.slack import is_channel_folder, looks_slack, parse_slack, read_channel, users_beside
+from kvchat.history.formats.telegram import looks_telegram, parse_telegram
 from kvchat.history.formats.transcript import looks_transcript, parse_transcript
+from kvchat.untrusted_text import valid_text
 
-__all__ = ["FORMATS", "FORMAT_NAMES", "MAX_FILE_BYTES", "MAX_TURNS", "Pick", "Turn", "format_turns",
-           "load_history", "parse_history"]
+__all__ = ["FORMATS", "FORMAT_NAMES", "MAX_FILE_BYTES", "MAX_TURN_CHARS", "MAX_TURNS", "Pick", "Turn",
+           "checked_turns", "format_turns", "load_history", "parse_history"]
 
 # --format NAME: what each name reads. Detection finds the same names; the first four are JSON documents.
 FORMAT_NAMES = {
     "openai": 'an OpenAI messages list or {"messages": [...]}',
     "chatgpt": "a ChatGPT export (conversations.json) or one of its conversations",
     "claude": "a Claude export (conversations.json) or one of its conversations",
+    "telegram": "a Telegram Desktop export (result.json): one chat, or every chat",
+    "slack": "a Slack channel export: its folder of day files, or one day's file",
+    "discord": "a Discord channel exported by DiscordChatExporter (JSON)",
     "locomo": "a LoCoMo conversation",
     "longmemeval": "a LongMemEval instance",
     "jsonl": 'JSONL of messages, one {"role", "content"} object per line',
     "finetune": 'OpenAI fine-tune JSONL, one {"messages": [...]} conversation per line',
-    "transcript": 'a plain "Name: text" transcript, optionally timestamped',
+    "transcript": 'a plain "Name: text" transcript, optionally timestamped (a WhatsApp chat too)',
+    "markdown": "a markdown chat log: **Name:** lines or a heading per speaker",
 }
-_JSON_FORMATS = ("openai", "chatgpt", "claude", "locomo", "longmemeval")
-_SEVERAL = ("chatgpt", "claude", "finetune", "locomo")  # the formats that hold several conversations: pick applies
+_JSON_FORMATS = ("openai", "chatgpt", "claude", "telegram", "slack", "discord", "locomo", "longmemeval")
+_TEXT_FORMATS = ("jsonl", "finetune", "transcript", "markdown")
+# the formats that hold several conversations: pick applies
+_SEVERAL = ("chatgpt", "claude", "telegram", "finetune", "locomo")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -57,19 +70,23 @@ _SEVERAL = ("chatgpt", "claude", "finetune", "locomo")  # the formats that hold 
 
 
 def load_history(path: str | os.PathLike[str], *, format: str | None = None, pick: Pick = None,
-                 min_turns: int = 2) -> list[Turn]:
-    """Read and validate a history file; every problem with the file is a UserError naming it.
+                 min_turns: int = 2, name: str | None = None) -> list[Turn]:
+    """Read and validate a history file; every problem with the file is a UserError naming it (as `name` says, when
+    given: the server names a file as its client did, never by its path on the server).
 
     `min_turns`: a history to ingest needs 2 turns; new turns appended to a stored one may be a single turn.
 
     `format` forces one of FORMAT_NAMES instead of detecting it; `pick` chooses among several conversations.
     """
-    source = os.fspath(path)
+    source = os.fspath(path) if name is None else name
     if format is not None and format not in FORMAT_NAMES:
         raise one_line(source, f"unknown format {quote(str(format), 20)} (expected one of "
                        f"{', '.join(FORMAT_NAMES)})")
-    text = _read_text(Path(source), source)
-    if format in ("jsonl", "finetune", "transcript"):
+    if format in (None, "slack") and _channel_folder(Path(path)):  # a Slack export's channel
+        _check_pick("slack", pick, source)
+        return _at_least(min_turns, read_channel(Path(path), source, lambda p: _read_text(p, str(p))), source)
+    text = _read_text(Path(path), source)
+    if format in _TEXT_FORMATS:
         return _at_least(min_turns, _parse_text(format, text, source, pick), source)
     try:
         data = load_json(text)
@@ -79,7 +96,14 @@ def load_history(path: str | os.PathLike[str], *, format: str | None = None, pic
         if format is not None:
             raise refuse(source, _json_error(text, exc)) from None
         return _at_least(min_turns, _parse_text(_text_format(text, source, exc), text, source, pick), source)
-    return parse_history(data, source, format=format, pick=pick, min_turns=min_turns)
+    return parse_history(data, source, format=format, pick=pick, min_turns=min_turns, beside=Path(source).parent)
+
+
+def _channel_folder(path: Path) -> bool:
+    try:
+        return is_channel_folder(path)
+    except OSError:  # not there, or not readable: the file reader says which
+        return False
 
 
 def _read_text(path: Path, source: str) -> str:
@@ -128,6 +152,8 @@ def _text_format(text: str, source: str, error: ValueError) -> str:
     if looks_jsonl(text):
         first = first_object(text)
         return "finetune" if isinstance(first, dict) and "messages" in first else "jsonl"
+    if looks_markdown(text):
+        return "markdown"
     if looks_transcript(text):
         return "transcript"
     if text.lstrip()[:1] in ("[", "{"):
@@ -142,13 +168,16 @@ def _parse_text(format: str, text: str, source: str, pick: Pick) -> list[Turn]:
         return parse_finetune(text, source, pick)
     if format == "jsonl":
         return parse_jsonl(text, source)
+    if format == "markdown":
+        return parse_markdown(text, source)
     return parse_transcript(text, source)
 
 
 def _check_pick(format: str, pick: Pick, source: str) -> None:
     if pick is not None and format not in _SEVERAL:
         raise one_line(source, f"holds one conversation ({FORMAT_NAMES[format]}): pick applies to "
-                       "ChatGPT and Claude exports and fine-tune JSONL, and to LoCoMo files of several conversations")
+                       "ChatGPT, Claude and Telegram exports and fine-tune JSONL, and to LoCoMo files of several "
+                       "conversations")
 
 
 def _json_error(text: str, error: ValueError) -> str:
@@ -164,22 +193,41 @@ def _json_error(text: str, error: ValueError) -> str:
 
 
 def parse_history(data: object, source: str = "<input>", *, format: str | None = None,
-                  pick: Pick = None, min_turns: int = 2) -> list[Turn]:
-    """Validate an already-parsed JSON value; `source` names it in error messages."""
+                  pick: Pick = None, min_turns: int = 2, beside: Path | None = None) -> list[Turn]:
+    """Validate an already-parsed JSON value; `source` names it in error messages. `beside`: the folder the file
+    was in (a Slack day file's export names its users there)."""
     if format is not None and format not in _JSON_FORMATS:
         raise one_line(source, f"format {quote(format, 20)} is not a JSON document format (expected one of "
                        f"{', '.join(_JSON_FORMATS)})")
     if format is None:
         format, data = _detect_json(data, source)
     _check_pick(format, pick, source)
-    return _at_least(min_turns, _parse_json(format, data, source, pick), source)
+    return _at_least(min_turns, _parse_json(format, data, source, pick, beside), source)
 
 
 def _at_least(count: int, turns: list[Turn], source: str) -> list[Turn]:
     if len(turns) < count:
         what = "a chat history" if count > 1 else "new turns"
         raise refuse(source, f"needs at least {count} turn{'s' * (count > 1)} to be {what}, found {len(turns)}")
-    return turns
+    return checked_turns(turns, source)
+
+
+def checked_turns(turns: list[Turn], source: str) -> list[Turn]:
+    """`turns` as everything downstream may take them, before any is tokenized: none longer than `MAX_TURN_CHARS`
+    (a turn is tokenized whole, and a tokenizer holds hundreds of bytes a character: one 20 MB line took 5 GB), and
+    every lone surrogate (`"\\ud800"` in JSON) replaced (`untrusted_text.valid_text`)."""
+    for index, turn in enumerate(turns):
+        size = len(turn.text) + len(turn.role) + len(turn.time or "") + len(turn.conversation_title or "")
+        if size > MAX_TURN_CHARS:
+            raise one_line(source, f"turn {index + 1} is {size:,} characters, over the limit of {MAX_TURN_CHARS:,} "
+                           "characters a turn (split it)")
+    return [_valid(turn) for turn in turns]
+
+
+def _valid(turn: Turn) -> Turn:
+    fields = {name: valid_text(value) for name in ("role", "text", "time", "turn_id", "conversation_title")
+              if isinstance(value := getattr(turn, name), str) and valid_text(value) is not value}
+    return dataclasses.replace(turn, **fields) if fields else turn
 
 
 def _item_kind(item: object) -> str:
@@ -192,6 +240,8 @@ def _item_kind(item: object) -> str:
         return "a ChatGPT conversation"
     if looks_claude(item):
         return "a Claude conversation"
+    if looks_slack(item):
+        return "a Slack message"
     if "role" in item or "content" in item:
         return "a message object"
     if "conversation" in item or looks_locomo(item):
@@ -200,7 +250,7 @@ def _item_kind(item: object) -> str:
 
 
 _KIND_FORMAT = {"a message object": "openai", "a ChatGPT conversation": "chatgpt",
-                "a Claude conversation": "claude", "a LongMemEval instance": "longmemeval",
+                "a Claude conversation": "claude", "a Slack message": "slack", "a LongMemEval instance": "longmemeval",
                 "a LoCoMo conversation": "locomo"}
 
 
@@ -233,6 +283,10 @@ def _detect_json(data: object, source: str) -> tuple[str, object]:
 
 
 def _object_format(data: dict, source: str) -> str:
+    if looks_discord(data):  # its "messages" are Discord's, not OpenAI's
+        return "discord"
+    if looks_telegram(data):  # a chat's "messages" typed "message"/"service", or every chat's "chats"
+        return "telegram"
     markers = [(name, fmt) for name, fmt, present in (
         ('"messages"', "openai", "messages" in data),
         ('"mapping" (ChatGPT)', "chatgpt", looks_chatgpt(data)),
@@ -252,8 +306,14 @@ def _object_format(data: dict, source: str) -> str:
     raise refuse(source, f"is {found}, not a known history format")
 
 
-def _parse_json(format: str, data: object, source: str, pick: Pick) -> list[Turn]:
+def _parse_json(format: str, data: object, source: str, pick: Pick, beside: Path | None = None) -> list[Turn]:
     """`data` read as `format`: the importers' own checks say what does not fit."""
+    if format == "telegram" and isinstance(data, dict) and looks_telegram(data):
+        return parse_telegram(data, source, pick)
+    if format == "discord" and isinstance(data, dict) and looks_discord(data):
+        return parse_discord(data, source)
+    if format == "slack" and isinstance(data, list):
+        return parse_slack(data, source, users_beside(beside) if beside is not None else None)
     if format == "chatgpt" and isinstance(data, list | dict):
         return parse_chatgpt(data, source, pick)
     if format == "claude" and isinstance(data, list | dict):

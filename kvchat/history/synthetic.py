@@ -3,6 +3,7 @@ question per fact. Deterministic for a seed; used by the demo, the tests and pla
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 
@@ -136,6 +137,35 @@ def planted_conversation(
                 text = rng.choice(filler)
             messages.append({"role": speaker, "content": text})
     return messages, facts
+
+
+EXPORT_STYLES = ("openai", "transcript", "whatsapp")
+_NAME_PAIRS = (("Maya", "Tom"), ("Dana", "Sam"), ("Priya", "Jonas"), ("Lucia", "Omar"), ("Keiko", "Ben"))
+
+
+def planted_export(seed: int, style: str, topics: int = 4, turns_per_topic: int = 24) -> tuple[str, list[PlantedFact]]:
+    """A planted-fact history as a file's text, made like an export users bring: `openai` (a JSON list of user and
+    assistant messages), `transcript` ("[2023-05-08 13:56] Name: text" lines) or `whatsapp` ("08/05/2023, 13:56 -
+    Name: text" after the app's notice). The speakers' names vary with `seed` (facts and questions name them)."""
+    if style not in EXPORT_STYLES:
+        raise ValueError(f"style must be one of {', '.join(EXPORT_STYLES)}")
+    messages, facts = planted_conversation(seed, topics, turns_per_topic)
+    names = _NAME_PAIRS[seed % len(_NAME_PAIRS)]
+
+    def named(text: str) -> str:
+        return text.replace(SPEAKERS[0], "\0").replace(SPEAKERS[1], names[1]).replace("\0", names[0])
+
+    facts = [PlantedFact(f.topic, named(f.question), f.answer, f.turn) for f in facts]
+    if style == "openai":
+        roles = {SPEAKERS[0]: "user", SPEAKERS[1]: "assistant"}
+        return json.dumps([{"role": roles[m["role"]], "content": named(m["content"])} for m in messages]), facts
+    lines = ["08/05/2023, 08:59 - Messages and calls are end-to-end encrypted."] if style == "whatsapp" else []
+    for i, m in enumerate(messages):
+        day, minute = 8 + i // 60, 9 * 60 + i % 60 * 3
+        stamp = (f"[2023-05-{day:02d} {minute // 60:02d}:{minute % 60:02d}]" if style == "transcript"
+                 else f"{day:02d}/05/2023, {minute // 60:02d}:{minute % 60:02d} -")  # fmt: skip
+        lines.append(f"{stamp} {named(m['role'])}: {named(m['content'])}")
+    return "\n".join(lines) + "\n", facts
 
 
 def recalled(answer: str, fact: PlantedFact) -> bool:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -33,6 +33,7 @@ from kvchat.errors import UserError, message
 from kvchat.history import spans as turn_spans
 from kvchat.history.episodes import Episode
 from kvchat.history.loading import Turn, load_history
+from kvchat.history.reexport import already_stored
 from kvchat.history.spans import TurnSpan
 from kvchat.ingest.pipeline import (
     IngestProgress,
@@ -50,7 +51,7 @@ from kvchat.kv.methods import method
 from kvchat.messages import command, option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import LoadedModel
-from kvchat.settings import from_settings, rebuild_command, stored_read
+from kvchat.settings import from_settings, rebuild_command
 from kvchat.settings_table import given
 from kvchat.store import ConversationRecord, Store, is_legacy_fingerprint
 
@@ -91,6 +92,7 @@ def append(
     # much history it holds
     stored_metadata = [store.load_episode(e, lm.fingerprint)[1] for e in record.episodes[: None if routed else 1]]
     extents = [_stored_extent(metadata) for metadata in stored_metadata]
+    history, skipped = _new_turns(history, read, [s for spans, _ in extents for s in spans])
     continuing = Continuation(
         turns=int(record.stats.get("turns", 0)), history_tokens=int(record.stats.get("history_tokens", 0)),
         source=record.settings.get("source"),
@@ -103,17 +105,22 @@ def append(
         profile_dirs=profile_dirs, appended=appended, continuing=continuing, reads=reads,
         on_step=None if progress is None else progress.planning,
     )  # fmt: skip
-    if source_now and source_now in earlier:
+    if skipped:
+        plan.notes.append(f"{skipped} of the file's turns were in '{name}' already (a re-export?): appended the "
+                          f"{plan.turns - continuing.turns} after them")
+    elif source_now and source_now in earlier:
         plan.notes.append(f"{source_now} was ingested into '{name}' before: its turns are now in it twice "
                           f"(`{_REINGEST}` of the files you mean rebuilds it without "
                           "them)")
     side_file = features.side_file_name(config.cache)
     # receipts need every turn's span: none when the stored caches predate them (routed: one list per episode)
-    if routed:
-        both = tuple((*spans, *new) for (spans, _), new in zip(extents, plan.turn_spans, strict=True)) if (
-            plan.turn_spans and all(spans for spans, _ in extents)) else ()  # fmt: skip
+    both: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...]
+    if routed:  # the plan's spans are per episode
+        per_episode = cast(tuple[tuple[TurnSpan, ...], ...], plan.turn_spans)
+        both = tuple((*spans, *new) for (spans, _), new in zip(extents, per_episode, strict=True)) if (
+            per_episode and all(spans for spans, _ in extents)) else ()  # fmt: skip
     else:
-        both = (*extents[0][0], *plan.turn_spans) if extents[0][0] else ()
+        both = (*extents[0][0], *cast(tuple[TurnSpan, ...], plan.turn_spans)) if extents[0][0] else ()
     plan = dataclasses.replace(plan, turn_spans=both)
     if plan.recall is not None:  # questions recall from the stored turns' chunks and the new ones'
         stored_recall = _stored_recall(store, record, stored_metadata[0])
@@ -135,7 +142,8 @@ def append(
                 records.append(write_episode(pending, plan, built, lm))
                 stats.append(built.stats())
             recall_file = write_recall_entries(pending, plan, lm, progress, _stored_entries(store, record, lm))
-        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
+        report = commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
+    return dataclasses.replace(report, skipped_turns=skipped)
 
 
 def reingest(
@@ -163,11 +171,33 @@ def reingest(
         )
     new = str(Path(history).resolve())
     reads = dict(settings.get("reads") or {}) | ({new: read} if read else {})
-    turns = [turn for path in [*sources, new] for turn in load_history(path, **stored_read({"reads": reads}, path))]
+    turns = [turn for path in [*sources, new] for turn in _read_again(path, reads.get(path) or {})]
     return ingest(
         turns, name=name, config=from_settings(settings, record.model), store=store, lm=lm, encoder=encoder,
         progress=progress, replace=True, source=sources[0], force=force, appended=[*sources[1:], new], reads=reads,
     )
+
+
+def _new_turns(history: str | os.PathLike | Sequence[Turn], read: dict[str, str] | None,
+               stored: Sequence[TurnSpan]) -> tuple[list[Turn], int]:
+    """The turns of `history` the conversation does not hold yet, and how many it does (a re-export begins with
+    them: kvchat.history.reexport); `stored`: its turns' spans, routed episodes' merged back into history order.
+    Refused when every turn is stored already."""
+    turns = list(history) if not isinstance(history, (str, os.PathLike)) else load_history(
+        history, min_turns=1, **(read or {}))  # fmt: skip
+    ordered = sorted({s.index: s for s in stored}.values(), key=lambda s: s.index)
+    skipped = already_stored(turns, ordered)
+    if skipped == len(turns):
+        raise NothingNew(skipped)
+    return turns[skipped:], skipped
+
+
+class NothingNew(UserError):
+    """An append whose every turn the conversation holds already: nothing is written."""
+
+    def __init__(self, turns: int) -> None:
+        super().__init__(f"nothing to append: the conversation holds all {turns} of the file's turns already")
+        self.turns = turns
 
 
 def _stored_entries(store: Store, record: ConversationRecord, lm: LoadedModel) -> StoredEntries | None:
@@ -206,9 +236,14 @@ def _record(store: Store, name: str, lm: LoadedModel) -> ConversationRecord:
     return record
 
 
+def _read_again(path: str, read: Mapping[str, str]) -> list[Turn]:
+    """A history the conversation was built from, read with the format and pick it was read with."""
+    return load_history(path, format=read.get("format"), pick=read.get("pick"))
+
+
 def _stored_extent(metadata: dict[str, str]) -> tuple[tuple[TurnSpan, ...], int]:
     """A stored episode file's turn spans and the history tokens its cache holds (a routed episode's: its own)."""
-    spans, meta = tuple(turn_spans.from_metadata(metadata)), codec.EpisodeMeta.from_metadata(metadata)
+    spans, meta = tuple(turn_spans.from_metadata(metadata) or ()), codec.EpisodeMeta.from_metadata(metadata)
     end = spans[-1].end if spans else meta.next_origin if meta.next_origin is not None else meta.next_position
     return spans, end - meta.protected
 

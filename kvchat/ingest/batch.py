@@ -8,7 +8,6 @@ Design notes (the details and the choices made): docs/internals.md, "kvchat/inge
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -24,6 +23,9 @@ from typing import Any
 from kvchat.config import BatchConfig, DeviceConfig, IngestConfig
 from kvchat.errors import UserError, first_line, message
 from kvchat.history.loading import load_history
+from kvchat.ingest.batch_sources import HistorySource as HistorySource  # part of this module's API
+from kvchat.ingest.batch_sources import histories as histories
+from kvchat.ingest.batch_sources import read_manifest as read_manifest
 from kvchat.ingest.batch_worker import (
     Finished,
     HistoryJob,
@@ -44,9 +46,9 @@ from kvchat.ingest.pipeline import (
     write_recall_entries_bytes,
 )
 from kvchat.messages import option
-from kvchat.model.device import usable_cores
+from kvchat.model.cores import usable_cores
 from kvchat.settings import read_options
-from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store, validate_name
+from kvchat.store import DamagedDatabase, EpisodeRecord, FileRecord, PendingConversation, Store
 
 INSTALL_HINT = "pip install 'kvchat[batch]'"
 WAIT_S = 0.5  # the driver's longest wait for a worker before it looks at Ctrl-C again
@@ -69,66 +71,6 @@ def import_ray() -> Any:
     except ImportError:
         raise UserError(f"batch ingest needs Ray: {INSTALL_HINT}") from None
     return ray
-
-
-# --------------------------------------------------------------------------- what to ingest
-
-
-@dataclass(frozen=True)
-class HistorySource:
-    """One history of a batch and the conversation it becomes."""
-
-    name: str
-    path: Path
-    format: str | None = None  # forced (`--format`), else detected
-    pick: str | None = None    # the conversation of a file holding several (`--pick`)
-
-
-def histories(files: Sequence[Path] = (), manifests: Sequence[Path] = (), *, format: str | None = None,
-              pick: str | None = None) -> list[HistorySource]:
-    """The batch's histories: each file named after its stem, then each manifest's pairs, every one read with
-    `format` and `pick` when given. Names are checked and must be unique, before anything runs."""
-    found: list[HistorySource] = []
-    for path in files:
-        try:
-            found.append(HistorySource(validate_name(path.stem), path))
-        except UserError as exc:
-            raise UserError(f"{message(exc)} (from {path}); name it in a {option('manifest')}") from None
-    for manifest in manifests:
-        found += read_manifest(manifest)
-    if not found:
-        raise UserError(f"no histories: give history files or {option('manifest', 'FILE')}")
-    paths: dict[str, Path] = {}
-    for source in found:
-        if source.name in paths:
-            raise UserError(f"two histories would be conversation {source.name!r} ({paths[source.name]} and "
-                            f"{source.path}); name them in a {option('manifest')}")  # fmt: skip
-        paths[source.name] = source.path
-    return [dataclasses.replace(source, format=format, pick=pick) for source in found]
-
-
-def read_manifest(path: Path) -> list[HistorySource]:
-    """`NAME PATH` per line (separated by whitespace; the path may contain spaces, and a relative one is
-    relative to the manifest's directory); blank lines and lines starting with `#` are skipped."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read manifest {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    found = []
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split(None, 1)
-        if len(parts) != 2:
-            raise UserError(f"{path}:{number}: expected NAME PATH, got {line[:60]!r}")
-        name, file = parts
-        try:
-            validate_name(name)
-        except UserError as exc:
-            raise UserError(f"{path}:{number}: {exc}") from None
-        found.append(HistorySource(name, path.parent / Path(file).expanduser()))
-    return found
 
 
 # --------------------------------------------------------------------------- the driver's side
@@ -217,7 +159,7 @@ def ingest_batch(
         workers_for(batch, usable_cores())  # before a local Ray is started for nothing
     started = time.perf_counter()
     with ray_session(ray, batch.address):
-        workers = _Workers(ray, batch, len(sources))
+        workers = Workers(ray, batch, len(sources))
         try:
             progress.start(len(sources), workers.count)
             workers.start(config.model, store, trust_remote_code)
@@ -281,14 +223,16 @@ def ray_session(ray: Any, address: str | None, cpus: int | None = None) -> Itera
             shutil.rmtree(session_dir, ignore_errors=True)
 
 
-class _Workers:
+class Workers:
     """The batch's Ray actors: created with one CPU per torch thread, loaded once, killed at the end."""
 
-    def __init__(self, ray: Any, batch: BatchConfig, histories: int) -> None:
+    def __init__(self, ray: Any, batch: BatchConfig, histories: int | None = None) -> None:
+        """Up to one worker per history (`histories`; None: as many as `batch` asks for)."""
         self.ray = ray
         self.threads = batch.threads
         self.start_timeout_s = batch.start_timeout_s
-        self.count = max(1, min(workers_for(batch, int(ray.cluster_resources().get("CPU", 0))), histories))
+        wanted = workers_for(batch, int(ray.cluster_resources().get("CPU", 0)))
+        self.count = max(1, min(wanted, histories) if histories is not None else wanted)
         # A local Ray's workers inherit this process's environment; a cluster's get WORKER_ENV set (which costs
         # each worker a fresh process, a few seconds once per batch).
         env = {} if batch.address is None else {"runtime_env": {"env_vars": WORKER_ENV}}
@@ -312,7 +256,7 @@ class _Workers:
             raise UserError(f"the workers did not start within {self.start_timeout_s:.0f} s: Ray could not start "
                             "their processes (too little memory, or CPUs taken by other jobs?)") from None
         except self.ray.exceptions.RayTaskError as exc:
-            raise _as_user_error(exc) from None
+            raise as_user_error(exc) from None
         except self.ray.exceptions.RayError as exc:
             raise UserError(f"a worker died while loading the model ({first_line(exc)})") from None
         fingerprints = sorted({info.fingerprint for info in infos})
@@ -358,7 +302,7 @@ class _Running:
 class _Driver:
     """Hands histories to idle workers and turns what they send into store writes, one step at a time."""
 
-    def __init__(self, ray: Any, store: Store, config: IngestConfig, batch: BatchConfig, workers: _Workers,
+    def __init__(self, ray: Any, store: Store, config: IngestConfig, batch: BatchConfig, workers: Workers,
                  progress: BatchProgress, *, replace: bool, force: bool, max_memory: int | None) -> None:
         self.ray, self.store, self.config, self.batch, self.workers = ray, store, config, batch, workers
         self.progress = progress
@@ -432,7 +376,7 @@ class _Driver:
         try:
             step = self.ray.get(call)
         except errors.RayTaskError as exc:  # the ingest raised: the history's own failure
-            self._fail(running, message(_as_user_error(exc)))
+            self._fail(running, message(as_user_error(exc)))
             return None
         except errors.RayError as exc:  # the worker died, or its node, or what it sent was lost
             self._abort(running)
@@ -499,7 +443,7 @@ class _Driver:
         self.progress.finished(result)
 
 
-def _as_user_error(exc: BaseException) -> UserError:
+def as_user_error(exc: BaseException) -> UserError:
     """A worker's exception as one line: its own message for a user mistake, else named as internal."""
     cause = getattr(exc, "cause", None) or exc
     if isinstance(cause, UserError):

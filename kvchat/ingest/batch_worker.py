@@ -4,6 +4,10 @@ The worker loads the model and the encoder once, then ingests the histories it i
 with the pipeline's own steps (`plan_ingest`, `build_episodes`, `encode_episode`), sending each episode as
 soon as it is built; it never touches the store, whose only writer is the driver. IceCache's evictions are
 spilled into a temp dir of the worker's own and its pages file travels with the episode.
+
+For one large history spread over the workers (kvchat.ingest.batch_units) a worker plans it (`plan_units`), then
+runs the units the driver hands it (`adopt` the plan once, `unit` per unit): an episode's cache, sending a
+checkpoint every few blocks and the encoded episode, or a range of recall chunks, sending each chunk's rows.
 """
 
 from __future__ import annotations
@@ -16,18 +20,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvchat.answer.recall_entries import Layout, chunk_rows
 from kvchat.config import WEIGHTS, DeviceConfig, IngestConfig
 from kvchat.errors import UserError
 from kvchat.history.loading import Turn
 from kvchat.ingest import preflight
 from kvchat.ingest.pipeline import (
+    EncodedEpisode,
     EpisodeStats,
     IngestPlan,
     build_episodes,
     encode_episode,
+    episode_steps,
     plan_ingest,
+    prefill_history,
     recall_entries_writer,
 )
+from kvchat.ingest.units import Checkpoint, ChunkUnit, Progressed, Unit, recall_layout
 from kvchat.messages import option
 from kvchat.model.device import resolve
 from kvchat.model.encoder import SentenceEncoder
@@ -95,6 +104,29 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class UnitsPlanned:
+    """One history planned for its units to be spread (kvchat.ingest.batch_units): the plan, the recall entries
+    file's layout where it stores one, and the model that planned it."""
+
+    plan: IngestPlan
+    layout: Layout | None
+    model: ModelIdentity
+
+
+@dataclass(frozen=True)
+class EpisodeBuilt:
+    """An episode unit's result: the episode encoded, and its stats for the report."""
+
+    encoded: EncodedEpisode
+    stats: EpisodeStats
+
+
+@dataclass(frozen=True)
+class UnitDone:
+    """The unit has sent all it had."""
+
+
+@dataclass(frozen=True)
 class WorkerInfo:
     """What a worker tells the driver once loaded."""
 
@@ -115,6 +147,9 @@ class HistoryWorker:
         self._encoder: SentenceEncoder | None = None
         self._profiles: dict[str, str] | None = None
         self._steps: Iterator[Any] = iter(())
+        self._plan: IngestPlan | None = None  # the history whose units this worker runs (`adopt`)
+        self._recall: tuple[Layout, list] | None = None
+        self._full: Any = None  # a plan with prefill "full": the whole history's KV, once
 
     def load(
         self, spec: str, models_dir: str, threads: int, trust_remote_code: bool, profiles: dict[str, str],
@@ -140,11 +175,61 @@ class HistoryWorker:
 
     def advance(self) -> Any:
         step = next(self._steps)
-        if isinstance(step, (Finished, Skipped)):
+        if isinstance(step, (Finished, Skipped, UnitDone)):
             self._steps = iter(())  # release the history's tensors now, not at the next start
         return step
 
-    def _ingest(self, job: HistoryJob) -> Iterator[Any]:
+    def plan_units(self, job: HistoryJob) -> UnitsPlanned:
+        """Plan `job`'s history for its units to be spread over the workers (checked against the memory there is
+        unless `job.force`)."""
+        plan, available = self._plan_job(job)
+        if not job.force:
+            self._check_fits(plan, available)
+        assert self._lm is not None
+        found = recall_layout(plan, self._lm)
+        return UnitsPlanned(plan, found[0] if found else None, self._lm.identity)
+
+    def adopt(self, plan: IngestPlan) -> None:
+        """The history whose units come next (the driver's `ray.put` of the plan `plan_units` made)."""
+        self._plan, self._recall, self._full = plan, None, None
+        self._steps = iter(())
+
+    def unit(self, unit: Unit, every: int | None) -> Any:
+        """Begin `unit` of the adopted plan, an episode's prefill pausing every `every` blocks; its first step."""
+        self._steps = self._unit_steps(unit, every)
+        return self.advance()
+
+    def _unit_steps(self, unit: Unit, every: int | None) -> Iterator[Any]:
+        plan, lm = self._plan, self._lm
+        if plan is None or lm is None:
+            raise RuntimeError("HistoryWorker.adopt must run first")
+        if isinstance(unit, ChunkUnit):
+            if self._recall is None:
+                self._recall = recall_layout(plan, lm)
+            assert self._recall is not None, "the plan stores no recall entries"
+            layout, ids = self._recall
+            yield from chunk_rows(lm, layout, ids, plan.prefix_ids, unit.first, unit.end)
+            yield UnitDone()
+            return
+        if plan.prefill == "full" and self._full is None:
+            self._full = prefill_history(plan, lm)
+        start = unit.checkpoint.restored(lm) if unit.checkpoint is not None else None
+        with tempfile.TemporaryDirectory(prefix="kvchat-episode-") as scratch:  # IceCache's spilled evictions
+            steps = episode_steps(plan, plan.episodes[unit.index], lm, full=self._full, scratch=Path(scratch),
+                                  start=start, every=every)  # fmt: skip
+            for step in steps:
+                if isinstance(step, Progressed):
+                    yield Checkpoint.of(step, plan, lm.fingerprint)
+                    hold_point("batch-episode-sent")  # a test hook (the driver has it): nothing in a real run
+                    continue
+                stats = step.stats()
+                encoded = encode_episode(plan, step, lm, side_file_at=Path(scratch) / "side")
+                del step  # one episode cache at a time
+                yield EpisodeBuilt(encoded, stats)
+        yield UnitDone()
+
+    def _plan_job(self, job: HistoryJob) -> tuple[IngestPlan, int | None]:
+        """`job`'s plan, and the bytes its ingest may use (None: unknown)."""
         lm, encoder = self._lm, self._encoder
         if lm is None or encoder is None or self._profiles is None:
             raise RuntimeError("HistoryWorker.load must run first")
@@ -160,6 +245,17 @@ class HistoryWorker:
                 source=job.source, force=True, profile_dirs=[Path(profile_dir)], max_memory=available,
                 reads={job.source: job.read} if job.read else None,
             )  # fmt: skip
+        return plan, available
+
+    def _check_fits(self, plan: IngestPlan, available: int | None) -> None:
+        assert self._lm is not None
+        shape = preflight.ModelShape.of(self._lm.model)
+        preflight.check_fits(plan.estimated_peak_bytes, resident=shape.weight_bytes, available=available)
+
+    def _ingest(self, job: HistoryJob) -> Iterator[Any]:
+        plan, available = self._plan_job(job)
+        lm = self._lm
+        assert lm is not None
         if job.stored is not None:
             differences = stored_differences(job.stored, plan, lm.fingerprint, job.config)
             if not differences:
@@ -169,8 +265,7 @@ class HistoryWorker:
                 raise UserError(f"conversation {job.name!r} exists with other {', '.join(differences)}; use "
                                 f"{option('replace')}")
         if not job.force:
-            shape = preflight.ModelShape.of(lm.model)
-            preflight.check_fits(plan.estimated_peak_bytes, resident=shape.weight_bytes, available=available)
+            self._check_fits(plan, available)
         yield Planned(len(plan.episodes))
         stats: list[EpisodeStats] = []
         with tempfile.TemporaryDirectory(prefix="kvchat-episode-") as scratch:  # IceCache's spilled evictions

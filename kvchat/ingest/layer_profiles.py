@@ -23,6 +23,7 @@ from transformers.cache_utils import CacheLayerMixin
 from kvchat.checked_files import FileMismatch, read_bounded
 from kvchat.config import ProfileSettings
 from kvchat.errors import UserError, message
+from kvchat.kv.causal_lm import config_of
 from kvchat.messages import command, option, setting
 from kvchat.model.llm import LoadedModel
 
@@ -185,7 +186,7 @@ def find_indexmem(lm: LoadedModel, extra_dirs: Sequence[Path] = ()):
     from kvchat.kv.trained import SUFFIX, TrainedIndexMem, read_metadata, read_shape
 
     weights = lm.weight_ids
-    shape = IndexMemShape.of(lm.model.config).to_dict()
+    shape = IndexMemShape.of(config_of(lm.model)).to_dict()
     candidates = [p for d in extra_dirs if d.is_dir() for p in sorted(d.glob(f"*{SUFFIX}"))] + shipped_indexers()
     others = []
     for path in candidates:

@@ -26,15 +26,17 @@ import torch
 
 from kvchat import features
 from kvchat.answer import recall, recall_entries
-from kvchat.config import CacheConfig
 from kvchat.features import EpisodeParts, EpisodeSetup
 from kvchat.history import spans as turn_spans
 from kvchat.history.episodes import Episode
 from kvchat.history.loading import Turn
+from kvchat.ingest import units
 from kvchat.ingest.plan import IngestPlan as IngestPlan
 from kvchat.ingest.plan import episode_scorer as episode_scorer
 from kvchat.ingest.plan import plan_ingest as plan_ingest
 from kvchat.ingest.plan import validate as validate
+from kvchat.ingest.units import EpisodeStats as EpisodeStats  # part of this module's API
+from kvchat.ingest.units import Progressed
 from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.cascade import CakeBudgets
@@ -54,6 +56,10 @@ class IngestHooks(Protocol):
     def planning(self, step: str, done: int, total: int) -> None:
         """A step of planning, before the first block (ingest.plan: reading, tokenizing, embedding, clustering)."""
 
+    def method(self, name: str, history_tokens: int, window: int) -> None:
+        """The method the caches are built with (`auto` resolved: kvchat.ingest.plan), said before the first block,
+        with what decided `auto`: the history's tokens (the system prompt's included) and the model's window."""
+
     def planned(self, blocks: int, episodes: int, tokens: int) -> None:
         """The work ahead, before any of it: `blocks` steps (block forwards; `blocks_to_prefill`) in all,
         over `episodes` episodes and `tokens` history tokens, so a display can give an overall ETA."""
@@ -68,11 +74,27 @@ class IngestHooks(Protocol):
     def recall_entries(self, done: int, total: int) -> None:
         """Chunks whose entries are computed (or copied) into the recall entries file (`--recall-entries stored`)."""
 
+    def resuming(self, done: str, blocks: int) -> None:
+        """An unfinished ingest of the same history, settings and model continues: `done` says what it had done
+        ("3 of 4 episodes done"), `blocks` of the planned blocks behind it (`planned` came first)."""
+
+    def note(self, text: str) -> None:
+        """Something to tell the user at once (an unfinished ingest discarded, one that cannot be resumed)."""
+
+    def checkpoint(self, index: int, blocks: int, total: int) -> None:
+        """Episode `index`'s prefill was kept after `blocks` of its `total` blocks (a resumable ingest's; on Ray
+        workers, every episode's, kvchat.ingest.batch_units)."""
+
+    def running(self, part: str, worker: Any) -> None:
+        """On Ray workers: `part` of the ingest ("episode 3", "recall chunks 0-39") went to Ray actor `worker`."""
+
 
 class IngestProgress:
     """The `IngestHooks` that do nothing: the default, and a base for displays that want a few of them."""
 
     def planning(self, step: str, done: int, total: int) -> None: ...
+
+    def method(self, name: str, history_tokens: int, window: int) -> None: ...
 
     def planned(self, blocks: int, episodes: int, tokens: int) -> None: ...
 
@@ -83,6 +105,14 @@ class IngestProgress:
     def block(self, done: int, total: int) -> None: ...
 
     def recall_entries(self, done: int, total: int) -> None: ...
+
+    def resuming(self, done: str, blocks: int) -> None: ...
+
+    def note(self, text: str) -> None: ...
+
+    def checkpoint(self, index: int, blocks: int, total: int) -> None: ...
+
+    def running(self, part: str, worker: Any) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -117,20 +147,10 @@ class IngestReport:
                                 # --method recall the question's recalled chunks (`recalled_entries`) on top
     recalled_entries: int = 0   # --method recall: entries per layer and KV head recalled at each question
     recall_entries_bytes: int = 0  # --recall-entries stored: the recall entries file's size on disk
+    skipped_turns: int = 0      # an append of a re-export: its first turns, which the conversation held already
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-@dataclass(frozen=True)
-class EpisodeStats:
-    """What the report needs of a built episode once its cache is written and released."""
-
-    budgets: list[int]        # kept entries per KV head of each layer
-    head_entries: list[int]   # kept entries of every (layer, KV head)
-    peak_layer_entries: int
-    peak_total_entries: int
-    offloaded_entries: int = 0  # entries its pages file holds
 
 
 @dataclass(frozen=True)
@@ -173,6 +193,30 @@ def build_episode(
     stored cache (`stored`: its side file). The cache features take part (kvchat.features): they observe every
     eviction (IceCache spills what is dropped into `scratch`, IndexMem writes its memory), then finish the
     cache as it is stored (quantized with `--cache-precision`)."""
+    *_, built = episode_steps(plan, episode, lm, on_block=on_block, full=full, scratch=scratch, resume=resume,
+                              stored=stored)  # fmt: skip
+    assert isinstance(built, BuiltEpisode)
+    return built
+
+
+def episode_steps(
+    plan: IngestPlan,
+    episode: Episode,
+    lm: LoadedModel,
+    *,
+    on_block: Callable[[int, int], None] | None = None,
+    full: EpisodeCache | None = None,
+    scratch: Path | None = None,
+    resume: EpisodeCache | None = None,
+    stored: StoredFile | None = None,
+    start: Progressed | None = None,
+    every: int | None = None,
+) -> Iterator[Progressed | BuiltEpisode]:
+    """`build_episode` in steps, the last one the BuiltEpisode. With `every`, the block prefill pauses after every
+    `every` blocks and yields how far it got (a `Progressed`: a caller may checkpoint it, kvchat.ingest.units) where
+    the cache is all its state (no eviction observer, a scorer without per-entry state); `start` continues from
+    such a step. Paused or not, the blocks and so the cache are the same (`block_prefill` continues a cache exactly
+    from a block boundary)."""
     cache_cfg = plan.config.cache
     scorer = episode_scorer(plan.config, episode, lm, plan.layout, plan.trained)
     compact = cache_cfg.positions == "compact"
@@ -181,6 +225,9 @@ def build_episode(
     # every compacted cache keeps its entries' original positions (receipts, IceCache's placement), but one stored
     # compacted without them cannot get them back
     origins = compact and scorer is not None and (resume is None or resume.origins is not None)
+    pausable = every is not None and resume is None and parts.on_evict is None and getattr(scorer, "kept", None) is None
+    if start is not None and not (pausable and plan.prefill == "block"):
+        raise ValueError("an episode continues from a step only where its prefill pauses (every=, block prefill)")
     if plan.prefill == "full":
         if full is None:
             raise ValueError("a plan with prefill 'full' builds episodes from prefill_history(plan, lm)")
@@ -193,18 +240,27 @@ def build_episode(
                             recent=recent, origins=origins)  # fmt: skip
         if on_block is not None:
             on_block(1, 1)
-        peaks = cache.peak_layer_entries, cache.peak_total_entries
     else:
-        result = block_prefill(
-            lm.model, None if resume is not None else plan.prefix_ids,
-            plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids,  # routed: its own turns
-            block_size=cache_cfg.block_size, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=on_block,
-            heads=plan.heads, on_evict=parts.on_evict,  # type: ignore[arg-type]  # as in select_from above
-            recent=recent, resume=resume, origins=origins,
-        )  # fmt: skip
-        cache, peaks = result.cache, (result.peak_layer_entries, result.peak_total_entries)
+        ids = plan.episode_ids[episode.index] if plan.episode_ids else plan.context_ids  # routed: its own turns
+        block = cache_cfg.block_size
+        total = -(-int(ids.shape[-1]) // block)
+        done, held = (start.blocks, start.cache) if start is not None else (0, resume)
+        while True:
+            end = min(total, done + every) if pausable and every else total
+            report = None if on_block is None else (lambda d, _, first=done: on_block(first + d, total))
+            held = block_prefill(
+                lm.model, plan.prefix_ids if held is None else None, ids[..., done * block : end * block],
+                block_size=block, budgets=plan.budgets, scorer=scorer, compact=compact, on_block=report,
+                heads=plan.heads, on_evict=parts.on_evict,  # type: ignore[arg-type]  # as in select_from above
+                recent=recent, resume=held, origins=origins,
+            ).cache  # fmt: skip
+            done = end
+            if done >= total:
+                break
+            yield Progressed(episode.index, done, held)
+        cache = held
     parts.finish(cache, evicted=scorer is not None)
-    return BuiltEpisode(episode, cache, *peaks, parts)
+    yield BuiltEpisode(episode, cache, cache.peak_layer_entries, cache.peak_total_entries, parts)
 
 
 def blocks_to_prefill(plan: IngestPlan) -> int:
@@ -230,6 +286,7 @@ def build_episodes(
     the next). `scratch(index)` is a private dir for episode `index`'s intermediate files; `resume(episode)`
     gives an append's stored cache and its side file."""
     progress = progress or IngestProgress()
+    progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens, lm.context_window)
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     full = prefill_history(plan, lm, on_block=progress.history) if plan.prefill == "full" else None
     for episode in plan.episodes:
@@ -253,16 +310,17 @@ class EncodedEpisode:
     n_tokens: int
     side_file: bytes | None = None  # its side file (IceCache's pages), when a batch worker sends one
 
-    def write(self, pending: PendingConversation, pages: PagesRecord | None = None) -> EpisodeRecord:
+    def write(self, pending: PendingConversation, pages: PagesRecord | None = None, note: dict | None = None
+              ) -> EpisodeRecord:  # fmt: skip
         """Write and fsync the file in `pending` (not visible until commit); `pages`, its pages file's
         record when the episode offloads (written first: the episode's record refers to it), else the
-        record of the `side_file` it carries."""
+        record of the `side_file` it carries. `note`: what a resumable ingest journals with it (units.note_of)."""
         if pages is None and self.side_file is not None:
             data = self.side_file
             pages = pending.write_pages(self.index, lambda path: _write_bytes(path, data))
         return pending.write_episode(
             self.index, self.tensors, self.metadata, centroid=self.centroid, medoid_text=self.medoid_text,
-            budgets=self.budgets, n_tokens=self.n_tokens, pages=pages,
+            budgets=self.budgets, n_tokens=self.n_tokens, pages=pages, note=note,
         )
 
 
@@ -296,13 +354,14 @@ def encode_episode(
 
 
 def write_episode(
-    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel
+    pending: PendingConversation, plan: IngestPlan, built: BuiltEpisode, lm: LoadedModel, note: dict | None = None
 ) -> EpisodeRecord:
     """Encode one episode's cache into its file in the pending conversation (not visible until commit), its
-    side file first when a feature writes one (IceCache's pages, streamed from its spill files)."""
+    side file first when a feature writes one (IceCache's pages, streamed from its spill files). `note`: what a
+    resumable ingest journals with it."""
     writer = built.parts.side_file(lm.fingerprint) if built.parts is not None else None
     pages = pending.write_pages(built.episode.index, writer) if writer is not None else None
-    return encode_episode(plan, built, lm).write(pending, pages)
+    return encode_episode(plan, built, lm).write(pending, pages, note)
 
 
 def _write_bytes(path: Path, data: bytes) -> tuple[int, str]:
@@ -324,16 +383,8 @@ def recall_entries_writer(
         return None
     on_chunk = progress.recall_entries if progress is not None else None
     chunks = plan.recall.chunks
-    return lambda path: recall_entries.write(path, lm, chunks, plan.prefix_ids, storing(plan.config.cache),
+    return lambda path: recall_entries.write(path, lm, chunks, plan.prefix_ids, units.storing(plan.config.cache),
                                              previous=previous, on_chunk=on_chunk)
-
-
-def storing(cache: CacheConfig) -> recall_entries.Storing:
-    """How `--recall-entries stored` keeps a conversation's chunks (RecallConfig's codes, repair and kept share; a
-    compressed chunk's entries scored with the caches' pooling)."""
-    recalling = cache.recall
-    return recall_entries.Storing(recalling.stored_bits, recalling.stored_group, recalling.repair, recalling.kept,
-                                  pool_kernel=cache.pool_kernel)  # fmt: skip
 
 
 def write_recall_entries(
@@ -415,25 +466,77 @@ def ingest(
     store: Store,
     lm: LoadedModel,
     progress: IngestHooks | None = None,
+    resumable: bool = False,
+    resume: bool | None = None,
     **plan_options: Any,
 ) -> IngestReport:
     """Build and store the episode caches of one history (a file, or turns already loaded from one).
     Nothing is visible in the store until all is written.
 
-    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: the file's stem), `config`,
+    `plan_options` are `plan_ingest`'s: `name` (required for turns; default: made from the file's name), `config`,
     `encoder`, `replace` an existing conversation, `source` (the history's path to record when turns are
     passed) and `reads` (how it was read: `--format`, `--pick`), `force` past the memory estimate (an ingest
     whose estimate exceeds the available memory is refused by default), `profile_dirs` where layer profiles are
-    looked up (default: the store's `profiles/`) before the shipped ones."""
+    looked up (default: the store's `profiles/`) before the shipped ones.
+
+    `resumable`: what the ingest completes outlives it (kvchat.ingest.units): stopped (a kill, Ctrl-C, a full disk),
+    the same ingest run again continues from its last completed unit, and stores what an uninterrupted one would.
+    `resume` (with `resumable`): True requires an unfinished ingest to continue, False starts over, None continues
+    one of the same history, settings and model (`Store.begin`)."""
     started = time.perf_counter()
     progress = progress or IngestProgress()
     plan = plan_ingest(history, store=store, lm=lm, on_step=progress.planning, **plan_options)
-    stats: list[EpisodeStats] = []
-    records: list[EpisodeRecord] = []
-    with store.begin(plan.name, replace=plan_options.get("replace", False)) as pending:
-        with pending.disk_full_guard():  # IceCache's evicted entries are spilled during the prefill
-            for built in build_episodes(plan, lm, scratch=pending.scratch_dir, progress=progress):
-                records.append(write_episode(pending, plan, built, lm))
-                stats.append(built.stats())  # the cache itself is released before the next episode is built
-            recall_file = write_recall_entries(pending, plan, lm, progress)
-        return commit_ingest(pending, plan, stats, records, lm, time.perf_counter() - started, recall_file)
+    identity = units.identity(plan, lm.identity) if resumable else None
+    pending = store.begin(plan.name, replace=plan_options.get("replace", False), resumable=identity,
+                          resume=resume if resumable else None)
+    try:
+        with pending:
+            recalling = units.recall_layout(plan, lm)
+            with pending.disk_full_guard(), units.UnitWriter(pending, plan, recalling and recalling[0]) as writer:
+                run_units(plan, lm, pending, writer, progress, recalling[1] if recalling else [])
+            return commit_ingest(pending, plan, writer.episode_stats(), writer.episode_records(), lm,
+                                 time.perf_counter() - started, writer.recall_file)  # fmt: skip
+    except BaseException as exc:
+        units.kept(exc, pending)
+        raise
+
+
+def run_units(
+    plan: IngestPlan,
+    lm: LoadedModel,
+    pending: PendingConversation,
+    writer: units.UnitWriter,
+    progress: IngestHooks,
+    chunk_ids: Sequence[torch.Tensor] = (),
+) -> None:
+    """Every unit the ingest has left (`writer.remaining`), in this process, one episode cache in memory at a time;
+    a resumable ingest's episode checkpointed every `units.checkpoint_every` blocks. `chunk_ids`: the recall chunks'
+    token ids, where it stores their entries."""
+    progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
+    if pending.found:
+        progress.note(pending.found)
+    if pending.resumed:
+        progress.resuming(pending.done(), writer.blocks_done)
+    every = units.checkpoint_every(plan) if pending.resumable else None
+    full = None
+    for unit in writer.remaining():
+        if isinstance(unit, units.ChunkUnit):
+            assert writer.layout is not None
+            for rows in recall_entries.chunk_rows(lm, writer.layout, chunk_ids, plan.prefix_ids, unit.first, unit.end):
+                writer.chunk(rows)
+                progress.recall_entries(rows.chunk + 1, writer.layout.chunks)
+            continue
+        episode = plan.episodes[unit.index]
+        if plan.prefill == "full" and full is None:
+            full = prefill_history(plan, lm, on_block=progress.history)
+        progress.episode(unit.index, len(plan.episodes))
+        start = unit.checkpoint.restored(lm) if unit.checkpoint is not None else None
+        for step in episode_steps(plan, episode, lm, on_block=progress.block, full=full,
+                                  scratch=pending.scratch_dir(unit.index), start=start, every=every):  # fmt: skip
+            if isinstance(step, Progressed):
+                writer.checkpoint(units.Checkpoint.of(step, plan, lm.fingerprint))
+                progress.checkpoint(unit.index, step.blocks, units.episode_blocks(plan, unit.index))
+            else:
+                stats = step.stats()
+                writer.episode(unit.index, write_episode(pending, plan, step, lm, units.note_of(stats)), stats)
+    writer.finish()

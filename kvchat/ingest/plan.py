@@ -14,10 +14,11 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvchat import features, settings_table
+from kvchat import features
 from kvchat.answer import recall
 from kvchat.answer.rag import RagIndex
 from kvchat.config import (
@@ -35,6 +36,7 @@ from kvchat.history.tokens import TokenizedTurns, tokenize_turns
 from kvchat.ingest import preflight
 from kvchat.ingest.cache_budgets import estimate_bytes, prefill_mode, resolve_layer_budgets
 from kvchat.ingest.layer_profiles import find_indexmem
+from kvchat.ingest.validation import validate as validate
 from kvchat.kv import families
 from kvchat.kv.cascade import CakeBudgets
 from kvchat.kv.heads import HeadBudgets
@@ -42,8 +44,6 @@ from kvchat.kv.methods import (
     AUTO_METHOD,
     AUTO_METHODS,
     ScorerInputs,
-    across_heads_methods,
-    candidates,
     method,
 )
 from kvchat.kv.scoring import Scorer
@@ -51,37 +51,10 @@ from kvchat.messages import option
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import ChatLayout, LoadedModel
 from kvchat.settings_table import given, named
-from kvchat.store import Store, validate_name
+from kvchat.store import Store, name_from_file, validate_name
 
-
-def validate(config: IngestConfig) -> None:
-    """Reject setting values that cannot work, before anything is loaded or written: each against its row in
-    kvchat.settings_table (choices, bounds), then the combinations and ranges a row does not say."""
-    cache = config.cache
-    settings_table.check(config)
-    if cache.block_size > cache.budget * 8 and cache.method != "full":
-        raise UserError(
-            f"{given('block_size', cache.block_size)} is more than 8x {given('budget', cache.budget)}: "
-            "peak memory would be dominated by the block"
-        )
-    if cache.head_budgets == "adaptive" and not all(e.across_heads for e in candidates(cache.method)):
-        raise UserError(
-            f"{given('head_budgets', 'adaptive')} needs attention scores to compare across heads; "
-            f"{given('method', cache.method)} has none (use it with {', '.join(across_heads_methods())})"
-        )
-    if cache.alpha is not None and not 0 < cache.alpha <= 10:
-        raise UserError(f"{named('alpha')} must be in (0, 10] (got {cache.alpha})")
-    for key in ("pool_kernel", "indexer_pool_kernel", "cake_pool_kernel"):
-        kernel = settings_table.setting(key).get(config)
-        if kernel < 1 or kernel % 2 == 0:
-            raise UserError(f"{named(key)} must be an odd number >= 1 (got {kernel})")
-    cake = cache.cake
-    for key, tau in (("tau1", cake.tau1), ("tau2", cake.tau2)):
-        if not 0 < tau <= 10:  # also refuses nan and inf
-            raise UserError(f"{named(key)} must be in (0, 10] (got {tau})")
-    if not cake.gamma < float("inf"):
-        raise UserError(f"{named('cake_gamma')} must be finite (got {cake.gamma})")
-    features.validate(cache)
+if TYPE_CHECKING:
+    from kvchat.kv.trained import TrainedIndexMem
 
 
 @dataclass(frozen=True)
@@ -106,7 +79,7 @@ class IngestPlan:
     appended: tuple[str, ...] = ()           # histories appended after `source` (kvchat.ingest.append)
     reads: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # how `source` and `appended` were
     # read where --format or --pick was given (kvchat.settings.read_options)
-    trained: object | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+    trained: TrainedIndexMem | None = None            # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
     # each turn's token range (kvchat.answer.sources), stored with every episode; an append's: its new turns only;
     # routed: one tuple per episode, of its own turns
     turn_spans: tuple[TurnSpan, ...] | tuple[tuple[TurnSpan, ...], ...] = ()
@@ -161,11 +134,14 @@ def plan_ingest(
         raise ValueError("plan_ingest without a store needs replace=True and profile_dirs")
     validate(config)
     name = _new_name(history, name, store, replace)
-    dirs = [store.home / "profiles"] if profile_dirs is None else list(profile_dirs)
+    if profile_dirs is None:
+        profile_dirs = [store.home / "profiles"] if store is not None else []
+    dirs = list(profile_dirs)
     planner = _Planner(lm, encoder, continuing, dirs, max_memory, force, on_step or _quiet)
     text = _read(history, config, planner)
     config = dataclasses.replace(config, cache=_method(config.cache, text, planner))
-    fed = _appended_episodes(text, config, planner) if continuing else _fresh_episodes(text, config, planner)
+    fed = (_appended_episodes(text, config, continuing, planner) if continuing is not None
+           else _fresh_episodes(text, config, planner))
     chosen = _budgets(config.cache, fed.total, text.protected, planner)
     prefill, peak_bytes = _prefill(config, chosen, fed, text, planner)
     resolved = dataclasses.replace(config, cache=dataclasses.replace(
@@ -222,15 +198,18 @@ class _Planner:
 
 def _new_name(history: str | os.PathLike | Sequence[Turn], name: str | None, store: Store | None,
               replace: bool) -> str:  # fmt: skip
-    """The conversation's name (a file's stem when not given), checked, and free in `store` unless replacing."""
-    from_file = isinstance(history, (str, os.PathLike))
-    if not from_file and not name:
+    """The conversation's name (made from the file's name when not given), checked, and free in `store` unless
+    replacing."""
+    if name:
+        name = validate_name(name)
+    elif isinstance(history, (str, os.PathLike)):
+        name = name_from_file(history)
+    else:
         raise ValueError("name is required when ingesting turns rather than a file")
-    name = validate_name(name or Path(history).stem)
     if store is not None:  # a batch worker's driver checks its own store
         store.check_writable()
-    if not replace and name in {c.name for c in store.conversations()}:
-        raise UserError(f"conversation '{name}' exists; use {option('replace')}")
+        if not replace and name in {c.name for c in store.conversations()}:
+            raise UserError(f"conversation '{name}' exists; use {option('replace')}")
     return name
 
 
@@ -270,10 +249,11 @@ class _History:
 def _read(history: str | os.PathLike | Sequence[Turn], config: IngestConfig, planner: _Planner) -> _History:
     """The turns (from the file, or as given), rendered and tokenized in one chunked pass with their spans."""
     lm, step, continuing = planner.lm, planner.step, planner.continuing
-    from_file = isinstance(history, (str, os.PathLike))
-    if from_file:
+    if isinstance(history, (str, os.PathLike)):
         step("reading the history", 0, 1)
-    turns = load_history(history, min_turns=1 if continuing else 2) if from_file else list(history)
+        turns = load_history(history, min_turns=1 if continuing else 2)
+    else:
+        turns = list(history)
     tokenizing = f"tokenizing {len(turns):,} turns"
     step(tokenizing, 0, 1)
     lines = format_turns(turns)
@@ -329,10 +309,11 @@ def _fresh_episodes(text: _History, config: IngestConfig, planner: _Planner) -> 
     return _routed(whole, text, [_segment_turns(e.segments, w, n) for e in episodes], (0,) * len(episodes), planner)
 
 
-def _appended_episodes(text: _History, config: IngestConfig, planner: _Planner) -> _Episodes:
+def _appended_episodes(text: _History, config: IngestConfig, continuing: Continuation, planner: _Planner
+                       ) -> _Episodes:  # fmt: skip
     """An append's new segments joined to the stored episodes (before anything else is noted); routed, each
     stored cache continues with the new turns of the segments that joined its episode."""
-    continuing, w = planner.continuing, config.episodes.segment_turns
+    w = config.episodes.segment_turns
     episodes, members, joined = continuing.place(segment(text.lines, w), planner.notes)
     whole = _Episodes(episodes, members, text.total, text.total - text.earlier)
     if not method(config.cache.method).routed:
@@ -364,7 +345,7 @@ class _Budgets:
     budgets: list[int] | CakeBudgets | None
     alpha: float | None                      # sensitivity's alpha
     heads: HeadBudgets
-    trained: object | None                   # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
+    trained: TrainedIndexMem | None                   # a trained method's weights (kvchat.kv.trained.TrainedIndexMem)
 
 
 def _budgets(cache: CacheConfig, total: int, protected: int, planner: _Planner) -> _Budgets:
@@ -410,12 +391,12 @@ def _positions(cache: CacheConfig, total: int, planner: _Planner) -> str:
     lm = planner.lm
     positions = cache.positions
     if planner.continuing is None:
-        families.check_context(lm.model.config, total + ANSWER_ROOM, lm.spec, what=f"the history ({total} tokens with "
+        families.check_context(lm.config, total + ANSWER_ROOM, lm.spec, what=f"the history ({total} tokens with "
                                f"the system prompt) and {ANSWER_ROOM} for an answer")  # fmt: skip
         positions = _positions_mode(cache.positions, total, lm.context_window)
-        families.check_positions(lm.model.config, positions, lm.spec)
+        families.check_positions(lm.config, positions, lm.spec)
     elif positions == "original" and _positions_mode("auto", total, lm.context_window) == "compact":
-        families.check_positions(lm.model.config, "compact", lm.spec)
+        families.check_positions(lm.config, "compact", lm.spec)
         positions = "compact"
         planner.notes.append(f"the history ({total} tokens with the system prompt) now exceeds the model's window "
                              f"({lm.context_window}): the caches continue at compact positions")  # fmt: skip
@@ -432,6 +413,8 @@ def _turn_spans(text: _History, fed: _Episodes) -> tuple:
     if fed.episode_ids:
         return tuple(_routed_spans(text.turns, fed.held_turns, fed.routed, fed.starts, first=text.first))
     indices = range(text.first, text.first + len(text.turns))
+    if text.tokenized is None:
+        raise RuntimeError("the turns' token offsets were released before their spans were taken")
     return tuple(text.tokenized.spans(text.turns, text.protected + text.earlier, indices=indices))
 
 
@@ -483,9 +466,7 @@ def _resolve_method(cache: CacheConfig, history_tokens: int, window: int, notes:
             notes.append(f"{given('recall_entries', cache.recall.entries)} is unused: the history fits the model's "
                          f"window, so {given('method', 'auto')} is {within}, which recalls nothing")
         return dataclasses.replace(cache, method=within)
-    notes.append(f"the history ({history_tokens} tokens with the system prompt) exceeds the model's window ({window}): "
-                 f"{given('method', beyond)}")
-    return dataclasses.replace(cache, method=beyond)
+    return dataclasses.replace(cache, method=beyond)  # an ingest's progress hears of it (IngestHooks.method)
 
 
 def _positions_mode(requested: str, history_tokens: int, window: int) -> str:
@@ -530,7 +511,7 @@ def _episodes(
 
 
 def episode_scorer(
-    config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout, trained: object | None = None
+    config: IngestConfig, episode: Episode, lm: LoadedModel, layout: ChatLayout, trained: TrainedIndexMem | None = None
 ) -> Scorer | None:
     """The eviction scorer of `config.cache.method` for this episode (None for full KV)."""
     entry = method(config.cache.method)

@@ -232,6 +232,18 @@ class _Attended:
     weights: torch.Tensor | None
     log_mass: torch.Tensor | None
 
+    def recorded(self) -> torch.Tensor:
+        """The recorder's weights (the call was given rows)."""
+        if self.weights is None:
+            raise RuntimeError("attention ran without rows for a recorder")
+        return self.weights
+
+    def mass(self) -> torch.Tensor:
+        """The log-sum-exp (the call was asked for it)."""
+        if self.log_mass is None:
+            raise RuntimeError("attention ran without its log-sum-exp")
+        return self.log_mass
+
 
 def _dense(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
@@ -276,21 +288,22 @@ def _ragged(
     ]  # fmt: skip
     weights = None
     if rows:
-        own = [p.weights.shape[-1] - q_len for p in parts]
+        recorded = [p.recorded() for p in parts]
+        own = [w.shape[-1] - q_len for w in recorded]
         past = max(own)
-        weights = parts[0].weights.new_zeros(kv_heads, group, rows, past + q_len)
-        for h, (p, n) in enumerate(zip(parts, own, strict=True)):
-            weights[h, ..., :n] = p.weights[0, ..., :n]
-            weights[h, ..., past:] = p.weights[0, ..., n:]
-    mass = torch.cat([p.log_mass for p in parts], dim=1) if log_mass else None
+        weights = recorded[0].new_zeros(kv_heads, group, rows, past + q_len)
+        for h, (w, n) in enumerate(zip(recorded, own, strict=True)):
+            weights[h, ..., :n] = w[0, ..., :n]
+            weights[h, ..., past:] = w[0, ..., n:]
+    mass = torch.cat([p.mass() for p in parts], dim=1) if log_mass else None
     return _Attended(torch.cat([p.out for p in parts], dim=1), weights, mass)
 
 
 def kvchat_attention(
     module: torch.nn.Module | None,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | HeadList,
+    value: torch.Tensor | HeadList,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
@@ -309,7 +322,8 @@ def kvchat_attention(
     if query.shape[0] != 1:
         raise ValueError("kvchat attention runs one sequence at a time (batch size 1)")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = getattr(module, "layer_idx", None)
+    # -1: a call without a module (attention_with_retrieved), for which nothing records or reads a memory
+    layer: int = getattr(module, "layer_idx", -1)
     if isinstance(key, PagedKeys):
         retrieved = key.pool.retrieved(query, scaling)
         paged = key.pool.paged
@@ -320,20 +334,22 @@ def kvchat_attention(
     q_len = query.shape[2]
     rows = 0 if kvchat_recorder is None else min(kvchat_recorder.query_rows or q_len, q_len)
     log_mass = kvchat_memory is not None and kvchat_memory.needs_log_mass(layer)
-    if isinstance(key, HeadList):
+    if isinstance(key, HeadList) and isinstance(value, HeadList):
         if attention_mask is not None:
             raise ValueError("a prepared attention mask does not apply to a layer with per-head lengths")
         attended = _ragged(query, key, value, scale, softcap, rows, log_mass)
+    elif isinstance(key, HeadList) or isinstance(value, HeadList):
+        raise ValueError("a layer's keys and values come per head together, or together as one tensor")
     else:
         mask = causal_mask(q_len, key.shape[2], query.device) if attention_mask is None else _as_bool(attention_mask)
         attended = _dense(query, key, value, mask, scale, softcap, rows, log_mass)
     out = attended.out
     if kvchat_memory is not None:
-        readout = kvchat_memory(layer, query, out, attended.log_mass) if log_mass else kvchat_memory(layer, query)
+        readout = kvchat_memory(layer, query, out, attended.mass()) if log_mass else kvchat_memory(layer, query)
         out = out + readout.to(out.dtype)
     if kvchat_recorder is not None:  # after this layer's attention: the recorder may evict from its cache
-        past = attended.weights.shape[-1] - q_len
-        kvchat_recorder.record(_view(layer, attended.weights, past, query, kvchat_hidden, scale, softcap))
+        weights = attended.recorded()
+        kvchat_recorder.record(_view(layer, weights, weights.shape[-1] - q_len, query, kvchat_hidden, scale, softcap))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -366,8 +382,8 @@ def with_retrieved(
     totals = {k.shape[2] + got.keys.shape[0] for k, got in zip(heads, retrieved, strict=True)}
     if len(totals) == 1:
         total = totals.pop()
-        joined = (_joined(h, retrieved, new_tokens, total, part) for h, part in ((heads, "keys"), (vheads, "values")))
-        return tuple(joined)
+        return (_joined(heads, retrieved, new_tokens, total, "keys"),
+                _joined(vheads, retrieved, new_tokens, total, "values"))
     out_k, out_v = [], []
     for k, v, got in zip(heads, vheads, retrieved, strict=True):
         past = k.shape[2] - new_tokens

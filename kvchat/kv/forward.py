@@ -16,6 +16,7 @@ import torch
 from kvchat.kv import families
 from kvchat.kv.attention import Recorder
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.causal_lm import SelfAttention, config_of, decoder_of
 
 
 @torch.inference_mode()
@@ -56,14 +57,14 @@ def feeding(
     memory's readout, the attention modules' inputs for a recorder with `needs_hidden`), and advances the cache
     when the forward returns."""
     n = ids.shape[-1]
-    families.check_context(model.config, cache.next_position + n, model.config.name_or_path or "the model",
+    families.check_context(config_of(model), cache.next_position + n, config_of(model).name_or_path or "the model",
                            what="the conversation with this question and answer")
     positions = cache.position_ids(n).to(ids.device)
     extra: dict = {}
     if recorder is not None:
         extra["kvchat_recorder"] = recorder
     if cache.memory is not None:  # a latent memory of evicted entries adds its readout (kvchat.kv.latent)
-        extra["kvchat_memory"] = cache.memory.readout(model.model.rotary_emb, positions)
+        extra["kvchat_memory"] = cache.memory.readout(decoder_of(model).rotary_emb, positions)
     with _hidden_states(model, getattr(recorder, "needs_hidden", False)) as hidden:
         if hidden is not None:
             extra["kvchat_hidden"] = hidden
@@ -80,10 +81,10 @@ def _hidden_states(model: torch.nn.Module, wanted: bool) -> Iterator[dict[int, t
         return
     captured: dict[int, torch.Tensor] = {}
 
-    def stash(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def stash(module: SelfAttention, args: tuple, kwargs: dict) -> None:
         captured[module.layer_idx] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
 
-    handles = [layer.self_attn.register_forward_pre_hook(stash, with_kwargs=True) for layer in model.model.layers]
+    handles = [layer.self_attn.register_forward_pre_hook(stash, with_kwargs=True) for layer in decoder_of(model).layers]
     try:
         yield captured
     finally:

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvchat.kv.attention import LayerView
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.config import SNAPKV_QUERIES, CacheConfig, IndexMemConfig
 from kvchat.kv.scoring import BlockScorer, pool_scores
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -167,7 +165,7 @@ class IndexerScorer(BlockScorer):
     needs_hidden = True
     transient_tokens = 0
 
-    def __init__(self, indexer: Indexer, model: PreTrainedModel, pool_kernel: int = 1, recent_window: int = 0,
+    def __init__(self, indexer: Indexer, model: nn.Module, pool_kernel: int = 1, recent_window: int = 0,
                  query_window: int = 0, attention_mix: float = 0.0, attention_window: int = 64) -> None:
         if not 0.0 <= attention_mix <= 1.0:
             raise ValueError(f"attention_mix must lie in [0, 1] (got {attention_mix})")
@@ -181,11 +179,11 @@ class IndexerScorer(BlockScorer):
         self.attention_window = attention_window
         with torch.no_grad():  # U_q o W_q per layer: indexer queries straight from hidden states
             self.query_maps = [ind.query_map(layer.self_attn.q_proj) for layer, ind in
-                               zip(model.model.layers, indexer.per_layer(), strict=True)]
+                               zip(decoder_of(model).layers, indexer.per_layer(), strict=True)]
         self.keys: list[list[torch.Tensor] | None] = [None] * self.shape.layers  # per layer, per KV head
 
     @classmethod
-    def for_cache(cls, indexer: Indexer, model: PreTrainedModel, cache: CacheConfig) -> IndexerScorer:
+    def for_cache(cls, indexer: Indexer, model: nn.Module, cache: CacheConfig) -> IndexerScorer:
         """The scorer `--method indexmem` evicts with under `cache`'s settings (recent window, attention mix
         over SnapKV's last-64-query window, pooling). Ingest and the memory stage's simulated eviction
         (kvchat.training) both build it here, so the memory is trained on the evictions it makes up for."""

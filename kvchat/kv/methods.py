@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
-    from transformers import PreTrainedModel
+    from torch import nn
 
     from kvchat.kv.config import CacheConfig
     from kvchat.kv.scoring import Scorer
@@ -28,8 +28,11 @@ __all__ = ["INFINIPOT_PROMPT", "KVZIP_PROMPT", "SNAPKV_QUERIES", "STREAMING_SINK
 class PromptLayout(Protocol):
     """Where a user turn sits in the model's chat template (kvchat.model.llm.ChatLayout)."""
 
-    before_question: str
-    after_question: str
+    @property
+    def before_question(self) -> str: ...
+
+    @property
+    def after_question(self) -> str: ...
 
     def question(self, text: str) -> str: ...
 
@@ -42,7 +45,7 @@ class ScorerInputs:
     layout: PromptLayout
     cache: CacheConfig
     episode_prompt: str = ""  # the episode's patched prompt text (instruction + medoid segments)
-    model: PreTrainedModel | None = None  # the frozen model (a trained scorer reads its projections)
+    model: nn.Module | None = None  # the frozen model (a trained scorer reads its projections)
     trained: TrainedIndexMem | None = None  # a `trained` method's weights
 
 

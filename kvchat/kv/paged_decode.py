@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -97,6 +97,12 @@ class PoolSlots:
     def slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[0]
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values buffers (laid out by the first `table`)."""
+        if self.keys is None or self.values is None:
+            raise RuntimeError("the pool's slots are not laid out yet")
+        return self.keys, self.values
+
     def table(
         self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], retrieved: Sequence[Retrieved]
     ) -> PageTable:
@@ -112,11 +118,12 @@ class PoolSlots:
         ):
             self._lay_out(keys, values, retrieved)
         else:
+            buffer_keys, buffer_values = self._buffers()
             for h, (k, v) in enumerate(zip(keys, values, strict=True)):
                 start, n = self._held[h], lengths[h]
                 if n > start:
-                    self.keys[self._base[h] + start : self._base[h] + n, 0, 0] = k[0, 0, start:]
-                    self.values[self._base[h] + start : self._base[h] + n, 0, 0] = v[0, 0, start:]
+                    buffer_keys[self._base[h] + start : self._base[h] + n, 0, 0] = k[0, 0, start:]
+                    buffer_values[self._base[h] + start : self._base[h] + n, 0, 0] = v[0, 0, start:]
                     self._held[h] = n
             if retrieved is not self._retrieved:
                 self._write_retrieved(retrieved, self._got[0])
@@ -131,12 +138,12 @@ class PoolSlots:
         self._base = [sum(self._room[:h]) for h in range(len(keys))]
         cache_slots = sum(self._room)
         total = cache_slots + sum(int(r.keys.shape[0]) for r in retrieved) + ROOM * len(keys)
-        self.keys = first.new_empty(total, 1, 1, first.shape[-1])
-        self.values = first.new_empty(total, 1, 1, first.shape[-1])
+        self.keys = buffer_keys = first.new_empty(total, 1, 1, first.shape[-1])
+        self.values = buffer_values = first.new_empty(total, 1, 1, first.shape[-1])
         for h, (k, v) in enumerate(zip(keys, values, strict=True)):
             n = k.shape[2]
-            self.keys[self._base[h] : self._base[h] + n, 0, 0] = k[0, 0]
-            self.values[self._base[h] : self._base[h] + n, 0, 0] = v[0, 0]
+            buffer_keys[self._base[h] : self._base[h] + n, 0, 0] = k[0, 0]
+            buffer_values[self._base[h] : self._base[h] + n, 0, 0] = v[0, 0]
         self._held = [k.shape[2] for k in keys]
         self._write_retrieved(retrieved, cache_slots)
 
@@ -144,10 +151,11 @@ class PoolSlots:
         """Each head's retrieved entries one range after another from slot `start` (cast to the buffer's
         dtype and moved to its device once per retrieval, not at every step)."""
         self._got, self._got_len = [], []
+        buffer_keys, buffer_values = self._buffers()
         for r in retrieved:
             n = int(r.keys.shape[0])
-            self.keys[start : start + n, 0, 0] = r.keys.to(self.keys.device, self.keys.dtype)
-            self.values[start : start + n, 0, 0] = r.values.to(self.values.device, self.values.dtype)
+            buffer_keys[start : start + n, 0, 0] = r.keys.to(buffer_keys.device, buffer_keys.dtype)
+            buffer_values[start : start + n, 0, 0] = r.values.to(buffer_values.device, buffer_values.dtype)
             self._got.append(start)
             self._got_len.append(n)
             start += n
@@ -160,8 +168,9 @@ class PoolSlots:
             ranges.append(torch.arange(self._got[h], self._got[h] + self._got_len[h], dtype=torch.int32))
         sizes = [held + got for held, got in zip(self._held, self._got_len, strict=True)]
         indptr = torch.tensor([0, *sizes], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        indices = torch.cat(ranges).to(self.keys.device, non_blocking=True)
-        return PageTable(self.keys, self.values, indptr, indices)
+        buffer_keys, buffer_values = self._buffers()
+        indices = torch.cat(ranges).to(buffer_keys.device, non_blocking=True)
+        return PageTable(buffer_keys, buffer_values, indptr, indices)
 
 
 class FlashinferPagedDecode:
@@ -173,7 +182,7 @@ class FlashinferPagedDecode:
     synchronisation) and runs."""
 
     def __init__(self) -> None:
-        self._wrapper = None
+        self._wrapper: Any = None  # flashinfer's wrapper (flashinfer ships no types)
         self._group = 0
 
     def __call__(self, query: torch.Tensor, table: PageTable, scale: float, softcap: float | None = None):

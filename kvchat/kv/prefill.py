@@ -12,18 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from kvchat.kv.cache import EpisodeCache, EvictionObserver
 from kvchat.kv.cascade import BlockWindow, CakeBudgets, block_evicts
+from kvchat.kv.causal_lm import config_of, decoder_of
 from kvchat.kv.forward import forward
 from kvchat.kv.heads import HeadBudgets
 from kvchat.kv.scoring import Scorer, scores_in_forward
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class PrefillResult:
 
 
 def block_prefill(
-    model: PreTrainedModel,
+    model: nn.Module,
     prefix_ids: torch.Tensor | None,
     context_ids: torch.Tensor,
     *,
@@ -68,7 +66,7 @@ def block_prefill(
     if resume is None:
         if prefix_ids is None:
             raise ValueError("a new cache starts with its prefix: pass prefix_ids")
-        cache = EpisodeCache(model.config.num_hidden_layers)
+        cache = EpisodeCache(config_of(model).num_hidden_layers)
         cache.on_evict = on_evict
         forward(model, cache, prefix_ids)
         cache.protected = prefix_ids.shape[-1]
@@ -81,7 +79,7 @@ def block_prefill(
         cache.track_origins()
     cache.recent = recent
     blocks = [b for b in context_ids.split(block_size, dim=-1) if b.shape[-1]]  # none: nothing new to feed
-    rotary = model.model.rotary_emb
+    rotary = decoder_of(model).rotary_emb
     in_forward = scorer is not None and scores_in_forward(scorer)
     for done, block in enumerate(blocks, start=1):
         evict = budgets is not None and block_evicts(cache, block.shape[-1], budgets)
@@ -117,7 +115,7 @@ def block_prefill(
 
 
 def select_from(
-    model: PreTrainedModel,
+    model: nn.Module,
     full: EpisodeCache,
     last_block: torch.Tensor,
     *,
@@ -147,7 +145,7 @@ def select_from(
          for s, b, layer in zip(scores, budgets, cache.layers, strict=True)]
     )  # fmt: skip
     if compact:
-        cache.compact(model.model.rotary_emb)
+        cache.compact(decoder_of(model).rotary_emb)
     return cache
 
 

@@ -3,18 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, cast
 
 import torch
 
-
-class ModelConfig(Protocol):
-    """What the shape is read from: a model's config (transformers' or kvchat.model.native_llama's)."""
-
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    hidden_size: int
+from kvchat.kv.causal_lm import config_of
 
 
 @dataclass(frozen=True)
@@ -31,7 +23,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
-        cfg = cast(ModelConfig, model.config)  # nn.Module types every attribute it does not know as Tensor | Module
+        cfg = config_of(model)
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         tensors = [*model.parameters(), *model.buffers()]
         return cls(

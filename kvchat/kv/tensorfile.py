@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from kvchat.checked_files import read_safetensors_header
+from kvchat.checked_files import FileMismatch, open_regular, read_safetensors_header
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -37,6 +37,27 @@ SAFETENSORS_DTYPES = {
 _TORCH = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}
 _COPY_CHUNK = 1 << 20
 _GAP_BYTES = 4096  # rows closer than a disk page are read in one call
+
+
+def safetensors_bytes(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> bytes:
+    """A safetensors file of `tensors` and `metadata`, the same bytes for the same tensors and metadata in any
+    process: the metadata's keys sorted, the tensors by element size (largest first, so each starts at a multiple of
+    it) then name. (safetensors' own `save` writes the metadata in a hash map's order, which changes from call to
+    call: an episode written twice would differ, and a resumed or spread ingest could not be compared with one that
+    was not.)"""
+    header: dict[str, Any] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    blobs, offset = [], 0
+    for name in sorted(cpu, key=lambda n: (-cpu[n].element_size(), n)):
+        tensor = cpu[name]
+        data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + len(data)]}  # fmt: skip
+        blobs.append(data)
+        offset += len(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    encoded += b" " * (-len(encoded) % 8)
+    return b"".join([struct.pack("<Q", len(encoded)), encoded, *blobs])
 
 
 class SafetensorsWriter:
@@ -110,7 +131,9 @@ class RowWriter:
     of the file's order); `discard` (or a failed `finish`) removes it."""
 
     def __init__(self, path: Path, shapes: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-                 metadata: Mapping[str, str]) -> None:  # fmt: skip
+                 metadata: Mapping[str, str], *, resume: bool = False) -> None:  # fmt: skip
+        """A new file at `path` (one there is replaced); with `resume`, the file already there, kept as it is if
+        it has this header and size (the rows written into it so far stay), else made new (`resumed` says which)."""
         self.path = Path(path)
         header: dict[str, Any] = {"__metadata__": dict(metadata)}
         self._places: dict[str, tuple[int, torch.dtype, tuple[int, ...]]] = {}
@@ -124,9 +147,14 @@ class RowWriter:
         encoded = json.dumps(header, separators=(",", ":")).encode("utf-8")
         encoded += b" " * (-len(encoded) % 8)
         self._data_start, self.size = 8 + len(encoded), 8 + len(encoded) + offset
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        head = struct.pack("<Q", len(encoded)) + encoded
+        self.resumed = resume and _holds(self.path, head, self.size)
+        flags = os.O_RDWR if self.resumed else os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self._fd = os.open(self.path, flags | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        if self.resumed:
+            return
         try:
-            os.pwrite(self._fd, struct.pack("<Q", len(encoded)) + encoded, 0)
+            os.pwrite(self._fd, head, 0)
             os.ftruncate(self._fd, self.size)
         except BaseException:
             self.discard()
@@ -160,12 +188,29 @@ class RowWriter:
             self.discard()
             raise
 
-    def discard(self) -> None:
-        """Close and remove the file."""
+    def sync(self) -> None:
+        """Make the rows written so far durable (fsync)."""
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Close the file and keep it as it is (its rows so far: a resumable ingest's, continued later)."""
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def discard(self) -> None:
+        """Close and remove the file."""
+        self.close()
         self.path.unlink(missing_ok=True)
+
+
+def _holds(path: Path, head: bytes, size: int) -> bool:
+    """Whether `path` is a regular file of `size` bytes beginning with `head` (a `RowWriter`'s header)."""
+    try:
+        with open_regular(path) as f:
+            return os.fstat(f.fileno()).st_size == size and f.read(len(head)) == head
+    except (OSError, FileMismatch):
+        return False
 
 
 def open_tensors(path: Path, header: Mapping[str, Any] | None = None) -> tuple[dict[str, FileRows], dict[str, str]]:

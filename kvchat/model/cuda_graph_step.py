@@ -36,10 +36,18 @@ def graphable(cache: EpisodeCache) -> bool:
     return all(type(layer) is UniformLayer and layer.writable_room >= 1 for layer in cache.layers)
 
 
+def _uniform_layers(cache: EpisodeCache) -> list[UniformLayer]:
+    """`cache`'s layers, every one uniform (`graphable` checked it)."""
+    layers = [layer for layer in cache.layers if type(layer) is UniformLayer]
+    if len(layers) != len(cache.layers):
+        raise RuntimeError("a CUDA graph steps caches of uniform layers only")
+    return layers
+
+
 def _buffers_key(cache: EpisodeCache) -> tuple:
     """What a recorded step is bound to: the address and capacity of every layer's buffers."""
     return tuple((k.data_ptr(), v.data_ptr(), p.data_ptr(), k.shape[2]) for k, v, p in
-                 (layer.buffers for layer in cache.layers))
+                 (layer.buffers for layer in _uniform_layers(cache)))
 
 
 class StaticStep:
@@ -48,13 +56,13 @@ class StaticStep:
 
     def __init__(self, step: DecodeStep, cache: EpisodeCache) -> None:
         self.step, self.key = step, _buffers_key(cache)
-        self.buffers = [layer.buffers for layer in cache.layers]
+        self.buffers = [layer.buffers for layer in _uniform_layers(cache)]
         device = self.buffers[0][0].device
         self.ids = torch.zeros(1, dtype=torch.long, device=device)
         self.where = torch.zeros(len(self.buffers) + 1, dtype=torch.long, device=device)
         self._host = torch.zeros(self.where.shape, dtype=torch.long, pin_memory=device.type == "cuda")
         self._slots = torch.arange(max(k.shape[2] for k, _, _ in self.buffers), device=device)
-        for layer, (keys, values, _) in zip(cache.layers, self.buffers, strict=True):
+        for layer, (keys, values, _) in zip(_uniform_layers(cache), self.buffers, strict=True):
             # Masked entries weigh 0, but 0 x NaN is NaN: the room must not hold whatever memory held before.
             keys[:, :, layer.size :].zero_()
             values[:, :, layer.size :].zero_()
@@ -83,7 +91,7 @@ class StaticStep:
     @staticmethod
     def advance(cache: EpisodeCache) -> None:
         """After a run: the token's entries live in every layer, its position taken."""
-        for layer in cache.layers:
+        for layer in _uniform_layers(cache):
             layer.extend(1)
         cache.note_decoded()
 
@@ -134,14 +142,16 @@ class CudaGraphStep:
 
     def _run_graph(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
         """Replay the graph recorded for `cache`'s buffers (recording it first where there is none)."""
-        if self._cache() is not cache or self._static.key != _buffers_key(cache):
-            self._record(cache, ids)
+        static, graph, logits = self._static, self._graph, self._logits
+        if self._cache() is not cache or static is None or graph is None or logits is None or (
+                static.key != _buffers_key(cache)):  # fmt: skip
+            logits = self._record(cache, ids)
         else:
-            self._static.load(cache, ids)
-            self._graph.replay()
-        return self._logits.clone()  # the next replay overwrites the graph's own
+            static.load(cache, ids)
+            graph.replay()
+        return logits.clone()  # the next replay overwrites the graph's own
 
-    def _record(self, cache: EpisodeCache, ids: torch.Tensor) -> None:
+    def _record(self, cache: EpisodeCache, ids: torch.Tensor) -> torch.Tensor:
         """Record the step for `cache`'s buffers, after one run outside the graph (which allocates what the
         kernels need and leaves the token's entries written, as a replay would)."""
         self._static = self._graph = self._logits = None  # the previous graph's memory goes first
@@ -159,3 +169,4 @@ class CudaGraphStep:
         graph.replay()
         static.buffers = []  # the graph has their addresses; holding the tensors would keep a dropped cache alive
         self._static, self._graph, self._logits, self._cache = static, graph, logits, weakref.ref(cache)
+        return logits

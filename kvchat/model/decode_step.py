@@ -56,6 +56,7 @@ class DecodeStep:
         def appended(index: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      scale: float) -> torch.Tensor:
             keys, values = cache.append_token(key, value, index)
+            assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor)  # uniform layers: `fits`
             return attend(query, keys, values, None, scale).transpose(1, 2)
 
         logits = self.run(ids.view(1), position, appended)

@@ -9,15 +9,13 @@ accuracy, so an answer would be both slower and different from float32's; bfloat
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from kvchat.config import DEVICES, DTYPES, DeviceConfig
-from kvchat.errors import UserError, first_line
+from kvchat.errors import UserError
 from kvchat.messages import option
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
@@ -73,22 +71,8 @@ def cuda_status() -> tuple[bool, str | None]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         available = torch.cuda.is_available()
-    why = next((first_line(w.message) for w in caught if "CUDA" in str(w.message)), None)
+    why = next((str(w.message).strip().splitlines()[0] for w in caught if "CUDA" in str(w.message)), None)
     if why:
         _log.debug("torch: %s", why)
     return available, why
 
-
-def usable_cores() -> int:
-    """CPU cores this process may run on: its affinity mask, capped by a cgroup v2 CPU quota when one is
-    set (a container's `os.cpu_count()` is the host's)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 1
-    try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
-        cores = min(cores, max(1, int(quota) // int(period)))
-    except (OSError, ValueError):  # absent, or "max": no quota
-        pass
-    return cores

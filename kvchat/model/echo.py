@@ -118,11 +118,11 @@ class HeldAnswer:
         """`token`, chosen from `scores`: the tokens to give out now, and None, or the scores to choose again from
         (the answer went back; feed nothing)."""
         self.tokens.append(token)
-        if not self._retries:
+        if not self._retries or self.guard is None:
             return self.flush(), None
         found = self.guard.find(self.tokens)
-        back = self._token_at(found.start) if found is not None else None
-        if back is None:  # no echo, or one that began in text already given: too late to change
+        back = self._token_at(self.guard, found.start) if found is not None else None
+        if found is None or back is None:  # no echo, or one that began in text already given: too late to change
             return self.flush(), None
         self._held.append(_Choice(scores.clone(), self.cache.checkpoint()))  # held: this token
         if not found.complete:  # it may become one: hold back from where it began
@@ -147,12 +147,12 @@ class HeldAnswer:
         self._held.clear()
         return give
 
-    def _token_at(self, offset: int) -> int | None:
+    def _token_at(self, guard: EchoGuard, offset: int) -> int | None:
         """The first token held back, or the last one chosen, whose text reaches past character `offset`; None
         when that character lies in the text already given."""
-        if len(self.guard.decode(self.tokens[: self.given])) > offset:
+        if len(guard.decode(self.tokens[: self.given])) > offset:
             return None
         for i in range(self.given, len(self.tokens)):
-            if len(self.guard.decode(self.tokens[: i + 1])) > offset:
+            if len(guard.decode(self.tokens[: i + 1])) > offset:
                 return i
         return None

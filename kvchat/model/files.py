@@ -17,7 +17,6 @@ import shutil
 import stat
 import struct
 import time
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -30,6 +29,7 @@ from kvchat.config import CONVERSION_WEIGHTS_PER_SECOND
 from kvchat.errors import UserError, first_line
 from kvchat.messages import option
 from kvchat.model.gguf_header import MAGIC, BadHeader, check_gguf_header
+from kvchat.store.files import new_temp_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -107,7 +107,7 @@ def convert_gguf(gguf: Path, models_dir: Path, progress: ConversionProgress | No
                         f"and {free / 2**20:.0f} MiB are free; free space there")  # fmt: skip
     progress.converting(gguf, weights, weights / CONVERSION_WEIGHTS_PER_SECOND)
     started = time.monotonic()
-    tmp = models_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    tmp = new_temp_path(models_dir)  # a dead conversion's is swept (store.leftovers), its pid reused or not
     try:
         try:
             progress.phase("dequantizing the weights")

@@ -32,8 +32,8 @@ from kvchat.store.layout import HELD_DIR, held_by_any_torch, held_name, held_sou
 
 FORMAT = "1"
 SPARE_BYTES = 1 << 30  # kept only where at least this much (and the file's size again) stays free after it
-_KINDS = {"int4": Int4Linear, "int8": Int8Linear}
-_BUFFERS = {"int4": ("weight", "scale_zero"), "int8": ("weight", "scale")}  # besides a bias
+_KINDS: dict[str, type[Int4Linear] | type[Int8Linear]] = {"int4": Int4Linear, "int8": Int8Linear}
+_BUFFERS = {"int4": ("weight", "scale_zero"), "int8": ("weight", "scale")}  # the codes and their scales; a bias besides
 QUANTIZERS = {"int8": int8_weights.quantize_linears, "int4": int4_weights.quantize_linears}
 _log = logging.getLogger(__name__)
 
@@ -44,10 +44,10 @@ def hold(model: nn.Module, weights: str, fingerprint: str, models_dir: Path | No
     float; `int8`; `int4`) and return what they are then (float, int8 or int4). With `models_dir` and the float
     weights file `source`, what was kept there for that file is read instead of computed, and what is computed is
     kept there."""
-    keeping = models_dir is not None and source is not None
-    identity = held_source(source) if keeping else {}
+    keeping = models_dir if source is not None else None  # where what is held is kept, if anywhere
+    identity = held_source(source) if source is not None and keeping is not None else {}
     if weights == "auto":  # the verdict alone is kept: a file without tensors
-        path = path_for(models_dir, fingerprint, "auto") if keeping else None
+        path = path_for(keeping, fingerprint, "auto") if keeping is not None else None
         verdict = restore(model, path, identity) if path else None
         if verdict is None:
             verdict = "int4" if int4_weights.holds_4_bit_groups(model) else "float"
@@ -56,7 +56,7 @@ def hold(model: nn.Module, weights: str, fingerprint: str, models_dir: Path | No
         weights = verdict
     if weights == "float":
         return weights
-    path = path_for(models_dir, fingerprint, weights) if keeping else None
+    path = path_for(keeping, fingerprint, weights) if keeping is not None else None
     if path is None or restore(model, path, identity) != weights:
         QUANTIZERS[weights](model)
         if path:
@@ -125,14 +125,14 @@ def keep(model: nn.Module, path: Path, source: dict[str, str], weights: str) -> 
 def _modules(model: nn.Module, listed: list, tensors: dict[str, torch.Tensor]) -> dict[str, nn.Module]:
     """The quantized modules `listed` describes, built from `tensors`; ValueError or KeyError where they do not
     fit `model` (a Linear of those features, every buffer there with its shape and dtype, no tensor left over)."""
-    built = {}
+    built: dict[str, nn.Module] = {}
     for name, kind, in_features, out_features in listed:
         linear = model.get_submodule(name)
         if not isinstance(linear, nn.Linear) or linear.weight.shape != (out_features, in_features):
             raise ValueError(f"{name} is not a Linear of {in_features} x {out_features}")
-        buffers = [tensors.pop(f"{name}.{b}") for b in _BUFFERS[kind]]
+        codes, scales = (tensors.pop(f"{name}.{b}") for b in _BUFFERS[kind])
         bias = tensors.pop(f"{name}.bias") if linear.bias is not None else None
-        built[name] = _KINDS[kind](in_features, out_features, *buffers, bias)
+        built[name] = _KINDS[kind](in_features, out_features, codes, scales, bias)
     if tensors:
         raise ValueError(f"tensors of no module: {sorted(tensors)[:3]}")
     return built

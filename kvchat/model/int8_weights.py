@@ -18,6 +18,10 @@ from torch import nn
 class Int8Linear(nn.Module):
     """`y = x W^T + b` with `W` stored as int8 rows times per-row scales."""
 
+    weight: torch.Tensor  # buffers (register_buffer), typed here for what reads them
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, in_features: int, out_features: int, weight: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> None:  # fmt: skip
         super().__init__()
@@ -61,5 +65,7 @@ def quantize_linears(model: nn.Module) -> int:
     returns how many. An lm_head tied to the embedding gets its own int8 copy; the embedding is kept."""
     names = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name in names:
-        model.set_submodule(name, Int8Linear.of(model.get_submodule(name)))
+        linear = model.get_submodule(name)
+        assert isinstance(linear, nn.Linear)
+        model.set_submodule(name, Int8Linear.of(linear))
     return len(names)

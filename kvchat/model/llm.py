@@ -1,5 +1,5 @@
 """The causal LM: loading (embedded default, local HF dir, GGUF file: their files found, converted and checked by
-kvchat.model.files), chat layout, greedy decoding.
+kvchat.model.files), chat layout, decoding (greedy, or as a kvchat.model.sampling.Sampler chooses).
 
 No network: hub names resolve only from the local HF cache.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,30 +24,37 @@ from kvchat.config import WEIGHT_MODES
 from kvchat.errors import UserError, first_line
 from kvchat.kv import attention, backends, families
 from kvchat.kv.cache import EpisodeCache
+from kvchat.kv.causal_lm import ModelConfig, config_of
 from kvchat.kv.forward import forward as model_forward
 from kvchat.messages import option
 from kvchat.model import held_weights, native_llama
+from kvchat.model.cores import usable_cores
 from kvchat.model.cuda_graph_step import CudaGraphStep
 from kvchat.model.decode_step import DecodeStep
-from kvchat.model.device import CPU_FLOAT32, Placement, usable_cores
+from kvchat.model.device import CPU_FLOAT32, Placement
 from kvchat.model.echo import EchoGuard, HeldAnswer
 from kvchat.model.files import ConversionProgress, resolve
+from kvchat.model.sampling import Sampler
 
 _log = logging.getLogger(__name__)  # `kvchat --debug` shows its records
 _BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # transformers' one tokenizers-backed class
 
 _CONV_MARK = "\x00KVCHAT-CONVERSATION\x00"
 _QUESTION_MARK = "\x00KVCHAT-QUESTION\x00"
+_SYSTEM_MARK = "\x00KVCHAT-SYSTEM\x00"
 
 
 @dataclass(frozen=True)
 class ChatLayout:
     """The chat template cut around the conversation (in the system turn) and the question (a user
-    turn), so the conversation can be prefilled once and any question appended later."""
+    turn), so the conversation can be prefilled once and any question appended later. `before_system` opens a
+    second system turn after the conversation (the user's own instructions), where the template has one; None
+    where it has not (instructions then open the question's turn)."""
 
     before_conversation: str
     before_question: str
     after_question: str
+    before_system: str | None = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer: PreTrainedTokenizerBase, system_prompt: str) -> ChatLayout:
@@ -63,12 +70,37 @@ class ChatLayout:
         )
         head, rest = rendered.split(_CONV_MARK)
         middle, tail = rest.split(_QUESTION_MARK)
-        return cls(head, middle, tail)
+        return cls(head, middle, tail, _system_turn(tokenizer, system_prompt, head, middle, tail))
 
-    def question(self, text: str, earlier: Sequence[tuple[str, str]] = ()) -> str:
-        """The question's turns; `earlier` (question, answer) pairs come first as the follow-up they are."""
-        turns = "".join(self.before_question + q + self.after_question + a for q, a in earlier)
-        return turns + self.before_question + text + self.after_question
+    def question(self, text: str, earlier: Sequence[tuple[str, str]] = (), system: str | None = None) -> str:
+        """The question's turns; `earlier` (question, answer) pairs come first as the follow-up they are, and
+        `system` (instructions) before them all."""
+        pairs, opening = list(earlier), ""
+        if system and self.before_system is not None:
+            opening = self.before_system + system
+        elif system and pairs:  # no system turn to open: the instructions open the first user turn
+            pairs[0] = (f"{system}\n\n{pairs[0][0]}", pairs[0][1])
+        elif system:
+            text = f"{system}\n\n{text}"
+        turns = "".join(self.before_question + q + self.after_question + a for q, a in pairs)
+        return opening + turns + self.before_question + text + self.after_question
+
+
+def _system_turn(tokenizer: PreTrainedTokenizerBase, system_prompt: str, head: str, middle: str,
+                 tail: str) -> str | None:  # fmt: skip
+    """What opens a second system turn after the conversation's, as the template renders one; None where it refuses
+    one (some templates allow a system message only first) or renders it otherwise than between the two turns."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "system", "content": system_prompt + _CONV_MARK}, {"role": "system", "content": _SYSTEM_MARK},
+             {"role": "user", "content": _QUESTION_MARK}], tokenize=False, add_generation_prompt=True)  # fmt: skip
+    except Exception:  # noqa: BLE001 - a template's own error (jinja's, raise_exception): it takes no second one
+        return None
+    before, found, rest = rendered.partition(_CONV_MARK)
+    opening, found_system, after = rest.partition(_SYSTEM_MARK)
+    if not found or not found_system or before != head or after != middle + _QUESTION_MARK + tail:
+        return None
+    return opening
 
 
 @dataclass(frozen=True)
@@ -119,9 +151,9 @@ class LoadedModel:
         self.weights = held_weights.hold(self.model, weights, fingerprint, models_dir, source)
 
     @property
-    def config(self):
+    def config(self) -> ModelConfig:
         """The model's config (the attributes transformers' config names)."""
-        return self.model.config
+        return config_of(self.model)
 
     def forward(self, cache: EpisodeCache, ids: torch.Tensor, *, recorder: attention.Recorder | None = None
                 ) -> torch.Tensor:  # fmt: skip
@@ -338,8 +370,10 @@ def generate(
     stop_ids: Collection[int] | None = None,
     first_recorder: attention.Recorder | None = None,
     echo: EchoGuard | None = None,
-) -> Iterator[int]:
-    """Greedy decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback).
+    sampler: Sampler | None = None,
+) -> Generator[int, None, None]:
+    """Decoding of an answer on top of `cache` (which it extends; see EpisodeCache.rollback): greedy, or each token
+    as `sampler` chooses it from the scores and the answer so far (kvchat.model.sampling).
     `on_first_logits` receives the logits [vocab] the first answer token is chosen from; `first_recorder`
     sees every layer's attention in that forward (the prompt's). The answer ends at one of `stop_ids`
     (default: the model's end-of-turn tokens; empty: always `max_new_tokens`).
@@ -361,7 +395,7 @@ def generate(
     step_ids = torch.empty(1, 1, dtype=torch.long, device=prompt_ids.device)
     answer = HeldAnswer(echo, cache)
     while True:
-        token = int(scores.argmax())
+        token = int(scores.argmax()) if sampler is None else sampler.choose(scores, answer.tokens)
         if token in stop:
             yield from answer.flush()
             return

@@ -36,3 +36,35 @@ def announced_url(home: Path) -> str | None:
         return str(found["url"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def stale_announcement(home: Path) -> str | None:
+    """What is wrong with `home`'s announcement when no server it names runs (its process died without removing
+    it, `kill -9` say; or it cannot be read), else None (none there, or its server runs). `kvchat doctor` reports
+    it and removes it with `remove_stale_announcement`."""
+    path = home / ANNOUNCEMENT
+    try:
+        found = json.loads(path.read_text())
+        pid = int(found["pid"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "cannot be read as a server's announcement"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"names a server (pid {pid}) that no longer runs"
+    except OSError:  # it exists, another user's
+        return None
+    return None
+
+
+def remove_stale_announcement(home: Path) -> bool:
+    """Remove `home`'s announcement if it is still stale (`stale_announcement`); whether it did."""
+    if stale_announcement(home) is None:
+        return False
+    try:
+        (home / ANNOUNCEMENT).unlink()
+    except FileNotFoundError:
+        return False
+    return True

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvchat.answer.session import Answer, Session
-from kvchat.config import AskConfig, IngestConfig, ServeConfig
+from kvchat.answer.session import Answer, Session, routing_query
+from kvchat.config import AskConfig, IngestConfig, Sampling, ServeConfig
 from kvchat.errors import KvchatError, UserError
 from kvchat.history.loading import Turn
 from kvchat.ingest.pipeline import IngestProgress
 from kvchat.serve.jobs import RUNNING, Job
-from kvchat.serve.stops import TextGate
+from kvchat.store.files import hold_point
 
 if TYPE_CHECKING:
     from kvchat.store import Store
@@ -47,6 +47,9 @@ class Closed(KvchatError):
     """The engine is shutting down."""
 
 
+SHUTTING_DOWN = "the server is shutting down"
+
+
 @dataclass(frozen=True)
 class ChatRequest:
     """A question about a stored conversation, following up `earlier` (question, answer) pairs."""
@@ -59,6 +62,8 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     sources: bool = False        # record the answer's attention per turn (kvchat.answer.sources)
     refuse_off_topic: bool = False  # no answer when no episode matches well (AskConfig.refuse_off_topic)
+    sampling: Sampling = Sampling()  # how each token is chosen (AskConfig.sampling)
+    system: str | None = None    # the client's system messages: instructions before the question (AskConfig.system)
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ class ServingEngine(Protocol):
     def start(self) -> None: ...
 
     def close(self, timeout: float | None = None) -> None: ...
+
+    def stop_jobs(self) -> None: ...
 
     def submit_chat(self, request: ChatRequest, loop=None) -> Job: ...
 
@@ -130,12 +137,23 @@ class Engine:
     # ----- lifecycle
 
     def start(self) -> None:
+        # Not a daemon: the interpreter never exits under a job running torch (which would abort the process);
+        # a job stops at its next token or block once cancelled (`close`).
         if self._thread is None:
-            self._thread = threading.Thread(target=self._work, name="kvchat-serve-worker", daemon=True)
+            self._thread = threading.Thread(target=self._work, name="kvchat-serve-worker")
             self._thread.start()
 
     def close(self, timeout: float | None = None) -> None:
-        """Refuse new work, cancel what is queued and running, and wait for the worker to stop."""
+        """Refuse new work, fail what is queued and what runs ("the server is shutting down": a stream then ends
+        with an error event, an ingest removes its temp dir), and wait for the worker to stop."""
+        self.stop_jobs()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def stop_jobs(self) -> None:
+        """Refuse new work and fail every job, queued or running, with `Closed`; returns at once (the running
+        job stops at its next token or ingest block)."""
         with self._lock:
             self._closing = True
         while True:
@@ -145,13 +163,11 @@ class Engine:
                 break
             if job is not None:
                 job.cancel()
-                job.fail(Closed("the server is shutting down"))
+                job.fail(Closed(SHUTTING_DOWN))
         running = self._running
-        if running is not None:
+        if running is not None and not running.cancelled:
+            _log.warning("%s stops: %s", running.id, SHUTTING_DOWN)
             running.cancel()
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout)
 
     @property
     def ready(self) -> bool:
@@ -235,10 +251,12 @@ class Engine:
             self._running, job.state = job, RUNNING
             try:
                 result = job.work(job)
+                if job.cancelled and self._closing:  # cut short by the shutdown: its client must not take it whole
+                    raise Closed(SHUTTING_DOWN)
                 self._finished[job.kind] += 1  # before the client hears of it
                 job.succeed(result)
             except Exception as exc:  # the job's failure is its client's to see; the worker goes on
-                if not isinstance(exc, UserError):
+                if not isinstance(exc, UserError | Closed):
                     _log.exception("kvchat server: %s failed", job.id)
                 job.fail(exc)
             finally:
@@ -289,7 +307,7 @@ class Engine:
             if not request.question.strip():
                 raise UserError("the question is empty")
             centroids = np.asarray([e.centroid for e in record.episodes], dtype=np.float32)
-            index = int(np.argmax(centroids @ encoder.embed([request.question])[0]))
+            index = int(np.argmax(centroids @ routing_query(encoder, request.question, request.earlier)))
         elif not 0 <= request.episode < len(record.episodes):
             raise NotFound(f"conversation '{record.name}' has no episode {request.episode} "
                            f"(it has 0..{len(record.episodes) - 1})")
@@ -298,33 +316,29 @@ class Engine:
         self._check_earlier(request, lm)
         session = self._session(record, index, lm, encoder)
         session.config = dataclasses.replace(session.config, max_new_tokens=request.max_tokens,
-                                             refuse_off_topic=request.refuse_off_topic)
-        gate = TextGate(request.stop)
+                                             refuse_off_topic=request.refuse_off_topic, sampling=request.sampling,
+                                             system=request.system)  # fmt: skip
 
         def on_text(piece: str) -> None:
-            released = gate.feed(piece)
-            if released:
-                job.emit("text", released)
+            job.emit("text", piece)
 
         def stop() -> bool:
             job.progress["tokens"] = job.progress.get("tokens", 0) + 1
             if self.step_hook is not None:
                 self.step_hook(job)
-            return job.cancelled or gate.stopped
+            return job.cancelled
 
         try:
             answer = session.ask(request.question, episode=index, on_text=on_text, stop=stop, earlier=request.earlier,
-                                 log=self.config.log and not self._store_().read_only, sources=request.sources)
+                                 log=self.config.log and not self._store_().read_only, sources=request.sources,
+                                 stops=request.stop)
         except UserError:
             if request.conversation not in {r.name for r in self._store_().conversations()}:
                 raise NotFound(f"conversation '{request.conversation}' was removed while it was being answered")\
                     from None
             raise
-        tail = gate.finish()
-        if tail:
-            job.emit("text", tail)
-        finish = "cancelled" if job.cancelled else "stop" if gate.stopped else answer.finish_reason
-        return Completion(gate.text, finish, answer)
+        finish = "cancelled" if job.cancelled else answer.finish_reason
+        return Completion(answer.text, finish, answer)
 
     @staticmethod
     def _check_earlier(request: ChatRequest, lm) -> None:
@@ -364,11 +378,11 @@ class Engine:
 
         request: IngestRequest = job.request
         progress = _JobProgress(job)
-        if request.append:
+        if request.append:  # with the model the conversation was built with
             record = self._record(request.name)
             report = append(request.turns, name=request.name, store=self._store_(), lm=self._model(record.model),
                             encoder=self._encoder_(), progress=progress, source="<kvchat server>")
-        else:
+        else:  # with the model the server's operator chose (`ServeConfig.model`), never one a client names
             report = ingest(request.turns, store=self._store_(), lm=self._model(request.config.model),
                             progress=progress, name=request.name, config=request.config, encoder=self._encoder_(),
                             replace=request.replace, source="<kvchat server>")
@@ -387,16 +401,31 @@ def find_conversation(store, name: str):
 
 
 class _JobProgress(IngestProgress):
-    """An ingest's progress, readable from GET /kvchat/jobs/{id} while it runs."""
+    """An ingest's progress, readable from GET /kvchat/jobs/{id} while it runs; a cancelled job (the server shuts
+    down) stops at its next step, unwinding, so its pending conversation's temp dir is removed."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
 
+    def planning(self, step: str, done: int, total: int) -> None:
+        self._go_on()
+
     def history(self, done: int, total: int) -> None:
+        self._go_on()
         self.job.progress.update(stage="history", done=done, total=total)
 
     def episode(self, index: int, total: int) -> None:
+        self._go_on()
         self.job.progress.update(stage="episode", episode=index + 1, episodes=total, done=0, total=0)
 
     def block(self, done: int, total: int) -> None:
+        self._go_on()
         self.job.progress.update(done=done, total=total)
+        hold_point("serve-ingest-block")  # a test hook (tests/test_serve_hardening.py): nothing in a real run
+
+    def recall_entries(self, done: int, total: int) -> None:
+        self._go_on()
+
+    def _go_on(self) -> None:
+        if self.job.cancelled:
+            raise Closed(SHUTTING_DOWN)

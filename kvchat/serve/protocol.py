@@ -3,8 +3,11 @@
 A model id names a stored conversation (`NAME`) or one of its episodes (`NAME/EPISODE`, skipping routing;
 conversation names never contain '/'). The last message is the question and must be the user's; earlier
 user/assistant pairs are the exchange it follows up, decoded on top of the episode cache before it (and rolled
-back after). System messages are ignored: the conversation's own system prompt sits in its cache. Decoding is
-greedy, so sampling settings (`temperature`, `top_p`, `seed`, ...) are accepted and have no effect.
+back after), and routed with the question. System (and developer) messages are the client's instructions: one
+system turn after the conversation's own system prompt (which sits in the cache), before the exchange. Sampling is
+OpenAI's (`temperature`, `top_p`, `seed`, `frequency_penalty`, `presence_penalty`) and vLLM's `repetition_penalty`
+(kvchat.model.sampling; greedy with kvchat's repetition penalty when none is given). What kvchat cannot do (tools,
+structured output, log probabilities, several choices) is refused with 400 and a one-line reason, never ignored.
 """
 
 from __future__ import annotations
@@ -15,10 +18,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvchat import documents
+from kvchat.config import Sampling
+from kvchat.errors import UserError
 from kvchat.serve.engine import ChatRequest, Completion
 from kvchat.serve.spelling import spell
+from kvchat.untrusted_text import valid_text
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "stopped": "stop", "cancelled": "stop", "refused": "stop"}
+# What a plain OpenAI client shows for a question refused as off-topic (`kvchat.refuse_off_topic`): the message's
+# content and OpenAI's `refusal` field say it, so no client takes an empty answer for one.
+REFUSAL = "Not answered: no part of this conversation matches the question well enough."
 
 
 class ApiError(Exception):
@@ -49,10 +59,10 @@ class Message(BaseModel):
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return valid_text(self.content or "")
         if any(part.type != "text" for part in self.content):
             raise ApiError(400, "only text content is supported", param="messages")
-        return "".join(part.text or "" for part in self.content)
+        return valid_text("".join(part.text or "" for part in self.content))
 
 
 class StreamOptions(BaseModel):
@@ -78,14 +88,24 @@ class ChatCompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra field (CTRL's penalty, 1: off)
     kvchat: KvchatOptions = KvchatOptions()
 
     def to_chat(self, default_tokens: int, limit: int) -> ChatRequest:
-        """The engine's request: conversation and episode from the model id, question and follow-up context
-        from the messages."""
-        if self.n != 1:
-            raise ApiError(400, "n must be 1 (answers are greedy: every choice would be the same)", param="n")
+        """The engine's request: conversation and episode from the model id, question, instructions and follow-up
+        context from the messages, sampling from the request's fields."""
+        self._refuse_unsupported()
         conversation, episode = parse_model(self.model)
+        if any(m.role in ("tool", "function") for m in self.messages):
+            raise ApiError(400, "tool and function messages are not supported: kvchat calls no tools",
+                           param="messages")
+        system = "\n\n".join(t for m in self.messages if m.role in ("system", "developer") for t in [m.text().strip()]
+                             if t) or None  # fmt: skip
         turns = [m for m in self.messages if m.role not in ("system", "developer")]
         if not turns or turns[-1].role != "user":
             raise ApiError(400, "the last message must be the user's question", param="messages")
@@ -104,7 +124,44 @@ class ChatCompletionRequest(BaseModel):
         if len(stop) > 4:
             raise ApiError(400, "at most 4 stop sequences", param="stop")
         return ChatRequest(conversation, question, episode, pairs, tokens, stop, sources=self.kvchat.sources,
-                           refuse_off_topic=self.kvchat.refuse_off_topic)
+                           refuse_off_topic=self.kvchat.refuse_off_topic, sampling=self._sampling(), system=system)
+
+    def _sampling(self) -> Sampling:
+        """The request's sampling, kvchat's defaults where it names none (a temperature of 0: greedy)."""
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "seed", "frequency_penalty",
+                                                        "presence_penalty", "repetition_penalty")}  # fmt: skip
+        given = {name: value for name, value in given.items() if value is not None}
+        for name, value in given.items():  # each alone first, so the error names its field
+            try:
+                Sampling(**{name: value})
+            except UserError as exc:
+                raise ApiError(400, str(exc), param=name) from None
+        return Sampling(**given)
+
+    def _refuse_unsupported(self) -> None:
+        """A 400 naming the first field asked for that kvchat cannot honour (a default value passes: clients send
+        some of them always)."""
+        extra = self.model_extra or {}
+        for name, asked, why in (
+            ("n", self.n != 1, "n must be 1: kvchat gives one answer per request"),
+            ("tools", bool(extra.get("tools")), "tools are not supported: kvchat answers in text and calls no tools"),
+            ("functions", bool(extra.get("functions")), "functions are not supported: kvchat calls no tools"),
+            ("tool_choice", extra.get("tool_choice") not in (None, "none"), "tool_choice is not supported: kvchat "
+             "calls no tools"),
+            ("function_call", extra.get("function_call") not in (None, "none"), "function_call is not supported: "
+             "kvchat calls no tools"),
+            ("response_format", (extra.get("response_format") or {"type": "text"}) != {"type": "text"},
+             "response_format is not supported: answers are plain text (no JSON mode or schema)"),
+            ("logprobs", bool(extra.get("logprobs")), "logprobs are not supported"),
+            ("top_logprobs", bool(extra.get("top_logprobs")), "top_logprobs are not supported"),
+            ("logit_bias", bool(extra.get("logit_bias")), "logit_bias is not supported"),
+            ("modalities", extra.get("modalities") not in (None, ["text"]), "only text output is supported"),
+            ("audio", extra.get("audio") is not None, "audio output is not supported"),
+            ("prediction", extra.get("prediction") is not None, "predicted outputs are not supported"),
+            ("web_search_options", extra.get("web_search_options") is not None, "web search is not supported"),
+        ):
+            if asked:
+                raise ApiError(400, why, param=name)
 
 
 def parse_model(model: str) -> tuple[str, int | None]:
@@ -112,7 +169,7 @@ def parse_model(model: str) -> tuple[str, int | None]:
     name, _, episode = model.partition("/")
     if not episode:
         return name, None
-    if not episode.isdigit():
+    if not (episode.isascii() and episode.isdigit()) or len(episode) > 9:  # int() takes "²" and "١" too
         raise ApiError(404, f"unknown model {model!r}: expected a conversation name, or NAME/EPISODE",
                        param="model", code="model_not_found")
     return name, int(episode)
@@ -123,18 +180,23 @@ def completion_id() -> str:
 
 
 def kvchat_fields(completion: Completion) -> dict[str, Any]:
-    """What the OpenAI API cannot say: which episode answered, how similar the question was to it (`off_topic`
-    below the server's threshold), why the answer ended in kvchat's words (`finish_reason`: `refused` too),
-    timings, the turns recall recalled, and when the request asked for them the answer's `sources`."""
+    """What the OpenAI API cannot say: the `kvchat ask --json` document's fields but the question and the answer's
+    text (which episode answered, how similar the question was to it, `off_topic` below the server's threshold,
+    why the answer ended in kvchat's words (`finish_reason`: `refused` too), token counts, timings, the turns
+    recall recalled, whether the answer was cut where the model went on writing the history, and when the
+    request asked for them the answer's `sources`), so a streamed answer
+    carries the whole document (kvchat.serve.client builds it)."""
     answer = completion.answer
-    fields = {"conversation": answer.conversation, "episode": answer.episode, "similarity": answer.similarity,
-              "off_topic": answer.off_topic, "finish_reason": completion.finish_reason,
-              "reused_cache": answer.reused_cache, "timings_ms": answer.timings_ms, "recalled": answer.recalled}
+    fields = {key: value for key, value in documents.answer("", answer).items()
+              if key not in ("schema", "question", "answer")}
+    fields["finish_reason"] = completion.finish_reason
+    if answer.sources is None and answer.sources_note is None:  # not asked for
+        fields.pop("sources", None)
+        fields.pop("sources_note", None)
     if completion.replica is not None:
         fields["replica"] = completion.replica
-    if answer.sources is not None or answer.sources_note is not None:
-        fields["sources"] = None if answer.sources is None else [s.to_dict() for s in answer.sources]
-        fields["sources_note"] = None if answer.sources_note is None else spell(answer.sources_note)
+    if fields.get("sources_note") is not None:
+        fields["sources_note"] = spell(fields["sources_note"])
     return fields
 
 
@@ -145,10 +207,17 @@ def usage(completion: Completion) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": answer, "total_tokens": prompt + answer}
 
 
+def refusal(completion: Completion) -> str | None:
+    """The sentence a refused answer is shown as (OpenAI's `refusal`), or None when the question was answered."""
+    return REFUSAL if completion.finish_reason == "refused" else None
+
+
 def response(request_id: str, model: str, completion: Completion) -> dict[str, Any]:
+    refused = refusal(completion)
+    message = {"role": "assistant", "content": refused or completion.text, "refusal": refused}
     return {
         "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": completion.text},
+        "choices": [{"index": 0, "message": message,
                      "finish_reason": FINISH_REASONS[completion.finish_reason], "logprobs": None}],
         "usage": usage(completion),
         "kvchat": kvchat_fields(completion),

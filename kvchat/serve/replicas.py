@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from kvchat.config import ServeConfig
 from kvchat.errors import UserError
 from kvchat.ingest.batch import import_ray, ray_session
 from kvchat.messages import option
-from kvchat.serve.engine import ChatRequest, Closed, Completion, Engine, IngestRequest, QueueFull
+from kvchat.serve.engine import SHUTTING_DOWN, ChatRequest, Closed, Completion, Engine, IngestRequest, QueueFull
 from kvchat.serve.jobs import RUNNING, Job
 
 _log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ APP_NAME = "kvchat"
 ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
 PROGRESS_S = 0.5  # how often a replica reports a running ingest's progress
 INSTALL_HINT = "pip install 'kvchat[replicas]'"
+RAY_LOOPBACK_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": no cluster, loopback only (ray_constants)
 
 
 class Replica:
@@ -107,7 +109,11 @@ class ReplicaEngine:
         """The replicas are running already (`replica_engine` deployed them)."""
 
     def close(self, timeout: float | None = None) -> None:
-        """Refuse new work and cancel what is in flight; the replicas stop with Ray Serve (`replica_engine`)."""
+        """Refuse new work and fail what is in flight; the replicas stop with Ray Serve (`replica_engine`)."""
+        self.stop_jobs()
+
+    def stop_jobs(self) -> None:
+        """Refuse new work and fail what is in flight ("the server is shutting down"); returns at once."""
         with self._lock:
             self._closing = True
             running = [self._jobs[i] for i in self._in_flight]
@@ -160,7 +166,7 @@ class ReplicaEngine:
                 job.fail(RuntimeError("the replica's answer ended without a result"))
         except asyncio.CancelledError:
             call.cancel()
-            job.fail(Closed("cancelled"))
+            job.fail(Closed(SHUTTING_DOWN if self._closing else "cancelled"))
         except Exception as exc:  # the replica died or Ray failed: the client sees a 500, the log says why
             _log.exception("kvchat server: %s failed on its replica", job.id)
             job.fail(exc)
@@ -207,13 +213,17 @@ def replica_engine(home: Path, config: ServeConfig, replicas: int) -> Iterator[R
     threads (default: the cores shared out); Ray Serve and Ray are shut down when the block ends, whatever ends it."""
     if replicas < 1:
         raise UserError(f"{option('replicas')} must be >= 1 (got {replicas})")
+    # Ray's own switch for a machine that is no cluster: its node address is then loopback, and every Ray process
+    # listens there alone (by default they listen on every interface). Read when Ray is imported, here or in its
+    # processes, which inherit it; a Ray this process imported before keeps the setting it had.
+    os.environ.setdefault(RAY_LOOPBACK_ONLY, "0")
     ray = import_ray()
     try:
         from ray import serve
         from ray.serve.config import RequestRouterConfig
     except ImportError:
         raise UserError(f"{option('replicas')} needs Ray Serve: {INSTALL_HINT}") from None
-    from kvchat.model.device import usable_cores
+    from kvchat.model.cores import usable_cores
 
     threads = config.threads or max(1, usable_cores() // replicas)
     config = dataclasses.replace(config, threads=threads, preload=True)

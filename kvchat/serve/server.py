@@ -1,11 +1,14 @@
 """Running the app on uvicorn: the bound address announced in `$KVCHAT_HOME/serve.json` while it serves.
 
 uvicorn turns SIGTERM and SIGINT into a graceful shutdown: no new connections, answers still streaming get
-`ServeConfig.shutdown_grace_s` to finish, then the engine cancels what is left and the announcement is removed.
+`ServeConfig.shutdown_grace_s` to finish, then the engine fails what is left (a stream ends with an error event, an
+ingest job removes its temp dir), the worker stops and the announcement is removed; uvicorn then raises the signal
+again, so the process ends as that signal says (the command: exit 143 for SIGTERM).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -26,11 +29,13 @@ _log = logging.getLogger(__name__)
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server that writes where it listens into `home` once it does, and removes it when it stops."""
+    """uvicorn's server that writes where it listens into `home` once it does, and removes it when it stops;
+    `stop_jobs` fails the jobs left once the shutdown's grace has passed."""
 
-    def __init__(self, config: uvicorn.Config, home: Path, on_ready: Callable[[str], None] | None = None) -> None:
+    def __init__(self, config: uvicorn.Config, home: Path, on_ready: Callable[[str], None] | None = None, *,
+                 grace_s: float = ServeConfig.shutdown_grace_s, stop_jobs: Callable[[], None] | None = None) -> None:
         super().__init__(config)
-        self.home, self.on_ready = home, on_ready
+        self.home, self.on_ready, self.grace_s, self.stop_jobs = home, on_ready, grace_s, stop_jobs
         self.url: str | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -47,9 +52,14 @@ class Server(uvicorn.Server):
             self.on_ready(self.url)
 
     async def shutdown(self, sockets=None) -> None:
+        stopping = None
+        if self.stop_jobs is not None:  # answers still streaming then end with an error event, closing their streams
+            stopping = asyncio.get_running_loop().call_later(self.grace_s, self.stop_jobs)
         try:
             await super().shutdown(sockets)
         finally:
+            if stopping is not None:
+                stopping.cancel()
             remove_announcement(self.home, os.getpid())
 
 
@@ -59,9 +69,10 @@ def build_server(config: ServeConfig, *, home: Path | None = None, engine: Servi
     called once it listens."""
     home = Path(home) if home is not None else default_home()
     app = create_app(config, home=home, engine=engine)
+    # uvicorn's own limit is a backstop: the engine fails the jobs left at the grace's end, which ends their streams
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=log_level, lifespan="on",
-                        timeout_graceful_shutdown=int(config.shutdown_grace_s) or None, access_log=False)
-    return Server(uv, home, on_ready)
+                        timeout_graceful_shutdown=int(config.shutdown_grace_s) + 5, access_log=False)
+    return Server(uv, home, on_ready, grace_s=config.shutdown_grace_s, stop_jobs=app.state.engine.stop_jobs)
 
 
 def serve(config: ServeConfig, *, home: Path | None = None, log_level: str = "warning",

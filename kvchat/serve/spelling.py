@@ -13,10 +13,11 @@ from kvchat.messages import NOTHING, PLAIN, Command, Spelling
 from kvchat.messages import spell as spell_with
 
 # neutral key -> the request body's field that gives it (tests/test_messages.py checks each is one)
+# (no "model": an ingest's model is the server operator's, never a request's, so it is written as a setting's key)
 FIELDS: dict[str, str] = {
-    "budget": "budget", "episodes": "episodes", "method": "method", "model": "model", "name": "name",
-    "replace": "replace", "append": "append", "episode": "episode", "max_new_tokens": "max_tokens",
-    "sources": "sources", "refuse_off_topic": "refuse_off_topic",
+    "budget": "budget", "episodes": "episodes", "method": "method", "name": "name", "pick": "pick",
+    "format": "format", "replace": "replace", "append": "append", "episode": "episode",
+    "max_new_tokens": "max_tokens", "sources": "sources", "refuse_off_topic": "refuse_off_topic",
 }
 # command -> its endpoint (`{}`: the command's first argument, a conversation's name)
 ENDPOINTS: dict[str, str] = {

@@ -33,7 +33,7 @@ from kvchat.store.files import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # part of t
 from kvchat.store.files import check_safetensors_header as check_safetensors_header
 from kvchat.store.files import crash_point, discard, is_disk_full, try_rmdir, wal_index_fits, without_links
 from kvchat.store.files import write_file as _write_file  # looked up here when an ingest begins: tests replace it
-from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, read_only_reason, validate_name
+from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, name_from_file, read_only_reason, validate_name
 from kvchat.store.layout import show as _show
 from kvchat.store.leftovers import (
     ORPHAN_GRACE_S,
@@ -42,6 +42,7 @@ from kvchat.store.leftovers import (
     move_aside_orphans,
     real_subdirs,
     remove_dead_temp_dirs,
+    remove_idle_unworked,
     stale_orphans,
 )
 from kvchat.store.loading import check_fingerprint as _check_fingerprint  # noqa: F401 (tests import it here)
@@ -64,6 +65,8 @@ from kvchat.store.records import (
     record_of,
 )
 from kvchat.store.reindex import Version, newer_than_listed, unlisted_versions
+from kvchat.store.resumable import Identity
+from kvchat.store.resuming import begin_resumable
 from kvchat.store.schema import connect, migrate, pending
 
 if TYPE_CHECKING:
@@ -75,7 +78,8 @@ __all__ = [
     "CACHES_DIR", "DB_NAME", "MAX_HEADER_BYTES", "MODELS_DIR", "ConversationChanged", "ConversationRecord",
     "DamagedDatabase", "EpisodeRecord", "FileRecord", "PagesRecord", "PendingConversation", "Problem", "Store",
     "check_safetensors_header",
-    "database_error", "diagnose", "is_legacy_fingerprint", "read_only_reason", "repair", "validate_name",
+    "database_error", "diagnose", "is_legacy_fingerprint", "name_from_file", "read_only_reason", "repair",
+    "validate_name",
 ]  # fmt: skip
 
 
@@ -98,16 +102,17 @@ class Store:
         is refused, saying the disk is full, before SQLite creates anything."""
         self._home = Path(home).expanduser().absolute()
         self.read_only_reason = read_only_reason(self._home)
+        self._exclusive = False
         if self.read_only_reason is None:
             try:
                 self.caches_dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise UserError(f"cannot create kvchat home {self._home}: {e.strerror or e}") from None
-        elif not self.db_path.exists():
-            raise UserError(f"cannot create {self.db_path}: {self._home} is read-only ({self.read_only_reason})")
+        elif not self.db_path.exists() and not self.db_path.is_symlink():
+            self._db = self._index_in_memory()
+            return
         if self.db_path.exists() and not self.db_path.is_file():
             raise DamagedDatabase(self.db_path, "it is a directory or special file, not a database file")
-        self._exclusive = False
         if not self.read_only and not wal_index_fits(self.db_path):
             if not frees_space:
                 raise UserError(f"disk full: no room to open {self.db_path} (SQLite needs 32 KiB beside it); free "
@@ -135,6 +140,15 @@ class Store:
         except BaseException:
             db.close()
             raise
+        return db
+
+    def _index_in_memory(self) -> sqlite_utils.Database:
+        """A read-only home without kvchat.db: its conversations listed from their manifests (`reindex`), in a
+        database in this process's memory, since none can be written there; the files are the truth."""
+        db = sqlite_utils.Database(memory=True)
+        migrate(db, self.db_path)
+        for version in newer_than_listed(unlisted_versions(self.caches_dir, {}, grace_s=0.0), {}):
+            insert_document(db, version.document)
         return db
 
     @property
@@ -218,6 +232,7 @@ class Store:
         if not self.caches_dir.is_dir():
             return
         remove_dead_temp_dirs(self.caches_dir)
+        remove_idle_unworked(self.caches_dir)
         listed = self._listed()
         self._restore_retired(listed)
         unlisted = newer_than_listed(unlisted_versions(self.caches_dir, listed, grace_s=ORPHAN_GRACE_S), listed)
@@ -277,21 +292,34 @@ class Store:
     # ----- conversations
 
     @_index_errors
-    def begin(self, name: str, replace: bool = False, *, expect: str | None = None) -> PendingConversation:
+    def begin(
+        self, name: str, replace: bool = False, *, expect: str | None = None, resumable: Identity | None = None,
+        resume: bool | None = None,
+    ) -> PendingConversation:  # fmt: skip
         """Start writing a conversation; nothing is visible until `commit`.
 
         `expect`: the version (`ConversationRecord.ingest_id`) the new one continues (an append). Writers of
         one conversation serialise on it: the commit is refused (`ConversationChanged`, exit 2) when another
         process has replaced or removed that version since, so neither write is lost without a word.
+
+        `resumable`: what the ingest is (kvchat.store.resumable): its completed units outlive it, and an unfinished
+        ingest of `name` with the same identity is continued (`PendingConversation.resumed`); one with another is
+        discarded. `resume` True requires one to continue (UserError where there is none), False discards it
+        whatever it is; None continues one that matches. What was found is `PendingConversation.found`, a line to
+        tell the user.
         """
         validate_name(name)
         self.check_writable()
         row = self._row(name)
         if not replace and row is not None:
             raise UserError(f"conversation {_show(name)} exists; use {option('replace')}")
+        if row is None:
+            self.check_case_twin(name)
         if expect is not None and (row is None or row["ingest_id"] != expect):
             raise ConversationChanged(_show(name))
-        return PendingConversation(self, name, replace, write_file=_write_file, expect=expect)
+        if resumable is None:
+            return PendingConversation(self, name, replace, write_file=_write_file, expect=expect)
+        return begin_resumable(self, name, replace, resumable, resume, write_file=_write_file)
 
     @_index_errors
     def conversations(self) -> list[ConversationRecord]:
@@ -402,6 +430,17 @@ class Store:
 
     def _row(self, name: str) -> dict[str, Any] | None:
         return next(iter(self._db.table("conversations").rows_where("name = ?", [name])), None)
+
+    def check_case_twin(self, name: str) -> None:
+        """Refuse a new conversation `name` when one stored differs from it in case only: on a case-insensitive
+        file system (macOS's, Windows') the two would share `caches/<name>/`. A pair stored before kvchat checked
+        keeps working, each by its exact name."""
+        twin = next(iter(self._db.execute("select name from conversations where name = ? collate nocase "
+                                          "and name != ? limit 1", [name, name]).fetchall()), None)
+        if twin is not None:
+            raise UserError(f"conversation {_show(twin[0])} exists, and {_show(name)} differs from it in case only: "
+                            "names are told apart without case (a case-insensitive file system would hold both in one "
+                            "directory); choose another name")
 
     def _episode_rows(self, name: str) -> list[dict[str, Any]]:
         return list(self._db.table("episodes").rows_where("conversation = ?", [name], order_by="idx"))
@@ -551,9 +590,10 @@ def repair(home: Path, problems: Iterable[Problem], *, embedding_dimension: int 
     store = Store(home, clean_stale=False, frees_space=True)
     try:
         done += store.fix(store.check(embedding_dimension=embedding_dimension) if done else problems)
-        if embedding_dimension is not None and any(p.kind == "unlisted" for p in problems):
+        if any(p.kind == "unlisted" for p in problems):  # listed again from their manifests: their files (and
+            # centroids) checked now, so one run leaves the store healthy
             done += store.fix([p for p in store.check(embedding_dimension=embedding_dimension)
-                               if p.kind == "centroids"])  # fmt: skip
+                               if p.conversation is not None])  # fmt: skip
         return done
     finally:
         store.close()
@@ -577,8 +617,9 @@ def _rebuild(home: Path) -> list[str]:
     reason = read_only_reason(home)
     if reason is not None:
         raise UserError(f"{home} is read-only ({reason}): its damaged database cannot be rebuilt there")
-    store, damage = _open_for_doctor(home)
-    if store is not None:  # repaired since it was diagnosed
-        store.close()
-        return []
-    return recovery.rebuild(home, damage)
+    with recovery.one_rebuild_at_a_time(home):  # a second `doctor --fix` waits, then finds it rebuilt
+        store, damage = _open_for_doctor(home)
+        if store is not None:  # repaired since it was diagnosed
+            store.close()
+            return []
+        return recovery.rebuild(home, damage)

@@ -28,7 +28,7 @@ from kvchat.checked_files import read_bounded as read_bounded
 from kvchat.errors import UserError
 from kvchat.messages import setting
 
-_TMP_RE = re.compile(r"\.tmp-(\d+)-[0-9a-f]+")
+_TMP_RE = re.compile(r"\.tmp-(\d+)(?:-s(\d+))?-[0-9a-f]+")  # pid, and since pids are reused its start time
 _NO_SPACE = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 # --------------------------------------------------------------------------- writing
@@ -146,14 +146,45 @@ NEARLY_FULL_BYTES = 1 << 20
 
 
 def new_temp_path(caches_dir: Path) -> Path:
-    """A fresh `caches/.tmp-<pid>-<uuid>` name: the pid lets a later open tell a dead writer's dir."""
-    return caches_dir / f".tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    """A fresh `caches/.tmp-<pid>-s<start>-<uuid>` name (`.tmp-<pid>-<uuid>` where the start time is unknown): the
+    pid and the process's start time let a later open tell a dead writer's dir, also once its pid is reused."""
+    start = process_start(os.getpid())
+    return caches_dir / f".tmp-{os.getpid()}{'' if start is None else f'-s{start}'}-{uuid.uuid4().hex}"
 
 
-def temp_writer_pid(path: Path) -> int | None:
-    """The pid in a name made by `new_temp_path`, or None for any other name."""
+def temp_writer(path: Path) -> tuple[int, int | None] | None:
+    """The pid and start time (None in names written before kvchat kept it) in a name made by `new_temp_path`, or
+    None for any other name."""
     m = _TMP_RE.fullmatch(path.name)
-    return int(m.group(1)) if m else None
+    return (int(m.group(1)), None if m.group(2) is None else int(m.group(2))) if m else None
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (Linux's /proc/PID/stat, field 22); None where that
+    cannot be read (another system, no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read(4096)
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # after the command name, which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def writer_alive(pid: int, start: int | None) -> bool:
+    """True unless the process that named a temp dir (`temp_writer`) is certainly gone: no process `pid`, or one
+    that started at another time than `start` (its pid reused). Windows: always True (os.kill would kill it)."""
+    if os.name == "nt" or pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists but belongs to someone else
+        pass
+    if start is None:
+        return True
+    now = process_start(pid)
+    return now is None or now == start
 
 
 def discard(path: Path, caches_dir: Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import unicodedata
 from pathlib import Path
 
 from kvchat.errors import UserError
@@ -81,6 +82,20 @@ def validate_name(name: str) -> str:
             "starting with a letter, digit or '_', not ending with '.', and not a device name (CON, NUL, ...)"
         )
     return name
+
+
+def name_from_file(path: str | os.PathLike[str]) -> str:
+    """A valid conversation name made from a history file's name: its stem, accents dropped, every run of other
+    characters (spaces, "(1)") one '-', cut to 100 ("WhatsApp Chat with Dana.txt": "WhatsApp-Chat-with-Dana").
+    A stem with nothing usable (all emoji) gives "chat"; a device name gets a '_' ("CON_")."""
+    stem = Path(path).stem
+    ascii_stem = unicodedata.normalize("NFKD", stem).encode("ascii", "ignore").decode()
+    name = re.sub(r"[^A-Za-z0-9._]+", "-", ascii_stem).strip("-.")[:100].rstrip("-.")
+    if not name:
+        return "chat"
+    if _RESERVED_RE.fullmatch(name):
+        name = name[:99] + "_"
+    return validate_name(name)
 
 
 def read_only_reason(home: Path) -> str | None:

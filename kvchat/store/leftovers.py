@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import re
 import shutil
 import time
@@ -25,9 +24,10 @@ from pathlib import Path
 
 from kvchat.checked_files import read_safetensors_header
 from kvchat.messages import option
-from kvchat.store.files import new_temp_path, rename, temp_writer_pid, try_rmdir
-from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from
+from kvchat.store.files import new_temp_path, rename, temp_writer, try_rmdir, writer_alive
+from kvchat.store.layout import HELD_DIR, HELD_SUFFIX, held_by_torch, held_source, made_from, show
 from kvchat.store.manifest import manifest_of
+from kvchat.store.resumable import RESUME_PREFIX, claim, idle, resumable_dirs, resumable_name, summary
 
 ORPHAN_GRACE_S = 60.0
 FIX = option("fix")  # what repairs a problem: a message's reference (kvchat.messages) to `doctor --fix`
@@ -42,7 +42,7 @@ class Problem:
     """
 
     kind: str  # missing | not-a-file | size | checksum | outside | unreadable | orphan | stray | stale-temp
-    #          | stale-held | special-file (a FIFO or device in profiles/)
+    #          | stale-held | special-file (a FIFO or device in profiles/) | unfinished (a resumable ingest's dir)
     conversation: str | None
     episode: int | None
     path: Path
@@ -56,8 +56,8 @@ class Problem:
 
 
 def remove_dead_temp_dirs(directory: Path) -> None:
-    """Remove `directory/.tmp-<pid>-*` (caches/ or models/) when no process `pid` exists; a live pid's temp
-    dir is never touched.
+    """Remove `directory/.tmp-<pid>-*` (caches/ or models/) when no process `pid` exists, or one that started at
+    another time than the name says (the pid reused); a live writer's temp dir is never touched.
 
     Pids are per host (and per PID namespace), so a home must not be shared across machines or
     containers mid-ingest.
@@ -66,12 +66,28 @@ def remove_dead_temp_dirs(directory: Path) -> None:
         shutil.rmtree(entry, ignore_errors=True)
 
 
+def remove_idle_unworked(caches_dir: Path) -> None:
+    """Remove the resumable ingests' dirs (kvchat.store.resumable) that no live process holds and that completed no
+    unit: nothing there to continue. One that did is kept for its ingest to continue (`doctor --fix` deletes it), less
+    the scratch dirs of the episode a kill cut short (IceCache's spilled evictions: never continued, maybe large)."""
+    for path in resumable_dirs(caches_dir):
+        held = claim(path)
+        if held is None:
+            continue
+        if not summary(path)[1]:
+            held.discard(caches_dir)
+            continue
+        for scratch in path.glob("scratch-*"):
+            shutil.rmtree(scratch, ignore_errors=True)
+        held.release()
+
+
 def dead_temp_dirs(directory: Path) -> list[Path]:
-    """`directory/.tmp-<pid>-*` dirs whose writer `pid` no longer exists."""
+    """`directory/.tmp-<pid>-*` dirs whose writer no longer exists (`files.writer_alive`)."""
     found = []
     for entry in sorted(real_subdirs(directory)):
-        pid = temp_writer_pid(entry)
-        if pid is not None and not _pid_alive(pid):
+        writer = temp_writer(entry)
+        if writer is not None and not writer_alive(*writer):
             found.append(entry)
     return found
 
@@ -209,9 +225,16 @@ def leftovers(caches_dir: Path, live_dirs: set[Path], live_files: set[Path], *, 
         found.append(Problem(kind, None, None, path, f"{what}: {path}; {FIX} deletes it"))
 
     for entry in _entries(caches_dir):
-        pid = temp_writer_pid(entry)
-        if pid is not None and _is_dir(entry):
-            if not _pid_alive(pid):
+        if entry.name.startswith(RESUME_PREFIX) and _is_dir(entry):
+            if idle(entry):  # a live ingest's is its own
+                done, worked = summary(entry)
+                name = show(resumable_name(entry) or "")
+                leftover("unfinished", entry, f"unfinished ingest of {name} ({done}), which the same ingest run again "
+                         "continues" if worked else f"dir of an unfinished ingest of {name} with nothing done")
+            continue
+        writer = temp_writer(entry)
+        if writer is not None and _is_dir(entry):
+            if not writer_alive(*writer):
                 leftover("stale-temp", entry, "temp dir of an ingest that died")
             continue
         if not _is_dir(entry) or entry.name.startswith("."):
@@ -260,6 +283,22 @@ def delete_leftovers(caches_dir: Path, doomed: Iterable[Problem]) -> tuple[list[
     moved: list[Path] = []
     for leftover in doomed:
         path = leftover.path
+        if leftover.kind == "unfinished":  # unless an ingest has taken it up since
+            held = claim(path)
+            if held is None:
+                done.append(f"left {path} alone: an ingest is continuing it")
+                continue
+            target = new_temp_path(caches_dir)
+            try:
+                rename(path, target)
+            except OSError as e:
+                done.append(f"could not delete {path}: {e.strerror or e}")
+                continue
+            finally:
+                held.release()
+            moved.append(target)
+            done.append(f"deleted {leftover.kind} {path}")
+            continue
         if leftover.kind == "stale-temp":  # its writer is dead: nothing else can take it, no need to move it
             moved.append(path)
             done.append(f"deleted {leftover.kind} {path}")
@@ -296,16 +335,3 @@ def real_subdirs(directory: Path) -> list[Path]:
 
 def _is_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink()
-
-
-def _pid_alive(pid: int) -> bool:
-    """True unless `pid` certainly does not exist. Windows: always True (os.kill would kill it)."""
-    if os.name == "nt" or pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # PermissionError: it exists but belongs to someone else
-        return True
-    return True

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,13 +19,14 @@ from kvchat.messages import command, option
 from kvchat.settings import rebuild_command
 from kvchat.store.asklog import ASK_FIELDS
 from kvchat.store.errors import BUSY_TIMEOUT_MS
-from kvchat.store.files import FileMismatch, fsync_dir, new_temp_path, rename, try_rmdir, verify_file
+from kvchat.store.files import FileMismatch, fsync_dir, hold_point, new_temp_path, rename, try_rmdir, verify_file
 from kvchat.store.layout import CACHES_DIR, DB_NAME, MODELS_DIR, is_episode_file, show
 from kvchat.store.leftovers import Problem, model_leftovers
 from kvchat.store.manifest import digest, document_from_rows, read_manifest
 from kvchat.store.records import insert_document
 from kvchat.store.schema import connect, connect_read_only, migrate
 
+REBUILD_LOCK = ".kvchat.db.rebuild-lock"
 FROM_ROWS = "its rows in the damaged database"
 FROM_MANIFEST = "its manifest"
 ASIDE_PREFIX = "damaged-"
@@ -169,11 +172,31 @@ def _asks_summary(plan: RebuildPlan) -> str:
     return kept + ("" if plan.asks_complete else "; the rest cannot be read")
 
 
+@contextmanager
+def one_rebuild_at_a_time(home: Path) -> Iterator[None]:
+    """Hold the home's rebuild lock (an advisory lock on `REBUILD_LOCK`, kept in place: removing it would let a
+    third process lock a new file while a second waits on the old one). The damaged database cannot serialise
+    two `doctor --fix`, so this does: the second waits, then finds the database rebuilt. Where there is no
+    `fcntl` (Windows), nothing is held."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(home / REBUILD_LOCK, "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
 def rebuild(home: Path, damage: str) -> list[str]:
     """Build a new kvchat.db from what survives of the damaged one (`damage` says how) and the manifests,
     then put it in the damaged one's place (moved aside, kept); one line per action."""
     db_path, caches_dir = home / DB_NAME, home / CACHES_DIR
     plan = plan_rebuild(home, db_path, caches_dir)
+    hold_point("rebuild-planned")  # a test hook (tests/test_store_hardening.py): nothing in a real run
     caches_dir.mkdir(parents=True, exist_ok=True)
     building = new_temp_path(caches_dir)  # a dead rebuild's leftovers are swept like an ingest's
     building.mkdir()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.indexer import Indexer, distill_loss, top_overlap
 from kvchat.model.llm import LoadedModel
 from kvchat.training.teacher import Captured
@@ -21,7 +22,7 @@ def indexer_loss(indexer: Indexer, lm: LoadedModel, item: Captured) -> torch.Ten
     """Mean over layers of the distillation KL on one chunk."""
     valid = _evictable(item)
     losses = []
-    for layer, ind, x, teacher in zip(lm.model.model.layers, indexer.per_layer(), item.hidden, item.teacher,
+    for layer, ind, x, teacher in zip(decoder_of(lm.model).layers, indexer.per_layer(), item.hidden, item.teacher,
                                       strict=True):  # fmt: skip
         student = ind.importance(x.float(), ind.query_map(layer.self_attn.q_proj))
         losses.append(distill_loss(teacher, student, valid))
@@ -39,7 +40,7 @@ def evaluate_indexer(indexer: Indexer, lm: LoadedModel, held: Sequence[Captured]
         valid = _evictable(item)
         if item.snapkv is None:
             raise ValueError("a held-out chunk without its SnapKV-like scores (teacher.capture(with_snapkv=True))")
-        for i, (layer, ind) in enumerate(zip(lm.model.model.layers, indexer.per_layer(), strict=True)):
+        for i, (layer, ind) in enumerate(zip(decoder_of(lm.model).layers, indexer.per_layer(), strict=True)):
             x = item.hidden[i].float()
             student = ind.importance(x, ind.query_map(layer.self_attn.q_proj))
             teacher = item.teacher[i]

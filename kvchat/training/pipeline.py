@@ -24,6 +24,7 @@ import torch
 from kvchat.config import TRAIN_STAGES, IndexMemConfig, TrainConfig
 from kvchat.errors import UserError
 from kvchat.kv import families
+from kvchat.kv.causal_lm import config_of
 from kvchat.kv.indexer import Indexer, IndexMemShape
 from kvchat.kv.latent import MemoryWeights
 from kvchat.kv.trained import SUFFIX, TrainedIndexMem
@@ -101,7 +102,7 @@ def train(
     out.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     notes: list[str] = []
-    shape = IndexMemShape.of(lm.model.config, indexmem)
+    shape = IndexMemShape.of(config_of(lm.model), indexmem)
     weights = lm.weight_ids[0]
     stages = ["indexer", "memory"] if config.stage == "both" else [config.stage]
     previous = None
@@ -165,7 +166,7 @@ def train(
 def _check_window(lm: LoadedModel, config: TrainConfig) -> None:
     """kvchat's attention lets every token see the whole chunk (kvchat.kv.families), so the teacher of a
     sliding-window layer is the model's only while a chunk fits in its window."""
-    window = families.sliding_window(lm.model.config)
+    window = families.sliding_window(config_of(lm.model))
     if window is not None and config.chunk_tokens > window:
         raise UserError(f"{lm.spec} has sliding-window attention layers of {window} tokens: train on chunks of at "
                         f"most {window} ({option('chunk_tokens')}), not {config.chunk_tokens}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvchat.kv.attention import LayerView, attention_logits
+from kvchat.kv.causal_lm import decoder_of
 from kvchat.kv.methods import SNAPKV_QUERIES
 from kvchat.model.llm import LoadedModel
 from kvchat.training.chunks import Chunk
@@ -69,14 +70,14 @@ def capture(lm: LoadedModel, chunk: Chunk, *, with_snapkv: bool = False) -> Capt
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         captured[module.layer_idx] = (hidden[0], kwargs["position_embeddings"])
 
-    handles = [layer.self_attn.register_forward_pre_hook(stash, with_kwargs=True) for layer in model.model.layers]
+    handles = [layer.self_attn.register_forward_pre_hook(stash, with_kwargs=True) for layer in decoder_of(model).layers]
     try:
         model(input_ids=chunk.ids[None], use_cache=False, logits_to_keep=1)
     finally:
         for handle in handles:
             handle.remove()
-    hidden = [captured[i][0].float() for i in range(len(model.model.layers))]
-    rope = [captured[i][1] for i in range(len(model.model.layers))]
+    hidden = [captured[i][0].float() for i in range(len(decoder_of(model).layers))]
+    rope = [captured[i][1] for i in range(len(decoder_of(model).layers))]
     teacher, snap = [], []
     for index, x in enumerate(hidden):
         logits = layer_attention(model, index, x, rope[index]).logits()   # [kv, group, n, n]
@@ -97,7 +98,7 @@ def layer_attention(model, layer_idx: int, hidden: torch.Tensor, rope: Rope, row
     reads and writes (kvchat.kv.latent), which carry no position. The module runs in its own dtype (bfloat16 on
     a GPU); what it hands over comes back in float32, as the stages compute. Needs kvchat's attention on the
     model."""
-    module = model.model.layers[layer_idx].self_attn
+    module = decoder_of(model).layers[layer_idx].self_attn
     dtype = next(module.parameters()).dtype
     n = hidden.shape[0]
     cos, sin = (part[:, :n] for part in rope)

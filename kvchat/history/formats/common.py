@@ -6,6 +6,7 @@ the wrong file learns what kvchat reads without opening the docs first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -18,12 +19,13 @@ from kvchat.messages import option
 # (a disk image, a log dump) from eating all memory before we can say what is wrong.
 MAX_TURNS = 1_000_000
 MAX_FILE_BYTES = 512 * 1024 * 1024
+MAX_TURN_CHARS = 1 << 18  # one turn (its speaker, text, time, title): about 65K tokens, 8x the embedded model's window
 MAX_NESTING = 64  # lists/objects inside each other; the deepest export kvchat reads nests about 8
 
 FORMATS = (
     'an OpenAI messages list or {"messages": [...]}, JSONL of messages, OpenAI fine-tune JSONL, '
-    'a ChatGPT or Claude export (conversations.json), a "Name: text" transcript, '
-    "a LoCoMo conversation or a LongMemEval instance"
+    'a ChatGPT or Claude export (conversations.json), a Telegram (result.json), Slack or Discord export, '
+    'a "Name: text" transcript or WhatsApp chat, a markdown chat log, a LoCoMo conversation or a LongMemEval instance'
 )
 EXAMPLES = 'examples: README, "History formats"'
 MESSAGE_SHAPE = 'expected {"role", "content"} objects'
@@ -43,7 +45,8 @@ class Turn:
     role: str  # "user"/"assistant"/"system"/... or a speaker name (LoCoMo, transcripts)
     text: str
     time: str | None = None  # session or message date/time when the format gives one
-    turn_id: str | None = None  # e.g. LoCoMo dia_id "D1:3"; None otherwise
+    turn_id: str | None = None  # the format's own: LoCoMo's dia_id "D1:3", or "Trip to Japan, turn 3" in a file of
+    #                             several conversations taken together (`in_conversation`); None otherwise
     conversation_title: str | None = None  # which conversation it came from, in files that hold several
 
 
@@ -167,10 +170,21 @@ def read_export(data: list | dict, source: str, pick: Pick, shape: ExportShape,
         return (time is None, "" if time is None else time, k)
 
     turns: list[Turn] = []
-    for k in sorted(choose(titles, pick, source, shape.app), key=oldest_first):
-        turns.extend(read(conversations[k], f"conversation {k + 1}", titles[k] or f"#{k + 1}", source))
+    chosen = choose(titles, pick, source, shape.app)
+    for k in sorted(chosen, key=oldest_first):
+        title = titles[k] or f"#{k + 1}"
+        read_turns = read(conversations[k], f"conversation {k + 1}", title, source)
+        turns.extend(in_conversation(read_turns, title) if len(chosen) > 1 else read_turns)
         check_count(len(turns), "messages", source)
     return turns
+
+
+def in_conversation(turns: Sequence[Turn], title: str) -> list[Turn]:
+    """The turns of one of several conversations taken from one file, each named for receipts (`turn_id`) by its
+    conversation's title and its number in it: "Trip to Japan, turn 3"."""
+    shown = title if len(title) <= 60 else title[:59] + "…"
+    return [dataclasses.replace(t, turn_id=f"{shown}, turn {n}", conversation_title=title)
+            for n, t in enumerate(turns, start=1)]
 
 
 def _title(value: object) -> str | None:

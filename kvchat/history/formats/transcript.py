@@ -4,8 +4,9 @@
 
 A line that does not open a turn continues the previous one. When the first turn has a timestamp, only
 timestamped lines open turns (so "Note: ..." inside a message stays in it) and timestamped lines without a
-speaker are the app's notices ("Messages are end-to-end encrypted"), left out. Timestamps are kept as written:
-"05/08" is May or August depending on the app's locale, which the file does not say.
+speaker are the app's notices ("Messages are end-to-end encrypted"), left out. Timestamps are kept as written,
+except WhatsApp's: its placeholders are left out and its dates read day or month first as the whole file says
+(kvchat.history.formats.whatsapp).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 
 from kvchat.history.formats.common import MAX_TURNS, Turn, quote, refuse
+from kvchat.history.formats.whatsapp import day_first, is_whatsapp, iso_time, message_text
 
 _STAMP = (
     r"(?:\[(?P<bracket>\d[^\]\n]{0,39})\]\s*"  # [2023-05-08 13:56], [08/05/2023, 13:56:01]
@@ -51,9 +53,16 @@ def parse_transcript(text: str, source: str) -> list[Turn]:
             continue  # an app's notice: "Alice added Bob", "Messages are end-to-end encrypted"
         elif line.strip():
             turns[-1][1].append(line.strip())
+    stamps = [time for _, _, time in turns if time is not None]
+    whatsapp = is_whatsapp(stamps)
+    order = day_first(stamps) if whatsapp else None
     result = []
     for name, parts, time in turns:
-        body = "\n".join(p for p in parts if p)
+        body: str | None = "\n".join(p for p in parts if p)
+        if whatsapp and body:
+            body = message_text(body)  # None: media, a deleted message, a call, an iOS notice
+        if order is not None and time is not None:
+            time = iso_time(time, order) or time
         if body:  # "Alice:" with nothing after it
             result.append(Turn(name, body, time))
     return result
