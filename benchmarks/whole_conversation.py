@@ -16,9 +16,11 @@ and `--questions N` measures an evenly spread subset first.
 
 Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
 chunk opening with its date), `recent@M` (sink + the last tokens, `streaming` at uniform layer budgets),
+`rag-lexical@KxC` and `rag-hybrid@KxC` (ranked by their words, or by reciprocal-rank fusion of both rankings),
 `METHOD@M` (`kvchat ingest --method METHOD --budget M` at its other defaults; `:eE` with E episodes, `:rR` with
-IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens; `:stored`: with
-`--recall-entries stored`),
+IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens; `:stored` or
+`:prefilled`: `--recall-entries` so; `:kK`, each stored chunk's first K tokens recomputed at the question
+(`recall_repair`); `:fF`, F% of each stored chunk's entries kept (`recall_kept`)),
 `CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's routed cache).
 """
 
@@ -62,7 +64,8 @@ from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
 _SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?"
-                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical))?(?P<dated>:dated)?(?P<stored>:stored)?")
+                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical|hybrid))?(?P<dated>:dated)?"
+                   r"(?::(?P<entries>stored|prefilled))?(?::k(?P<k>\d+))?(?::f(?P<f>\d+))?")
 
 
 def parse_system(spec: str) -> GoldVariant:
@@ -74,16 +77,18 @@ def parse_system(spec: str) -> GoldVariant:
         raise SystemExit(f"cannot read system {spec!r} (rag@KxC, recent@M, METHOD@M[:eE][:rR][:sS][:cC], "
                          "CACHE+rag@KxC)")
     name, a, b = match["name"], int(match["a"]), match["b"]
-    if name in ("rag", "rag-dated", "rag-lexical"):
+    if name in ("rag", "rag-dated", "rag-lexical", "rag-hybrid"):
         return rag_variant(a * int(b or 256), int(b or 256), dated=name == "rag-dated",
-                           retrieval="lexical" if name == "rag-lexical" else "dense")
+                           retrieval=name.removeprefix("rag-") if name in ("rag-lexical", "rag-hybrid") else "dense")
     if name == "recent":
         return recent_variant(a)
     layer_budgets = "uniform" if name == "streaming" else CacheConfig.layer_budgets
     offload = OffloadConfig(mode="icecache", retrieve=int(match["r"])) if match["r"] else OffloadConfig()
     recall = RecallConfig(share=int(match["s"] or 50) / 100, chunk_tokens=int(match["c"] or 256),
                           retrieval=match["ret"] or RecallConfig.retrieval, dated=bool(match["dated"]),
-                          entries="stored" if match["stored"] else RecallConfig.entries)
+                          entries=match["entries"] or RecallConfig.entries,
+                          repair=int(match["k"]) if match["k"] else RecallConfig.repair,
+                          kept=int(match["f"]) / 100 if match["f"] else RecallConfig.kept)
     cache = CacheConfig(method=name, budget=a, layer_budgets=layer_budgets, offload=offload, recall=recall)
     variant = kvchat_variant(cache, spec.strip())
     if match["e"]:

@@ -53,6 +53,9 @@ from kvchat.kv.config import (
     RETRIEVALS as RETRIEVALS,
 )
 from kvchat.kv.config import (
+    RRF_K as RRF_K,
+)
+from kvchat.kv.config import (
     CacheConfig,
 )
 from kvchat.kv.config import (

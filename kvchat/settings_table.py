@@ -156,6 +156,10 @@ def _cake_scorer(config: IngestConfig) -> bool:
     return config.cache.method == "cake"
 
 
+def _stored_entries(config: IngestConfig) -> bool:
+    return config.cache.recall.entries == "stored"
+
+
 _METHOD_HELP = (
     "How entries are scored for eviction (the baselines kvchat eval compares are accepted too: docs/commands.md). "
     "auto: epicache within the model's window, recall beyond it; epicache: each episode's patched prompt scores its "
@@ -223,13 +227,20 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("recall_chunk_tokens", "cache.recall.chunk_tokens", "Tokens of consecutive turns per recalled chunk "
             "at most.", min=1, features=("recall",)),
     Setting("recall_retrieval", "cache.recall.retrieval", "How a question's chunks are ranked: lexical (their "
-            "words, the encoder breaking ties) or dense (the sentence encoder alone).", choices=RETRIEVALS,
+            "words, the encoder breaking ties), dense (the sentence encoder alone) or hybrid (reciprocal-rank fusion "
+            "of both).", choices=RETRIEVALS,
             features=("recall",), legacy="dense"),  # recall stores written before it ranked by the encoder
     Setting("recall_dated", "cache.recall.dated", "Each recalled chunk opens with its first turn's date.",
             features=("recall",)),
     Setting("recall_entries", "cache.recall.entries", "Recalled chunks: prefilled at each question, or stored "
             "(computed once at ingest, in 4 bits, and placed at each question).", option="--recall-entries",
             choices=RECALL_ENTRIES, features=("recall",)),
+    Setting("recall_repair", "cache.recall.repair", "Stored recall entries: each placed chunk's first tokens, not "
+            "stored but computed again at each question with what precedes them in view (EPIC).", min=0,
+            features=("recall",), used=_stored_entries),
+    Setting("recall_kept", "cache.recall.kept", "Stored recall entries: the share of each chunk's entries kept at "
+            "ingest (the attention of its last tokens chooses them), so a budget places about 1 / kept as many chunks; "
+            "above 0, at most 1.", min=0, max=1, features=("recall",), used=_stored_entries),
     # --- cache features (kvchat.features)
     Setting("offload", "cache.offload.mode", "Page evicted entries to disk and read the best back while answering "
             "(icecache), or drop them (none).", option="--offload", choices=OFFLOAD_MODES),

@@ -199,8 +199,9 @@ def test_gold_variants_put_rag_and_recent_at_each_budget():
     caches = [("snapkv@512", CacheConfig(method="snapkv", budget=512)), ("snapkv@512/paged", paged)]
     keys = [(v.key, v.entries, v.baseline) for v in gold_variants(caches, [512, 1024], 256)]
     assert keys == [("snapkv@512", 512, False), ("snapkv@512/paged", 512 + 32 + 192, False),
-                    ("rag@2x256", 512, True), ("recent@512", 512, True), ("rag@4x256", 1024, True),
-                    ("recent@1024", 1024, True)]  # fmt: skip
+                    ("rag@2x256", 512, True), ("rag-lexical@2x256", 512, True), ("rag-hybrid@2x256", 512, True),
+                    ("recent@512", 512, True), ("rag@4x256", 1024, True), ("rag-lexical@4x256", 1024, True),
+                    ("rag-hybrid@4x256", 1024, True), ("recent@1024", 1024, True)]  # fmt: skip
 
 
 def test_cli_eval_scores_a_history_beyond_the_window_against_gold(tmp_path, short_model_dir):
@@ -217,10 +218,13 @@ def test_cli_eval_scores_a_history_beyond_the_window_against_gold(tmp_path, shor
     document = json.loads(result.stdout)
     assert document["rows"] == []  # nothing compared with full KV, nothing refused
     rows = {r["variant"]: r for r in document["gold"]["rows"]}
-    assert set(rows) == {"snapkv@96/block_size=48", "rag@3x32", "recent@96"}
+    assert set(rows) == {"snapkv@96/block_size=48", "rag@3x32", "rag-lexical@3x32", "rag-hybrid@3x32", "recent@96"}
     assert all(r["questions"] == 3 and r["f1_low"] <= r["f1"] <= r["f1_high"] for r in rows.values())
+    assert all(r["nll_low"] <= r["nll"] <= r["nll_high"] and r["recovery"] is not None and
+               0 <= r["evidence_any"] <= 1 for r in rows.values())  # fmt: skip
     [line] = document["gold"]["verdict"]
-    assert line.startswith("96 entries: ") and "snapkv@96/block_size=48" in line and "rag@3x32" in line
+    assert line.startswith("96 entries: ") and "snapkv@96/block_size=48" in line and "RAG (rag" in line
+    assert "by gold-answer NLL" in line
     assert "| recent@96 |" in report.read_text() and line in report.read_text()
     again = run_main(tmp_path / "home", *args)  # everything is in the file: nothing is recomputed
     assert again.returncode == 0 and json.loads(again.stdout) == document

@@ -30,8 +30,8 @@ CONFIG = IngestConfig(
 
 
 def test_the_budget_splits_into_whole_chunks_and_the_episode_caches_keep_the_rest():
-    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "lexical")
-    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "lexical")
+    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "lexical", 256)
+    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "lexical", 256)
     small = recall.split(CacheConfig(budget=64))  # chunks shrink to fit a small budget
     assert (small.chunks, small.chunk_tokens, small.cache_budget) == (1, 32, 32)
     with pytest.raises(UserError, match="recall_share must be between 0 and 1"):

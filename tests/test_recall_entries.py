@@ -22,7 +22,7 @@ from kvchat.eval.qa import planted_sets
 from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.rope import rotate_keys
-from kvchat.kv.tensorfile import open_tensors
+from kvchat.kv.tensorfile import RowWriter, open_tensors
 from kvchat.settings import rebuild_command
 from kvchat.store import Store
 
@@ -31,10 +31,12 @@ TEXTS = ["alice likes green tea", "bob went to the market on monday and bought a
 CHUNKS = [Chunk(i, i + 1, text, 0) for i, text in enumerate(TEXTS)]
 
 
-def written(tmp_path, lm, chunks=CHUNKS, bits=8, name="entries.safetensors", previous=None, prefix=None):
+def written(tmp_path, lm, chunks=CHUNKS, bits=8, name="entries.safetensors", previous=None, prefix=None, repair=0,
+            kept=1.0):
     prefix = lm.encode("you are a helpful assistant") if prefix is None else prefix
     path = tmp_path / name
-    size, sha = recall_entries.write(path, lm, chunks, prefix, bits=bits, group=4, previous=previous)
+    storing = recall_entries.Storing(bits, 4, repair, kept, queries=4, pool_kernel=1)
+    size, sha = recall_entries.write(path, lm, chunks, prefix, storing, previous=previous)
     assert size == path.stat().st_size and sha == hashlib.sha256(path.read_bytes()).hexdigest()
     return recall_entries.StoredEntries.opened(*open_tensors(path)), prefix, sha
 
@@ -103,9 +105,9 @@ def test_an_append_copies_the_stored_chunks_rows_and_computes_only_the_new_ones(
     computed_from = []
     compute = recall_entries.computed
 
-    def counting(lm, ids, prefix, first=0):
+    def counting(lm, ids, prefix, storing, first=0):
         computed_from.append(first)
-        return compute(lm, ids, prefix, first)
+        return compute(lm, ids, prefix, storing, first)
 
     monkeypatch.setattr(recall_entries, "computed", counting)
     _, _, extended = written(tmp_path, tiny_lm, bits=4, name="extended.safetensors", previous=first)
@@ -120,6 +122,109 @@ def test_a_file_of_another_format_is_refused(tiny_lm, tmp_path):
     tensors, metadata = open_tensors(tmp_path / "entries.safetensors")
     with pytest.raises(ValueError, match="format"):
         recall_entries.StoredEntries.opened(tensors, metadata | {"recall_entries_format": "0"})
+
+
+def _prefilled(lm, prefix, ids, upto):
+    """A cache of `prefix` and chunks 0..upto-1 prefilled (more before the next chunk than at ingest)."""
+    cache = EpisodeCache(lm.num_layers)
+    with torch.inference_mode():
+        lm.forward(cache, prefix)
+        for i in range(upto):
+            lm.forward(cache, ids[i])
+    return cache
+
+
+def test_a_repaired_chunk_recomputes_its_first_tokens_with_what_precedes_it_in_view(tiny_lm, tmp_path):
+    stored, prefix, _ = written(tmp_path, tiny_lm, repair=3)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    n = ids[3].shape[-1]
+    assert stored.tokens[3] == n - 3 and stored.lengths[3] == n  # the first 3 are not stored
+    placed, prefill = _prefilled(tiny_lm, prefix, ids, 2), _prefilled(tiny_lm, prefix, ids, 2)
+    before = placed.next_position
+    assert stored.place(placed, 3, tiny_lm, ids[3]) == n
+    with torch.inference_mode():
+        tiny_lm.forward(prefill, ids[3])
+    assert placed.next_position == prefill.next_position == before + n
+    for layer in range(tiny_lm.num_layers):
+        got, want = placed.layers[layer], prefill.layers[layer]
+        assert torch.equal(got.positions, want.positions)
+        # the first 3: computed as the prefill computes them, after chunks 0 and 1 (not after chunk 2 as stored)
+        assert torch.allclose(got.keys[:, :, -n : -n + 3], want.keys[:, :, -n : -n + 3], atol=1e-5)
+        assert torch.allclose(got.values[:, :, -n : -n + 3], want.values[:, :, -n : -n + 3], atol=1e-5)
+        keys, values = stored.entries(3, layer, torch.float32, torch.device("cpu"))  # the rest: the stored ones
+        assert torch.equal(got.values[:, :, -n + 3 :], values)
+    with pytest.raises(ValueError, match="another text"):
+        stored.place(_prefilled(tiny_lm, prefix, ids, 0), 3, tiny_lm, ids[2])
+
+
+def test_repairing_every_token_is_the_prefill(tiny_lm, tmp_path):
+    stored, prefix, _ = written(tmp_path, tiny_lm, repair=1000)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    assert stored.tokens == [0] * len(CHUNKS)  # nothing stored
+    placed, prefill = _prefilled(tiny_lm, prefix, ids, 1), _prefilled(tiny_lm, prefix, ids, 1)
+    stored.place(placed, 2, tiny_lm, ids[2])
+    with torch.inference_mode():
+        tiny_lm.forward(prefill, ids[2])
+    for got, want in zip(placed.layers, prefill.layers, strict=True):
+        assert torch.allclose(got.keys, want.keys, atol=1e-5) and torch.allclose(got.values, want.values, atol=1e-5)
+
+
+def test_a_compressed_chunk_stores_each_heads_best_scored_entries_and_places_them_at_their_tokens(tiny_lm, tmp_path):
+    from kvchat.kv.scoring import probe_scores
+
+    stored, prefix, _ = written(tmp_path, tiny_lm, repair=2, kept=0.5)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    n = ids[3].shape[-1]
+    m = -(-n // 2) - 2  # half the chunk's entries, its 2 recomputed ones counted
+    assert stored.tokens[3] == m and stored.placed(3) == m + 2 and stored.lengths[3] == n
+    # the kept entries: each head's top-scored tokens after the first 2, by the attention of the chunk's last 4
+    cache = _prefilled(tiny_lm, prefix, ids, 0)
+    with torch.inference_mode():
+        tiny_lm.forward(cache, torch.cat([ids[2], ids[3]], dim=-1))
+        scores = probe_scores(tiny_lm.model, cache, ids[3][:, -4:])
+    heads = tiny_lm.config.num_key_value_heads
+    for layer in range(tiny_lm.num_layers):
+        best = scores[layer][:, -n:][:, 2:].topk(m, dim=-1).indices.sort(dim=-1).values + 2
+        assert torch.equal(stored.token_offsets(3, layer, heads), best)
+    placed = _prefilled(tiny_lm, prefix, ids, 1)
+    base = placed.next_position
+    assert stored.place(placed, 3, tiny_lm, ids[3]) == m + 2 and placed.next_position == base + n
+    for layer in range(tiny_lm.num_layers):
+        positions = placed.layers[layer].positions[:, -(m + 2) :]
+        assert torch.equal(positions[:, :2], torch.arange(base, base + 2).expand(heads, 2))  # recomputed
+        assert torch.equal(positions[:, 2:], base + stored.token_offsets(3, layer, heads))  # each at its token
+    with torch.inference_mode():  # the question after it sees every placed entry
+        assert torch.isfinite(tiny_lm.forward(placed, tiny_lm.encode("\nwhat does dave fix ?"))).all()
+
+
+def test_a_file_of_the_first_format_still_places_its_chunks(tiny_lm, tmp_path):
+    from safetensors.torch import save_file
+
+    stored, prefix, _ = written(tmp_path, tiny_lm)
+    tensors, metadata = open_tensors(tmp_path / "entries.safetensors")
+    old = {k: v.read() for k, v in tensors.items() if k != "lengths" and not k.startswith("o.")}
+    save_file(old, tmp_path / "old.safetensors", {k: v for k, v in metadata.items() if k not in ("repair", "kept")}
+              | {"recall_entries_format": "1"})  # fmt: skip
+    first = StoredEntries.opened(*open_tensors(tmp_path / "old.safetensors"))
+    assert (first.lengths, first.repair, first.offsets) == (stored.tokens, 0, False)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    caches = [_prefilled(tiny_lm, prefix, ids, 1) for _ in range(2)]
+    stored.place(caches[0], 2, tiny_lm)
+    first.place(caches[1], 2, tiny_lm)
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.positions, b.positions)
+               for a, b in zip(caches[0].layers, caches[1].layers, strict=True))  # fmt: skip
+
+
+def test_the_recall_split_places_more_compressed_chunks_in_the_same_budget():
+    from kvchat.features.recall import split, stored_entries
+
+    full = CacheConfig(method="recall", budget=1024, recall=RecallConfig(entries="stored"))
+    quarter = dataclasses.replace(full, recall=dataclasses.replace(full.recall, kept=0.25, repair=8))
+    assert (split(full).chunks, split(full).recalled, split(full).cache_budget) == (2, 512, 512)
+    assert (split(quarter).chunks, split(quarter).chunk_entries, split(quarter).cache_budget) == (8, 64, 512)
+    assert stored_entries(10, quarter.recall) == 8  # the recomputed tokens, at least
+    prefilled = dataclasses.replace(quarter, recall=dataclasses.replace(quarter.recall, entries="prefilled"))
+    assert split(prefilled).chunks == 2  # kept and repair are the stored entries': prefilled chunks are whole
 
 
 # --- the store, ingest, questions and appends (the planted conversation of test_recall.py, 3x short_lm's window)
@@ -254,3 +359,25 @@ def test_the_command_line_stores_the_entries_shows_their_bytes_and_answers_from_
     refused = run_main(tmp_path, "ingest", str(history), *model, "--method", "snapkv", "--recall-entries", "stored",
                        "--name", "other")  # fmt: skip
     assert refused.returncode == 2 and "needs --method recall" in refused.stderr and "Traceback" not in refused.stderr
+
+
+def test_rows_computed_in_pieces_as_units_and_ray_workers_do_make_the_file_write_makes(tiny_lm, tmp_path):
+    """Repaired and compressed (format 2), each chunk's rows from `chunk_rows` started at any chunk, written out of
+    order into the file `Layout` describes (kvchat.ingest.units, kvchat.ingest.batch_units), are `write`'s bytes."""
+    _, prefix, whole = written(tmp_path, tiny_lm, repair=2, kept=0.5)
+    storing = recall_entries.Storing(8, 4, 2, 0.5, queries=4, pool_kernel=1)
+    ids = recall_entries.chunk_ids(tiny_lm, CHUNKS)
+    layout = recall_entries.Layout.of(tiny_lm, CHUNKS, prefix, storing, ids=ids)
+    assert layout.metadata["recall_entries_format"] == "2" and layout.lengths == [t.shape[-1] for t in ids]
+    path = tmp_path / "pieces.safetensors"
+    writer = RowWriter(path, layout.shapes, layout.metadata)
+    starts = {}
+    for first, end in ((2, 4), (0, 1), (1, 2)):
+        for rows in recall_entries.chunk_rows(tiny_lm, layout, ids, prefix, first, end):
+            rows.write(writer)
+            starts[rows.chunk] = rows.start
+    layout.index(writer, [starts[c] for c in range(layout.chunks)])
+    _, sha = writer.finish()
+    assert sha == whole
+    stored = StoredEntries.opened(*open_tensors(path))
+    assert (stored.repair, stored.kept, stored.offsets) == (2, 0.5, True)

@@ -36,6 +36,7 @@ BASES = [
     IngestConfig(cache=CacheConfig(method="cake", layer_budgets="cake", offload=OffloadConfig(mode="icecache"))),
     IngestConfig(cache=CacheConfig(method="indexmem", layer_budgets="sensitivity", alpha=1.3, precision="int8")),
     IngestConfig(cache=CacheConfig(method="recall", precision="int4")),
+    IngestConfig(cache=CacheConfig(method="recall", recall=RecallConfig(entries="stored"))),
 ]
 
 

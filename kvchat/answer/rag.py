@@ -20,7 +20,8 @@ import torch
 
 from kvchat.answer.decoding import decode_answer, question_prompt
 from kvchat.answer.lexical import LexicalIndex
-from kvchat.config import SYSTEM_PROMPT, AskConfig, RagConfig
+from kvchat.answer.probe import Probe, continuation_nll, prompt_held
+from kvchat.config import RRF_K, SYSTEM_PROMPT, AskConfig, RagConfig
 from kvchat.errors import UserError
 from kvchat.history.loading import Turn, format_turns
 from kvchat.history.spans import TurnMark, turn_marks
@@ -104,14 +105,17 @@ class RagIndex:
             raise UserError("the history has no turns to retrieve from")
         return cls(chunks, encoder.embed([c.text for c in chunks]))
 
-    def top(self, query: np.ndarray, k: int, question: str | None = None) -> list[int]:
+    def top(self, query: np.ndarray, k: int, question: str | None = None, retrieval: str = "lexical") -> list[int]:
         """The `k` chunks most similar to `query` (cosine of embeddings), in history order. With `question` (its
-        text), ranked by their words first (kvchat.answer.lexical) and by `query` among chunks that tie."""
+        text), ranked by `retrieval`: `lexical`, by their words first (kvchat.answer.lexical) and by `query` among
+        chunks that tie; `hybrid`, by reciprocal-rank fusion of that ranking and the encoder's (`fused_order`)."""
         dense = self.embeddings @ query
-        if question is None:
+        if question is None or retrieval == "dense":
             order = np.argsort(-dense, kind="stable")
         else:
             order = np.lexsort((-dense, -self.lexical.scores(question)))
+            if retrieval == "hybrid":
+                order = fused_order(np.argsort(-dense, kind="stable"), order)
         return sorted(int(i) for i in order[: max(0, k)])
 
     @cached_property
@@ -123,6 +127,17 @@ class RagIndex:
     def nbytes(self) -> int:
         """What storing the index takes: the chunks' text (UTF-8) and their float32 embeddings."""
         return sum(len(c.text.encode()) for c in self.chunks) + self.embeddings.nbytes
+
+
+def fused_order(*orders: np.ndarray, k: int = RRF_K) -> np.ndarray:
+    """Reciprocal-rank fusion (Cormack et al., 2009) of rankings (each an order of the same items, best first): an
+    item scores sum 1 / (k + its rank) over them; ties keep the first ranking's order."""
+    score = np.zeros(len(orders[0]))
+    for order in orders:
+        score[order] += 1 / (k + np.arange(len(order)))
+    first = np.empty(len(orders[0]), dtype=np.int64)
+    first[orders[0]] = np.arange(len(orders[0]))
+    return np.lexsort((first, -score))
 
 
 @dataclass(frozen=True)
@@ -153,10 +168,13 @@ class RagSession:
         return torch.cat(parts, dim=-1)
 
     def retrieve(self, question: str) -> list[int]:
-        lexical = question if self.config.retrieval == "lexical" else None
-        return self.index.top(self.encoder.embed([question])[0], self.config.top_k, lexical)
+        words = question if self.config.retrieval != "dense" else None
+        return self.index.top(self.encoder.embed([question])[0], self.config.top_k, words, self.config.retrieval)
 
-    def ask(self, question: str, *, on_first_logits: Callable[[torch.Tensor], None] | None = None) -> RagAnswer:
+    def ask(self, question: str, *, on_first_logits: Callable[[torch.Tensor], None] | None = None,
+            probe: Probe | None = None) -> RagAnswer:
+        """`probe`: a continuation whose likelihood after the prompt the answer fills in (kvchat.answer.probe; which
+        turns the prompt holds is the caller's to say: the answer's `chunks`)."""
         question = question.strip()
         if not question:
             raise UserError("the question is empty")
@@ -171,6 +189,8 @@ class RagSession:
                                 on_first_logits=on_first_logits)  # fmt: skip
         timings["prefill_decode"] = _ms_since(clock)
         n = int(ids.shape[-1])
+        if probe is not None:
+            probe.nll = continuation_nll(self.lm.model, cache, prompt_held(cache, n), ids[:, -1:], probe.continuation)
         return RagAnswer(decoded.text, tuple(chunks), n, len(decoded.tokens), n, timings, decoded.transcript_cut)
 
 

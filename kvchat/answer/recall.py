@@ -72,8 +72,8 @@ def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
 
 def picked(index: RagIndex, question: str, query: np.ndarray, split: RecallSplit) -> list[int]:
     """The chunks recalled for `question` (embedded as `query`): their indices in `index`, in history order."""
-    lexical = question if split.retrieval == "lexical" else None
-    return index.top(query, split.chunks, lexical)
+    words = question if split.retrieval != "dense" else None
+    return index.top(query, split.chunks, words, split.retrieval)
 
 
 def recalled_text(chunks: Sequence[Chunk]) -> str:

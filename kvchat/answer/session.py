@@ -20,9 +20,10 @@ from kvchat import features
 from kvchat.answer import grounding, recall, recall_entries
 from kvchat.answer.decoding import decode_answer, question_prompt
 from kvchat.answer.grounding import Grounding
+from kvchat.answer.probe import Probe, continuation_nll
 from kvchat.answer.rag import Chunk, RagIndex
 from kvchat.answer.recall_entries import StoredEntries
-from kvchat.answer.sources import Source, SourceRecorder, rank
+from kvchat.answer.sources import Source, SourceRecorder, TurnPresence, rank
 from kvchat.config import AskConfig
 from kvchat.errors import CacheIntegrityError, UserError
 from kvchat.features import UnreadableFile, retrieved_positions
@@ -105,6 +106,7 @@ class Session:
         earlier: Sequence[tuple[str, str]] = (),
         sources: bool = False,
         retrieved_text: str = "",
+        probe: Probe | None = None,
         stops: Sequence[str] = (),
     ) -> Answer:
         """Answer `question`; `episode` forces a cache instead of routing; `on_text` gets text as it is
@@ -117,7 +119,9 @@ class Session:
         of the answer's tokens once it is decoded, nothing when off); `retrieved_text`, turns of the history
         retrieved for the question by the caller (kvchat.answer.rag: eval's rag baseline), prefilled after the cache
         and before it, so the answer sees them in the conversation (given this way they are not counted as sources;
-        the turns `--method recall` recalls are); `stops`, strings that end the answer. The prompt and decoding are
+        the turns `--method recall` recalls are); `stops`, strings that end the answer; `probe`, a continuation whose
+        likelihood after the prompt, and the turns the first answer token could attend to, the answer fills in
+        (kvchat.answer.probe: evaluation's reader-light metrics). The prompt and decoding are
         kvchat.answer.decoding's, as every caller's. An off-topic question (never a follow-up) is not answered when
         the config refuses them (`finish_reason` "refused")."""
         question = valid_text(question).strip()  # a lone surrogate (bytes not UTF-8 in an argument) fails nowhere
@@ -158,7 +162,7 @@ class Session:
                 placing = picks
             else:
                 prefilled = recall.recalled_text(picked)
-            recalled_turns = self._recalled_spans(picked, stored, placing) if sources else []
+            recalled_turns = self._recalled_spans(picked, stored, placing) if sources or probe is not None else []
         drawn = [grounding.Turn(i, mark.speaker, text, mark.time)
                  for i, mark, text in recall.recalled_turns(picked)] if chunks is not None else []  # fmt: skip
         episode_turns = self._turns_of(index)
@@ -169,17 +173,20 @@ class Session:
                           "refused", self.lm.attention_backend, self.lm.weights, off_topic=True)
         if prefilled:  # the cached history's last line ends without a newline
             prompt_ids = torch.cat([self.lm.encode("\n" + prefilled), prompt_ids], dim=-1)
-        placed = sum(stored.tokens[i] for i in placing) if stored is not None else 0
+        placed = sum(stored.lengths[i] for i in placing) if stored is not None else 0  # the positions they take
         families.check_context(  # before any token streams: a sliding-window model's window holds the answer too
             self.lm.config, cache.next_position + placed + prompt_ids.shape[-1] + self.config.max_new_tokens,
             self.lm.spec, what=f"the conversation with this question and {option('max_new_tokens')}",
         )
         recorder, note = self._source_recorder(cache, recalled_turns) if sources else (None, None)
+        presence = self._presence(cache, recalled_turns) if probe is not None else None
         kept = recorder.kept_tokens() if recorder is not None else None
         mark = cache.checkpoint()
+        entries = 0  # placed per KV head
         with self._shrunk_pages_refused(index):
             try:
-                self._place(cache, stored, placing)
+                entries = self._place(cache, stored, placing)
+                held = cache.checkpoint()  # the placed chunks' entries, and nothing of the prompt yet
                 decoded = decode_answer(  # a grounded answer is shown once it is checked
                     self.lm, cache, prompt_ids, self.config, question=question, speakers=self._speakers(),
                     stops=stops, on_text=None if self.config.grounded else on_text, stop=stop,
@@ -187,8 +194,14 @@ class Session:
                 )
                 tokens, finish, text = decoded.tokens, decoded.finish_reason, decoded.text
                 if recorder is not None:  # the answer's last token chose nothing when the answer was cut there
-                    self._record_answer(cache, recorder, mark.extended(placed + prompt_ids.shape[-1] - 1),
+                    self._record_answer(cache, recorder, held.extended(prompt_ids.shape[-1] - 1),
                                         prompt_ids, tokens if decoded.closed else tokens[:-1])  # fmt: skip
+                if probe is not None:
+                    # an int `query_rows` does not match Recorder's settable `int | None` (as in `_record_answer`)
+                    probe.nll = continuation_nll(self.lm.model, cache, held.extended(prompt_ids.shape[-1] - 1),
+                                                 prompt_ids[:, -1:], probe.continuation,
+                                                 presence)  # type: ignore[arg-type]
+                    probe.present = presence.present() if presence is not None else None
             finally:
                 cache.rollback(mark)
         timings["decode"] = _ms_since(clock)
@@ -206,7 +219,7 @@ class Session:
             conversation=self.conversation.name,
             episode=index,
             similarity=round(similarity, 4),
-            prompt_tokens=placed + int(prompt_ids.shape[-1]),
+            prompt_tokens=entries + int(prompt_ids.shape[-1]),
             answer_tokens=len(tokens),
             reused_cache=reused,
             timings_ms=timings,
@@ -307,17 +320,25 @@ class Session:
             self._speaker_names = frozenset({s.speaker for s in spans} | {m.speaker for c in chunks for m in c.marks})
         return self._speaker_names
 
-    def _place(self, cache: EpisodeCache, stored: StoredEntries | None, placing: Sequence[int]) -> None:
-        """The `stored` entries of chunks `placing` appended to `cache` in turn; a file truncated since it was
-        checked ends the answer with a message (the caller rolls the cache back)."""
+    def _place(self, cache: EpisodeCache, stored: StoredEntries | None, placing: Sequence[int]) -> int:
+        """The `stored` entries of chunks `placing` appended to `cache` in turn, each chunk's first tokens computed
+        again on top of what precedes it where the file leaves them out (RecallConfig.repair); returns the entries per
+        KV head appended. A file truncated since it was checked ends the answer with a message (the caller rolls the
+        cache back)."""
         if stored is None:  # nothing to place: the chunks were prefilled as text
-            return
+            return 0
+        placed = 0
         try:
             for chunk in placing:
-                stored.place(cache, chunk, self.lm)
+                text = self._recall.chunks[chunk] if stored.repair and self._recall is not None else None
+                ids = recall_entries.chunk_ids(self.lm, [text])[0] if text is not None else None
+                placed += stored.place(cache, chunk, self.lm, ids)
         except ShrunkFile:
             self._stored = None  # the next question checks the file again
             raise self._unreadable_entries("was truncated while this session was reading it") from None
+        except ValueError as e:
+            raise self._unreadable_entries(str(e)) from None
+        return placed
 
     def _recalled_spans(self, picked: Sequence[Chunk], stored: StoredEntries | None, placing: Sequence[int]
                         ) -> list[TurnSpan]:  # fmt: skip
@@ -329,7 +350,7 @@ class Session:
         for chunk, i in zip(picked, placing, strict=True):
             spans += [dataclasses.replace(s, start=s.start + offset, end=s.end + offset)
                       for s in recall.recalled_spans(self.lm.tokenizer, [chunk], recall_entries.LEAD)]  # fmt: skip
-            offset += stored.tokens[i]
+            offset += stored.lengths[i]
         return spans
 
     def _unreadable_entries(self, problem: str) -> CacheIntegrityError:
@@ -352,6 +373,14 @@ class Session:
                           f"kept each cached entry's original position; {rebuild}")
         first = int(self.config.source_layers_from * len(cache.layers))
         return SourceRecorder(cache, spans, first_layer=first, origins=self._origins, recalled=recalled), None
+
+    def _presence(self, cache: EpisodeCache, recalled: Sequence[TurnSpan]) -> TurnPresence | None:
+        """A recorder of the turns the first answer token can attend to (`recalled`: turns placed or prefilled after
+        the cache); None where the cache's turns are unknown (as `_source_recorder` says why)."""
+        spans = from_metadata(self._turns)
+        if spans is None or (self._compacted and self._origins is None):
+            return None
+        return TurnPresence(cache, spans, origins=self._origins, recalled=recalled)
 
     def _record_answer(self, cache: EpisodeCache, recorder: SourceRecorder, prompt_held: Checkpoint,
                        prompt_ids: torch.Tensor, fed: list[int]) -> None:  # fmt: skip

@@ -96,12 +96,19 @@ class SourceRecorder:
     def record(self, view: LayerView) -> None:
         if view.layer_idx < self.first_layer:
             return
-        layer = self.cache.layers[view.layer_idx]
-        current = getattr(getattr(layer, "pool", None), "current", None)  # IceCache: retrieved this forward
         # [kv_heads, columns]: cached, retrieved, then this forward's
         weights = view.weights[:, :, -self.query_rows :].sum(dim=(1, 2))
-        turns, mass = [], []
-        for h, (positions, held) in enumerate(zip(_head_positions(layer), self._held[view.layer_idx], strict=True)):
+        turns = self.column_turns(view.layer_idx)
+        mass = [weights[h, : len(t)].double().cpu() for h, t in enumerate(turns)]
+        self.mass += torch.bincount(torch.cat(turns), torch.cat(mass), minlength=self.turns + 1)
+
+    def column_turns(self, layer_idx: int) -> list[torch.Tensor]:
+        """Per KV head of layer `layer_idx`, during a forward, the turn of every entry its queries attend to, in the
+        attention's column order: cached, retrieved from pages, then this forward's (`self.turns`: no turn)."""
+        layer = self.cache.layers[layer_idx]
+        current = getattr(getattr(layer, "pool", None), "current", None)  # IceCache: retrieved this forward
+        turns = []
+        for h, (positions, held) in enumerate(zip(_head_positions(layer), self._held[layer_idx], strict=True)):
             fed = positions[len(held):]  # since the recorder was made: this forward's tokens come last
             earlier = int((fed < self.cache.next_position).sum())
             columns = [held, self._fed_turn(fed[:earlier])]
@@ -109,8 +116,7 @@ class SourceRecorder:
                 columns.append(self.turn_of(current[h].positions))
             columns.append(self._fed_turn(fed[earlier:]))
             turns.append(torch.cat(columns))
-            mass.append(weights[h, : len(turns[-1])].double().cpu())
-        self.mass += torch.bincount(torch.cat(turns), torch.cat(mass), minlength=self.turns + 1)
+        return turns
 
     def kept_tokens(self) -> torch.Tensor:
         """Per turn, the tokens the cache held when the recorder was made, averaged over layers and KV heads."""
@@ -121,6 +127,31 @@ class SourceRecorder:
                 held += torch.bincount(turns, minlength=self.turns + 1).double()
                 heads += 1
         return held[: self.turns] / max(heads, 1)
+
+
+class TurnPresence(SourceRecorder):
+    """A recorder counting, per layer and KV head, each turn's entries a forward's queries attend to: passed to the
+    forward whose first query chooses the first answer token (kvchat.answer.probe), it says which of the history's
+    tokens that token can attend to, whether held by the cache, read back from its pages, placed or prefilled after
+    it (`recalled`, as `SourceRecorder` takes them). Every layer counts."""
+
+    def __init__(self, cache: EpisodeCache, spans: Sequence[TurnSpan], *,
+                 origins: Sequence[Sequence[torch.Tensor]] | None = None,
+                 recalled: Sequence[TurnSpan] = ()) -> None:  # fmt: skip
+        super().__init__(cache, spans, 0, origins=origins, recalled=recalled)
+        self.counts: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, turns + 1]
+
+    def record(self, view: LayerView) -> None:
+        self.counts[view.layer_idx] = torch.stack(
+            [torch.bincount(t, minlength=self.turns + 1) for t in self.column_turns(view.layer_idx)])
+
+    def present(self) -> dict[int, torch.Tensor]:
+        """History turn index -> its entries attended to, per layer and KV head in order (`[layers * kv_heads]`), for
+        every turn with at least one; empty before a forward was recorded."""
+        if not self.counts:
+            return {}
+        counts = torch.cat([self.counts[layer] for layer in sorted(self.counts)])[:, : self.turns]
+        return {self.spans[i].index: counts[:, i].clone() for i in counts.sum(0).nonzero().flatten().tolist()}
 
 
 def rank(spans: Sequence[TurnSpan], mass: torch.Tensor, kept: torch.Tensor, top: int, quote_chars: int,

@@ -143,8 +143,9 @@ def eval_command(
         report.parent.mkdir(parents=True, exist_ok=True)
         target = report if not sets else report.with_suffix(".gold.md")
         gold_settings = {**ran, "methods": ", ".join(config.methods),
-                         "baselines": f"rag (the top chunks of at most {config.chunk_tokens} tokens of raw turns) and "
-                                      "recent (sink + the last entries) at each budget"}
+                         "baselines": f"rag (the top chunks of at most {config.chunk_tokens} tokens of raw turns, "
+                                      "ranked by the sentence encoder, by their words, or by both fused) and recent "
+                                      "(sink + the last entries) at each budget"}
         target.write_text(gold.gold_markdown(against_gold, title=f"kvchat eval against gold ({lm.spec})",
                                              notes=[s.describe(config.questions) for s in gold_sets],
                                              settings=gold_settings))  # fmt: skip

@@ -36,6 +36,7 @@ from kvchat.config import (
     OffloadConfig,
 )
 from kvchat.errors import UserError
+from kvchat.eval import memory_metrics
 from kvchat.eval.qa import (
     QASet,
     contains_gold,
@@ -329,12 +330,15 @@ class _SetRunner:
         kept, protected, positions = zip(*(self._kept_positions(e) for e in conversation.episodes), strict=True)
         spans = _turn_positions(self.lm, self.qa_set.turns, protected[0])
         ours = _Reference({}, {})
+        references = memory_metrics.References(self.answering, self.qa_set, self.base.system_prompt,
+                                               self.ask_config.question_template)  # fmt: skip
         for n, question in enumerate(self.questions, start=1):
             first = _FirstToken(session)
+            probe = memory_metrics.probe_for(self.answering, question)
             spans_of = [spans[e] for e in question.evidence if e in spans]
             evidence = torch.cat(spans_of) if spans_of else None
             recorder = _LastQueryAttention() if reference is None and evidence is not None else None
-            answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder)
+            answer = session.ask(question.text, log=False, on_first_logits=first, first_recorder=recorder, probe=probe)
             if first.logits is None:
                 raise RuntimeError(f"question {question.qid} was not answered ({answer.finish_reason})")
             logprobs = first.logits.float().log_softmax(-1)
@@ -378,6 +382,7 @@ class _SetRunner:
                         "answer_tokens": answer.answer_tokens,
                         "timings_ms": answer.timings_ms,
                         "cache_bytes": conversation.episodes[answer.episode].bytes,
+                        **memory_metrics.fields(probe, references, question),
                     }
                 )
             progress.question(n, len(self.questions))

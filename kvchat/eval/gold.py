@@ -25,11 +25,14 @@ from typing import Protocol
 
 import numpy as np
 
+from kvchat.answer.probe import Probe
 from kvchat.answer.rag import RagIndex, RagSession
 from kvchat.answer.session import Session
 from kvchat.config import ANSWER_ROOM, CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, RagConfig
 from kvchat.errors import UserError
+from kvchat.eval import memory_metrics
 from kvchat.eval.qa import CATEGORIES, QASet, contains_gold, sample_questions, score_answer
+from kvchat.eval.stats import RESAMPLES, SEED, bootstrap_interval, paired_difference
 from kvchat.history.loading import format_turns
 from kvchat.ingest.pipeline import IngestHooks, IngestProgress, ingest, plan_ingest
 from kvchat.messages import option
@@ -39,12 +42,13 @@ from kvchat.settings import to_settings, upgraded
 from kvchat.store import Store
 
 GOLD = "gold"            # the `against` of every record this module writes
-RESAMPLES = 2000         # bootstrap resamples
-SEED = 0                 # bootstrap seed: the same records give the same intervals
 BASELINES = ("rag", "recent")
+RAG_RETRIEVALS = ("dense", "lexical", "hybrid")  # the RAG baselines' rankings of chunks (kvchat.answer.rag)
 COLUMNS = (  # the table of `summarize_gold` rows: key, header, format
     ("variant", "system", "{}"), ("entries", "entries", "{:.0f}"), ("questions", "questions", "{}"),
     ("f1", "F1", "{:.3f}"), ("f1_low", "95% from", "{:.3f}"), ("f1_high", "95% to", "{:.3f}"),
+    ("evidence_any", "evidence any", "{:.2f}"), ("evidence_half", "evidence half", "{:.2f}"),
+    ("nll", "gold NLL", "{:.3f}"), ("recovery", "recovery", "{:.2f}"),
     ("answer_seconds", "answer s", "{:.2f}"), ("ingest_seconds", "ingest s", "{:.0f}"),
     ("disk_mb", "disk MB", "{:.1f}"), ("resident_mb", "resident MB", "{:.1f}"),
 )
@@ -89,14 +93,16 @@ def rag_variant(budget: int, chunk_tokens: int, dated: bool = False, retrieval: 
     """The top budget // chunk_tokens chunks: `budget` entries of retrieved turns (at least one chunk); `dated`,
     each chunk opening with its date; `retrieval`, how they are ranked (RETRIEVALS)."""
     k = max(1, budget // chunk_tokens)
-    name = "rag" + ("-dated" if dated else "") + ("-lexical" if retrieval == "lexical" else "")
+    name = "rag" + ("-dated" if dated else "") + ("" if retrieval == "dense" else f"-{retrieval}")
     return GoldVariant(f"{name}@{k}x{chunk_tokens}", k * chunk_tokens,
                        rag=RagConfig(chunk_tokens, k, dated, retrieval), baseline=True)  # fmt: skip
 
 
 def baselines(budgets: Iterable[int], chunk_tokens: int, base: CacheConfig = CacheConfig()) -> list[GoldVariant]:
-    """`rag` and `recent` at each of `budgets`."""
-    return [v for b in budgets for v in (rag_variant(b, chunk_tokens), recent_variant(b, base))]
+    """RAG as a careful user runs it, ranking chunks each of RETRIEVALS' ways (dense, lexical, hybrid: "RAG" in a
+    verdict is the best of them), and `recent`, at each of `budgets`."""
+    return [v for b in budgets for v in (*(rag_variant(b, chunk_tokens, retrieval=r) for r in RAG_RETRIEVALS),
+                                         recent_variant(b, base))]  # fmt: skip
 
 
 def gold_variants(caches: Sequence[tuple[str, CacheConfig]], budgets: Sequence[int], chunk_tokens: int,
@@ -182,6 +188,8 @@ def evaluate_gold(
         store = Store(Path(scratch)) if store is None else store
         for qa_set in qa_sets:
             questions = sample_questions(qa_set.questions, config.questions)
+            references = memory_metrics.References(answering or lm, qa_set, base.system_prompt,
+                                                   config.question_template)  # fmt: skip
             ours = gold_records(results.records)
             skips = {(r["set"], r["variant"]) for r in ours if r["kind"] == "skipped"}
             for i, variant in enumerate(variant_list):
@@ -200,9 +208,10 @@ def evaluate_gold(
                                     "reason": str(error)})  # fmt: skip
                     continue
                 for n, question in enumerate(todo, start=1):
+                    probe = memory_metrics.probe_for(answering or lm, question)
                     clock = time.perf_counter()
-                    got = answerer.ask(question.text)
-                    seconds = time.perf_counter() - clock
+                    got = answerer.ask(question.text, probe)
+                    seconds = time.perf_counter() - clock  # the probe's forward included: small beside the answer
                     results.append({
                         "kind": "answer", "against": GOLD, "set": qa_set.name, "variant": variant.key,
                         "method": variant.cache.method if variant.cache else "rag", "entries_budget": variant.entries,
@@ -210,6 +219,7 @@ def evaluate_gold(
                         "question": question.text, "gold": question.gold, "prediction": got.text,
                         "f1": round(score_answer(got.text, question), 4), "recall": contains_gold(got.text, question),
                         "seconds": round(seconds, 3), **got.costs,
+                        **memory_metrics.fields(probe, references, question, got.present),
                     })  # fmt: skip
                     progress.question(n, len(todo))
         if own:
@@ -221,6 +231,7 @@ def evaluate_gold(
 class _Got:
     text: str
     costs: dict  # entries, resident_bytes, disk_bytes, prompt_tokens, answer_tokens, episode, transcript_cut
+    present: dict | None = None  # what the prompt holds where the answerer knows it better than the probe
 
 
 class _KvchatAnswerer:
@@ -230,11 +241,14 @@ class _KvchatAnswerer:
         self.heads = lm.num_layers * lm.config.num_key_value_heads
         self.entry_bytes = _entry_bytes(lm)
 
-    def ask(self, question: str) -> _Got:
-        retrieved = ""
+    def ask(self, question: str, probe: Probe) -> _Got:
+        retrieved, present = "", None
         if self.recall is not None:
-            retrieved = "\n".join(self.recall.index.chunks[i].text for i in self.recall.retrieve(question))
-        answer = self.session.ask(question, log=False, retrieved_text=retrieved)
+            chunks = [self.recall.index.chunks[i] for i in self.recall.retrieve(question)]
+            retrieved = "\n".join(c.text for c in chunks)
+        answer = self.session.ask(question, log=False, retrieved_text=retrieved, probe=probe)
+        if self.recall is not None:  # the retrieved turns, given as text, are not the session's to name
+            present = memory_metrics.merged(probe.present, memory_metrics.chunk_presence(self.session.lm, chunks))
         record = self.session.conversation.episodes[answer.episode]
         held = record.n_tokens / self.heads + answer.prompt_tokens  # resident + the question prefilled
         # resident bytes: the episode file's tensors (as held), the question's entries and the R read back
@@ -243,7 +257,7 @@ class _KvchatAnswerer:
                 (answer.prompt_tokens + self.retrieve) * self.heads * self.entry_bytes), "disk_bytes": self.disk_bytes,
             "prompt_tokens": answer.prompt_tokens, "answer_tokens": answer.answer_tokens, "episode": answer.episode,
             "transcript_cut": answer.transcript_cut,
-        })  # fmt: skip
+        }, present)  # fmt: skip
 
 
 class _RagAnswerer:
@@ -252,14 +266,15 @@ class _RagAnswerer:
         lm = session.lm
         self.entry_bytes = _entry_bytes(lm) * lm.num_layers * lm.config.num_key_value_heads  # all layers, heads
 
-    def ask(self, question: str) -> _Got:
-        answer = self.session.ask(question)  # everything it attends to is the prompt's keys and values
+    def ask(self, question: str, probe: Probe) -> _Got:
+        answer = self.session.ask(question, probe=probe)  # everything it attends to is the prompt's keys and values
+        chunks = [self.session.index.chunks[i] for i in answer.chunks]
         return _Got(answer.text, {
             "entries": answer.entries, "resident_bytes": int(answer.entries * self.entry_bytes),
             "disk_bytes": self.session.index.nbytes, "prompt_tokens": answer.prompt_tokens,
             "answer_tokens": answer.answer_tokens, "chunks": list(answer.chunks),
             "transcript_cut": answer.transcript_cut,
-        })  # fmt: skip
+        }, memory_metrics.chunk_presence(self.session.lm, chunks))  # fmt: skip
 
 
 def _entry_bytes(lm: LoadedModel) -> float:
@@ -322,30 +337,6 @@ def _note_ingest(results: Results, qa_set: str, variant: GoldVariant, **fields) 
                     "entries_budget": variant.entries, **fields})  # fmt: skip
 
 
-# --- statistics ----------------------------------------------------------------------------------------
-def bootstrap_interval(values: Sequence[float], *, resamples: int = RESAMPLES, seed: int = SEED,
-                       confidence: float = 0.95) -> tuple[float, float]:  # fmt: skip
-    """Percentile bootstrap interval of the mean of `values` (the same values give the same interval)."""
-    data = np.asarray(values, dtype=np.float64)
-    if data.size == 0:
-        return (float("nan"), float("nan"))
-    rng = np.random.default_rng(seed)
-    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
-    return float(low), float(high)
-
-
-def paired_difference(a: dict, b: dict, **options) -> tuple[float, float, float, int]:
-    """Mean of a[q] - b[q] over the questions both answered, its bootstrap interval, and how many."""
-    shared = sorted(set(a) & set(b))
-    diffs = [a[q] - b[q] for q in shared]
-    if not diffs:
-        return float("nan"), float("nan"), float("nan"), 0
-    low, high = bootstrap_interval(diffs, **options)
-    return float(np.mean(diffs)), low, high, len(diffs)
-
-
 def gold_records(records: Iterable[dict]) -> list[dict]:
     return [r for r in records if r.get("against") == GOLD]
 
@@ -382,16 +373,21 @@ def summarize_gold(records: Sequence[dict]) -> list[dict]:
             "disk_bytes": float(np.mean(disks)) if disks else None,
             "disk_mb": float(np.mean(disks)) / 2**20 if disks else None,
             "ingest_seconds": float(np.mean(seconds)) if seconds else None,
+            **memory_metrics.memory_summary(rs),
         })  # fmt: skip
-    return sorted(rows, key=lambda r: (r["entries_budget"], r["baseline"], -r["f1"], r["variant"]))
+    return sorted(rows, key=lambda r: (r["entries_budget"], r["baseline"], r["nll"] if r["nll"] is not None else 0,
+                                       -r["f1"], r["variant"]))
 
 
 def verdict(records: Sequence[dict]) -> list[str]:
-    """Per entry budget with both kvchat and a baseline measured, one line: the best kvchat system against the
-    best baseline (by mean F1) among the systems answering the most questions at that budget (a mean over a
-    subset is not comparable), their paired difference over the questions both answered and its 95% interval;
-    a win is called only when the interval excludes zero."""
+    """Per entry budget with both kvchat and a baseline measured, one line: by gold-answer NLL where the answers carry
+    it, kvchat's best against RAG's best (memory_metrics.nll_verdict); in results written before NLL, the best kvchat
+    system against the best baseline (by mean F1) among the systems answering the most questions at that budget (a
+    mean over a subset is not comparable), their paired difference over the questions both answered and its 95%
+    interval. A win is called only when the interval excludes zero."""
     rows = summarize_gold(records)
+    if memory_metrics.has_nll(gold_records(records)):
+        return memory_metrics.nll_verdict(gold_records(records), rows)
     scores: dict[str, dict] = defaultdict(dict)
     for r in gold_records(records):
         if r["kind"] == "answer":
@@ -429,6 +425,7 @@ GOLD_COLUMNS = (  # what each column of `gold_markdown`'s table means, stated un
     ("questions", "n: the questions the row's F1 is the mean over"),
     ("F1 [95% interval]", "LoCoMo's token F1 against the gold answers, with a percentile bootstrap interval over the "
      f"questions ({RESAMPLES} resamples, seed {SEED})"),
+    *memory_metrics.LEGEND,
     ("multi-hop ... single-hop", "the same F1 per LoCoMo category"),
     ("answer s", "seconds per answer in this one process, everything done at question time included"),
     ("ingest s", "seconds of the system's ingest (rag: chunking and embedding)"),
@@ -439,23 +436,25 @@ GOLD_COLUMNS = (  # what each column of `gold_markdown`'s table means, stated un
 def gold_markdown(records: Sequence[dict], *, title: str, notes: Sequence[str] = (),
                   settings: dict[str, str] | None = None) -> str:  # fmt: skip
     """The report of an eval against gold: the `settings` it ran with, one row per system (F1 with its interval,
-    per category, answer and ingest seconds, KV entries attended, megabytes on disk and resident), what each
-    column means, then the verdict lines."""
+    evidence recall, gold-answer NLL and recovery with theirs, F1 per category, answer and ingest seconds, KV entries
+    attended, megabytes on disk and resident), what each column means, then the verdict lines."""
     rows = summarize_gold(records)
     categories = [CATEGORIES[c] for c in (1, 2, 3, 4)]
     lines = [f"# {title}", "", *[line for note in notes for line in (note, "")]]
     if settings:
         lines += ["Settings:", "", *[f"- {name}: {value}" for name, value in settings.items()], ""]
+    memory = [" | ".join(memory_metrics.HEADERS) + " | ", "|".join(a for _, a in memory_metrics.ALIGN) + "|"]
     lines += [
-             "| system | entries attended | questions | F1 [95% interval] | " + " | ".join(categories)
+             "| system | entries attended | questions | F1 [95% interval] | " + memory[0] + " | ".join(categories)
              + " | answer s | ingest s | disk MB | resident MB |",
-             "|---|---:|---:|---|" + "---:|" * len(categories) + "---:|---:|---:|---:|"]  # fmt: skip
+             "|---|---:|---:|---|" + memory[1] + "---:|" * len(categories) + "---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         low, high = r["f1_interval"]
         cells = [f"{r['f1_by_category'][c][0]:.3f}" if c in r["f1_by_category"] else "" for c in categories]
         ingest = "" if r["ingest_seconds"] is None else f"{r['ingest_seconds']:.0f}"
         lines.append(f"| {r['variant']} | {r['entries']:.0f} | {r['questions']} | {r['f1']:.3f} [{low:.3f}, {high:.3f}]"
-                     f" | {' | '.join(cells)} | {r['answer_seconds']:.2f} | {ingest} | {_mb(r['disk_bytes'])} | "
+                     f" | {' | '.join(memory_metrics.cells(r))} | {' | '.join(cells)} | {r['answer_seconds']:.2f} | "
+                     f"{ingest} | {_mb(r['disk_bytes'])} | "
                      f"{_mb(r['resident_bytes'])} |")  # fmt: skip
     legend = ["Columns:", "", *[f"- {name}: {meaning}" for name, meaning in GOLD_COLUMNS]]
     return "\n".join([*lines, "", *[f"- {line}" for line in verdict(records)], "", *legend, ""])

@@ -20,6 +20,10 @@ COLUMNS = (
     ("evidence_kept_best", "in best episode", "{:.2f}"),
     ("evidence_recalled", "evidence kept + retrieved", "{:.2f}"),
     ("evidence_attention_recalled", "evidence attention recalled", "{:.2f}"),
+    ("evidence_any", "evidence any", "{:.2f}"),
+    ("evidence_half", "evidence half", "{:.2f}"),
+    ("nll", "gold NLL", "{:.3f}"),
+    ("recovery", "recovery", "{:.2f}"),
     ("peak_layer_entries", "peak entries/layer", "{}"),
     ("ingest_seconds", "ingest s", "{:.0f}"),
     ("answer_tokens_per_s", "answer tok/s", "{:.1f}"),
@@ -43,6 +47,13 @@ MEANINGS = {
     "evidence_recalled": "evidence entries held or read back from the pages (icecache offload) by the question",
     "evidence_attention_recalled": "share of the attention full KV's last question token pays the evidence that "
                                    "lands on entries held or read back (full KV: 1)",
+    "evidence_any": "share of the evidence turns the first answer token can attend to (resident, read back, placed or "
+                    "prefilled), per layer and KV head, a turn counting when any of its tokens is there",
+    "evidence_half": "the same, a turn counting when at least half of its tokens are there",
+    "nll": "the gold answer's mean per-token negative log-likelihood (nats), teacher forced after the row's context "
+           "and question; its interval and the others' in the JSON records (kvchat.eval.memory_metrics)",
+    "recovery": "oracle-gain recovery: (NLL with no history - the row's NLL) / (NLL with no history - NLL with the "
+                "evidence turns alone prefilled); 1.0 holds as much as the evidence alone",
     "peak_layer_entries": "most KV entries one layer held at once while ingesting",
     "ingest_seconds": "seconds to ingest the conversation (mean over conversations)",
     "answer_tokens_per_s": "answer tokens decoded per second",

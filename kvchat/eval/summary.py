@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from kvchat.eval import memory_metrics
 from kvchat.eval.evaluate import REFERENCE
 from kvchat.eval.qa import CATEGORIES
 
@@ -56,6 +57,7 @@ def summarize(records: Sequence[dict]) -> list[dict]:
             ),  # results files written before 0.2 call it peak_cache_tokens
             "ingest_seconds": _mean(i["seconds"] for i in ingests.get(key, [])),
             "answer_tokens_per_s": sum(r["answer_tokens"] for r in rs) / decode_s if decode_s else None,
+            **memory_metrics.memory_summary(rs),
         }
         rows.append(row)
     return sorted(rows, key=lambda r: (r["method"] != REFERENCE, r["method"], r["budget"] or 0, r["variant"]))

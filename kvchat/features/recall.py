@@ -10,6 +10,7 @@ episode's side file.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvchat.errors import UserError
@@ -22,16 +23,27 @@ from kvchat.messages import setting
 @dataclass(frozen=True)
 class RecallSplit:
     """How `--method recall` spends a budget M per layer and KV head: `cache_budget` entries of the routed episode
-    cache, `chunks` x `chunk_tokens` of recalled turns, ranked by `retrieval` (RecallConfig.retrieval)."""
+    cache, `chunks` chunks of at most `chunk_tokens` tokens of recalled turns, each taking at most `chunk_entries`
+    entries (its tokens, or with compressed stored entries their kept share), ranked by `retrieval`
+    (RecallConfig.retrieval)."""
 
     cache_budget: int
     chunks: int
     chunk_tokens: int
     retrieval: str
+    chunk_entries: int
 
     @property
     def recalled(self) -> int:
-        return self.chunks * self.chunk_tokens
+        return self.chunks * self.chunk_entries
+
+
+def stored_entries(tokens: int, recall: RecallConfig) -> int:
+    """Entries a chunk of `tokens` tokens takes when placed from stored entries: its first `repair` recomputed and
+    the kept share of the rest (RecallConfig.kept, of the whole chunk); every token where they are prefilled."""
+    if recall.entries != "stored":
+        return tokens
+    return max(min(recall.repair, tokens), min(tokens, math.ceil(recall.kept * tokens - 1e-9)))
 
 
 def split(cache: CacheConfig) -> RecallSplit:
@@ -40,10 +52,13 @@ def split(cache: CacheConfig) -> RecallSplit:
     share = cache.recall.share
     if not 0 < share < 1:
         raise UserError(f"{setting('recall_share')} must be between 0 and 1 (got {share})")
+    if not 0 < cache.recall.kept <= 1:
+        raise UserError(f"{setting('recall_kept')} must be above 0 and at most 1 (got {cache.recall.kept})")
     recalled = max(1, int(cache.budget * share))
     chunk_tokens = min(cache.recall.chunk_tokens, recalled)
-    chunks = recalled // chunk_tokens
-    return RecallSplit(cache.budget - chunks * chunk_tokens, chunks, chunk_tokens, cache.recall.retrieval)
+    entries = stored_entries(chunk_tokens, cache.recall)
+    chunks = max(1, recalled // entries)
+    return RecallSplit(cache.budget - chunks * entries, chunks, chunk_tokens, cache.recall.retrieval, entries)
 
 
 def split_for(cache: CacheConfig) -> RecallSplit | None:

@@ -408,8 +408,8 @@ def recall_entries_writer(
 
     def write(path: Path) -> tuple[int, str]:
         with lm.prefill_weights():
-            return recall_entries.write(path, lm, chunks, plan.prefix_ids, bits=recalling.stored_bits,
-                                        group=recalling.stored_group, previous=previous, on_chunk=on_chunk)
+            return recall_entries.write(path, lm, chunks, plan.prefix_ids, units.storing(plan.config.cache),
+                                        previous=previous, on_chunk=on_chunk)
 
     return write
 

@@ -33,6 +33,7 @@ from kvchat.store.files import hold_point
 from kvchat.store.resumable import Identity
 
 if TYPE_CHECKING:
+    from kvchat.config import CacheConfig
     from kvchat.ingest.plan import IngestPlan
     from kvchat.model.llm import LoadedModel, ModelIdentity
     from kvchat.store import EpisodeRecord, FileRecord, PendingConversation
@@ -171,11 +172,17 @@ def recall_layout(plan: IngestPlan, lm: LoadedModel) -> tuple[recall_entries.Lay
     """The recall entries file's layout and each chunk's token ids, where the ingest stores one."""
     if plan.recall is None or not stores_recall_entries(plan):
         return None
-    recalling, chunks = plan.config.cache.recall, plan.recall.chunks
+    chunks = plan.recall.chunks
     ids = recall_entries.chunk_ids(lm, chunks)
-    layout = recall_entries.Layout.of(lm, chunks, plan.prefix_ids, bits=recalling.stored_bits,
-                                      group=recalling.stored_group, ids=ids)  # fmt: skip
-    return layout, ids
+    return recall_entries.Layout.of(lm, chunks, plan.prefix_ids, storing(plan.config.cache), ids=ids), ids
+
+
+def storing(cache: CacheConfig) -> recall_entries.Storing:
+    """How `--recall-entries stored` keeps a conversation's chunks (RecallConfig's codes, repair and kept share; a
+    compressed chunk's entries scored with the caches' pooling)."""
+    recalling = cache.recall
+    return recall_entries.Storing(recalling.stored_bits, recalling.stored_group, recalling.repair, recalling.kept,
+                                  pool_kernel=cache.pool_kernel)  # fmt: skip
 
 
 def kept(exc: BaseException, pending: PendingConversation) -> None:

@@ -127,6 +127,18 @@ class EpisodeCache(Cache):
         layer.append(key_states, value_states, self._new_positions(1, key_states.shape[1], key_states.device))
         return layer.keys, layer.values
 
+    def place(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append entries computed elsewhere (`keys/values [1, kv_heads, q, D]`, keys rotated for `positions [kv_heads,
+        q]`, each head its own, all at or after `next_position`): a stored chunk's, kept where a prefill there would
+        have put them. Positions do not advance: `advance` once every layer has its entries."""
+        layer = self.layers[layer_idx]
+        layer.append(keys, values, positions)
+        if self.origins is not None:
+            shift = self.next_origin - self.next_position
+            self.origins[layer_idx] = [torch.cat([o, p.to(o.device) + shift])
+                                       for o, p in zip(self.origins[layer_idx], positions, strict=True)]  # fmt: skip
+        self._note_peak(layer.size, 0)
+
     def note_decoded(self) -> None:
         """After `append_token` into every layer: the token's position taken, the peaks noted once."""
         self._note_peak(max(self.sizes), 0)

@@ -19,7 +19,10 @@ CACHE_PRECISIONS = ("full", "int8", "int4")  # kvchat.features registers a featu
 CACHE_STORAGES = ("model", "float16", "bfloat16", "int8")  # CacheConfig.storage (kvchat.kv.codec)
 OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.retrieval.PAGE_SCORERS, by name
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
-RETRIEVALS = ("lexical", "dense")  # how retrieved chunks of raw turns are ranked (kvchat.answer.rag.RagIndex.top)
+# How retrieved chunks of raw turns are ranked (kvchat.answer.rag.RagIndex.top): by their words, by the sentence
+# encoder, or by reciprocal-rank fusion of both
+RETRIEVALS = ("lexical", "dense", "hybrid")
+RRF_K = 60  # reciprocal-rank fusion's constant (Cormack et al., 2009: 1 / (60 + rank))
 RECALL_ENTRIES = ("prefilled", "stored")  # RecallConfig.entries
 PAGE_DTYPE_NAMES = ("float16", "float32")  # IceCacheConfig.dtype (kvchat.kv.spill.PAGE_DTYPES)
 
@@ -116,6 +119,13 @@ class RecallConfig:
     # tokens (the file records both)
     stored_bits: int = 4
     stored_group: int = 16
+    # Stored entries, repaired: each placed chunk's first `repair` tokens are recomputed at the question with the
+    # cache and the chunks placed before it in view (EPIC's LegoLink), and not stored
+    repair: int = 0
+    # Stored entries, compressed: of each chunk's entries (its `repair` first counted) only this share is kept, chosen
+    # at ingest by the attention of the chunk's last tokens (SnapKV, as a block of an episode cache is scored), so the
+    # same budget places about 1 / kept as many chunks
+    kept: float = 1.0
 
 
 @dataclass(frozen=True)
