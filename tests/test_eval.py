@@ -11,7 +11,7 @@ from cli_helpers import run_main
 
 from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig, OffloadConfig
 from kvchat.errors import UserError
-from kvchat.eval.evaluate import REFERENCE, ResultsFile, Variant, evaluate, summarize, variants
+from kvchat.eval.evaluate import REFERENCE, ResultsFile, Variant, evaluate, variants
 from kvchat.eval.qa import (
     QASet,
     Question,
@@ -23,6 +23,7 @@ from kvchat.eval.qa import (
     score_answer,
     token_f1,
 )
+from kvchat.eval.summary import summarize
 from kvchat.history.loading import format_turns
 from kvchat.history.synthetic import _TOPICS
 
@@ -391,7 +392,7 @@ def test_a_variant_the_model_cannot_take_is_recorded_as_skipped(tmp_path, tiny_l
 def test_per_conversation_rows_name_their_conversation(tmp_path, tiny_lm, encoder):
     """Two conversations: the pooled summary has one row per variant, the per-conversation one a row per
     conversation and variant, each counting only its own questions."""
-    from kvchat.eval.evaluate import summarize_per_conversation
+    from kvchat.eval.summary import summarize_per_conversation
 
     sets = planted_sets(2, topics=2, turns_per_topic=8)
     variant = Variant(dataclasses.replace(SMALL.cache, method="streaming", budget=64))
