@@ -29,7 +29,8 @@ from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, CacheConfig, EvalConfig, IngestConfig, default_home
 from kvchat.eval import report as eval_report
-from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
+from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped
+from kvchat.eval.summary import summarize
 from kvchat.history.loading import format_turns
 from kvchat.ingest.layer_profiles import find_indexmem
 from kvchat.kv.budgets import uniform_budgets

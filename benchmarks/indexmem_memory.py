@@ -33,7 +33,8 @@ import torch
 from _load import checked, shown  # benchmarks/ is on sys.path
 
 from kvchat.config import SYSTEM_PROMPT, TrainConfig, default_home
-from kvchat.eval.evaluate import ResultsFile, summarize
+from kvchat.eval.evaluate import ResultsFile
+from kvchat.eval.summary import summarize
 from kvchat.history.loading import Turn, format_turns
 from kvchat.history.synthetic import planted_conversation
 from kvchat.kv.trained import TrainedIndexMem

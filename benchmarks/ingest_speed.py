@@ -24,7 +24,8 @@ from pathlib import Path
 from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import CacheConfig, EpisodeConfig, EvalConfig, IngestConfig
-from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, summarize
+from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets
+from kvchat.eval.summary import summarize
 from kvchat.history.loading import Turn
 from kvchat.ingest.append import append
 from kvchat.ingest.pipeline import IngestReport, ingest, plan_ingest

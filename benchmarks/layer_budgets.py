@@ -22,7 +22,8 @@ from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import CacheConfig, EvalConfig, IngestConfig, default_home
 from kvchat.eval import report
-from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped, summarize
+from kvchat.eval.evaluate import ResultsFile, Variant, evaluate, qa_sets, skipped
+from kvchat.eval.summary import summarize
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import load_model
 

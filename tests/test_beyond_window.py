@@ -12,8 +12,8 @@ import torch
 from conftest import raises_said, random_ids, tiny_model, tiny_tokenizer
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from kvchat.answer.grounding import quote_span
 from kvchat.answer.session import Session
-from kvchat.answer.sources import quote
 from kvchat.cli.words import spell
 from kvchat.config import (
     AskConfig,
@@ -259,12 +259,14 @@ def test_a_compacted_conversation_names_the_turns_its_answer_drew_on(tmp_path, h
     turns = load_history(histories["whole"])
     session = Session(store, store.get("c"), short_lm, encoder,
                       AskConfig(max_new_tokens=4, source_count=len(turns), retrieve=EVERYTHING))  # fmt: skip
-    answer = session.ask("Which gate does the flight leave from?", episode=0, sources=True, log=False)
+    question = "Which gate does the flight leave from?"
+    answer = session.ask(question, episode=0, sources=True, log=False)
     assert answer.sources_note is None and answer.sources
     rounding = 5e-5 * len(answer.sources)  # each share is rounded to 4 decimals
     assert sum(s.attention_share for s in answer.sources) == pytest.approx(1, abs=rounding)
     for s in answer.sources:
-        assert s.speaker == turns[s.turn].role and s.quote == quote(turns[s.turn].text, AskConfig.quote_chars)
+        assert s.speaker == turns[s.turn].role and s.quote == quote_span(turns[s.turn].text, answer.text, question,
+                                                                     AskConfig.quote_chars)
         assert 0 <= s.kept_tokens <= s.tokens and not s.recalled
     held = sorted(s.turn for s in answer.sources if s.kept_tokens)
     assert held and held[-1] > len(turns) // 2  # not only the first turns, as compacted positions would map

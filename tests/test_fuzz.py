@@ -67,11 +67,36 @@ locomo = st.fixed_dictionaries({"conversation": _maybe(st.fixed_dictionaries(
               "session_3_date_time": _maybe(texts)}))}, optional={"qa": json_values, "sample_id": texts})
 longmemeval = st.fixed_dictionaries({"haystack_sessions": _maybe(st.lists(_maybe(messages), max_size=3))},
                                     optional={"haystack_dates": _maybe(st.lists(_maybe(texts), max_size=3))})
+telegram_text = _maybe(st.one_of(texts, st.lists(st.one_of(texts, st.fixed_dictionaries(
+    {"type": st.sampled_from(["plain", "bold", "link", "x"]), "text": _maybe(texts)})), max_size=3)))
+telegram_chat = st.fixed_dictionaries({"messages": _maybe(st.lists(st.fixed_dictionaries(
+    {"type": _maybe(st.sampled_from(["message", "service", "x"])), "text": telegram_text},
+    optional={"id": _maybe(st.integers(0, 10**6)), "from": _maybe(texts), "date": _maybe(texts)}), max_size=5))},
+    optional={"name": _maybe(texts), "type": _maybe(st.sampled_from(["personal_chat", "private_group", "x"])),
+              "id": _maybe(st.integers(0, 10**10))})
+telegram = st.one_of(telegram_chat, st.fixed_dictionaries({"chats": _maybe(st.fixed_dictionaries(
+    {"list": _maybe(st.lists(telegram_chat, max_size=3))}))}))
+slack = st.lists(st.fixed_dictionaries({"type": _maybe(st.sampled_from(["message", "x"])), "text": _maybe(texts)},
+    optional={"subtype": _maybe(st.sampled_from(["channel_join", "bot_message", "me_message", "file_share",
+                                                 "thread_broadcast", "x"])),
+              "user": _maybe(st.sampled_from(["U01DANA", "U02SAM", ""])), "ts": _maybe(st.sampled_from(
+                  ["1683554161.000200", "0", "x", ""])), "username": _maybe(texts),
+              "user_profile": _maybe(st.fixed_dictionaries({}, optional={"real_name": _maybe(texts),
+                                                                          "display_name": _maybe(texts)})),
+              "bot_profile": _maybe(st.fixed_dictionaries({}, optional={"name": _maybe(texts)}))}), max_size=5)
+discord = st.fixed_dictionaries({"messages": _maybe(st.lists(st.fixed_dictionaries(
+    {"type": _maybe(st.sampled_from(["Default", "Reply", "GuildMemberJoin", "x"])), "content": _maybe(texts),
+     "author": _maybe(st.fixed_dictionaries({}, optional={"name": _maybe(texts), "nickname": _maybe(texts)}))},
+    optional={"id": _maybe(texts), "timestamp": _maybe(texts), "attachments": _maybe(st.lists(json_values,
+                                                                                            max_size=2))}),
+    max_size=5))}, optional={"guild": _maybe(st.fixed_dictionaries({"name": _maybe(texts)})),
+                             "channel": _maybe(st.fixed_dictionaries({"name": _maybe(texts)}))})
 histories = st.one_of(json_values, messages, st.fixed_dictionaries({"messages": _maybe(messages)}),
                       chatgpt, st.lists(chatgpt, max_size=3), claude, st.lists(claude, max_size=3), locomo,
-                      st.lists(locomo, max_size=3), longmemeval)
+                      st.lists(locomo, max_size=3), longmemeval, telegram, slack, discord)
 picks = st.one_of(st.none(), st.integers(-1, 4), st.sampled_from(["all", "1", "", "Trip"]), texts)
-json_formats = st.sampled_from([None, "openai", "chatgpt", "claude", "locomo", "longmemeval", "jsonl"])
+json_formats = st.sampled_from([None, "openai", "chatgpt", "claude", "telegram", "slack", "discord", "locomo",
+                                 "longmemeval", "jsonl"])
 
 
 def _check_read(read) -> None:
@@ -98,12 +123,17 @@ transcript_lines = st.one_of(st.builds(lambda n, t: f"{n}: {t}", st.text(max_siz
                              st.builds(lambda d, n, t: f"[{d}] {n}: {t}", st.text(max_size=12), texts, texts),
                              st.builds(json.dumps, st.one_of(json_values, messages,
                                                              st.fixed_dictionaries({"messages": messages}))),
+                             st.builds(lambda n, t: f"**{n}:** {t}", st.text(max_size=10), texts),  # markdown
+                             st.builds(lambda h, n: f"{h} {n}", st.sampled_from(["#", "##", "###"]),
+                                       st.text(max_size=10)),
+                             st.sampled_from(["```", "~~~", "---", "***", ""]),
                              st.text(max_size=30))
 text_files = st.builds("\n".join, st.lists(transcript_lines, max_size=6))
 
 
 @FUZZ
-@given(text=text_files, format=st.sampled_from([None, "transcript", "jsonl", "finetune", "openai"]), pick=picks)
+@given(text=text_files, format=st.sampled_from([None, "transcript", "markdown", "jsonl", "finetune",
+                                                                 "openai"]), pick=picks)
 def test_every_text_reader_reads_or_refuses_in_one_line(tmp_path_factory, text, format, pick):
     path = tmp_path_factory.mktemp("fuzz") / "history.txt"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
@@ -111,8 +141,9 @@ def test_every_text_reader_reads_or_refuses_in_one_line(tmp_path_factory, text, 
 
 
 def test_the_fuzz_covers_every_format():
-    assert set(FORMAT_NAMES) <= {"openai", "chatgpt", "claude", "locomo", "longmemeval", "jsonl", "finetune",
-                                 "transcript"}, "a new reader: give it a strategy here"
+    assert set(FORMAT_NAMES) <= {"openai", "chatgpt", "claude", "telegram", "slack", "discord", "locomo",
+                                 "longmemeval", "jsonl", "finetune", "transcript", "markdown"}, \
+        "a new reader: give it a strategy here"
 
 
 # ------------------------------------------------------------------------------------------------ the API
