@@ -539,6 +539,7 @@ def run_units(
     """Every unit the ingest has left (`writer.remaining`), in this process, one episode cache in memory at a time;
     a resumable ingest's episode checkpointed every `units.checkpoint_every` blocks. `chunk_ids`: the recall chunks'
     token ids, where it stores their entries."""
+    progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens, lm.context_window)
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     if pending.found:
         progress.note(pending.found)
