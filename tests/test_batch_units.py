@@ -136,3 +136,21 @@ def test_the_command_spreads_and_says_so(ray_instance, turns, tiny_model_dir, tm
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["episode_count"] == 4
     assert Store(tmp_path / "home").get("h").episodes
+
+
+def test_episodes_that_evict_nothing_share_one_file_as_in_a_local_ingest(ray_instance, tiny_model_dir, tiny_lm,
+                                                                          encoder, tmp_path):  # fmt: skip
+    """A budget that holds the whole history (`IngestPlan.one_cache`): one episode is built on a worker and every
+    other one's record names its file, byte for byte a local ingest's files."""
+    path = tmp_path / "short.json"
+    path.write_text(json.dumps(planted_conversation(seed=3, topics=4, turns_per_topic=6)[0]))
+    short = load_history(path)
+    config = _config(tiny_model_dir, budget=1024)
+    watch = Watch()
+    report = _spread(tmp_path / "ray", short, config, progress=watch)
+    ingest(short, name="c", config=config, store=Store(tmp_path / "local"), lm=tiny_lm, encoder=encoder)
+    assert _files(tmp_path / "ray", "c") == _files(tmp_path / "local", "c")
+    record = Store(tmp_path / "ray").get("c")
+    assert report.episodes == len(record.episodes) > 1 and len({e.path for e in record.episodes}) == 1
+    assert [part for part in watch.workers if part.startswith("episode")] == ["episode 1"]  # built once
+    assert Store(tmp_path / "ray").check() == []

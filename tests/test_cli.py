@@ -505,9 +505,10 @@ def test_logs_and_no_log(ingested):
     assert unknown.returncode == 2 and "unknown conversation" in unknown.stderr
 
 
-def test_sigterm_during_an_ingest_removes_its_temp_dir(tmp_path, tiny_model_dir):
-    """SIGTERM, sent once the ingest says it is on its second episode (its temp dir then holds the first
-    episode's file), unwinds: the temp dir goes, nothing is listed, exit 143 with one line."""
+def test_sigterm_during_an_ingest_leaves_nothing_half_written_visible(tmp_path, tiny_model_dir):
+    """SIGTERM, sent once the ingest says it is on its second episode (its resumable dir `caches/.resume-<name>` then
+    holds the first episode's file), unwinds: exit 143, "terminated" and what was kept, no temp dir, nothing listed;
+    the resumable dir is kept (by design: the same ingest run again continues from it), hidden from the store."""
     history = tmp_path / "long.json"
     history.write_text(json.dumps(planted_conversation(seed=7, topics=6, turns_per_topic=30)[0]))
     home = tmp_path / "home"
@@ -520,14 +521,17 @@ def test_sigterm_during_an_ingest_removes_its_temp_dir(tmp_path, tiny_model_dir)
     for line in proc.stderr:
         seen.append(line)
         if line.startswith("kvchat: episode 2/"):
-            assert list((home / "caches").glob(".tmp-*")), "the ingest's temp dir should exist by now"
+            assert list((home / "caches").glob(".resume-*")), "the ingest's resumable dir should exist by now"
             proc.send_signal(signal.SIGTERM)
             break
     rest = proc.stderr.read()
     proc.wait(timeout=300)
     assert proc.returncode == 143, seen + [rest]
-    assert rest.strip().splitlines()[-1] == "kvchat: terminated" and "Traceback" not in rest
+    said = rest.strip().splitlines()
+    assert said[-2:] == ["kvchat: terminated", "kvchat: note: kept: 1 of 4 episodes done; the same ingest run again "
+                         "continues from there"] and "Traceback" not in rest, said  # fmt: skip
     assert list((home / "caches").glob(".tmp-*")) == []
+    assert [p.name for p in (home / "caches").glob(".resume-*")] == [".resume-long"]
     assert json.loads(run_main(home, "list", "--json").stdout)["conversations"] == []
 
 

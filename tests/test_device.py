@@ -92,12 +92,13 @@ def test_ingest_batch_takes_device_and_dtype():
 
 
 def test_a_cache_built_in_bfloat16_answers_in_float32_and_back(tmp_path, tiny_model_dir):
-    """Ingest on the CPU in bfloat16 (as a GPU would store it): the files hold bfloat16 keys and values; ask in
+    """Ingest on the CPU in bfloat16 (as a GPU would store it), stored as built (storage model, not the default
+    int8): the files hold bfloat16 keys and values; ask in
     float32 converts them on load, and gives the same routed episode as an ask in bfloat16."""
     history = tmp_path / "h.json"
     history.write_text(json.dumps(planted_conversation(seed=2, topics=2, turns_per_topic=8)[0]))
     ingested = run_main(tmp_path, "ingest", str(history), "--model", str(tiny_model_dir), *TINY,
-                        "--device", "cpu", "--dtype", "bfloat16", "--json")
+                        "--device", "cpu", "--dtype", "bfloat16", "--setting", "cache_storage=model", "--json")
     assert ingested.returncode == 0, ingested.stderr
     report = json.loads(ingested.stdout)
     assert (report["device"], report["dtype"], report["attention_backend"]) == ("cpu", "bfloat16", "torch")

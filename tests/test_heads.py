@@ -285,7 +285,8 @@ def test_head_budgets_reject_unknown_modes():
 
 def test_adaptive_ingest_and_ask_round_trip_through_the_store(tmp_path, history, tiny_lm, encoder):
     store = Store(tmp_path)
-    config = IngestConfig(cache=CacheConfig(budget=96, block_size=48, head_budgets="adaptive"),
+    # stored as built (storage model): the files' tensors are the cache's own, in the model's float32
+    config = IngestConfig(cache=CacheConfig(budget=96, block_size=48, head_budgets="adaptive", storage="model"),
                           episodes=EpisodeConfig(patched_prompt_tokens=48))
     report = ingest(history, name="conv", config=config, store=store, lm=tiny_lm, encoder=encoder)
     assert report.head_budgets == "adaptive" and report.budgets == [96, 96]

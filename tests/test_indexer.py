@@ -337,7 +337,9 @@ def test_a_zero_gate_makes_the_memory_a_no_op(trained_home, tiny_lm, encoder, hi
     """With the gate shut, answering from a cache with a memory gives exactly the logits without one."""
 
     store = _ingest(trained_home, tiny_lm, encoder, history, "gate")
-    cache, _ = codec.decode(*store.load_episode(store.get("gate").episodes[0], tiny_lm.fingerprint))
+    # in the model's dtype, as an answer decodes it (the default int8 storage reads back in float16 "as stored")
+    cache, _ = codec.decode(*store.load_episode(store.get("gate").episodes[0], tiny_lm.fingerprint),
+                            dtype=tiny_lm.dtype)  # fmt: skip
     question = torch.tensor([[5, 9, 11, 3]])
     with_memory, shut, plain = logits_with_shut_and_without_memory(tiny_lm.model, cache, question)
     assert torch.equal(shut, plain)

@@ -172,7 +172,7 @@ def test_a_mass_memory_round_trips_through_the_store_and_changes_the_answer_unle
     ingest(history, name="mass", config=config, store=store, lm=tiny_lm, encoder=encoder, replace=True)
     tensors, metadata = store.load_episode(store.get("mass").episodes[0], tiny_lm.fingerprint)
     assert metadata["format_version"] == codec.MASS_MEMORY_FORMAT_VERSION
-    cache, _ = codec.decode(tensors, metadata)
+    cache, _ = codec.decode(tensors, metadata, dtype=tiny_lm.dtype)  # the model's dtype, as an answer decodes it
     trained = TrainedIndexMem.load(next((mass_home / "profiles").glob("*.indexmem.safetensors")))
     assert cache.memory.weights.readout == "mass" and cache.memory.b[0].min() >= 0  # z: a sum of exp features
     assert torch.equal(cache.memory.weights.log_scale, trained.memory.log_scale)

@@ -131,9 +131,12 @@ class _Spread:
 
     def run(self) -> None:
         ray = self.ray
+        self._share_one_cache()
         left = self.writer.remaining(split=len(self.workers.handles) * RAY_CHUNK_SPLIT)
         episodes = sorted((u for u in left if isinstance(u, units.EpisodeUnit)),
                           key=lambda u: -units.episode_blocks(self.plan, u.index))  # longest first
+        if self.plan.one_cache:  # every episode's cache is the same: one is built, the others share its file
+            episodes = sorted(episodes, key=lambda u: u.index)[:1]
         queue: deque[units.Unit] = deque([*episodes, *(u for u in left if isinstance(u, units.ChunkUnit))])
         if not queue:
             return
@@ -158,6 +161,19 @@ class _Spread:
                     queue.appendleft(rest)
                 if outcome == "done":  # its worker takes the next unit
                     idle.append(running.worker)
+        self._share_one_cache()
+
+    def _share_one_cache(self) -> None:
+        """`plan.one_cache`, once one episode is written: every other episode's record names its file (as
+        `pipeline.run_units` does)."""
+        if not self.plan.one_cache or not self.writer.records:
+            return
+        shared = min(self.writer.records)
+        for episode in self.plan.episodes:
+            if episode.index not in self.writer.records:
+                record = self.pending.share_episode(episode.index, shared, centroid=episode.centroid.tolist(),
+                                                    medoid_text=episode.medoid_text)  # fmt: skip
+                self.writer.episode(episode.index, record, self.writer.stats[shared])
 
     def _dispatch(self, unit: units.Unit, worker: Any) -> None:
         key = _key(unit)

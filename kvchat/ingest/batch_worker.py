@@ -203,13 +203,17 @@ class HistoryWorker:
         plan, lm = self._plan, self._lm
         if plan is None or lm is None:
             raise RuntimeError("HistoryWorker.adopt must run first")
+        with lm.prefill_weights():  # held while the unit runs (a dropped unit's generator releases them on close)
+            yield from self._unit_parts(plan, lm, unit, every)
+        yield UnitDone()
+
+    def _unit_parts(self, plan: IngestPlan, lm: LoadedModel, unit: Unit, every: int | None) -> Iterator[Any]:
         if isinstance(unit, ChunkUnit):
             if self._recall is None:
                 self._recall = recall_layout(plan, lm)
             assert self._recall is not None, "the plan stores no recall entries"
             layout, ids = self._recall
             yield from chunk_rows(lm, layout, ids, plan.prefix_ids, unit.first, unit.end)
-            yield UnitDone()
             return
         if plan.prefill == "full" and self._full is None:
             self._full = prefill_history(plan, lm)
@@ -226,7 +230,6 @@ class HistoryWorker:
                 encoded = encode_episode(plan, step, lm, side_file_at=Path(scratch) / "side")
                 del step  # one episode cache at a time
                 yield EpisodeBuilt(encoded, stats)
-        yield UnitDone()
 
     def _plan_job(self, job: HistoryJob) -> tuple[IngestPlan, int | None]:
         """`job`'s plan, and the bytes its ingest may use (None: unknown)."""

@@ -539,6 +539,7 @@ def run_units(
     """Every unit the ingest has left (`writer.remaining`), in this process, one episode cache in memory at a time;
     a resumable ingest's episode checkpointed every `units.checkpoint_every` blocks. `chunk_ids`: the recall chunks'
     token ids, where it stores their entries."""
+    progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens, lm.context_window)
     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
     if pending.found:
         progress.note(pending.found)
@@ -548,30 +549,32 @@ def run_units(
     full = None
     # `plan.one_cache`: every episode's cache is the same, so the first written is every other one's file
     shared = min(writer.records) if plan.one_cache and writer.records else None
-    for unit in writer.remaining():
-        if isinstance(unit, units.ChunkUnit):
-            assert writer.layout is not None
-            for rows in recall_entries.chunk_rows(lm, writer.layout, chunk_ids, plan.prefix_ids, unit.first, unit.end):
-                writer.chunk(rows)
-                progress.recall_entries(rows.chunk + 1, writer.layout.chunks)
-            continue
-        episode = plan.episodes[unit.index]
-        if shared is not None:
-            record = pending.share_episode(unit.index, shared, centroid=episode.centroid.tolist(),
-                                           medoid_text=episode.medoid_text)  # fmt: skip
-            writer.episode(unit.index, record, writer.stats[shared])
-            continue
-        if plan.prefill == "full" and full is None:
-            full = prefill_history(plan, lm, on_block=progress.history)
-        progress.episode(unit.index, len(plan.episodes))
-        start = unit.checkpoint.restored(lm) if unit.checkpoint is not None else None
-        for step in episode_steps(plan, episode, lm, on_block=progress.block, full=full,
-                                  scratch=pending.scratch_dir(unit.index), start=start, every=every):  # fmt: skip
-            if isinstance(step, Progressed):
-                writer.checkpoint(units.Checkpoint.of(step, plan, lm.fingerprint))
-                progress.checkpoint(unit.index, step.blocks, units.episode_blocks(plan, unit.index))
-            else:
-                stats = step.stats()
-                writer.episode(unit.index, write_episode(pending, plan, step, lm, units.note_of(stats)), stats)
-                shared = unit.index if plan.one_cache else None
+    with lm.prefill_weights():  # many-token products by the fastest kernel for the weights held (LoadedModel)
+        for unit in writer.remaining():
+            if isinstance(unit, units.ChunkUnit):
+                assert writer.layout is not None
+                rows_of = recall_entries.chunk_rows(lm, writer.layout, chunk_ids, plan.prefix_ids, unit.first, unit.end)
+                for rows in rows_of:
+                    writer.chunk(rows)
+                    progress.recall_entries(rows.chunk + 1, writer.layout.chunks)
+                continue
+            episode = plan.episodes[unit.index]
+            if shared is not None:
+                record = pending.share_episode(unit.index, shared, centroid=episode.centroid.tolist(),
+                                               medoid_text=episode.medoid_text)  # fmt: skip
+                writer.episode(unit.index, record, writer.stats[shared])
+                continue
+            if plan.prefill == "full" and full is None:
+                full = prefill_history(plan, lm, on_block=progress.history)
+            progress.episode(unit.index, len(plan.episodes))
+            start = unit.checkpoint.restored(lm) if unit.checkpoint is not None else None
+            for step in episode_steps(plan, episode, lm, on_block=progress.block, full=full,
+                                      scratch=pending.scratch_dir(unit.index), start=start, every=every):  # fmt: skip
+                if isinstance(step, Progressed):
+                    writer.checkpoint(units.Checkpoint.of(step, plan, lm.fingerprint))
+                    progress.checkpoint(unit.index, step.blocks, units.episode_blocks(plan, unit.index))
+                else:
+                    stats = step.stats()
+                    writer.episode(unit.index, write_episode(pending, plan, step, lm, units.note_of(stats)), stats)
+                    shared = unit.index if plan.one_cache else None
     writer.finish()
