@@ -36,7 +36,7 @@ def _assert_refused(home: Path, result, fragment: str) -> None:
     """Exit 2, one line naming the problem (after the progress lines of a run that had started), nothing on
     stdout, nothing in the store (the model's held weights aside: `auto`'s verdict, kept when the model loaded)."""
     assert result.returncode == 2, (result.stdout, result.stderr)
-    progress = ("kvchat: episode ", "kvchat: history ")
+    progress = ("kvchat: episode ", "kvchat: history ", "kvchat: method ")  # the method is announced at the start
     lines = [line for line in result.stderr.strip().splitlines() if not line.startswith(progress)]
     assert len(lines) == 1 and fragment in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert result.stdout == ""
