@@ -38,7 +38,7 @@ import torch
 from _load import Load, checked  # benchmarks/ is on sys.path
 
 from kvchat.answer.session import Session
-from kvchat.config import AskConfig, CacheConfig, EvalConfig, IngestConfig, RecallConfig, default_home
+from kvchat.config import CacheConfig, EvalConfig, IngestConfig, RecallConfig, default_home
 from kvchat.eval import memory_metrics
 from kvchat.eval.qa import QASet, load_locomo, planted_sets, sample_questions
 from kvchat.eval.stats import bootstrap_interval, paired_difference
@@ -114,8 +114,7 @@ def run(sets: list[QASet], variants: list[str], questions: int | None, out: Path
     store, encoder = Store(home), SentenceEncoder()
     lm = load_model("default", home / "models", weights="auto")
     evaluation = EvalConfig()
-    config = AskConfig(max_new_tokens=evaluation.max_new_tokens, question_template=evaluation.question_template,
-                       echo_guard=evaluation.echo_guard)  # fmt: skip
+    config = evaluation.answering()  # as eval and `kvchat ask` answer (kvchat.answer.decoding)
     with out.open("a") as sink:
 
         def note(record: dict) -> None:

@@ -183,8 +183,7 @@ def run(paths: list[Path], out: Path, home: Path, load: Load) -> list[dict]:
     store, encoder = Store(home), SentenceEncoder()
     lm = load_model("default", home / "models", weights="auto")
     evaluation = EvalConfig()
-    config = AskConfig(max_new_tokens=evaluation.max_new_tokens, question_template=evaluation.question_template,
-                       echo_guard=evaluation.echo_guard)  # fmt: skip
+    config = evaluation.answering()  # as eval and `kvchat ask` answer (kvchat.answer.decoding)
     with out.open("a") as sink:
 
         def note(record: dict) -> None:
