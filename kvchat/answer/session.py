@@ -188,7 +188,7 @@ class Session:
                 entries = self._place(cache, stored, placing)
                 held = cache.checkpoint()  # the placed chunks' entries, and nothing of the prompt yet
                 decoded = decode_answer(  # a grounded answer is shown once it is checked
-                    self.lm, cache, prompt_ids, self.config, question=question, speakers=self._speakers(),
+                    self.lm, cache, prompt_ids, self.config, question=question, speakers=self._speakers(episode_turns),
                     stops=stops, on_text=None if self.config.grounded else on_text, stop=stop,
                     on_first_logits=on_first_logits, first_recorder=first_recorder,
                 )
@@ -311,13 +311,14 @@ class Session:
             self._stored = stored
         return self._stored
 
-    def _speakers(self) -> frozenset[str]:
-        """The speakers of the turns the answer can see (the resident episode's, and every recalled chunk's): a line
-        of the answer that starts with one's label is the model writing the history on (kvchat.answer.stops)."""
+    def _speakers(self, episode_turns: Sequence[grounding.Turn]) -> frozenset[str]:
+        """The speakers of the turns the answer can see (the resident episode's, `_turns_of`, and every recalled
+        chunk's): a line of the answer that starts with one's label is the model writing the history on
+        (kvchat.answer.stops)."""
         if self._speaker_names is None:
-            spans = from_metadata(self._turns) or []
             chunks = self._recall.chunks if self._recall is not None else []
-            self._speaker_names = frozenset({s.speaker for s in spans} | {m.speaker for c in chunks for m in c.marks})
+            self._speaker_names = frozenset({t.speaker for t in episode_turns} |
+                                            {m.speaker for c in chunks for m in c.marks})  # fmt: skip
         return self._speaker_names
 
     def _place(self, cache: EpisodeCache, stored: StoredEntries | None, placing: Sequence[int]) -> int:
