@@ -40,7 +40,7 @@ import torch
 from _load import Load, checked  # benchmarks/ is on sys.path
 
 from kvchat.answer import recall
-from kvchat.answer.decoding import Detokenizer
+from kvchat.answer.decoding import decode_answer, question_prompt
 from kvchat.answer.rag import RagIndex
 from kvchat.answer.session import Session
 from kvchat.config import AskConfig, EvalConfig, IngestConfig, default_home
@@ -52,9 +52,8 @@ from kvchat.kv import codec
 from kvchat.kv.cache import EpisodeCache
 from kvchat.kv.quantize import QuantizedEntries
 from kvchat.kv.rope import rotate_keys
-from kvchat.model.echo import guard_for
 from kvchat.model.encoder import SentenceEncoder
-from kvchat.model.llm import ChatLayout, LoadedModel, generate, load_model, use_threads
+from kvchat.model.llm import ChatLayout, LoadedModel, load_model, use_threads
 from kvchat.settings import from_settings
 from kvchat.store import Store
 
@@ -161,18 +160,15 @@ class StoredAnswerer:
         query = self.encoder.embed([question])[0]
         cache = self._cache(route(query, self.centroids)[0])
         chunks = recall.picked(self.index, question, query, self.split)
-        prompt = self.lm.encode(self.layout.question(self.config.question_template.format(question=question)))
-        mark, text = cache.checkpoint(), Detokenizer(self.lm.decode)
+        prompt = self.lm.encode(question_prompt(self.layout, self.config, question))
+        mark = cache.checkpoint()
         try:
             with torch.inference_mode():
                 for chunk in chunks:
                     self.chunks(system).place(cache, chunk, self.rotary)
-                for token in generate(self.lm, cache, prompt, self.config.max_new_tokens,
-                                      echo=guard_for(self.config, question, self.lm.decode)):  # fmt: skip
-                    text.push(token)
+                return decode_answer(self.lm, cache, prompt, self.config, question=question).text  # as ask decodes
         finally:
             cache.rollback(mark)
-        return self.lm.decode(text.tokens).strip()
 
 
 def run(paths: list[Path], out: Path, home: Path, load: Load) -> list[dict]:
