@@ -2,7 +2,7 @@
 through the one answer path, on whole LoCoMo conversations and on planted-fact histories made like users' exports.
 
     KVCHAT_HOME=... python benchmarks/answer_defaults.py DATA... [--planted 10] \
-        [--candidates plain:1.0,locomo:1.0,plain:1.2] [--planted-only plain:1.1] [--max-new-tokens 64] \
+        [--candidates plain:1.1,locomo:1.1] [--planted-only plain:1.2] [--questions N] [--max-new-tokens 64] \
         --out benchmarks/results/records/answer_defaults.jsonl --report benchmarks/results/answer_defaults.md
 
 Each candidate is a question template (`TEMPLATES`, by key) and a repetition penalty. kvchat answers at its defaults
@@ -37,7 +37,16 @@ from pathlib import Path
 import numpy as np
 from _load import checked  # benchmarks/ is on sys.path
 
-from kvchat.config import LOCOMO_QA_TEMPLATE, AskConfig, CacheConfig, EvalConfig, IngestConfig, Sampling, default_home
+from kvchat.config import (
+    LOCOMO_QA_TEMPLATE,
+    REPETITION_PENALTY,
+    AskConfig,
+    CacheConfig,
+    EvalConfig,
+    IngestConfig,
+    Sampling,
+    default_home,
+)
 from kvchat.eval.evaluate import EvalProgress, ResultsFile
 from kvchat.eval.gold import bootstrap_interval, evaluate_gold, kvchat_variant, paired_difference
 from kvchat.eval.qa import QASet, Question, load_locomo, repeats_itself, score_answer
@@ -54,7 +63,7 @@ TEMPLATES = {
     "assistant": "{question}\n\nAs the assistant, answer in a few words using facts from the conversation; write a "
                  "full sentence only if the question asks for an explanation.",
 }
-CANDIDATES = "plain:1.0,locomo:1.0,phrase:1.0,assistant:1.0"
+CANDIDATES = ",".join(f"{key}:{REPETITION_PENALTY:g}" for key in TEMPLATES)  # at the default penalty
 
 
 def planted_sets(count: int, scratch: Path) -> list[QASet]:
@@ -136,6 +145,8 @@ def main() -> None:
     parser.add_argument("--planted", type=int, default=10, help="planted-fact histories per export style")
     parser.add_argument("--candidates", default=CANDIDATES, help="TEMPLATE:PENALTY,... (templates: "
                         + ", ".join(TEMPLATES) + ")")
+    parser.add_argument("--questions", type=int, default=None,
+                        help="LoCoMo questions per conversation, spread over the file (a subset of 2N's); default all")
     parser.add_argument("--planted-only", default="", help="more candidates, measured on the planted histories only")
     parser.add_argument("--max-new-tokens", type=int, default=AskConfig.max_new_tokens)
     parser.add_argument("--caps", default="16,32,48", help="shorter answer lengths, derived from the answers")
@@ -157,7 +168,7 @@ def main() -> None:
         sets = [load_locomo(path) for path in args.data] + planted
         for (name, template, penalty), on in [*[(c, sets) for c in candidates], *[(c, planted) for c in planted_only]]:
             config = EvalConfig(max_new_tokens=args.max_new_tokens, question_template=template,
-                                sampling=Sampling(repetition_penalty=penalty))  # fmt: skip
+                                questions=args.questions, sampling=Sampling(repetition_penalty=penalty))
             evaluate_gold(on, [kvchat_variant(CacheConfig(), name)], lm=lm, encoder=encoder, results=results,
                           config=config, base=IngestConfig(), profile_dirs=[home / "profiles"], progress=_Progress(),
                           store=store, conversation_name=lambda s, v: f"{s.name}.auto-1024")  # fmt: skip

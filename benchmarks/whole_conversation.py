@@ -5,13 +5,14 @@ instead, every system scored against the gold answers at equal KV entries.
         [--systems rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024] \
         --out benchmarks/results/records/whole_conversation.jsonl --report benchmarks/results/whole_conversation.md
 
-Each conversation is loaded whole (every session, every category 1-4 question with evidence; LoCoMo's QA prompt
-for every system, greedy answers of at most 32 tokens) and answered by each system through kvchat.eval.gold, the
-library `kvchat eval --against gold` runs: F1 with a percentile bootstrap 95% interval (fixed seed), per
-category, seconds per answer in this one process, KV entries per layer and KV head the first answer token
-attends to (resident + read back + prefilled at question time), bytes on disk and resident. kvchat's caches
-are built in $KVCHAT_HOME's store as `<conversation>.<system>` and reused by later runs while their settings
-match (ingest seconds are the first build's); the results file resumes, so a run can be stopped and continued,
+Each conversation is loaded whole (every session, every category 1-4 question with evidence) and answered by each
+system through kvchat.eval.gold, the library `kvchat eval --against gold` runs, every answer decoded as `kvchat ask`
+decodes it (kvchat.answer.decoding at AskConfig's defaults: the question as asked, 64 tokens, repetition penalty):
+F1 with a percentile bootstrap 95% interval (fixed seed), gold-answer NLL, oracle-gain recovery and evidence recall
+(kvchat.eval.memory_metrics), per category, seconds per answer in this one process, KV entries per layer and KV head
+the first answer token attends to (resident + read back + prefilled at question time), bytes on disk and resident.
+kvchat's caches are built in $KVCHAT_HOME's store as `<conversation>.<system>` and reused by later runs while their
+settings match (ingest seconds are the first build's); the results file resumes, so a run can be stopped and continued,
 and `--questions N` measures an evenly spread subset first.
 
 Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutive turns; `rag-dated@KxC`: each
