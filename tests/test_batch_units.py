@@ -53,6 +53,10 @@ class Watch(IngestProgress):
 
     def __init__(self, on_checkpoint=None) -> None:
         self.on_checkpoint, self.workers, self.said, self.resumed = on_checkpoint, {}, [], None
+        self.methods: list[tuple] = []
+
+    def method(self, name, history_tokens, window) -> None:
+        self.methods.append((name, history_tokens, window))
 
     def running(self, part, worker) -> None:
         self.workers[part] = worker
@@ -81,8 +85,11 @@ def test_two_workers_store_the_files_of_a_local_ingest(ray_instance, turns, tiny
     config = _config(tiny_model_dir, **STORED)
     watch = Watch()
     report = _spread(tmp_path / "ray", turns, config, progress=watch)
-    ingest(turns, name="c", config=config, store=Store(tmp_path / "local"), lm=tiny_lm, encoder=encoder)
+    local = Watch()
+    ingest(turns, name="c", config=config, store=Store(tmp_path / "local"), lm=tiny_lm, encoder=encoder,
+           progress=local)  # fmt: skip
     assert _files(tmp_path / "ray", "c") == _files(tmp_path / "local", "c")
+    assert watch.methods == local.methods and len(local.methods) == 1  # announced as a local ingest announces it
     assert report.recall_entries_bytes and report.episodes == 4
     assert len({id(w) for w in watch.workers.values()}) == 2  # both workers had a part
     assert any(part.startswith("recall chunks") for part in watch.workers)

@@ -81,6 +81,8 @@ def ingest_spread(
             pending = store.begin(name, replace=replace, resumable=identity, resume=resume if resumable else None)
             try:
                 with pending, pending.disk_full_guard(), units.UnitWriter(pending, plan, planned.layout) as writer:
+                    progress.method(plan.config.cache.method, int(plan.prefix_ids.shape[-1]) + plan.history_tokens,
+                                    planned.context_window)
                     progress.planned(blocks_to_prefill(plan), len(plan.episodes), int(plan.context_ids.shape[-1]))
                     if pending.found:
                         progress.note(pending.found)

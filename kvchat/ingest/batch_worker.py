@@ -106,11 +106,13 @@ class Finished:
 @dataclass(frozen=True)
 class UnitsPlanned:
     """One history planned for its units to be spread (kvchat.ingest.batch_units): the plan, the recall entries
-    file's layout where it stores one, and the model that planned it."""
+    file's layout where it stores one, the model that planned it and its context window (the driver announces the
+    method with it, as a local ingest does)."""
 
     plan: IngestPlan
     layout: Layout | None
     model: ModelIdentity
+    context_window: int = 0
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,7 @@ class HistoryWorker:
             self._check_fits(plan, available)
         assert self._lm is not None
         found = recall_layout(plan, self._lm)
-        return UnitsPlanned(plan, found[0] if found else None, self._lm.identity)
+        return UnitsPlanned(plan, found[0] if found else None, self._lm.identity, self._lm.context_window)
 
     def adopt(self, plan: IngestPlan) -> None:
         """The history whose units come next (the driver's `ray.put` of the plan `plan_units` made)."""
