@@ -3,6 +3,7 @@ answer path (sentence-transformers, transformers' `generate`), only kvchat's LoC
 compares.
 
     KVCHAT_HOME=... python benchmarks/plain_rag.py DATA... [--top 2,4] [--chunk-tokens 256] [--max-new-tokens 64] \
+        [--questions N] \
         --out benchmarks/results/records/plain_rag.jsonl --report benchmarks/results/plain_rag.md
 
 The history's turns ("speaker: text" lines, each session's first turn after its date) are cut into chunks of
@@ -32,7 +33,7 @@ from _load import checked  # benchmarks/ is on sys.path
 
 from kvchat.config import default_home
 from kvchat.eval.gold import bootstrap_interval
-from kvchat.eval.qa import CATEGORIES, load_locomo, score_answer
+from kvchat.eval.qa import CATEGORIES, load_locomo, sample_questions, score_answer
 
 INSTRUCTION = "Answer the user's question using these excerpts of an earlier conversation.\n\n"
 
@@ -54,6 +55,8 @@ def main() -> None:
     parser.add_argument("--top", default="2,4", help="chunks per question, one system per value")
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--questions", type=int, default=None,
+                        help="per conversation, spread over the file as kvchat's harness spreads them; default all")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--note", default="")
@@ -81,7 +84,7 @@ def main() -> None:
                 last = turn.time
             chunks = chunks_of(lines, lambda t: len(tokenizer(t)["input_ids"]), args.chunk_tokens)
             embedded = encoder.encode(chunks, normalize_embeddings=True)
-            for question in qa.questions:
+            for question in sample_questions(qa.questions, args.questions):
                 query = encoder.encode([question.text], normalize_embeddings=True)[0]
                 order = np.argsort(-(embedded @ query), kind="stable")
                 for k in tops:
