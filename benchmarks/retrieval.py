@@ -9,13 +9,24 @@ the score is the share of the question's evidence turns inside them (mean over q
 the same tokens (k x chunk tokens). Rankings:
 - `dense`: the sentence encoder kvchat ships (MiniLM), cosine of the chunk's and the question's embeddings (what
   plain RAG does);
-- `lexical`: TF-IDF of the words (kvchat.answer.lexical), the encoder breaking ties (what `--method recall` ships);
+- `lexical`: TF-IDF of the words (kvchat.answer.lexical), the encoder breaking ties (what `--method recall` shipped
+  until 2026-12-02);
 - `turns`: the encoder, a chunk scored by its best turn's embedding;
-- `fused`: reciprocal-rank fusion of dense and lexical (k = 60).
+- `lexical-turns`: TF-IDF over the turns (idf over turns), a chunk scored by its best turn, the encoder breaking
+  ties (a fact stated in one turn is not diluted by the chunk's other turns);
+- `lexical+turns`: the chunk's TF-IDF cosine plus its best turn's, the encoder breaking ties;
+- `fused`: reciprocal-rank fusion of dense and lexical (k = 60);
+- `lexical|turns`: reciprocal-rank fusion of lexical and turns (k = 60);
+- `interleaved`: lexical's best chunk, then the best by `turns` not taken yet, and so on (kvchat.answer.rag's
+  `interleaved_order` over `TurnEmbeddings` of the turns as the history renders them: what `--method recall` ships
+  since 2026-12-02);
+- `segments`: the encoder, a chunk scored by the best episode segment (w turns, as an ingest embeds them for
+  K-Means) it overlaps: no embedding beyond what an ingest computes;
+- `interleaved-segments`: as `interleaved`, with segments in place of turns.
 
 A second table asks the same of `--method recall`'s episode routing: the history cut into episodes as an ingest
 cuts it (segments of w turns, K-Means, kvchat.history.episodes), the share of the evidence turns in the routed episode's
-turns, in the recalled chunks (the lexical top k at the default split), and in either. Routings:
+turns, in the recalled chunks (the top k at the default split and ranking), and in either. Routings:
 - `centroid`: the nearest centroid (what `ask` does);
 - `chunks`: the episode that holds most of the recalled chunks' turns;
 - `best`: the episode that would cover most of the evidence with the chunks (known only from the gold evidence).
@@ -32,7 +43,8 @@ from pathlib import Path
 import numpy as np
 from _load import checked  # benchmarks/ is on sys.path
 
-from kvchat.answer.rag import RagIndex
+from kvchat.answer.lexical import LexicalIndex
+from kvchat.answer.rag import RagIndex, TurnEmbeddings, fused_order, interleaved_order
 from kvchat.answer.recall import split
 from kvchat.config import DEFAULT_EPISODES, EpisodeConfig, IngestConfig, default_home
 from kvchat.eval.qa import load_locomo
@@ -41,7 +53,8 @@ from kvchat.history.loading import format_turns
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import load_model, use_threads
 
-RANKINGS = ("dense", "lexical", "turns", "fused")
+RANKINGS = ("dense", "lexical", "turns", "lexical-turns", "lexical+turns", "fused", "lexical|turns", "interleaved",
+            "segments", "interleaved-segments")
 
 
 def _fused(*scores: np.ndarray, k: int = 60) -> np.ndarray:
@@ -62,6 +75,10 @@ def evidence_hits(path: Path, lm, encoder: SentenceEncoder, chunk_tokens: int, k
     for c, chunk in enumerate(index.chunks):
         owner[chunk.first:chunk.end] = c
     turn_embeddings = encoder.embed([f"{t.role}: {t.text}" for t in qa.turns])
+    turn_words = LexicalIndex(format_turns(qa.turns))
+    rendered = TurnEmbeddings.build(format_turns(qa.turns), encoder)
+    window = EpisodeConfig().segment_turns
+    segment_embeddings = encoder.embed(segment(format_turns(qa.turns), window))
     hits: dict = {}
     for question, query in zip(qa.questions, encoder.embed([q.text for q in qa.questions]), strict=True):
         evidence = {int(owner[turn_of[e]]) for e in question.evidence if e in turn_of}
@@ -69,11 +86,25 @@ def evidence_hits(path: Path, lm, encoder: SentenceEncoder, chunk_tokens: int, k
         best_turn = np.full(len(index.chunks), -np.inf)
         np.maximum.at(best_turn, owner, turn_embeddings @ query)
         lexical = index.lexical.scores(question.text)
+        best_segment = np.full(len(index.chunks), -np.inf)
+        for c, chunk in enumerate(index.chunks):
+            best_segment[c] = float(np.max(segment_embeddings[chunk.first // window : (chunk.end - 1) // window + 1]
+                                           @ query))
+        best_words = np.zeros(len(index.chunks), dtype=np.float32)
+        np.maximum.at(best_words, owner, turn_words.scores(question.text))
         orders = {
             "dense": np.argsort(-dense, kind="stable"),
             "lexical": np.lexsort((-dense, -lexical)),
             "turns": np.argsort(-best_turn, kind="stable"),
+            "lexical-turns": np.lexsort((-dense, -best_words)),
+            "lexical+turns": np.lexsort((-dense, -(lexical + best_words))),
             "fused": np.argsort(-_fused(dense, lexical), kind="stable"),
+            "lexical|turns": fused_order(np.lexsort((-dense, -lexical)), np.argsort(-best_turn, kind="stable")),
+            "interleaved": interleaved_order(np.lexsort((-dense, -lexical)), np.argsort(
+                -rendered.best_per_chunk(index.chunks, query), kind="stable"), k=len(index.chunks)),
+            "segments": np.argsort(-best_segment, kind="stable"),
+            "interleaved-segments": interleaved_order(np.lexsort((-dense, -lexical)),
+                                                      np.argsort(-best_segment, kind="stable"), k=len(index.chunks)),
         }
         for name, order in orders.items():
             for k in ks:
@@ -99,13 +130,14 @@ def routing_hits(path: Path, lm, encoder: SentenceEncoder) -> dict:
         for s in episode.segments:
             episode_of[s * window : (s + 1) * window] = episode.index
     centroids = np.stack([e.centroid for e in episodes])
-    index = RagIndex.build(qa.turns, lm, encoder, recall_split.chunk_tokens)
+    index = RagIndex.build(qa.turns, lm, encoder, recall_split.chunk_tokens,
+                           turn_embeddings=TurnEmbeddings.build(format_turns(qa.turns), encoder))
     hits: dict = {}
     for question, query in zip(qa.questions, encoder.embed([q.text for q in qa.questions]), strict=True):
         evidence = [turn_of[e] for e in question.evidence if e in turn_of]
         if not evidence:
             continue
-        recalled = {t for c in index.top(query, recall_split.chunks, question.text)
+        recalled = {t for c in index.top(query, recall_split.chunks, question.text, recall_split.retrieval)
                     for t in range(index.chunks[c].first, index.chunks[c].end)}  # fmt: skip
         votes = np.bincount(episode_of[sorted(recalled)], minlength=len(episodes)) + 1e-3 * (centroids @ query)
         covered = [_shares(e, evidence, recalled, episode_of) for e in range(len(episodes))]

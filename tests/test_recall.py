@@ -6,16 +6,18 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from kvchat.answer import recall
-from kvchat.answer.rag import RagIndex
+from kvchat.answer.rag import Chunk, RagIndex, TurnEmbeddings, interleaved_order
 from kvchat.answer.session import Session
 from kvchat.cli.words import spell
 from kvchat.config import AskConfig, CacheConfig, EpisodeConfig, IngestConfig, RecallConfig
 from kvchat.errors import UserError
 from kvchat.eval.qa import planted_sets
+from kvchat.history.loading import format_turns
 from kvchat.ingest.pipeline import ingest, plan_ingest
 from kvchat.kv import codec
 from kvchat.settings import from_settings, rebuild_command, with_settings
@@ -30,8 +32,8 @@ CONFIG = IngestConfig(
 
 
 def test_the_budget_splits_into_whole_chunks_and_the_episode_caches_keep_the_rest():
-    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "lexical", 256)
-    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "lexical", 256)
+    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "interleaved", 256)
+    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "interleaved", 256)
     small = recall.split(CacheConfig(budget=64))  # chunks shrink to fit a small budget
     assert (small.chunks, small.chunk_tokens, small.cache_budget) == (1, 32, 32)
     with pytest.raises(UserError, match="recall_share must be between 0 and 1"):
@@ -100,7 +102,7 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
     answer = session.ask(question, on_first_logits=first.append, log=False)
     _, metadata = store.load_episode(conversation.episodes[answer.episode], short_lm.fingerprint)
     index = recall.from_metadata(metadata)
-    expected = index.top(encoder.embed([question])[0], 3, question)  # ranked by its words (the default)
+    expected = index.top(encoder.embed([question])[0], 3, question, "interleaved")  # the default ranking
     assert answer.recalled == [[index.chunks[i].first, index.chunks[i].end] for i in expected]
     text = "\n".join(index.chunks[i].text for i in expected)
     question_ids = short_lm.encode(session.layout.question(session.config.question_template.format(question=question)))
@@ -116,12 +118,50 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
 def test_chunks_are_ranked_by_the_retrieval_the_conversation_was_built_with(stored, short_lm):
     store, _ = stored
     settings = store.get("long").settings
-    assert settings["recall_retrieval"] == "lexical"
-    assert recall.split(from_settings(settings).cache).retrieval == "lexical"
+    assert settings["recall_retrieval"] == "interleaved"
+    assert recall.split(from_settings(settings).cache).retrieval == "interleaved"
+    lexical = settings | {"recall_retrieval": "lexical"}  # a store written while lexical was the default keeps it
+    assert recall.split(from_settings(lexical).cache).retrieval == "lexical"
     dense = {k: v for k, v in settings.items() if k != "recall_retrieval"}  # a store written before lexical ranking
     assert recall.split(from_settings(dense).cache).retrieval == "dense"
     assert "recall_retrieval" not in spell(rebuild_command("long", "default", settings))  # the default
     assert "--setting recall_retrieval=dense" in spell(rebuild_command("long", "default", dense))
+    index = recall.from_metadata(store.load_episode(store.get("long").episodes[0], short_lm.fingerprint)[1])
+    assert index.turns is not None  # what the interleaved ranking reads, stored with the chunks: every turn's
+    assert index.turns.starts.tolist() == list(range(index.chunks[-1].end))
+
+
+def _index(texts: list[str], chunk_vectors: list[list[float]], group_starts: list[int] | None = None,
+           group_vectors: list[list[float]] | None = None) -> RagIndex:
+    """Chunks of two turns each, with the embeddings given (unit-normed)."""
+    def unit(rows):
+        a = np.asarray(rows, dtype=np.float32)
+        return a / np.linalg.norm(a, axis=1, keepdims=True)
+
+    chunks = [Chunk(2 * i, 2 * i + 2, text, 8) for i, text in enumerate(texts)]
+    turns = None if group_starts is None else TurnEmbeddings(np.asarray(group_starts), unit(group_vectors))
+    return RagIndex(chunks, unit(chunk_vectors), turns)
+
+
+def test_interleaved_takes_the_best_by_words_then_the_chunk_of_the_nearest_turn():
+    texts = ["the puppy is called Cobble", "a puppy and another puppy", "rain all week", "we went hiking"]
+    query = np.asarray([1.0, 0.0, 0.0], dtype=np.float32)
+    # the group of turns 5-6 (chunk 2's second turn, chunk 3's first) is nearest the question
+    index = _index(texts, [[0, 1, 0]] * 4, [0, 3, 5, 7], [[0, 1, 0], [0, 0, 1], [1, 0.1, 0], [0, 1, 1]])
+    question = "What is the puppy called?"
+    assert index.top(query, 2, question, "lexical") == [0, 1]
+    assert index.top(query, 2, question, "interleaved") == [0, 2]  # the first chunk the nearest group overlaps
+    assert index.top(query, 3, question, "interleaved") == [0, 1, 2]  # then the next by words
+    best = index.turns.best_per_chunk(index.chunks, query)
+    assert best[2] == pytest.approx(best[3]) and best[2] > best[0]  # a group counts for every chunk it overlaps
+    bare = _index(texts, [[0, 1, 0]] * 4)  # an index stored before turn embeddings: lexical
+    assert bare.top(query, 2, question, "interleaved") == bare.top(query, 2, question, "lexical")
+
+
+def test_interleaved_order_alternates_and_skips_what_is_taken():
+    first, second = np.asarray([3, 1, 2, 0]), np.asarray([3, 0, 1, 2])
+    assert interleaved_order(first, second, k=3).tolist() == [3, 0, 1]
+    assert interleaved_order(first, second, k=9).tolist() == [3, 0, 1, 2]
 
 
 def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):
@@ -137,13 +177,18 @@ def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_p
     assert after.chunks[: len(before.chunks)] == before.chunks
     assert after.chunks[len(before.chunks)].first == 200 and after.chunks[-1].end == len(QA.turns)
     assert after.embeddings.shape == (len(after.chunks), before.embeddings.shape[1])
+    assert after.turns.starts.tolist() == list(range(len(QA.turns)))  # the new turns' embeddings follow
+    np.testing.assert_array_equal(after.turns.embeddings[:200], before.turns.embeddings)
 
 
 def test_the_index_round_trips_and_a_damaged_one_is_refused(encoder, short_lm):
-    index = RagIndex.build(QA.turns[:30], short_lm, encoder, chunk_tokens=16)
+    turns = TurnEmbeddings.build(format_turns(QA.turns[:30]), encoder, width=4)
+    index = RagIndex.build(QA.turns[:30], short_lm, encoder, chunk_tokens=16, turn_embeddings=turns)
     back = recall.from_metadata({recall.METADATA_KEY: recall.to_metadata(index)})
     assert back.chunks == index.chunks
     torch.testing.assert_close(torch.from_numpy(back.embeddings), torch.from_numpy(index.embeddings), atol=1e-3, rtol=0)
+    assert back.turns.starts.tolist() == list(range(0, 30, 4))
+    np.testing.assert_allclose(back.turns.embeddings, turns.embeddings, atol=1e-3)
     assert recall.from_metadata({}) is None
     with pytest.raises(ValueError, match="recall index"):
         recall.from_metadata({recall.METADATA_KEY: recall.to_metadata(index)[:-40]})

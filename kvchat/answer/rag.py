@@ -71,15 +71,52 @@ def chunk_turns(turns: int, render: Callable[[int, int], str], count_tokens: Cal
 
 
 @dataclass(frozen=True)
+class TurnEmbeddings:
+    """Each turn of the history embedded by the sentence encoder (or each group of `width` turns): a fact said in one
+    turn ("Hannah's new puppy is called Cobble.") is diluted in a 256-token chunk's embedding and words but not in its
+    turn's, so recall's `interleaved` ranking finds the chunk by its best turn."""
+
+    starts: np.ndarray      # [T] int64: each embedded group's first turn, increasing; each ends where the next starts
+    embeddings: np.ndarray  # [T, dim] float32, unit norm
+
+    @classmethod
+    def build(cls, lines: Sequence[str], encoder: SentenceEncoder, width: int = 1,
+              on_progress: Callable[[int, int], None] | None = None) -> TurnEmbeddings:  # fmt: skip
+        """The rendered `lines` (one per turn) embedded `width` at a time."""
+        texts = list(lines) if width == 1 else ["\n".join(lines[i : i + width]) for i in range(0, len(lines), width)]
+        return cls(np.arange(0, len(lines), width, dtype=np.int64),
+                   np.asarray(encoder.embed(texts, on_progress), dtype=np.float32))  # fmt: skip
+
+    def offset(self, turns: int) -> TurnEmbeddings:
+        return TurnEmbeddings(self.starts + turns, self.embeddings)
+
+    def best_per_chunk(self, chunks: Sequence[Chunk], query: np.ndarray) -> np.ndarray:
+        """Each chunk's best cosine to `query` among the embedded turns (groups) that overlap it."""
+        firsts = np.asarray([c.first for c in chunks], dtype=np.int64)
+        ends = np.asarray([c.end for c in chunks], dtype=np.int64)
+        group_ends = np.append(self.starts[1:], max(int(ends[-1]), int(self.starts[-1]) + 1))
+        lows = np.searchsorted(ends, self.starts, side="right")  # the first chunk ending after the group's start
+        highs = np.searchsorted(firsts, group_ends, side="left")  # past the last chunk starting before its end
+        owner = np.repeat(np.arange(len(self.starts)), np.maximum(highs - lows, 0))
+        chunk = np.concatenate([np.arange(lo, hi) for lo, hi in zip(lows, highs, strict=True) if hi > lo] or
+                               [np.zeros(0, dtype=np.int64)])  # fmt: skip
+        best = np.full(len(chunks), -np.inf, dtype=np.float32)
+        np.maximum.at(best, chunk, (self.embeddings @ query)[owner])
+        return best
+
+
+@dataclass(frozen=True)
 class RagIndex:
-    """A history's chunks and their unit-norm embeddings `[chunks, dim]`."""
+    """A history's chunks and their unit-norm embeddings `[chunks, dim]`; `turns`, its turns' embeddings where the
+    index has them (recall's, since the interleaved ranking: None in indexes stored before it and in plain RAG's)."""
 
     chunks: list[Chunk]
     embeddings: np.ndarray
+    turns: TurnEmbeddings | None = None
 
     @classmethod
     def build(cls, turns: Sequence[Turn], lm: LoadedModel, encoder: SentenceEncoder, chunk_tokens: int,
-              dated: bool = False) -> RagIndex:  # fmt: skip
+              dated: bool = False, turn_embeddings: TurnEmbeddings | None = None) -> RagIndex:  # fmt: skip
         """`dated`: each chunk opens with the date of its first turn (the history's rendering dates only the
         first turn of each session)."""
         lines = format_turns(turns)
@@ -103,12 +140,14 @@ class RagIndex:
         chunks = [marked(c) for c in chunk_turns(len(turns), render, count, chunk_tokens, cut)]
         if not chunks:
             raise UserError("the history has no turns to retrieve from")
-        return cls(chunks, encoder.embed([c.text for c in chunks]))
+        return cls(chunks, encoder.embed([c.text for c in chunks]), turn_embeddings)
 
     def top(self, query: np.ndarray, k: int, question: str | None = None, retrieval: str = "lexical") -> list[int]:
         """The `k` chunks most similar to `query` (cosine of embeddings), in history order. With `question` (its
         text), ranked by `retrieval`: `lexical`, by their words first (kvchat.answer.lexical) and by `query` among
-        chunks that tie; `hybrid`, by reciprocal-rank fusion of that ranking and the encoder's (`fused_order`)."""
+        chunks that tie; `hybrid`, by reciprocal-rank fusion of that ranking and the encoder's (`fused_order`);
+        `interleaved`, the lexical ranking's best chunk, then the chunk of the turn nearest `query`, in turn
+        (`interleaved_order`; lexical alone where the index has no turn embeddings)."""
         dense = self.embeddings @ query
         if question is None or retrieval == "dense":
             order = np.argsort(-dense, kind="stable")
@@ -116,6 +155,9 @@ class RagIndex:
             order = np.lexsort((-dense, -self.lexical.scores(question)))
             if retrieval == "hybrid":
                 order = fused_order(np.argsort(-dense, kind="stable"), order)
+            elif retrieval == "interleaved" and self.turns is not None:
+                nearest = np.argsort(-self.turns.best_per_chunk(self.chunks, query), kind="stable")
+                order = interleaved_order(order, nearest, k=k)
         return sorted(int(i) for i in order[: max(0, k)])
 
     @cached_property
@@ -125,8 +167,24 @@ class RagIndex:
 
     @property
     def nbytes(self) -> int:
-        """What storing the index takes: the chunks' text (UTF-8) and their float32 embeddings."""
-        return sum(len(c.text.encode()) for c in self.chunks) + self.embeddings.nbytes
+        """What holding the index takes: the chunks' text (UTF-8) and the float32 embeddings."""
+        held = self.turns.embeddings.nbytes if self.turns is not None else 0
+        return sum(len(c.text.encode()) for c in self.chunks) + self.embeddings.nbytes + held
+
+
+def interleaved_order(*orders: np.ndarray, k: int) -> np.ndarray:
+    """The first `k` items of the `orders` taken in turn, each order's best not taken yet (each ranking gets its
+    share of the chunks instead of one ranking's scores drowning the other's)."""
+    taken: list[int] = []
+    at = [0] * len(orders)
+    k = min(k, len(orders[0]))
+    while len(taken) < k:
+        for i, order in enumerate(orders):
+            while at[i] < len(order) and int(order[at[i]]) in taken:
+                at[i] += 1
+            if at[i] < len(order) and len(taken) < k:
+                taken.append(int(order[at[i]]))
+    return np.asarray(taken, dtype=np.int64)
 
 
 def fused_order(*orders: np.ndarray, k: int = RRF_K) -> np.ndarray:

@@ -7,8 +7,9 @@ question its top chunks of consecutive turns (R tokens, by the sentence encoder 
 question is embedded once) are prefilled after the cache and before the question. A turn the cache dropped, or
 that another episode holds, comes back as text.
 
-The chunk index (chunks and their embeddings) is written into every episode file's metadata, so each file
-answers on its own and is covered by its own digest; an append extends it with the new turns' chunks. How M is
+The chunk index (chunks, their embeddings and the turns') is written into every episode file's
+metadata, so each file answers on its own and is covered by its own digest; an append extends it with the new turns'
+chunks. How M is
 split, recall's settings and their checks are the recall feature's (kvchat.features.recall).
 """
 
@@ -22,7 +23,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from kvchat.answer.rag import Chunk, RagIndex
+from kvchat.answer.rag import Chunk, RagIndex, TurnEmbeddings
 from kvchat.features.recall import RecallSplit as RecallSplit  # how M is split: the feature's, used here too
 from kvchat.features.recall import split as split
 from kvchat.features.recall import split_for as split_for
@@ -36,18 +37,26 @@ _MAX_INDEX_BYTES = 1 << 30  # what an index may inflate to: bounded before it al
 def offset(index: RagIndex, turns: int) -> RagIndex:
     """`index` of turns that follow `turns` stored ones: its chunks' turn numbers counted from the history's start."""
     chunks = [replace(c, first=c.first + turns, end=c.end + turns) for c in index.chunks]
-    return RagIndex(chunks, index.embeddings)
+    return RagIndex(chunks, index.embeddings, index.turns.offset(turns) if index.turns is not None else None)
 
 
 def joined(first: RagIndex, then: RagIndex) -> RagIndex:
-    """One index of `first`'s chunks followed by `then`'s (an append's new turns)."""
-    return RagIndex([*first.chunks, *then.chunks], np.concatenate([first.embeddings, then.embeddings]))
+    """One index of `first`'s chunks followed by `then`'s (an append's new turns); the turns' embeddings where both
+    have them."""
+    turns = None
+    if first.turns is not None and then.turns is not None:
+        turns = TurnEmbeddings(np.concatenate([first.turns.starts, then.turns.starts]),
+                               np.concatenate([first.turns.embeddings, then.turns.embeddings]))  # fmt: skip
+    return RagIndex([*first.chunks, *then.chunks], np.concatenate([first.embeddings, then.embeddings]), turns)
 
 
 def to_metadata(index: RagIndex) -> str:
     embeddings = index.embeddings.astype(np.float16)
     document = {"chunks": [asdict(c) for c in index.chunks], "dim": int(embeddings.shape[1]),
-                "embeddings": base64.b64encode(embeddings.tobytes()).decode("ascii")}  # fmt: skip
+                "embeddings": _b64(embeddings)}  # fmt: skip
+    if index.turns is not None:
+        document["turns"] = {"starts": index.turns.starts.tolist(),
+                             "embeddings": _b64(index.turns.embeddings.astype(np.float16))}  # fmt: skip
     return pack(json.dumps(document, separators=(",", ":")).encode())
 
 
@@ -60,14 +69,28 @@ def from_metadata(metadata: dict[str, str]) -> RagIndex | None:
         document = json.loads(unpack(raw, _MAX_INDEX_BYTES))
         chunks = [Chunk(**(c | {"marks": tuple(TurnMark(**m) for m in c.get("marks", ()))}))
                   for c in document["chunks"]]  # fmt: skip
-        embeddings = np.frombuffer(base64.b64decode(document["embeddings"], validate=True),
-                                   dtype=np.float16)
-        embeddings = embeddings.reshape(len(chunks), int(document["dim"])).astype(np.float32)
+        dim = int(document["dim"])
+        embeddings = _from_b64(document["embeddings"], dim)
+        turns = None
+        if "turns" in document:  # written since recall's interleaved ranking
+            starts = np.asarray(document["turns"]["starts"], dtype=np.int64)
+            turns = TurnEmbeddings(starts, _from_b64(document["turns"]["embeddings"], dim))
+            if len(turns.embeddings) != len(starts) or not len(starts) or np.any(np.diff(starts) <= 0):
+                raise ValueError("turn embeddings out of order")
     except (TypeError, ValueError, KeyError, binascii.Error) as e:
         raise ValueError(f"its recall index does not decode ({e})") from None
-    if not chunks:
-        raise ValueError("its recall index has no chunks")
-    return RagIndex(chunks, embeddings)
+    if not chunks or len(embeddings) != len(chunks):
+        raise ValueError("its recall index has no chunks" if not chunks else "its recall index does not decode")
+    return RagIndex(chunks, embeddings, turns)
+
+
+def _b64(values: np.ndarray) -> str:
+    return base64.b64encode(values.tobytes()).decode("ascii")
+
+
+def _from_b64(text: str, dim: int) -> np.ndarray:
+    """float16 rows of `dim` values, as float32."""
+    return np.frombuffer(base64.b64decode(text, validate=True), dtype=np.float16).reshape(-1, dim).astype(np.float32)
 
 
 def picked(index: RagIndex, question: str, query: np.ndarray, split: RecallSplit) -> list[int]:

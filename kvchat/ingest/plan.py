@@ -20,7 +20,7 @@ import torch
 
 from kvchat import features
 from kvchat.answer import recall
-from kvchat.answer.rag import RagIndex
+from kvchat.answer.rag import RagIndex, TurnEmbeddings
 from kvchat.config import (
     ANSWER_ROOM,
     DEFAULT_EPISODES,
@@ -443,11 +443,16 @@ def _turn_spans(text: _History, fed: _Episodes) -> tuple:
 
 
 def _recall_index(text: _History, cache: CacheConfig, planner: _Planner) -> RagIndex | None:
-    """--method recall: the chunks each question's turns are recalled from (an append's: its new turns only)."""
+    """--method recall: the chunks each question's turns are recalled from (an append's: its new turns only), and
+    for the interleaved ranking each turn's embedding."""
     split = recall.split_for(cache)
     if split is None:
         return None
-    index = RagIndex.build(text.turns, planner.lm, planner.encoder, split.chunk_tokens, cache.recall.dated)
+    turns = None
+    if cache.recall.retrieval == "interleaved":
+        turns = TurnEmbeddings.build(text.lines, planner.encoder,
+                                     on_progress=lambda done, total: planner.step("embedding turns", done, total))
+    index = RagIndex.build(text.turns, planner.lm, planner.encoder, split.chunk_tokens, cache.recall.dated, turns)
     return recall.offset(index, planner.continuing.turns) if planner.continuing else index
 
 

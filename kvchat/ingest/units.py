@@ -129,6 +129,9 @@ def identity(plan: IngestPlan, model: ModelIdentity) -> Identity:
     if plan.recall is not None:
         add(json.dumps([dataclasses.asdict(c) for c in plan.recall.chunks], default=str))
         add(plan.recall.embeddings.astype("float32").tobytes())
+        if plan.recall.turns is not None:
+            add(plan.recall.turns.starts.astype("int64").tobytes())
+            add(plan.recall.turns.embeddings.astype("float32").tobytes())
     if plan.trained is not None:
         trained = plan.trained
         add(json.dumps(trained.metadata(), sort_keys=True))
