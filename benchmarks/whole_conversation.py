@@ -19,10 +19,11 @@ Systems (`--systems`): `rag@KxC` (top K chunks of at most C tokens of consecutiv
 chunk opening with its date), `recent@M` (sink + the last tokens, `streaming` at uniform layer budgets),
 `rag-lexical@KxC` and `rag-hybrid@KxC` (ranked by their words, or by reciprocal-rank fusion of both rankings),
 `METHOD@M` (`kvchat ingest --method METHOD --budget M` at its other defaults; `:eE` with E episodes, `:rR` with
-IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens; `:stored` or
-`:prefilled`: `--recall-entries` so; `:kK`, each stored chunk's first K tokens recomputed at the question
-(`recall_repair`); `:fF`, F% of each stored chunk's entries kept (`recall_kept`)),
-`CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's routed cache).
+IceCache offload reading R entries; `recall@M:sS:cC`: recall share S% of M, chunks of C tokens; `:lexical`,
+`:dense`, `:hybrid`, `:interleaved`: `recall_retrieval` so; `:stored` or `:prefilled`: `--recall-entries` so;
+`:kK`, each stored chunk's first K tokens recomputed at the question (`recall_repair`); `:fF`, F% of each stored
+chunk's entries kept (`recall_kept`)), `CACHE+rag@KxC` (the question's top K chunks prefilled on top of CACHE's
+routed cache).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from kvchat.store import Store
 
 SYSTEMS = "rag@2x256,rag@4x256,recent@1024,snapkv@1024,epicache@1024"
 _SPEC = re.compile(r"(?P<name>[a-z0-9_-]+)@(?P<a>\d+)(?:x(?P<b>\d+))?(?::e(?P<e>\d+))?(?::r(?P<r>\d+))?"
-                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical|hybrid))?(?P<dated>:dated)?"
+                   r"(?::s(?P<s>\d+))?(?::c(?P<c>\d+))?(?::(?P<ret>dense|lexical|hybrid|interleaved))?(?P<dated>:dated)?"
                    r"(?::(?P<entries>stored|prefilled))?(?::k(?P<k>\d+))?(?::f(?P<f>\d+))?")
 
 
