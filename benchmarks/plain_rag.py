@@ -106,8 +106,11 @@ def main() -> None:
                               "seconds": round(time.perf_counter() - clock, 3)}  # fmt: skip
                     out.write(json.dumps(record) + "\n")
                     out.flush()
-    records = [json.loads(line) for line in args.out.read_text().splitlines()]
-    names = {qa for qa in (load_locomo(p).name for p in args.data)}
+    asked = {(qa.name, q.qid) for qa in map(load_locomo, args.data) for q in sample_questions(qa.questions,
+                                                                                        args.questions)}
+    systems = {f"plain-rag@{k}x{args.chunk_tokens}" for k in tops}
+    records = [r for r in map(json.loads, args.out.read_text().splitlines())
+               if (r["set"], r["qid"]) in asked and r["system"] in systems]  # this run's questions and systems
     command = "python benchmarks/plain_rag.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, run {args.load} (load average "
             f"{os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
@@ -116,7 +119,7 @@ def main() -> None:
              + " | ".join(CATEGORIES[c] for c in (1, 2, 3, 4)) + " | answer s |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     for system in sorted({r["system"] for r in records}):
-        rs = [r for r in records if r["system"] == system and r["set"] in names]
+        rs = [r for r in records if r["system"] == system]
         f1 = [r["f1"] for r in rs]
         low, high = bootstrap_interval(f1)
         per = [np.mean([r["f1"] for r in rs if r["category"] == c] or [float("nan")]) for c in (1, 2, 3, 4)]
