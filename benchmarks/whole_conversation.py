@@ -59,7 +59,7 @@ from kvchat.eval.gold import (
     rag_variant,
     recent_variant,
 )
-from kvchat.eval.qa import load_locomo
+from kvchat.eval.qa import load_locomo, sample_questions
 from kvchat.model.encoder import SentenceEncoder
 from kvchat.model.llm import load_model, use_threads
 from kvchat.store import Store
@@ -146,8 +146,9 @@ def main() -> None:
         profile_dirs=[home / "profiles"], progress=_Progress(), store=store,
         conversation_name=_name, answering=answering,
     )
-    names = {s.name for s in sets}
-    records = [r for r in records if r.get("set") in names]
+    asked = {(s.name, q.qid) for s in sets for q in sample_questions(s.questions, args.questions)}
+    records = [r for r in records if (r.get("set"), r.get("qid")) in asked or (
+        r.get("set") in {s.name for s in sets} and r.get("kind") != "answer")]  # this run's questions
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, run {args.load} (load average "
             f"{os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")
