@@ -226,10 +226,10 @@ SETTINGS: tuple[Setting, ...] = (
             "chunks, at least one), between 0 and 1.", features=("recall",)),
     Setting("recall_chunk_tokens", "cache.recall.chunk_tokens", "Tokens of consecutive turns per recalled chunk "
             "at most.", min=1, features=("recall",)),
-    Setting("recall_retrieval", "cache.recall.retrieval", "How a question's chunks are ranked: interleaved (the "
-            "best by their words, then the one holding the turns the sentence encoder finds nearest, in turn), "
-            "lexical (their words, the encoder breaking ties), dense (the encoder alone) or hybrid (reciprocal-rank "
-            "fusion of both).", choices=RETRIEVALS,
+    Setting("recall_retrieval", "cache.recall.retrieval", "How a question's chunks are ranked: lexical (their "
+            "words, the encoder breaking ties), dense (the sentence encoder alone), hybrid (reciprocal-rank fusion of "
+            "both) or interleaved (the best by their words, then the one holding the turn the encoder finds nearest, "
+            "in turn; every turn's embedding kept in each episode file).", choices=RETRIEVALS,
             features=("recall",), legacy="dense"),  # recall stores written before it ranked by the encoder
     Setting("recall_dated", "cache.recall.dated", "Each recalled chunk opens with its first turn's date.",
             features=("recall",)),

@@ -32,8 +32,8 @@ CONFIG = IngestConfig(
 
 
 def test_the_budget_splits_into_whole_chunks_and_the_episode_caches_keep_the_rest():
-    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "interleaved", 256)
-    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "interleaved", 256)
+    assert recall.split(CacheConfig(budget=1024)) == recall.RecallSplit(512, 2, 256, "lexical", 256)
+    assert recall.split(CacheConfig(budget=1000)) == recall.RecallSplit(744, 1, 256, "lexical", 256)
     small = recall.split(CacheConfig(budget=64))  # chunks shrink to fit a small budget
     assert (small.chunks, small.chunk_tokens, small.cache_budget) == (1, 32, 32)
     with pytest.raises(UserError, match="recall_share must be between 0 and 1"):
@@ -102,7 +102,7 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
     answer = session.ask(question, on_first_logits=first.append, log=False)
     _, metadata = store.load_episode(conversation.episodes[answer.episode], short_lm.fingerprint)
     index = recall.from_metadata(metadata)
-    expected = index.top(encoder.embed([question])[0], 3, question, "interleaved")  # the default ranking
+    expected = index.top(encoder.embed([question])[0], 3, question)  # ranked by its words (the default)
     assert answer.recalled == [[index.chunks[i].first, index.chunks[i].end] for i in expected]
     text = "\n".join(index.chunks[i].text for i in expected)
     question_ids = short_lm.encode(session.layout.question(session.config.question_template.format(question=question)))
@@ -118,17 +118,14 @@ def test_a_question_is_answered_over_its_top_chunks_prefilled_on_the_cache(store
 def test_chunks_are_ranked_by_the_retrieval_the_conversation_was_built_with(stored, short_lm):
     store, _ = stored
     settings = store.get("long").settings
-    assert settings["recall_retrieval"] == "interleaved"
-    assert recall.split(from_settings(settings).cache).retrieval == "interleaved"
-    lexical = settings | {"recall_retrieval": "lexical"}  # a store written while lexical was the default keeps it
-    assert recall.split(from_settings(lexical).cache).retrieval == "lexical"
+    assert settings["recall_retrieval"] == "lexical"
+    assert recall.split(from_settings(settings).cache).retrieval == "lexical"
     dense = {k: v for k, v in settings.items() if k != "recall_retrieval"}  # a store written before lexical ranking
     assert recall.split(from_settings(dense).cache).retrieval == "dense"
     assert "recall_retrieval" not in spell(rebuild_command("long", "default", settings))  # the default
     assert "--setting recall_retrieval=dense" in spell(rebuild_command("long", "default", dense))
     index = recall.from_metadata(store.load_episode(store.get("long").episodes[0], short_lm.fingerprint)[1])
-    assert index.turns is not None  # what the interleaved ranking reads, stored with the chunks: every turn's
-    assert index.turns.starts.tolist() == list(range(index.chunks[-1].end))
+    assert index.turns is None  # turn embeddings are kept for the interleaved ranking only
 
 
 def _index(texts: list[str], chunk_vectors: list[list[float]], group_starts: list[int] | None = None,
@@ -165,15 +162,18 @@ def test_interleaved_order_alternates_and_skips_what_is_taken():
 
 
 def test_an_append_extends_the_index_with_the_new_turns(short_lm, encoder, tmp_path):
+    """With the interleaved ranking: the chunks and every turn's embedding, the new turns' after the stored ones."""
     from kvchat.ingest.append import append
 
     store = Store(tmp_path)
-    ingest(QA.turns[:200], name="c", config=CONFIG, store=store, lm=short_lm, encoder=encoder)
+    interleaved = with_settings(CONFIG, ["recall_retrieval=interleaved"])
+    ingest(QA.turns[:200], name="c", config=interleaved, store=store, lm=short_lm, encoder=encoder)
     before = recall.from_metadata(store.load_episode(store.get("c").episodes[0], short_lm.fingerprint)[1])
     path = tmp_path / "more.json"
     path.write_text(json.dumps([{"role": t.role, "content": t.text} for t in QA.turns[200:]]))
     append(path, name="c", store=store, lm=short_lm, encoder=encoder)
     after = recall.from_metadata(store.load_episode(store.get("c").episodes[0], short_lm.fingerprint)[1])
+    assert before.turns.starts.tolist() == list(range(200))  # what the interleaved ranking reads
     assert after.chunks[: len(before.chunks)] == before.chunks
     assert after.chunks[len(before.chunks)].first == 200 and after.chunks[-1].end == len(QA.turns)
     assert after.embeddings.shape == (len(after.chunks), before.embeddings.shape[1])

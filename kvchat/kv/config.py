@@ -21,7 +21,7 @@ OFFLOAD_SCORERS = ("centroid", "top-keys", "two-stage", "entries")  # kvchat.kv.
 MEMORY_READOUTS = ("additive", "mass")  # IndexMemConfig.readout
 # How retrieved chunks of raw turns are ranked (kvchat.answer.rag.RagIndex.top): by their words and, in turn, by the
 # turn the sentence encoder finds nearest; by their words; by the sentence encoder; or by reciprocal-rank fusion
-RETRIEVALS = ("interleaved", "lexical", "dense", "hybrid")
+RETRIEVALS = ("lexical", "dense", "hybrid", "interleaved")
 RRF_K = 60  # reciprocal-rank fusion's constant (Cormack et al., 2009: 1 / (60 + rank))
 RECALL_ENTRIES = ("prefilled", "stored")  # RecallConfig.entries
 PAGE_DTYPE_NAMES = ("float16", "float32")  # IceCacheConfig.dtype (kvchat.kv.spill.PAGE_DTYPES)
@@ -107,11 +107,12 @@ class RecallConfig:
 
     share: float = 0.5       # of M, in whole chunks (at least one)
     chunk_tokens: int = 256  # consecutive turns of at most this many tokens
-    # How a question's chunks are ranked: interleaved (lexical's best chunk, then the chunk of the turn nearest the
-    # question by the sentence encoder, in turn), lexical (TF-IDF of their words, the encoder breaking ties), dense
-    # (the encoder alone) or hybrid. Interleaved: on generated long histories its 2 chunks hold the planted facts'
-    # turns far more often than lexical's, on LoCoMo as often (benchmarks/results/retrieval*.md)
-    retrieval: str = "interleaved"
+    # How a question's chunks are ranked: lexical (TF-IDF of their words, the encoder breaking ties), dense (the
+    # encoder alone), hybrid, or interleaved (lexical's best chunk, then the chunk of the turn nearest the question by
+    # the encoder, in turn). Interleaved holds planted facts far more often on generated long histories and LoCoMo's
+    # evidence as often (benchmarks/results/retrieval*.md), but its turn embeddings are kept in every episode file
+    # (+63% disk at 10^5 tokens, 4 episodes): the default once they are stored once per conversation
+    retrieval: str = "lexical"
     # Each chunk opens with the date of its first turn: a chunk lifted out of the history keeps its time
     dated: bool = False
     # A recalled chunk's entries: prefilled at each question, or stored (computed at ingest after the chunk before

@@ -133,8 +133,7 @@ REGISTRY: dict[str, Method] = {
                "episodes routed by their turns: one pass over the history in all)", _epicache, across_heads=True,
                episodic=True, routed=True),
         Method("recall", "routed episode caches keep part of the budget (half); the question's top chunks "
-               "of raw turns (by their words and their turns' embeddings, in turn) fill the rest, prefilled on top of "
-               "the cache", _epicache,
+               "of raw turns (by their words) fill the rest, prefilled on top of the cache", _epicache,
                across_heads=True, episodic=True, routed=True, recalls=True),
         Method("full", "keep everything: the reference", None),
         Method("streaming", f"sink min({STREAMING_SINK}, M/4) + most recent (StreamingLLM)", _streaming),
