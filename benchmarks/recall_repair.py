@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime as dt
-import json
 import platform
 import re
 import sys
@@ -40,6 +39,7 @@ from _load import Load, checked  # benchmarks/ is on sys.path
 from kvchat.answer.session import Session
 from kvchat.config import CacheConfig, EvalConfig, IngestConfig, RecallConfig, default_home
 from kvchat.eval import memory_metrics
+from kvchat.eval.evaluate import ResultsFile
 from kvchat.eval.qa import QASet, load_locomo, planted_sets, sample_questions
 from kvchat.eval.stats import bootstrap_interval, paired_difference
 from kvchat.ingest.pipeline import (
@@ -109,60 +109,54 @@ def ingest_variants(qa: QASet, configs: dict[str, IngestConfig], store: Store, l
 
 
 def run(sets: list[QASet], variants: list[str], questions: int | None, out: Path, home: Path, load: Load) -> list:
-    records = [json.loads(line) for line in out.open()] if out.exists() else []
+    results = ResultsFile(out)  # resumed: a line an interruption cut is dropped
+    note, records = results.append, results.records
     done = {(r["set"], r["qid"], r["variant"]) for r in records if r["kind"] == "answer"}
     store, encoder = Store(home), SentenceEncoder()
     lm = load_model("default", home / "models", weights="auto")
     evaluation = EvalConfig()
     config = evaluation.answering()  # as eval and `kvchat ask` answer (kvchat.answer.decoding)
-    with out.open("a") as sink:
-
-        def note(record: dict) -> None:
-            records.append(record)
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
-
-        note({"kind": "run", "date": str(dt.date.today()), "load": load.record()})
-        for qa in sets:
-            asked = sample_questions(qa.questions, questions)
-            everything = [PREFILLED, *variants]
-            if all((qa.name, q.qid, v) in done for q in asked for v in everything):
-                continue
-            names = {v: f"repair.{qa.name}.{v.replace(':', '-')}" for v in everything}
-            stored = {c.name for c in store.conversations()}
-            missing = {names[v]: IngestConfig(cache=dataclasses.replace(CacheConfig(method="recall"),
-                                                                        recall=recall_config(v)))
-                       for v in everything if names[v] not in stored}  # fmt: skip
-            for name, report in ingest_variants(qa, missing, store, lm, encoder).items():
-                note({"kind": "ingest", "set": qa.name, "variant": next(v for v in everything if names[v] == name),
-                      "seconds": report.seconds, "history_tokens": report.history_tokens,
-                      "recall_entries_bytes": report.recall_entries_bytes})  # fmt: skip
-            sessions = {}
+    note({"kind": "run", "date": str(dt.date.today()), "load": load.record()})
+    for qa in sets:
+        asked = sample_questions(qa.questions, questions)
+        everything = [PREFILLED, *variants]
+        if all((qa.name, q.qid, v) in done for q in asked for v in everything):
+            continue
+        names = {v: f"repair.{qa.name}.{v.replace(':', '-')}" for v in everything}
+        stored = {c.name for c in store.conversations()}
+        missing = {names[v]: IngestConfig(cache=dataclasses.replace(CacheConfig(method="recall"),
+                                                                    recall=recall_config(v)))
+                   for v in everything if names[v] not in stored}  # fmt: skip
+        for name, report in ingest_variants(qa, missing, store, lm, encoder).items():
+            note({"kind": "ingest", "set": qa.name, "variant": next(v for v in everything if names[v] == name),
+                  "seconds": report.seconds, "history_tokens": report.history_tokens,
+                  "recall_entries_bytes": report.recall_entries_bytes})  # fmt: skip
+        sessions = {}
+        for variant in everything:
+            sessions[variant] = Session(store, store.get(names[variant]), lm, encoder, config)
+            sessions[variant].ask("How are you?", log=False)  # warm-up: the decode step, the files opened
+        references = memory_metrics.References(lm, qa, IngestConfig().system_prompt, config.question_template)
+        print(f"{qa.name}: {len(asked)} questions x {len(everything)}", file=sys.stderr, flush=True)
+        for n, question in enumerate(asked, start=1):
+            first: dict[str, torch.Tensor] = {}
             for variant in everything:
-                sessions[variant] = Session(store, store.get(names[variant]), lm, encoder, config)
-                sessions[variant].ask("How are you?", log=False)  # warm-up: the decode step, the files opened
-            references = memory_metrics.References(lm, qa, IngestConfig().system_prompt, config.question_template)
-            print(f"{qa.name}: {len(asked)} questions x {len(everything)}", file=sys.stderr, flush=True)
-            for n, question in enumerate(asked, start=1):
-                first: dict[str, torch.Tensor] = {}
-                for variant in everything:
-                    probe = memory_metrics.probe_for(lm, question)
-                    logits: list[torch.Tensor] = []
-                    clock = time.perf_counter()
-                    answer = sessions[variant].ask(question.text, log=False, on_first_logits=logits.append,
-                                                   probe=probe)  # fmt: skip
-                    seconds = time.perf_counter() - clock
-                    first[variant] = logits[0].float().log_softmax(-1)
-                    if (qa.name, question.qid, variant) in done:
-                        continue
-                    reference = first[PREFILLED]
-                    kl = float((reference.exp() * (reference - first[variant])).sum().clamp_min(0))
-                    note({"kind": "answer", "set": qa.name, "qid": question.qid, "category": question.category,
-                          "variant": variant, "prediction": answer.text, "kl": round(kl, 5),
-                          "seconds": round(seconds, 3), "prompt_tokens": answer.prompt_tokens,
-                          **memory_metrics.fields(probe, references, question)})  # fmt: skip
-                if n % 10 == 0:
-                    print(f"  {n}/{len(asked)}", file=sys.stderr, flush=True)
+                probe = memory_metrics.probe_for(lm, question)
+                logits: list[torch.Tensor] = []
+                clock = time.perf_counter()
+                answer = sessions[variant].ask(question.text, log=False, on_first_logits=logits.append,
+                                               probe=probe)  # fmt: skip
+                seconds = time.perf_counter() - clock
+                first[variant] = logits[0].float().log_softmax(-1)
+                if (qa.name, question.qid, variant) in done:
+                    continue
+                reference = first[PREFILLED]
+                kl = float((reference.exp() * (reference - first[variant])).sum().clamp_min(0))
+                note({"kind": "answer", "set": qa.name, "qid": question.qid, "category": question.category,
+                      "variant": variant, "prediction": answer.text, "kl": round(kl, 5),
+                      "seconds": round(seconds, 3), "prompt_tokens": answer.prompt_tokens,
+                      **memory_metrics.fields(probe, references, question)})  # fmt: skip
+            if n % 10 == 0:
+                print(f"  {n}/{len(asked)}", file=sys.stderr, flush=True)
     return records
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import platform
 import sys
 import time
@@ -44,6 +43,7 @@ from kvchat.answer.decoding import decode_answer, question_prompt
 from kvchat.answer.rag import RagIndex
 from kvchat.answer.session import Session
 from kvchat.config import AskConfig, EvalConfig, IngestConfig, default_home
+from kvchat.eval.evaluate import ResultsFile
 from kvchat.eval.gold import bootstrap_interval, paired_difference
 from kvchat.eval.qa import load_locomo, score_answer
 from kvchat.history.episodes import route
@@ -174,47 +174,41 @@ class StoredAnswerer:
 def run(paths: list[Path], out: Path, home: Path, load: Load) -> list[dict]:
     """Every question of every conversation answered by each system; records appended to `out` (resumed), after
     a `run` record of the load this run started on."""
-    records = [json.loads(line) for line in out.open()] if out.exists() else []
+    results = ResultsFile(out)  # resumed: a line an interruption cut is dropped
+    note, records = results.append, results.records
     done = {(r["set"], r["qid"], r["system"]) for r in records if r["kind"] == "answer"}
     store, encoder = Store(home), SentenceEncoder()
     lm = load_model("default", home / "models", weights="auto")
     evaluation = EvalConfig()
     config = evaluation.answering()  # as eval and `kvchat ask` answer (kvchat.answer.decoding)
-    with out.open("a") as sink:
-
-        def note(record: dict) -> None:
-            records.append(record)
-            sink.write(json.dumps(record) + "\n")
-            sink.flush()
-
-        note({"kind": "run", "date": str(dt.date.today()), "load": load.record()})
-        for path in paths:
-            qa = load_locomo(path, max_context=None)
-            todo = [(q, s) for q in qa.questions for s in SYSTEMS if (qa.name, q.qid, s) not in done]
-            if not todo:
-                continue
-            name = f"recall-stored.{path.stem}"
-            if name not in {c.name for c in store.conversations()}:
-                ingest(qa.turns, name=name, config=IngestConfig(), store=store, lm=lm, encoder=encoder,
-                       source=str(path))  # fmt: skip
-            session = Session(store, store.get(name), lm, encoder, config)
-            stored = StoredAnswerer(store, name, lm, encoder, config)
-            for system in dict.fromkeys(s for _, s in todo if s != PREFILLED):
-                chunks = stored.chunks(system)
-                note({"kind": "build", "set": qa.name, "system": system, "chunks": len(chunks.entries),
-                      "seconds": round(chunks.seconds, 1), "stored_bytes": chunks.stored_bytes})  # fmt: skip
-            session.ask("How are you?", log=False)  # warm-up: the first answer builds the decode step
-            print(f"{qa.name}: {len(todo)} answers", file=sys.stderr, flush=True)
-            for question, system in todo:
-                clock = time.perf_counter()
-                text = (
-                    session.ask(question.text, log=False).text
-                    if system == PREFILLED
-                    else stored.ask(question.text, system)
-                )
-                note({"kind": "answer", "set": qa.name, "qid": question.qid, "category": question.category,
-                      "system": system, "prediction": text, "f1": round(score_answer(text, question), 4),
-                      "seconds": round(time.perf_counter() - clock, 3)})  # fmt: skip
+    note({"kind": "run", "date": str(dt.date.today()), "load": load.record()})
+    for path in paths:
+        qa = load_locomo(path, max_context=None)
+        todo = [(q, s) for q in qa.questions for s in SYSTEMS if (qa.name, q.qid, s) not in done]
+        if not todo:
+            continue
+        name = f"recall-stored.{path.stem}"
+        if name not in {c.name for c in store.conversations()}:
+            ingest(qa.turns, name=name, config=IngestConfig(), store=store, lm=lm, encoder=encoder,
+                   source=str(path))  # fmt: skip
+        session = Session(store, store.get(name), lm, encoder, config)
+        stored = StoredAnswerer(store, name, lm, encoder, config)
+        for system in dict.fromkeys(s for _, s in todo if s != PREFILLED):
+            chunks = stored.chunks(system)
+            note({"kind": "build", "set": qa.name, "system": system, "chunks": len(chunks.entries),
+                  "seconds": round(chunks.seconds, 1), "stored_bytes": chunks.stored_bytes})  # fmt: skip
+        session.ask("How are you?", log=False)  # warm-up: the first answer builds the decode step
+        print(f"{qa.name}: {len(todo)} answers", file=sys.stderr, flush=True)
+        for question, system in todo:
+            clock = time.perf_counter()
+            text = (
+                session.ask(question.text, log=False).text
+                if system == PREFILLED
+                else stored.ask(question.text, system)
+            )
+            note({"kind": "answer", "set": qa.name, "qid": question.qid, "category": question.category,
+                  "system": system, "prediction": text, "f1": round(score_answer(text, question), 4),
+                  "seconds": round(time.perf_counter() - clock, 3)})  # fmt: skip
     return records
 
 
