@@ -92,18 +92,19 @@ def evidence_hits(path: Path, lm, encoder: SentenceEncoder, chunk_tokens: int, k
                                            @ query))
         best_words = np.zeros(len(index.chunks), dtype=np.float32)
         np.maximum.at(best_words, owner, turn_words.scores(question.text))
+        by_words = np.lexsort((-dense, -lexical))
         orders = {
             "dense": np.argsort(-dense, kind="stable"),
-            "lexical": np.lexsort((-dense, -lexical)),
+            "lexical": by_words,
             "turns": np.argsort(-best_turn, kind="stable"),
             "lexical-turns": np.lexsort((-dense, -best_words)),
             "lexical+turns": np.lexsort((-dense, -(lexical + best_words))),
             "fused": np.argsort(-_fused(dense, lexical), kind="stable"),
-            "lexical|turns": fused_order(np.lexsort((-dense, -lexical)), np.argsort(-best_turn, kind="stable")),
-            "interleaved": interleaved_order(np.lexsort((-dense, -lexical)), np.argsort(
+            "lexical|turns": fused_order(by_words, np.argsort(-best_turn, kind="stable")),
+            "interleaved": interleaved_order(by_words, np.argsort(
                 -rendered.best_per_chunk(index.chunks, query), kind="stable"), k=len(index.chunks)),
             "segments": np.argsort(-best_segment, kind="stable"),
-            "interleaved-segments": interleaved_order(np.lexsort((-dense, -lexical)),
+            "interleaved-segments": interleaved_order(by_words,
                                                       np.argsort(-best_segment, kind="stable"), k=len(index.chunks)),
         }
         for name, order in orders.items():

@@ -146,9 +146,10 @@ def main() -> None:
         profile_dirs=[home / "profiles"], progress=_Progress(), store=store,
         conversation_name=_name, answering=answering,
     )
+    names = {s.name for s in sets}
     asked = {(s.name, q.qid) for s in sets for q in sample_questions(s.questions, args.questions)}
     records = [r for r in records if (r.get("set"), r.get("qid")) in asked or (
-        r.get("set") in {s.name for s in sets} and r.get("kind") != "answer")]  # this run's questions
+        r.get("set") in names and r.get("kind") != "answer")]  # this run's questions
     command = "python benchmarks/whole_conversation.py " + " ".join(sys.argv[1:])
     note = (f"{dt.date.today()}, {platform.machine()} CPU, {os.cpu_count()} cores, run {args.load} (load average "
             f"{os.getloadavg()[0]:.1f} at the end), one torch thread. {args.note}")

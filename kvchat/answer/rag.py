@@ -90,16 +90,23 @@ class TurnEmbeddings:
     def offset(self, turns: int) -> TurnEmbeddings:
         return TurnEmbeddings(self.starts + turns, self.embeddings)
 
-    def best_per_chunk(self, chunks: Sequence[Chunk], query: np.ndarray) -> np.ndarray:
-        """Each chunk's best cosine to `query` among the embedded turns (groups) that overlap it."""
+    def overlaps(self, chunks: Sequence[Chunk]) -> tuple[np.ndarray, np.ndarray]:
+        """(group, chunk) index pairs: each embedded group with every chunk whose turns it overlaps."""
         firsts = np.asarray([c.first for c in chunks], dtype=np.int64)
         ends = np.asarray([c.end for c in chunks], dtype=np.int64)
         group_ends = np.append(self.starts[1:], max(int(ends[-1]), int(self.starts[-1]) + 1))
         lows = np.searchsorted(ends, self.starts, side="right")  # the first chunk ending after the group's start
         highs = np.searchsorted(firsts, group_ends, side="left")  # past the last chunk starting before its end
-        owner = np.repeat(np.arange(len(self.starts)), np.maximum(highs - lows, 0))
-        chunk = np.concatenate([np.arange(lo, hi) for lo, hi in zip(lows, highs, strict=True) if hi > lo] or
-                               [np.zeros(0, dtype=np.int64)])  # fmt: skip
+        counts = np.maximum(highs - lows, 0)
+        owner = np.repeat(np.arange(len(self.starts)), counts)
+        chunk = np.repeat(lows, counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return owner, chunk
+
+    def best_per_chunk(self, chunks: Sequence[Chunk], query: np.ndarray,
+                       overlaps: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:  # fmt: skip
+        """Each chunk's best cosine to `query` among the embedded turns (groups) that overlap it; `overlaps`, the
+        chunks' `overlaps` where the caller keeps them."""
+        owner, chunk = self.overlaps(chunks) if overlaps is None else overlaps
         best = np.full(len(chunks), -np.inf, dtype=np.float32)
         np.maximum.at(best, chunk, (self.embeddings @ query)[owner])
         return best
@@ -156,9 +163,16 @@ class RagIndex:
             if retrieval == "hybrid":
                 order = fused_order(np.argsort(-dense, kind="stable"), order)
             elif retrieval == "interleaved" and self.turns is not None:
-                nearest = np.argsort(-self.turns.best_per_chunk(self.chunks, query), kind="stable")
+                best = self.turns.best_per_chunk(self.chunks, query, self._turn_overlaps)
+                nearest = np.argsort(-best, kind="stable")
                 order = interleaved_order(order, nearest, k=k)
         return sorted(int(i) for i in order[: max(0, k)])
+
+    @cached_property
+    def _turn_overlaps(self) -> tuple[np.ndarray, np.ndarray]:
+        """Which chunks each embedded turn overlaps, found once: every question ranks by them."""
+        assert self.turns is not None
+        return self.turns.overlaps(self.chunks)
 
     @cached_property
     def lexical(self) -> LexicalIndex:
